@@ -1,0 +1,5 @@
+import sys
+
+from tiered.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Talks: the OpenAI-compatible HTTP API process."""

@@ -1,0 +1,1 @@
+"""Benchmark harness: `tiered bench ...` (figures go to benchmarks/RESULTS.md)."""

@@ -1,0 +1,215 @@
+"""`tiered bench mil`: maximum input length (MIL) under a memory budget, and prefill speed.
+
+For each forward mode:
+- peak memory of one forward against input length, each length probed in a fresh process
+  (`tiered.bench.probe`), and the longest input whose peak fits the budget, found by doubling
+  then bisection to `resolution` tokens. Measured, never computed from a formula.
+- single-request prefill throughput (tokens/s) at a few lengths, in this process, and the
+  achieved FLOP/s as a fraction of this machine's measured matmul rate in the same dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tiered.hybrid.forward import forward
+from tiered.hybrid.loader import DTYPES, load_model, read_args
+from tiered.hybrid.model import ModelArgs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Throughput:
+    num_tokens: int
+    seconds: float
+    tokens_per_s: float
+    flops_per_s: float
+    fraction_of_matmul: float
+
+
+@dataclass(slots=True)
+class ModeResult:
+    mode: str
+    budget_bytes: int
+    mil_tokens: int
+    mil_capped: bool  # True when even max_tokens fit: the MIL is at least this
+    peak_bytes_by_len: dict[int, int] = field(default_factory=dict)
+    throughput: list[Throughput] = field(default_factory=list)
+
+
+def forward_flops(a: ModelArgs, num_tokens: int, num_prefix_tokens: int = 0) -> float:
+    """Multiply-add FLOPs (2 per MAC) of one forward, last-token LM head only."""
+    d, hd = a.hidden_size, a.head_dim
+    per_token = 2 * (d * a.num_heads * hd + 2 * d * a.num_kv_heads * hd + a.num_heads * hd * d)
+    per_token += 2 * 3 * d * a.intermediate_size
+    # Causal pairs (query, key), each costing QK^T and PV: 2 * 2 * head_dim per head.
+    pairs = num_tokens * num_prefix_tokens + num_tokens * (num_tokens + 1) / 2
+    attn = 4 * hd * a.num_heads * pairs
+    return a.num_layers * (per_token * num_tokens + attn) + 2 * d * a.vocab_size
+
+
+def matmul_flops_per_s(dtype: torch.dtype, device: str, n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-`repeats` rate of an n^3 matmul: the roofline the forward is compared with."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def probe_peak(model_dir: str, dtype: str, device: str, mode: str, chunk_tokens: int, num_tokens: int) -> int:
+    """Peak bytes of one forward of `num_tokens`, measured in a fresh process."""
+    cmd = [sys.executable, "-m", "tiered.bench.probe", "--model", model_dir, "--dtype", dtype,
+           "--device", device, "--mode", mode, "--chunk-tokens", str(chunk_tokens), "--tokens", str(num_tokens)]
+    # A fixed mmap threshold makes glibc return every freed tensor to the OS, so the resident
+    # size follows live memory (its dynamic threshold would keep freed blocks in the heap).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        if "out of memory" in done.stderr.lower() or done.returncode in (-9, 137):
+            return sys.maxsize  # did not fit at all
+        raise RuntimeError(f"probe failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+    return int(json.loads(done.stdout)["peak_bytes"])
+
+
+def find_mil(
+    model_dir: str, dtype: str, device: str, mode: str, chunk_tokens: int, budget_bytes: int,
+    start_tokens: int, resolution: int, max_tokens: int,
+) -> ModeResult:
+    """Longest input (to `resolution` tokens) whose forward peak fits `budget_bytes`."""
+    result = ModeResult(mode=mode, budget_bytes=budget_bytes, mil_tokens=0, mil_capped=False)
+
+    def fits(n: int) -> bool:
+        peak = probe_peak(model_dir, dtype, device, mode, chunk_tokens, n)
+        result.peak_bytes_by_len[n] = peak
+        log.info("  %-8s %7d tokens: peak %8.1f MiB %s", mode, n, peak / 2**20,
+                 "fits" if peak <= budget_bytes else "over budget")
+        return peak <= budget_bytes
+
+    lo, hi = 0, 0
+    n = start_tokens
+    while True:
+        if not fits(n):
+            hi = n
+            break
+        lo = n
+        if n >= max_tokens:
+            result.mil_capped = True
+            break
+        n = min(2 * n, max_tokens)
+    while hi and hi - lo > resolution:
+        mid = (lo + hi) // 2 // resolution * resolution
+        if mid <= lo:
+            break
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    result.mil_tokens = lo
+    return result
+
+
+def measure_throughput(
+    model_dir: str, dtype: str, device: str, modes: list[str], chunk_tokens: int,
+    lengths: list[int], repeats: int,
+) -> dict[str, list[Throughput]]:
+    """Best-of-`repeats` single-request prefill speed per mode and length, in this process."""
+    model = load_model(model_dir, dtype, device)
+    rate = matmul_flops_per_s(DTYPES[dtype], device)
+    log.info("matmul rate (%s, 2048^3): %.1f GFLOP/s", dtype, rate / 1e9)
+    out: dict[str, list[Throughput]] = {m: [] for m in modes}
+    gen = torch.Generator().manual_seed(0)
+    for n in lengths:
+        ids = torch.randint(0, model.args.vocab_size, (n,), generator=gen)
+        flops = forward_flops(model.args, n)
+        for mode in modes:
+            forward(model, ids[:256], mode=mode, chunk_tokens=chunk_tokens)  # type: ignore[arg-type]
+            best = float("inf")
+            for _ in range(repeats):
+                _sync(device)
+                start = time.perf_counter()
+                forward(model, ids, mode=mode, chunk_tokens=chunk_tokens)  # type: ignore[arg-type]
+                _sync(device)
+                best = min(best, time.perf_counter() - start)
+            t = Throughput(n, best, n / best, flops / best, flops / best / rate)
+            out[mode].append(t)
+            log.info("  %-8s %7d tokens: %.2f s, %.0f tokens/s, %.0f%% of matmul rate",
+                     mode, n, best, t.tokens_per_s, 100 * t.fraction_of_matmul)
+    return out
+
+
+def format_table(results: list[ModeResult]) -> str:
+    lines = [f"{'mode':<9} {'budget MiB':>10} {'MIL tokens':>11} {'vs vanilla':>10}"]
+    base = next((r.mil_tokens for r in results if r.mode == "vanilla"), 0)
+    for r in results:
+        ratio = f"{r.mil_tokens / base:.2f}x" if base else "-"
+        mil = f"{'>=' if r.mil_capped else ''}{r.mil_tokens}"
+        lines.append(f"{r.mode:<9} {r.budget_bytes / 2**20:>10.0f} {mil:>11} {ratio:>10}")
+    if any(r.throughput for r in results):
+        lines.append("")
+        lines.append(f"{'mode':<9} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'of matmul':>9} {'vs vanilla':>10}")
+        speeds = {r.mode: {t.num_tokens: t.tokens_per_s for t in r.throughput} for r in results}
+        for r in results:
+            for t in r.throughput:
+                v = speeds.get("vanilla", {}).get(t.num_tokens)
+                rel = f"{t.tokens_per_s / v:.3f}" if v else "-"
+                lines.append(f"{r.mode:<9} {t.num_tokens:>7} {t.seconds:>8.2f} {t.tokens_per_s:>9.0f} "
+                             f"{100 * t.fraction_of_matmul:>8.0f}% {rel:>10}")
+    return "\n".join(lines)
+
+
+def run_mil_bench(
+    model_dir: str, budget_bytes: int, json_path: str | None, modes: list[str], dtype: str, device: str,
+    chunk_tokens: int, lengths: list[int], resolution: int, start_tokens: int, max_tokens: int,
+    repeats: int, skip_mil: bool, skip_throughput: bool,
+) -> list[ModeResult]:
+    args = read_args(model_dir)
+    results: list[ModeResult] = []
+    for mode in modes:
+        if skip_mil:
+            results.append(ModeResult(mode, budget_bytes, 0, False))
+            continue
+        log.info("MIL of %s under %.0f MiB", mode, budget_bytes / 2**20)
+        results.append(find_mil(model_dir, dtype, device, mode, chunk_tokens, budget_bytes,
+                                start_tokens, resolution, max_tokens))
+    if not skip_throughput:
+        speeds = measure_throughput(model_dir, dtype, device, modes, chunk_tokens, lengths, repeats)
+        for r in results:
+            r.throughput = speeds[r.mode]
+    print(format_table(results))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "bench": "mil",
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(sys.argv),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device,
+                        "torch": torch.__version__},
+            "model": {"path": model_dir, "dtype": dtype, "args": asdict(args)},
+            "chunk_tokens": chunk_tokens,
+            "modes": [asdict(r) for r in results],
+        }
+        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+        log.info("wrote %s", json_path)
+    return results

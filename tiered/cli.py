@@ -1,0 +1,187 @@
+"""`tiered` command line: run the main job, make embedded models, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+from tiered.config import Config, ConfigError, load_config
+
+log = logging.getLogger("tiered")
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '1.5GB', '1048576' -> bytes; anything else raises naming the value."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (examples: 1073741824, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' must list positive integers")
+    return values
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help=f"YAML config file (default: {DEFAULT_CONFIG.name} in configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set forward.chunk_tokens=512 (repeatable)")
+
+
+def _load(args: argparse.Namespace) -> Config:
+    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    return load_config(path, args.overrides)
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'device': '{device}' requested but CUDA is not available here")
+    return device
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """The main job: score one user profile against candidate posts (P(label) per post)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tiered.embedded import resolve_model_path
+    from tiered.hybrid.forward import forward
+    from tiered.hybrid.loader import load_model
+
+    cfg = _load(args)
+    device = resolve_device(cfg.device)
+    folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
+    example = json.loads((Path(__file__).parent / "data" / "examples.json").read_text())
+    if args.prompts:
+        example = json.loads(Path(args.prompts).read_text())
+    model = load_model(folder, cfg.model.dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    label_ids = [tokenizer.encode(label, add_special_tokens=False)[0] for label in example["labels"]]
+    log.info("model %s (%s, %s on %s), forward %s, chunk %d tokens", folder, model.args.architecture,
+             cfg.model.dtype, device, cfg.forward.mode, cfg.forward.chunk_tokens)
+    header = "  ".join(f"P({label.strip()})" for label in example["labels"])
+    print(f"{'#':>2}  {'tokens':>6}  {'ms':>7}  {header}  post")
+    for i, post in enumerate(example["posts"]):
+        prompt = example["profile"] + "\n" + post + example["question"]
+        ids = torch.tensor(tokenizer.encode(prompt))
+        if ids.numel() > cfg.model.max_model_len:
+            raise ConfigError(f"prompt {i} has {ids.numel()} tokens > model.max_model_len {cfg.model.max_model_len}")
+        start = time.perf_counter()
+        logits = forward(model, ids, mode=cfg.forward.mode, chunk_tokens=cfg.forward.chunk_tokens)
+        ms = 1000 * (time.perf_counter() - start)
+        probs = torch.softmax(logits, dim=-1)[label_ids]
+        probs = probs / probs.sum()  # normalized over the labels, as a classifier reads them
+        cols = "  ".join(f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), example["labels"]))
+        print(f"{i:>2}  {ids.numel():>6}  {ms:>7.1f}  {cols}  {post[:60]}")
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from tiered.embedded import make_model
+
+    out = make_model(args.name, args.out)
+    print(f"wrote {args.name} to {out}")
+    return 0
+
+
+def cmd_bench_mil(args: argparse.Namespace) -> int:
+    from tiered.bench.mil import run_mil_bench
+    from tiered.embedded import resolve_model_path
+
+    folder = resolve_model_path(args.model, args.models_dir)
+    run_mil_bench(
+        str(folder), args.budget, args.json, args.modes, args.dtype, resolve_device(args.device),
+        args.chunk_tokens, args.lengths, args.resolution, args.start_tokens, args.max_tokens,
+        args.repeats, args.skip_mil, args.skip_throughput,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tiered.embedded import SHAPES
+
+    p = argparse.ArgumentParser(prog="tiered", description="A prefill-only LLM inference engine with tiered KV.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="main job: score the bundled example (profile x posts) on the configured model",
+                         description="Score one user profile against candidate posts and print P(Yes)/P(No) per post.")
+    _add_config_args(run)
+    run.add_argument("--prompts", help="JSON file shaped like tiered/data/examples.json (default: the bundled one)")
+    run.set_defaults(func=cmd_run)
+
+    mk = sub.add_parser("make-model", help="write a project-made checkpoint (HF format) to a folder",
+                        description="Write a seeded Llama-family checkpoint with a trained BPE tokenizer.")
+    mk.add_argument("name", choices=sorted(SHAPES), help="tiny: tests; bench: benchmarks; tiny-*: architecture variants")
+    mk.add_argument("--out", required=True, help="output folder (created)")
+    mk.set_defaults(func=cmd_make_model)
+
+    bench = sub.add_parser("bench", help="benchmarks (figures for benchmarks/RESULTS.md)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    mil = bsub.add_parser(
+        "mil", help="max input length under a memory budget, and prefill speed, per forward mode",
+        description="Per forward mode: peak memory of one forward against input length (each length in a "
+        "fresh process), the maximum input length (MIL) whose peak fits --budget (doubling, then bisection), "
+        "and single-request prefill throughput at --lengths with achieved FLOP/s as a fraction of the measured "
+        "matmul rate. Peak = weights + the forward's activations (cpu: resident high-water mark; cuda: max allocated).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    mil.add_argument("--model", default="embedded:bench", help="HF checkpoint folder or embedded:NAME")
+    mil.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
+    mil.add_argument("--budget", type=parse_bytes, default=parse_bytes("128MiB"),
+                     help="memory budget for weights + one forward (bytes, or 512MiB / 2GB)")
+    mil.add_argument("--json", default=None, help="write results as JSON here")
+    mil.add_argument("--modes", type=lambda s: s.split(","), default=["vanilla", "chunked", "hybrid"],
+                     help="comma-separated forward modes")
+    mil.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    mil.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    mil.add_argument("--chunk-tokens", type=int, default=1024, help="chunk size of hybrid and chunked modes")
+    mil.add_argument("--lengths", type=parse_int_list, default=[2048, 8192, 32768],
+                     help="input lengths for the throughput measurement")
+    mil.add_argument("--repeats", type=int, default=1, help="timed runs per length (best is kept)")
+    mil.add_argument("--resolution", type=int, default=512, help="bisection stops at this many tokens")
+    mil.add_argument("--start-tokens", type=int, default=2048, help="first probe length (then doubling)")
+    mil.add_argument("--max-tokens", type=int, default=262144, help="stop searching above this length")
+    mil.add_argument("--skip-mil", action="store_true", help="throughput only")
+    mil.add_argument("--skip-throughput", action="store_true", help="MIL only")
+    mil.set_defaults(func=cmd_bench_mil)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from tiered.hybrid.forward import ForwardInputError
+    from tiered.hybrid.loader import ModelLoadError
+
+    try:
+        return int(args.func(args))
+    except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError) as exc:
+        print(f"tiered: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

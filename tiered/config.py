@@ -1,0 +1,163 @@
+"""The one configuration tree.
+
+A YAML file in `configs/` maps onto these dataclasses one to one; `--set section.key=value` on
+the command line overrides a single key. An unknown key or a value of the wrong type or range is
+a `ConfigError` whose message names the key. Invariants are checked where a section is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+ForwardMode = Literal["vanilla", "chunked", "hybrid"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid; the message names the key."""
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {message}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Which checkpoint to serve and in which precision."""
+
+    # A folder in HF format, or `embedded:NAME` for a project-made model (made on first use).
+    path: str = "embedded:tiny"
+    dtype: DType = "float32"
+    # Longest input (tokens) the engine accepts; also the length of the start-up profile run.
+    max_model_len: int = 8192
+    # Where `embedded:NAME` models are written.
+    models_dir: str = ".models"
+
+    def __post_init__(self) -> None:
+        _require(self.max_model_len >= 1, "model.max_model_len", f"must be >= 1, got {self.max_model_len}")
+        _require(bool(self.path), "model.path", "must not be empty")
+
+
+@dataclass(slots=True)
+class ForwardConfig:
+    """How one request's forward pass is computed (DESIGN.md idea 1)."""
+
+    # vanilla: whole sequence per op, all layers' KV held to the end (a general engine);
+    # chunked: Sarathi-style, the whole model per token chunk, earlier chunks' KV kept;
+    # hybrid: token-wise ops chunk by chunk, attention once per layer, one layer's KV alive.
+    mode: ForwardMode = "hybrid"
+    # Tokens per chunk for the token-wise ops (hybrid) or per model pass (chunked).
+    chunk_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        _require(self.chunk_tokens >= 1, "forward.chunk_tokens", f"must be >= 1, got {self.chunk_tokens}")
+
+
+@dataclass(slots=True)
+class Config:
+    """The whole engine configuration."""
+
+    # `cpu`, `cuda`, `cuda:N`, or `auto` (cuda when available, else cpu).
+    device: str = "cpu"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
+
+    def __post_init__(self) -> None:
+        ok = self.device in ("cpu", "cuda", "auto") or (
+            self.device.startswith("cuda:") and self.device[5:].isdigit()
+        )
+        _require(ok, "device", f"must be cpu, cuda, cuda:N or auto, got '{self.device}'")
+
+
+def _check_value(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against a type hint of the config tree; return it (ints widen to float)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        _require(value in allowed, key, f"must be one of {', '.join(map(str, allowed))}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_value(value, option, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(hint):
+        _require(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
+        return _build(hint, value, key)  # type: ignore[arg-type]
+    if hint is bool:
+        _require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
+    elif hint is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
+    elif hint is float:
+        _require(isinstance(value, int | float) and not isinstance(value, bool), key, f"must be a number, got {value!r}")
+        return float(value)
+    elif hint is str:
+        _require(isinstance(value, str), key, f"must be a string, got {value!r}")
+    return value
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            full = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(f"unknown config key '{full}' (known here: {', '.join(sorted(names))})")
+    kwargs = {
+        key: _check_value(value, hints[key], f"{prefix}.{key}" if prefix else key)
+        for key, value in raw.items()
+    }
+    return cls(**kwargs)
+
+
+def _apply_override(raw: dict[str, Any], assignment: str) -> None:
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{assignment}' must look like section.key=value")
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{key}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build the config from an optional YAML file, then `key=value` overrides, in that order."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file '{path}' does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+        raw = loaded or {}
+    for assignment in overrides or []:
+        _apply_override(raw, assignment)
+    return _build(Config, raw)
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """The config as plain data (for logs and benchmark JSON)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,1 @@
+"""Computes: the model and its forward modes (hybrid prefilling)."""

@@ -1,0 +1,129 @@
+"""Load a Llama-family HF checkpoint folder (config.json + safetensors, sharded or not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from tiered.hybrid.model import (
+    SUPPORTED_ARCHITECTURES,
+    CausalLM,
+    Llama3RopeScaling,
+    ModelArgs,
+    rope_inv_freq,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The folder is not a loadable checkpoint of a supported architecture."""
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """RoPE theta and scaling from either the classic keys or transformers 5's `rope_parameters`."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        return theta, Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    raise ModelLoadError(f"RoPE scaling type '{kind}' is not supported (supported: default, llama3)")
+
+
+def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
+    """Map an HF config.json onto ModelArgs; refuse architectures we do not implement."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act '{cfg['hidden_act']}' is not supported (only silu)")
+    heads = int(cfg["num_attention_heads"])
+    theta, scaling = _rope(cfg)
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    uses_window = cfg.get("use_sliding_window", not is_qwen2)
+    return ModelArgs(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=True if is_qwen2 else bool(cfg.get("attention_bias", False)),
+        o_bias=False if is_qwen2 else bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        sliding_window=int(cfg["sliding_window"]) if uses_window and cfg.get("sliding_window") else None,
+    )
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in shards]
+    else:
+        files = [folder / "model.safetensors"]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise ModelLoadError(f"weight file(s) missing: {', '.join(missing)} (only safetensors is supported)")
+    return files
+
+
+def read_args(folder: str | Path) -> ModelArgs:
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(f"{config_path} does not exist: '{folder}' is not an HF checkpoint folder")
+    return args_from_hf_config(json.loads(config_path.read_text()))
+
+
+def load_model(folder: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> CausalLM:
+    """Build the model for `folder` and load its weights in `dtype` on `device`."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype '{dtype}' is not supported (supported: {', '.join(DTYPES)})")
+    folder = Path(folder)
+    args = read_args(folder)
+    with torch.device("meta"):
+        model = CausalLM(args)
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(folder):
+        state.update(load_file(str(path), device=str(device)))
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint in '{folder}' does not match {args.architecture}: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    target = DTYPES[dtype]
+    model.load_state_dict({k: v.to(target) for k, v in state.items()}, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # The module was built on the meta device: the RoPE buffer is computed again for real.
+    model.register_buffer("inv_freq", rope_inv_freq(args).to(device), persistent=False)
+    return model.eval()

@@ -1,0 +1,226 @@
+"""The Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Qwen2, Mistral), top to bottom.
+
+Arguments, then the module tree (named as in HF checkpoints so a state dict loads as is), then
+the per-chunk steps a decoder layer is made of: norm, RoPE, the q/k/v projection, the MLP. Every
+step takes a slice of tokens and writes into buffers the caller preallocated; `forward.py`
+decides how many tokens a slice holds and where attention runs. Nothing here knows about
+chunking policy or KV tiers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # Mistral/Qwen2 sliding-window attention; inputs longer than this are refused.
+    sliding_window: int | None
+
+    @property
+    def kv_elems_per_token_per_layer(self) -> int:
+        """K and V elements one token adds to one layer."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # fp32 statistics, cast back before the weight: HF's order, so bf16 rounds the same way.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+
+class Decoder(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The whole model; parameter names match HF checkpoints (`model.layers.0.mlp.up_proj...`)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Decoder(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def last_token_logits(self, hidden_last: Tensor) -> Tensor:
+        """[D] hidden state of the last token -> [V] fp32 logits."""
+        return self.lm_head(self.model.norm(hidden_last[None]))[0].float()
+
+
+# ---- RoPE ----------------------------------------------------------------------------------
+
+
+def rope_inv_freq(a: ModelArgs) -> Tensor:
+    """Inverse frequencies [head_dim/2], with Llama-3 frequency-dependent scaling when set."""
+    inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64).float() / a.head_dim))
+    s = a.rope_scaling
+    if s is None:
+        return inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: Tensor, start: int, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin for positions [start, end): each [n, 1, head_dim], in the activations' dtype."""
+    positions = torch.arange(start, end, device=inv_freq.device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # [n, Dh/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, Dh]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate x [n, heads, Dh] in place: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1).mul_(sin)
+    x.mul_(cos).add_(rotated)
+
+
+# ---- per-chunk steps of a decoder layer -----------------------------------------------------
+
+
+def _linear_into(out: Tensor, x: Tensor, proj: nn.Linear) -> Tensor:
+    """out[n, out_features] = proj(x), written into a preallocated buffer."""
+    if proj.bias is None:
+        return torch.mm(x, proj.weight.t(), out=out)
+    return torch.addmm(proj.bias, x, proj.weight.t(), out=out)
+
+
+def _linear_accumulate_(acc: Tensor, x: Tensor, proj: nn.Linear) -> None:
+    """acc += proj(x), in place (the residual add)."""
+    acc.addmm_(x, proj.weight.t())
+    if proj.bias is not None:
+        acc.add_(proj.bias)
+
+
+def qkv_step(
+    layer: DecoderLayer,
+    x: Tensor,  # [n, D] residual stream slice
+    cos: Tensor,
+    sin: Tensor,
+    q_out: Tensor,  # [n, H, Dh]
+    k_out: Tensor,  # [n, Hkv, Dh]
+    v_out: Tensor,  # [n, Hkv, Dh]
+) -> None:
+    """Norm, q/k/v projections and RoPE for a slice of tokens, written into q/k/v buffers."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    n = x.shape[0]
+    _linear_into(q_out.view(n, -1), h, attn.q_proj)
+    _linear_into(k_out.view(n, -1), h, attn.k_proj)
+    _linear_into(v_out.view(n, -1), h, attn.v_proj)
+    apply_rope_(q_out, cos, sin)
+    apply_rope_(k_out, cos, sin)
+
+
+def o_proj_step_(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> None:
+    """x[n, D] += o_proj(attention output [n, H*Dh])."""
+    _linear_accumulate_(x, attn_out, layer.self_attn.o_proj)
+
+
+def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor) -> None:
+    """x[n, D] += down(silu(gate(norm x)) * up(norm x)); gate/up buffers are [>= n, F] scratch."""
+    mlp = layer.mlp
+    n = x.shape[0]
+    h = layer.post_attention_layernorm(x)
+    gate = _linear_into(gate_buf[:n], h, mlp.gate_proj)
+    up = _linear_into(up_buf[:n], h, mlp.up_proj)
+    F.silu(gate, inplace=True).mul_(up)
+    _linear_accumulate_(x, gate, mlp.down_proj)
+
+
+def attention_(q: Tensor, k: Tensor, v: Tensor, num_prefix_tokens: int) -> None:
+    """Causal attention of q [T, H, Dh] over k, v [P+T, Hkv, Dh], written over q in place.
+
+    One SDPA call per KV head covers all T queries of that head's query group, so the kernel
+    still sees the whole sequence, while the output needs scratch for one group only (not
+    another [T, H, Dh] tensor). With a prefix (P > 0) the causal mask is aligned to the lower
+    right: query i sees keys [0, P + i].
+    """
+    num_kv_heads = k.shape[1]
+    group = q.shape[1] // num_kv_heads
+    mask = causal_lower_right(q.shape[0], k.shape[0]) if num_prefix_tokens else None
+    for j in range(num_kv_heads):
+        qj = q[:, j * group : (j + 1) * group]
+        q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qj, k[:, j : j + 1], v[:, j : j + 1]))
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        qj.copy_(out[0].transpose(0, 1))

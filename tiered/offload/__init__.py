@@ -1,0 +1,1 @@
+"""Keeps KV: the device tier and the LMCache host tier."""

@@ -1,0 +1,1 @@
+"""Decides: which waiting request runs next."""
