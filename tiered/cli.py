@@ -16,8 +16,22 @@ log = logging.getLogger("tiered")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -40,8 +54,14 @@ def parse_int_list(text: str) -> list[int]:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help=f"YAML config file (default: {DEFAULT_CONFIG.name} in configs/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set forward.chunk_tokens=512 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set forward.chunk_tokens=512 (repeatable)",
+    )
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -77,8 +97,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     model = load_model(folder, cfg.model.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     label_ids = [tokenizer.encode(label, add_special_tokens=False)[0] for label in example["labels"]]
-    log.info("model %s (%s, %s on %s), forward %s, chunk %d tokens", folder, model.args.architecture,
-             cfg.model.dtype, device, cfg.forward.mode, cfg.forward.chunk_tokens)
+    log.info(
+        "model %s (%s, %s on %s), forward %s, chunk %d tokens",
+        folder,
+        model.args.architecture,
+        cfg.model.dtype,
+        device,
+        cfg.forward.mode,
+        cfg.forward.chunk_tokens,
+    )
     header = "  ".join(f"P({label.strip()})" for label in example["labels"])
     print(f"{'#':>2}  {'tokens':>6}  {'ms':>7}  {header}  post")
     for i, post in enumerate(example["posts"]):
@@ -91,7 +118,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         ms = 1000 * (time.perf_counter() - start)
         probs = torch.softmax(logits, dim=-1)[label_ids]
         probs = probs / probs.sum()  # normalized over the labels, as a classifier reads them
-        cols = "  ".join(f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), example["labels"]))
+        cols = "  ".join(
+            f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), example["labels"], strict=True)
+        )
         print(f"{i:>2}  {ids.numel():>6}  {ms:>7.1f}  {cols}  {post[:60]}")
     return 0
 
@@ -110,9 +139,20 @@ def cmd_bench_mil(args: argparse.Namespace) -> int:
 
     folder = resolve_model_path(args.model, args.models_dir)
     run_mil_bench(
-        str(folder), args.budget, args.json, args.modes, args.dtype, resolve_device(args.device),
-        args.chunk_tokens, args.lengths, args.resolution, args.start_tokens, args.max_tokens,
-        args.repeats, args.skip_mil, args.skip_throughput,
+        str(folder),
+        args.budget,
+        args.json,
+        args.modes,
+        args.dtype,
+        resolve_device(args.device),
+        args.chunk_tokens,
+        args.lengths,
+        args.resolution,
+        args.start_tokens,
+        args.max_tokens,
+        args.repeats,
+        args.skip_mil,
+        args.skip_throughput,
     )
     return 0
 
@@ -124,22 +164,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="main job: score the bundled example (profile x posts) on the configured model",
-                         description="Score one user profile against candidate posts and print P(Yes)/P(No) per post.")
+    run = sub.add_parser(
+        "run",
+        help="main job: score the bundled example (profile x posts) on the configured model",
+        description="Score one user profile against candidate posts and print P(Yes)/P(No) per post.",
+    )
     _add_config_args(run)
     run.add_argument("--prompts", help="JSON file shaped like tiered/data/examples.json (default: the bundled one)")
     run.set_defaults(func=cmd_run)
 
-    mk = sub.add_parser("make-model", help="write a project-made checkpoint (HF format) to a folder",
-                        description="Write a seeded Llama-family checkpoint with a trained BPE tokenizer.")
-    mk.add_argument("name", choices=sorted(SHAPES), help="tiny: tests; bench: benchmarks; tiny-*: architecture variants")
+    mk = sub.add_parser(
+        "make-model",
+        help="write a project-made checkpoint (HF format) to a folder",
+        description="Write a seeded Llama-family checkpoint with a trained BPE tokenizer.",
+    )
+    mk.add_argument(
+        "name", choices=sorted(SHAPES), help="tiny: tests; bench: benchmarks; tiny-*: architecture variants"
+    )
     mk.add_argument("--out", required=True, help="output folder (created)")
     mk.set_defaults(func=cmd_make_model)
 
     bench = sub.add_parser("bench", help="benchmarks (figures for benchmarks/RESULTS.md)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     mil = bsub.add_parser(
-        "mil", help="max input length under a memory budget, and prefill speed, per forward mode",
+        "mil",
+        help="max input length under a memory budget, and prefill speed, per forward mode",
         description="Per forward mode: peak memory of one forward against input length (each length in a "
         "fresh process), the maximum input length (MIL) whose peak fits --budget (doubling, then bisection), "
         "and single-request prefill throughput at --lengths with achieved FLOP/s as a fraction of the measured "
@@ -148,16 +197,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mil.add_argument("--model", default="embedded:bench", help="HF checkpoint folder or embedded:NAME")
     mil.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
-    mil.add_argument("--budget", type=parse_bytes, default=parse_bytes("128MiB"),
-                     help="memory budget for weights + one forward (bytes, or 512MiB / 2GB)")
+    mil.add_argument(
+        "--budget",
+        type=parse_bytes,
+        default=parse_bytes("128MiB"),
+        help="memory budget for weights + one forward (bytes, or 512MiB / 2GB)",
+    )
     mil.add_argument("--json", default=None, help="write results as JSON here")
-    mil.add_argument("--modes", type=lambda s: s.split(","), default=["vanilla", "chunked", "hybrid"],
-                     help="comma-separated forward modes")
+    mil.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=["vanilla", "chunked", "hybrid"],
+        help="comma-separated forward modes",
+    )
     mil.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     mil.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     mil.add_argument("--chunk-tokens", type=int, default=1024, help="chunk size of hybrid and chunked modes")
-    mil.add_argument("--lengths", type=parse_int_list, default=[2048, 8192, 32768],
-                     help="input lengths for the throughput measurement")
+    mil.add_argument(
+        "--lengths",
+        type=parse_int_list,
+        default=[2048, 8192, 32768],
+        help="input lengths for the throughput measurement",
+    )
     mil.add_argument("--repeats", type=int, default=1, help="timed runs per length (best is kept)")
     mil.add_argument("--resolution", type=int, default=512, help="bisection stops at this many tokens")
     mil.add_argument("--start-tokens", type=int, default=2048, help="first probe length (then doubling)")
@@ -171,8 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     from tiered.hybrid.forward import ForwardInputError
     from tiered.hybrid.loader import ModelLoadError
 

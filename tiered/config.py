@@ -71,9 +71,7 @@ class Config:
     forward: ForwardConfig = field(default_factory=ForwardConfig)
 
     def __post_init__(self) -> None:
-        ok = self.device in ("cpu", "cuda", "auto") or (
-            self.device.startswith("cuda:") and self.device[5:].isdigit()
-        )
+        ok = self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         _require(ok, "device", f"must be cpu, cuda, cuda:N or auto, got '{self.device}'")
 
 
@@ -105,7 +103,9 @@ def _check_value(value: Any, hint: Any, key: str) -> Any:
     elif hint is int:
         _require(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
     elif hint is float:
-        _require(isinstance(value, int | float) and not isinstance(value, bool), key, f"must be a number, got {value!r}")
+        _require(
+            isinstance(value, int | float) and not isinstance(value, bool), key, f"must be a number, got {value!r}"
+        )
         return float(value)
     elif hint is str:
         _require(isinstance(value, str), key, f"must be a string, got {value!r}")
@@ -119,10 +119,7 @@ def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
         if key not in names:
             full = f"{prefix}.{key}" if prefix else str(key)
             raise ConfigError(f"unknown config key '{full}' (known here: {', '.join(sorted(names))})")
-    kwargs = {
-        key: _check_value(value, hints[key], f"{prefix}.{key}" if prefix else key)
-        for key, value in raw.items()
-    }
+    kwargs = {key: _check_value(value, hints[key], f"{prefix}.{key}" if prefix else key) for key, value in raw.items()}
     return cls(**kwargs)
 
 

@@ -55,9 +55,20 @@ SHAPES: dict[str, Shape] = {
     "tiny-qwen2": Shape("Qwen2ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=2),
     "tiny-mistral": Shape("MistralForCausalLM", 64, 2, 4, 1, 160, seed=3),
     "tiny-llama3": Shape(
-        "LlamaForCausalLM", 64, 2, 4, 2, 176, seed=4,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+        "LlamaForCausalLM",
+        64,
+        2,
+        4,
+        2,
+        176,
+        seed=4,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
     ),
 }
 
@@ -149,9 +160,7 @@ def _save_tokenizer(out: Path) -> None:
     tok.post_processor = processors.TemplateProcessing(
         single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", 0)]
     )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
 
@@ -175,7 +184,7 @@ def resolve_model_path(path: str, models_dir: str | Path) -> Path:
     """`embedded:NAME` -> models_dir/NAME, made on first use; any other path is returned as is."""
     if not path.startswith(EMBEDDED_PREFIX):
         return Path(path).expanduser()
-    name = path[len(EMBEDDED_PREFIX):]
+    name = path[len(EMBEDDED_PREFIX) :]
     folder = Path(models_dir) / name
     if not (folder / "config.json").exists():
         # Made beside and renamed into place, so a concurrent reader never sees half a folder.

@@ -80,8 +80,23 @@ def _sync(device: str) -> None:
 
 def probe_peak(model_dir: str, dtype: str, device: str, mode: str, chunk_tokens: int, num_tokens: int) -> int:
     """Peak bytes of one forward of `num_tokens`, measured in a fresh process."""
-    cmd = [sys.executable, "-m", "tiered.bench.probe", "--model", model_dir, "--dtype", dtype,
-           "--device", device, "--mode", mode, "--chunk-tokens", str(chunk_tokens), "--tokens", str(num_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tiered.bench.probe",
+        "--model",
+        model_dir,
+        "--dtype",
+        dtype,
+        "--device",
+        device,
+        "--mode",
+        mode,
+        "--chunk-tokens",
+        str(chunk_tokens),
+        "--tokens",
+        str(num_tokens),
+    ]
     # A fixed mmap threshold makes glibc return every freed tensor to the OS, so the resident
     # size follows live memory (its dynamic threshold would keep freed blocks in the heap).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -94,8 +109,15 @@ def probe_peak(model_dir: str, dtype: str, device: str, mode: str, chunk_tokens:
 
 
 def find_mil(
-    model_dir: str, dtype: str, device: str, mode: str, chunk_tokens: int, budget_bytes: int,
-    start_tokens: int, resolution: int, max_tokens: int,
+    model_dir: str,
+    dtype: str,
+    device: str,
+    mode: str,
+    chunk_tokens: int,
+    budget_bytes: int,
+    start_tokens: int,
+    resolution: int,
+    max_tokens: int,
 ) -> ModeResult:
     """Longest input (to `resolution` tokens) whose forward peak fits `budget_bytes`."""
     result = ModeResult(mode=mode, budget_bytes=budget_bytes, mil_tokens=0, mil_capped=False)
@@ -103,8 +125,13 @@ def find_mil(
     def fits(n: int) -> bool:
         peak = probe_peak(model_dir, dtype, device, mode, chunk_tokens, n)
         result.peak_bytes_by_len[n] = peak
-        log.info("  %-8s %7d tokens: peak %8.1f MiB %s", mode, n, peak / 2**20,
-                 "fits" if peak <= budget_bytes else "over budget")
+        log.info(
+            "  %-8s %7d tokens: peak %8.1f MiB %s",
+            mode,
+            n,
+            peak / 2**20,
+            "fits" if peak <= budget_bytes else "over budget",
+        )
         return peak <= budget_bytes
 
     lo, hi = 0, 0
@@ -131,8 +158,13 @@ def find_mil(
 
 
 def measure_throughput(
-    model_dir: str, dtype: str, device: str, modes: list[str], chunk_tokens: int,
-    lengths: list[int], repeats: int,
+    model_dir: str,
+    dtype: str,
+    device: str,
+    modes: list[str],
+    chunk_tokens: int,
+    lengths: list[int],
+    repeats: int,
 ) -> dict[str, list[Throughput]]:
     """Best-of-`repeats` single-request prefill speed per mode and length, in this process."""
     model = load_model(model_dir, dtype, device)
@@ -154,8 +186,14 @@ def measure_throughput(
                 best = min(best, time.perf_counter() - start)
             t = Throughput(n, best, n / best, flops / best, flops / best / rate)
             out[mode].append(t)
-            log.info("  %-8s %7d tokens: %.2f s, %.0f tokens/s, %.0f%% of matmul rate",
-                     mode, n, best, t.tokens_per_s, 100 * t.fraction_of_matmul)
+            log.info(
+                "  %-8s %7d tokens: %.2f s, %.0f tokens/s, %.0f%% of matmul rate",
+                mode,
+                n,
+                best,
+                t.tokens_per_s,
+                100 * t.fraction_of_matmul,
+            )
     return out
 
 
@@ -174,15 +212,28 @@ def format_table(results: list[ModeResult]) -> str:
             for t in r.throughput:
                 v = speeds.get("vanilla", {}).get(t.num_tokens)
                 rel = f"{t.tokens_per_s / v:.3f}" if v else "-"
-                lines.append(f"{r.mode:<9} {t.num_tokens:>7} {t.seconds:>8.2f} {t.tokens_per_s:>9.0f} "
-                             f"{100 * t.fraction_of_matmul:>8.0f}% {rel:>10}")
+                lines.append(
+                    f"{r.mode:<9} {t.num_tokens:>7} {t.seconds:>8.2f} {t.tokens_per_s:>9.0f} "
+                    f"{100 * t.fraction_of_matmul:>8.0f}% {rel:>10}"
+                )
     return "\n".join(lines)
 
 
 def run_mil_bench(
-    model_dir: str, budget_bytes: int, json_path: str | None, modes: list[str], dtype: str, device: str,
-    chunk_tokens: int, lengths: list[int], resolution: int, start_tokens: int, max_tokens: int,
-    repeats: int, skip_mil: bool, skip_throughput: bool,
+    model_dir: str,
+    budget_bytes: int,
+    json_path: str | None,
+    modes: list[str],
+    dtype: str,
+    device: str,
+    chunk_tokens: int,
+    lengths: list[int],
+    resolution: int,
+    start_tokens: int,
+    max_tokens: int,
+    repeats: int,
+    skip_mil: bool,
+    skip_throughput: bool,
 ) -> list[ModeResult]:
     args = read_args(model_dir)
     results: list[ModeResult] = []
@@ -191,8 +242,9 @@ def run_mil_bench(
             results.append(ModeResult(mode, budget_bytes, 0, False))
             continue
         log.info("MIL of %s under %.0f MiB", mode, budget_bytes / 2**20)
-        results.append(find_mil(model_dir, dtype, device, mode, chunk_tokens, budget_bytes,
-                                start_tokens, resolution, max_tokens))
+        results.append(
+            find_mil(model_dir, dtype, device, mode, chunk_tokens, budget_bytes, start_tokens, resolution, max_tokens)
+        )
     if not skip_throughput:
         speeds = measure_throughput(model_dir, dtype, device, modes, chunk_tokens, lengths, repeats)
         for r in results:
@@ -204,8 +256,12 @@ def run_mil_bench(
             "bench": "mil",
             "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device,
-                        "torch": torch.__version__},
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "device": device,
+                "torch": torch.__version__,
+            },
             "model": {"path": model_dir, "dtype": dtype, "args": asdict(args)},
             "chunk_tokens": chunk_tokens,
             "modes": [asdict(r) for r in results],

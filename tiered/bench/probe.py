@@ -58,7 +58,9 @@ def run_probe(model_dir: str, dtype: str, device: str, mode: str, chunk_tokens: 
         forward(model, ids, mode=mode, chunk_tokens=chunk_tokens)  # type: ignore[arg-type]
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        return ProbeResult(num_tokens, torch.cuda.max_memory_allocated(), weights_bytes, seconds, "cuda max_memory_allocated")
+        return ProbeResult(
+            num_tokens, torch.cuda.max_memory_allocated(), weights_bytes, seconds, "cuda max_memory_allocated"
+        )
     baseline = _status_bytes("VmRSS")
     method = "VmHWM after clear_refs" if _reset_cpu_peak() else "VmHWM (not resettable: upper bound)"
     start = time.perf_counter()

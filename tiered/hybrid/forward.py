@@ -118,7 +118,7 @@ def _layer_by_layer(
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=x.dtype, device=x.device)
     up_buf = torch.empty_like(gate_buf)
     held: list[LayerKV] = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.layers):
         k, v = _new_layer_kv(model, P + T, x.dtype, x.device)
         _copy_prefix(k, v, prefix_kv, i, P)
         for s, e in bounds:
@@ -164,7 +164,7 @@ def _chunked(
         n = e - s
         x = model.model.embed_tokens(token_ids[s:e])  # [n, D]
         cos, sin = rope_cos_sin(model.inv_freq, P + s, P + e, dtype)
-        for i, layer in enumerate(model.model.layers):
+        for i, layer in enumerate(model.layers):
             k, v = kv[i]
             qkv_step(layer, x, cos, sin, q[:n], k[P + s : P + e], v[P + s : P + e])
             attention_(q[:n], k[: P + e], v[: P + e], P + s)

@@ -47,9 +47,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise ModelLoadError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act '{cfg['hidden_act']}' is not supported (only silu)")
     heads = int(cfg["num_attention_heads"])

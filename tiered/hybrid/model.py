@@ -114,6 +114,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
+    inv_freq: Tensor
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers)  # type: ignore[arg-type]
+
     def last_token_logits(self, hidden_last: Tensor) -> Tensor:
         """[D] hidden state of the last token -> [V] fp32 logits."""
         return self.lm_head(self.model.norm(hidden_last[None]))[0].float()
@@ -224,3 +230,4 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, num_prefix_tokens: int) -> None:
         q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qj, k[:, j : j + 1], v[:, j : j + 1]))
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         qj.copy_(out[0].transpose(0, 1))
+        del out  # before the next group's call allocates its own
