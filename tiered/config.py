@@ -18,6 +18,8 @@ import yaml
 
 ForwardMode = Literal["vanilla", "chunked", "hybrid"]
 DType = Literal["float32", "bfloat16", "float16"]
+RetentionPolicy = Literal["prefix", "all", "none"]
+SuffixPolicy = Literal["offload", "discard"]
 
 
 class ConfigError(ValueError):
@@ -62,6 +64,48 @@ class ForwardConfig:
 
 
 @dataclass(slots=True)
+class HostTierConfig:
+    """The host tier (LMCache). `lmcache` holds LMCache's own config keys, passed through as is
+    (e.g. max_local_cpu_size in GB, local_disk, max_local_disk_size, remote_url); `chunk_size`
+    is always `cache.block_tokens` and is set by us."""
+
+    enabled: bool = True
+    lmcache: dict[str, Any] = field(default_factory=lambda: {"max_local_cpu_size": 2.0})
+
+    def __post_init__(self) -> None:
+        _require("chunk_size" not in self.lmcache, "cache.host.lmcache.chunk_size", "is set from cache.block_tokens")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The KV tiers (DESIGN.md "Words we use")."""
+
+    # Tokens per device-tier block; also LMCache's chunk size, so a block is a host chunk.
+    block_tokens: int = 256
+    # Bytes of the preallocated device-tier pool (K and V of all layers).
+    device_tier_bytes: int = 64 * 2**20
+    # Which blocks of a finished request stay on the device.
+    retention: RetentionPolicy = "prefix"
+    # Most tokens one request may leave on the device (prefix and all policies).
+    retention_cap_tokens: int = 65536
+    # What happens to KV that does not stay on the device.
+    suffix: SuffixPolicy = "offload"
+    # Store a device block in the host tier when it is evicted and the host tier lacks it.
+    write_back: bool = False
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.block_tokens >= 1, "cache.block_tokens", f"must be >= 1, got {self.block_tokens}")
+        _require(self.device_tier_bytes >= 0, "cache.device_tier_bytes", "must be >= 0")
+        _require(self.retention_cap_tokens >= 0, "cache.retention_cap_tokens", "must be >= 0")
+        _require(
+            self.suffix == "discard" or self.host.enabled,
+            "cache.suffix",
+            "'offload' needs cache.host.enabled: true",
+        )
+
+
+@dataclass(slots=True)
 class Config:
     """The whole engine configuration."""
 
@@ -69,6 +113,7 @@ class Config:
     device: str = "cpu"
     model: ModelConfig = field(default_factory=ModelConfig)
     forward: ForwardConfig = field(default_factory=ForwardConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         ok = self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
@@ -98,6 +143,9 @@ def _check_value(value: Any, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         _require(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
         return _build(hint, value, key)  # type: ignore[arg-type]
+    if origin is dict:
+        _require(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
+        return dict(value)
     if hint is bool:
         _require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
     elif hint is int:

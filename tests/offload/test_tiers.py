@@ -1,0 +1,199 @@
+"""Both tiers with LMCache for real: the same logits from every source, hits counted per tier,
+asynchronous stores, faults degrading to recomputation, LMCache's own eviction, policies."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiered.config import CacheConfig, HostTierConfig
+from tiered.hybrid.forward import forward
+from tiered.hybrid.loader import load_model
+from tiered.hybrid.model import CausalLM
+from tiered.offload.tiers import KVTiers, forward_with_tiers
+
+BT = 16
+TOL = 1e-5  # fp32: relative to the largest |logit|
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir: Path) -> CausalLM:
+    return load_model(tiny_dir, "float32")
+
+
+def _tiers(model: CausalLM, device_blocks: int, **cache: object) -> KVTiers:
+    a = model.args
+    block_bytes = 2 * a.num_layers * BT * a.num_kv_heads * a.head_dim * 4
+    host = cache.pop("host", HostTierConfig(lmcache={"max_local_cpu_size": 0.05}))
+    cfg = CacheConfig(block_tokens=BT, device_tier_bytes=device_blocks * block_bytes, host=host, **cache)  # type: ignore[arg-type]
+    return KVTiers(cfg, a, torch.float32, "cpu", f"test-{next(_ids)}")
+
+
+@pytest.fixture
+def make_tiers(model: CausalLM) -> Iterator:
+    made: list[KVTiers] = []
+
+    def make(device_blocks: int = 64, **cache: object) -> KVTiers:
+        made.append(_tiers(model, device_blocks, **cache))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 1300, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model: CausalLM, tiers: KVTiers, ids: torch.Tensor, shared: frozenset[int] = frozenset()):
+    req = tiers.new_request(f"r{next(_ids)}", ids)
+    logits, prepared = forward_with_tiers(model, tiers, req, chunk_tokens=64, shared_keys=shared)
+    tiers.flush()
+    return logits, prepared.split
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert (got - ref).abs().max().item() <= TOL * ref.abs().max().item()
+
+
+def test_same_logits_computed_device_hit_and_host_hit(model: CausalLM, make_tiers) -> None:
+    tiers = make_tiers(retention="all")
+    ids = _tokens(300, 0)  # 18 full blocks + 12 tokens
+    ref = forward(model, ids)
+    logits, split = _run(model, tiers, ids)
+    assert (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_miss_tokens) == (0, 0, 300)
+    _close(logits, ref)
+    logits, split = _run(model, tiers, ids)
+    assert (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_miss_tokens) == (288, 0, 12)
+    _close(logits, ref)
+    tiers.device_tier.clear()
+    logits, split = _run(model, tiers, ids)
+    assert (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_miss_tokens) == (0, 288, 12)
+    _close(logits, ref)
+    # The host hits were loaded into device blocks: now they are device hits.
+    logits, split = _run(model, tiers, ids)
+    assert split.num_device_hit_tokens == 288
+    _close(logits, ref)
+
+
+def test_host_hit_after_other_requests_evicted_the_prefix(model: CausalLM, make_tiers) -> None:
+    tiers = make_tiers(device_blocks=20, retention="all")
+    profile = _tokens(256, 1)  # 16 blocks
+    first = torch.cat([profile, _tokens(40, 2)])
+    _run(model, tiers, first)
+    for seed in range(3, 6):  # other users fill the small device tier
+        _run(model, tiers, _tokens(300, seed))
+    assert tiers.device_tier.match(tiers.new_request("q", first).keys, first.tolist(), count=False) == []
+    again = torch.cat([profile, _tokens(40, 9)])
+    logits, split = _run(model, tiers, again)
+    assert (split.num_device_hit_tokens, split.num_host_hit_tokens) == (0, 256)
+    _close(logits, forward(model, again))
+    assert tiers.stats().device.num_evictions > 0
+
+
+def test_asynchronous_store_becomes_visible_to_lookups(model: CausalLM, make_tiers) -> None:
+    tiers = make_tiers(retention="none")
+    ids = _tokens(100, 3)
+    req = tiers.new_request("a", ids)
+    forward_with_tiers(model, tiers, req)
+    tiers.flush()
+    assert tiers.host_tier.lookup(ids) == 96  # full chunks only: the 4-token tail is not stored
+    assert tiers.split(req).num_host_hit_tokens == 96
+    assert tiers.stats().host.num_stored_tokens == 96
+
+
+def test_missing_host_chunk_falls_back_to_recomputation(model: CausalLM, make_tiers, monkeypatch) -> None:
+    tiers = make_tiers(retention="none")
+    ids = _tokens(200, 4)
+    _run(model, tiers, ids)
+    host = tiers.host_tier
+    lookup = host.lookup
+
+    def lookup_then_lose_everything(token_ids: torch.Tensor) -> int:
+        found = lookup(token_ids)
+        host._engine.clear()  # the chunks vanish between lookup and retrieval
+        return found
+
+    monkeypatch.setattr(host, "lookup", lookup_then_lose_everything)
+    logits, split = _run(model, tiers, ids)
+    assert (split.num_host_hit_tokens, split.num_miss_tokens) == (0, 200)
+    _close(logits, forward(model, ids))
+    assert tiers.stats().device.num_used_blocks == 0  # the blocks reserved for the load were freed
+
+
+def test_failing_host_backend_degrades_with_a_warning(model: CausalLM, make_tiers, monkeypatch, caplog) -> None:
+    tiers = make_tiers(retention="none")
+    ids = _tokens(200, 5)
+    _run(model, tiers, ids)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("backend unreachable")
+
+    monkeypatch.setattr(tiers.host_tier._engine, "retrieve", broken)
+    monkeypatch.setattr(tiers.host_tier._engine, "store", broken)
+    with caplog.at_level(logging.WARNING, logger="tiered.offload.host_tier"):
+        logits, split = _run(model, tiers, ids)
+        _run(model, tiers, _tokens(100, 6))
+    assert split.num_host_hit_tokens == 0
+    _close(logits, forward(model, ids))
+    assert tiers.stats().host.num_failures == 2  # one retrieve, one store
+    assert "host tier retrieve failed (ConnectionError: backend unreachable)" in caplog.text
+
+
+def test_lmcache_size_limit_evicts_and_the_engine_keeps_working(model: CausalLM, make_tiers) -> None:
+    # 0.0005 GB holds about 60 chunks of this model (8 KiB each); 12 requests store 216.
+    tiers = make_tiers(device_blocks=0, retention="none", host=HostTierConfig(lmcache={"max_local_cpu_size": 0.0005}))
+    requests = [_tokens(300, 100 + i) for i in range(12)]
+    for ids in requests:
+        logits, _ = _run(model, tiers, ids)
+        _close(logits, forward(model, ids))
+    held = [tiers.host_tier.lookup(ids) for ids in requests]
+    assert held[0] < 288 and held[-1] == 288  # the oldest was evicted, the newest is whole
+    logits, split = _run(model, tiers, requests[-1])
+    assert split.num_host_hit_tokens == 0  # no device blocks to load into: recomputed, still correct
+    _close(logits, forward(model, requests[-1]))
+
+
+def test_retention_policies_keep_exactly_their_blocks(model: CausalLM, make_tiers) -> None:
+    ids = _tokens(200, 7)  # 12 full blocks
+    keys = [k for k in _tiers_keys(make_tiers, ids)]
+    cases = {
+        ("none", frozenset()): 0,
+        ("prefix", frozenset()): 0,
+        ("prefix", frozenset(keys[:5])): 5,
+        ("all", frozenset()): 12,
+    }
+    for (policy, shared), blocks in cases.items():
+        tiers = make_tiers(retention=policy, suffix="discard")
+        assert tiers.host_tier is None
+        _run(model, tiers, ids, shared)
+        assert tiers.stats().device.num_used_blocks == blocks, policy
+    capped = make_tiers(retention="all", retention_cap_tokens=40)
+    _run(model, capped, ids)
+    assert capped.stats().device.num_used_blocks == 2
+
+
+def _tiers_keys(make_tiers, ids: torch.Tensor) -> list[int]:
+    return make_tiers(suffix="discard").new_request("k", ids).keys
+
+
+def test_prefetch_loads_the_host_prefix_before_prepare(model: CausalLM, make_tiers) -> None:
+    tiers = make_tiers(retention="none")
+    ids = _tokens(300, 8)
+    _run(model, tiers, ids)
+    req = tiers.new_request("next", ids)
+    assert tiers.device_tier.match(req.keys, ids.tolist(), count=False) == []
+    tiers.prefetch(req)
+    tiers._prefetches[req.request_id].result()  # let it finish, to look at the tier in between
+    assert len(tiers.device_tier.match(req.keys, ids.tolist(), count=False)) == 18
+    logits, prepared = forward_with_tiers(model, tiers, req)
+    # Loaded by the prefetch, yet counted where they came from: the host tier.
+    assert prepared.split.num_host_hit_tokens == 288 and prepared.split.num_device_hit_tokens == 0
+    _close(logits, forward(model, ids))

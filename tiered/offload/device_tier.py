@@ -1,0 +1,204 @@
+"""The device tier: a preallocated pool of KV blocks on the device, indexed by chained hashes.
+
+A block holds K and V of `block_tokens` consecutive tokens for every layer. Its key is
+hash(parent key, its token ids), so equal keys mean equal prefixes up to hash collisions; a hit
+also compares the stored token ids to rule those out. Blocks in use by a request are pinned
+(reference-counted); unpinned cached blocks are evicted least recently used first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ROOT_KEY = 0
+
+
+def block_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
+    """Chained keys of the full blocks of `token_ids` (a trailing partial block has none)."""
+    keys = []
+    parent = ROOT_KEY
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        parent = hash((parent, tuple(token_ids[start : start + block_tokens])))
+        keys.append(parent)
+    return keys
+
+
+@dataclass(slots=True)
+class _Block:
+    key: int
+    token_ids: tuple[int, ...]
+    ref_count: int = 0
+
+
+@dataclass(slots=True)
+class DeviceTierStats:
+    num_blocks: int
+    num_used_blocks: int
+    num_pinned_blocks: int
+    num_hit_tokens: int
+    num_queried_tokens: int
+    num_evictions: int
+
+
+class DeviceTier:
+    """Pool of `num_blocks` KV blocks: K and V each [layers, num_blocks, block_tokens, kv_heads, head_dim].
+
+    Thread-safe: the engine loop and the prefetch thread both allocate and pin.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_tokens: int,
+        budget_bytes: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
+        self.block_tokens = block_tokens
+        self.bytes_per_block = 2 * num_layers * block_tokens * num_kv_heads * head_dim * dtype.itemsize
+        self.num_blocks = budget_bytes // self.bytes_per_block
+        shape = (num_layers, self.num_blocks, block_tokens, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._lock = threading.RLock()
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self._blocks: dict[int, _Block] = {}  # block id -> cached block
+        self._index: dict[int, int] = {}  # key -> block id
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned cached block ids, oldest first
+        self._pins: dict[int, int] = {}  # block id -> pins of an allocated, not yet cached block
+        self.on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None
+        self.num_hit_tokens = 0
+        self.num_queried_tokens = 0
+        self.num_evictions = 0
+
+    # ---- lookups ---------------------------------------------------------------------------
+
+    def match(self, keys: Sequence[int], token_ids: Sequence[int], count: bool = True) -> list[int]:
+        """Block ids of the longest cached prefix, at most (len(token_ids) - 1) tokens long.
+
+        The cap keeps the last token computed: its logits are the request's whole output.
+        O(blocks) dictionary lookups plus a token comparison per hit (rules out collisions).
+        """
+        max_blocks = min(len(keys), (len(token_ids) - 1) // self.block_tokens)
+        hits: list[int] = []
+        with self._lock:
+            for i in range(max_blocks):
+                block_id = self._index.get(keys[i])
+                if block_id is None:
+                    break
+                start = i * self.block_tokens
+                if self._blocks[block_id].token_ids != tuple(token_ids[start : start + self.block_tokens]):
+                    break
+                hits.append(block_id)
+            if count:
+                self.num_hit_tokens += len(hits) * self.block_tokens
+                self.num_queried_tokens += len(token_ids)
+        return hits
+
+    def contains(self, key: int) -> bool:
+        with self._lock:
+            return key in self._index
+
+    # ---- pinning and allocation ------------------------------------------------------------
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            for b in block_ids:
+                if b in self._blocks:
+                    self._blocks[b].ref_count += 1
+                    self._lru.pop(b, None)
+                else:
+                    self._pins[b] = self._pins.get(b, 0) + 1
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Drop one pin; an uncached block whose last pin goes is freed, a cached one becomes evictable."""
+        with self._lock:
+            for b in block_ids:
+                block = self._blocks.get(b)
+                if block is not None:
+                    block.ref_count -= 1
+                    if block.ref_count == 0:
+                        self._lru[b] = None
+                else:
+                    self._pins[b] -= 1
+                    if self._pins[b] == 0:
+                        del self._pins[b]
+                        self._free.append(b)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Up to `num_blocks` pinned, uncached blocks, evicting LRU blocks as needed."""
+        with self._lock:
+            out: list[int] = []
+            while len(out) < num_blocks:
+                if not self._free and not self._evict_one():
+                    break
+                b = self._free.pop()
+                self._pins[b] = 1
+                out.append(b)
+            return out
+
+    def cache(self, block_id: int, key: int, token_ids: Sequence[int]) -> bool:
+        """Index an allocated block under `key` (it stays pinned by its allocator).
+
+        Returns False if `key` is already cached (the block stays uncached, freed on unpin)."""
+        with self._lock:
+            if key in self._index:
+                return False
+            pins = self._pins.pop(block_id)
+            self._blocks[block_id] = _Block(key, tuple(token_ids), ref_count=pins)
+            self._index[key] = block_id
+            return True
+
+    def _evict_one(self) -> bool:
+        if not self._lru:
+            return False
+        block_id, _ = self._lru.popitem(last=False)
+        block = self._blocks.pop(block_id)
+        del self._index[block.key]
+        if self.on_evict is not None:
+            self.on_evict(block_id, block.key, block.token_ids)
+        self._free.append(block_id)
+        self.num_evictions += 1
+        return True
+
+    def clear(self) -> None:
+        """Evict every unpinned block."""
+        with self._lock:
+            while self._evict_one():
+                pass
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def layer_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """K, V of `block_ids` in order for one layer: each [len * block_tokens, kv_heads, head_dim]."""
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.k.device)
+        k = self.k[layer].index_select(0, idx)
+        v = self.v[layer].index_select(0, idx)
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+    def write_layer(self, layer: int, block_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
+        """Write K, V [len * block_tokens, kv_heads, head_dim] of one layer into `block_ids`."""
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.k.device)
+        shape = (len(block_ids), self.block_tokens, *k.shape[1:])
+        self.k[layer].index_copy_(0, idx, k.reshape(shape))
+        self.v[layer].index_copy_(0, idx, v.reshape(shape))
+
+    def stats(self) -> DeviceTierStats:
+        with self._lock:
+            pinned = sum(1 for b in self._blocks.values() if b.ref_count > 0) + len(self._pins)
+            return DeviceTierStats(
+                num_blocks=self.num_blocks,
+                num_used_blocks=self.num_blocks - len(self._free),
+                num_pinned_blocks=pinned,
+                num_hit_tokens=self.num_hit_tokens,
+                num_queried_tokens=self.num_queried_tokens,
+                num_evictions=self.num_evictions,
+            )

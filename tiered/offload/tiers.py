@@ -1,0 +1,320 @@
+"""The two KV tiers behind one interface: hit split, loading, retention and offload.
+
+Per request: `prepare` finds the prefix in the device tier, loads the next chunks from the host
+tier into device blocks (or takes what `prefetch` already loaded), pins all of them, and plans
+which computed blocks stay on the device (retention policy). The forward then gets the prefix
+as KV and a sink that writes retained blocks into the pool and, with suffix policy `offload`,
+copies computed full chunks into a host staging tensor (on cuda: device-to-pinned-host copies
+on a side stream, layer by layer as the forward proceeds). `finish` indexes retained blocks,
+unpins, and hands the staging tensor to the host tier asynchronously: the forward never waits
+for a store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tiered.config import CacheConfig, ForwardMode
+from tiered.hybrid.forward import KVSink, LayerKV, forward
+from tiered.hybrid.model import CausalLM, ModelArgs
+from tiered.offload.device_tier import DeviceTier, DeviceTierStats, block_keys
+from tiered.offload.host_tier import HostTier, HostTierStats, StagedKV
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HitSplit:
+    """Where a request's tokens come from, in prefix order: device hits, host hits, misses."""
+
+    num_device_hit_tokens: int
+    num_host_hit_tokens: int
+    num_miss_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_device_hit_tokens + self.num_host_hit_tokens + self.num_miss_tokens
+
+
+@dataclass(slots=True)
+class TierRequest:
+    """What the tiers need of a request: its tokens and their block keys, computed once."""
+
+    request_id: str
+    token_ids: Tensor  # [T] int64, on the CPU
+    keys: list[int] = field(default_factory=list)
+
+    @classmethod
+    def make(cls, request_id: str, token_ids: Sequence[int] | Tensor, block_tokens: int) -> TierRequest:
+        ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
+        return cls(request_id, ids, block_keys(ids.tolist(), block_tokens))
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready to compute: its prefix (pinned blocks) and its plan for the computed part."""
+
+    request: TierRequest
+    split: HitSplit
+    prefix_blocks: list[int]
+    retained_blocks: list[int]  # device blocks for computed blocks prefix_len.. (in order)
+    staged: StagedKV | None
+    prefetch_wait_seconds: float
+    load_seconds: float
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.split.num_device_hit_tokens + self.split.num_host_hit_tokens
+
+
+class PrefixKV(Sequence[LayerKV]):
+    """The prefix as the forward wants it, gathered from the pool one layer at a time."""
+
+    def __init__(self, tier: DeviceTier, block_ids: list[int], num_layers: int) -> None:
+        self._tier, self._blocks, self._num_layers = tier, block_ids, num_layers
+
+    def __len__(self) -> int:
+        return self._num_layers
+
+    def __getitem__(self, layer: int) -> LayerKV:  # type: ignore[override]
+        return self._tier.layer_kv(layer, self._blocks)
+
+
+@dataclass(slots=True)
+class TierStats:
+    device: DeviceTierStats
+    host: HostTierStats | None
+
+
+class KVTiers:
+    """Device tier + (optional) host tier, with the retention and suffix policies of `CacheConfig`."""
+
+    def __init__(self, cfg: CacheConfig, args: ModelArgs, dtype: torch.dtype, device: str, instance_id: str) -> None:
+        self.cfg = cfg
+        self.args = args
+        self.device = torch.device(device)
+        self.block_tokens = cfg.block_tokens
+        self.device_tier = DeviceTier(
+            args.num_layers, args.num_kv_heads, args.head_dim, cfg.block_tokens, cfg.device_tier_bytes, dtype, device
+        )
+        self.host_tier: HostTier | None = None
+        if cfg.suffix == "offload":
+            self.host_tier = HostTier(
+                cfg.host, cfg.block_tokens, args.num_layers, args.num_kv_heads, args.head_dim, dtype, instance_id
+            )
+        self._dtype = dtype
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch")
+        self._prefetches: dict[str, Future[list[int]]] = {}
+        log.info(
+            "device tier: %d blocks of %d tokens (%.1f MiB); host tier: %s; retention %s, suffix %s",
+            self.device_tier.num_blocks,
+            cfg.block_tokens,
+            cfg.device_tier_bytes / 2**20,
+            "LMCache" if self.host_tier else "off",
+            cfg.retention,
+            cfg.suffix,
+        )
+
+    def new_request(self, request_id: str, token_ids: Sequence[int] | Tensor) -> TierRequest:
+        return TierRequest.make(request_id, token_ids, self.block_tokens)
+
+    # ---- scoring (no side effects) ---------------------------------------------------------
+
+    def split(self, req: TierRequest) -> HitSplit:
+        """The hit split if `req` ran now (device matched by hash; host by an LMCache lookup)."""
+        n = req.token_ids.numel()
+        num_device = len(self.device_tier.match(req.keys, req.token_ids.tolist(), count=False))
+        num_host = 0
+        if self.host_tier is not None and num_device < (n - 1) // self.block_tokens:
+            found = min(self.host_tier.lookup(req.token_ids), n - 1) // self.block_tokens
+            num_host = max(0, found - num_device)
+        bt = self.block_tokens
+        return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host) * bt)
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def _load_from_host(self, req: TierRequest, first_block: int) -> tuple[list[int], int]:
+        """Retrieve host chunks first_block.. into new device blocks (they end pinned and cached).
+
+        Returns the loaded block ids and how many leading chunks the host tier holds. Chunks that
+        find no free device block are not loaded: they are recomputed."""
+        if self.host_tier is None:
+            return [], 0
+        n = req.token_ids.numel()
+        found = min(self.host_tier.lookup(req.token_ids), n - 1) // self.block_tokens
+        if found <= first_block:
+            return [], found
+        blocks = self.device_tier.allocate(found - first_block)
+        got = self.host_tier.retrieve_into(req.token_ids, first_block, self.device_tier, blocks)
+        loaded = blocks[:got]
+        self.device_tier.unpin(blocks[got:])
+        bt = self.block_tokens
+        for i, b in enumerate(loaded):
+            j = first_block + i
+            self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
+        return loaded, found
+
+    def prefetch(self, req: TierRequest) -> None:
+        """Start loading `req`'s host-resident prefix into the device tier in the background."""
+        if self.host_tier is None or req.request_id in self._prefetches:
+            return
+
+        def run() -> list[int]:
+            hits = self.device_tier.match(req.keys, req.token_ids.tolist(), count=False)
+            return self._load_from_host(req, len(hits))[0]
+
+        self._prefetches[req.request_id] = self._prefetcher.submit(run)
+
+    def prepare(self, req: TierRequest, shared_keys: Collection[int] = ()) -> Prepared:
+        """Pin the request's prefix (loading host hits) and plan its retention and offload.
+
+        `shared_keys`: block keys of other waiting requests, for the `prefix` retention policy."""
+        bt = self.block_tokens
+        tokens = req.token_ids.tolist()
+        prefetched: list[int] = []
+        wait = 0.0
+        future = self._prefetches.pop(req.request_id, None)
+        if future is not None:
+            start = time.perf_counter()
+            prefetched = future.result()
+            wait = time.perf_counter() - start
+        hits = self.device_tier.match(req.keys, tokens, count=False)
+        self.device_tier.pin(hits)
+        self.device_tier.unpin(prefetched)  # now held through `hits` where still useful
+        start = time.perf_counter()
+        loaded, num_host_blocks = self._load_from_host(req, len(hits))
+        load = time.perf_counter() - start
+        from_host = set(prefetched) | set(loaded)
+        prefix = hits + loaded
+        num_host = sum(1 for b in prefix if b in from_host)
+        n = len(tokens)
+        split = HitSplit((len(prefix) - num_host) * bt, num_host * bt, n - len(prefix) * bt)
+        self.device_tier.num_hit_tokens += split.num_device_hit_tokens
+        self.device_tier.num_queried_tokens += n
+
+        num_full = n // bt
+        computed = range(len(prefix), num_full)
+        retain = self._retention(req, computed, shared_keys)
+        retained = self.device_tier.allocate(len(retain))
+        staged = None
+        # Stage only chunks the host tier lacks (it may hold some that found no device block).
+        first_stored = max(len(prefix), num_host_blocks)
+        if self.host_tier is not None and first_stored < num_full:
+            num = (num_full - first_stored) * bt
+            shape = (self.args.num_layers, 2, num, self.args.num_kv_heads, self.args.head_dim)
+            kv = torch.empty(shape, dtype=self._dtype, pin_memory=self._copy_stream is not None)
+            staged = StagedKV(kv, first_stored * bt)
+        return Prepared(req, split, prefix, retained, staged, wait, load)
+
+    def _retention(self, req: TierRequest, computed: range, shared_keys: Collection[int]) -> list[int]:
+        """Indices of computed blocks to keep on the device, as a contiguous run after the prefix."""
+        cap = self.cfg.retention_cap_tokens // self.block_tokens
+        policy = self.cfg.retention
+        if policy == "none":
+            return []
+        out: list[int] = []
+        for j in computed:
+            if len(out) >= cap or (policy == "prefix" and req.keys[j] not in shared_keys):
+                break
+            out.append(j)
+        return out
+
+    def prefix_kv(self, prepared: Prepared) -> PrefixKV | None:
+        if not prepared.prefix_blocks:
+            return None
+        return PrefixKV(self.device_tier, prepared.prefix_blocks, self.args.num_layers)
+
+    # ---- during and after the forward ------------------------------------------------------
+
+    def sink(self, prepared: Prepared) -> KVSink:
+        """The forward's KV sink: keep retained blocks on the device, stage stored chunks."""
+        bt = self.block_tokens
+        retained = prepared.retained_blocks
+        staged = prepared.staged
+        stream = self._copy_stream
+        first_computed = prepared.num_prefix_tokens
+
+        def sink(layer: int, k: Tensor, v: Tensor) -> None:
+            # k, v: [new tokens, Hkv, Dh]; token 0 is the first computed one (a block boundary).
+            if retained:
+                n = len(retained) * bt
+                self.device_tier.write_layer(layer, retained, k[:n], v[:n])
+            if staged is not None:
+                s = staged.first_token - first_computed
+                e = s + staged.kv.shape[2]
+                if stream is None:
+                    staged.kv[layer, 0].copy_(k[s:e])
+                    staged.kv[layer, 1].copy_(v[s:e])
+                else:
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        staged.kv[layer, 0].copy_(k[s:e], non_blocking=True)
+                        staged.kv[layer, 1].copy_(v[s:e], non_blocking=True)
+                    k.record_stream(stream)  # the forward frees k, v after this call
+                    v.record_stream(stream)
+
+        return sink
+
+    def finish(self, prepared: Prepared) -> None:
+        """Index retained blocks, release pins, and offload computed chunks asynchronously."""
+        req, bt = prepared.request, self.block_tokens
+        first = len(prepared.prefix_blocks)
+        for i, b in enumerate(prepared.retained_blocks):
+            j = first + i
+            self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
+        self.device_tier.unpin(prepared.prefix_blocks + prepared.retained_blocks)
+        if prepared.staged is not None and self.host_tier is not None:
+            if self._copy_stream is not None:
+                prepared.staged.ready = torch.cuda.Event()
+                prepared.staged.ready.record(self._copy_stream)
+            self.host_tier.store_async(req.token_ids, prepared.staged)
+
+    def abort(self, prepared: Prepared) -> None:
+        """Release a prepared request that did not run (nothing retained or stored)."""
+        self.device_tier.unpin(prepared.prefix_blocks + prepared.retained_blocks)
+
+    def flush(self) -> None:
+        if self.host_tier is not None:
+            self.host_tier.flush()
+
+    def stats(self) -> TierStats:
+        return TierStats(self.device_tier.stats(), self.host_tier.stats() if self.host_tier else None)
+
+    def close(self) -> None:
+        self._prefetcher.shutdown(wait=True)
+        if self.host_tier is not None:
+            self.host_tier.close()
+
+
+def forward_with_tiers(
+    model: CausalLM,
+    tiers: KVTiers,
+    req: TierRequest,
+    mode: ForwardMode = "hybrid",
+    chunk_tokens: int = 1024,
+    shared_keys: Collection[int] = (),
+) -> tuple[Tensor, Prepared]:
+    """One request through the tiers: prepare, forward over the misses, finish. Returns logits."""
+    prepared = tiers.prepare(req, shared_keys)
+    try:
+        logits = forward(
+            model,
+            req.token_ids[prepared.num_prefix_tokens :],
+            mode=mode,
+            chunk_tokens=chunk_tokens,
+            prefix_kv=tiers.prefix_kv(prepared),
+            kv_sink=tiers.sink(prepared),
+        )
+    except BaseException:
+        tiers.abort(prepared)
+        raise
+    tiers.finish(prepared)
+    return logits, prepared
