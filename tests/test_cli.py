@@ -11,8 +11,12 @@ def test_run_scores_every_example_post(tiny_dir: Path, capsys: pytest.CaptureFix
     assert main(["run", "--set", f"model.path={tiny_dir}"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert len(rows) == 6
-    for row in rows:
-        p_yes, p_no = float(row[3]), float(row[4])
+    for i, row in enumerate(rows):
+        tokens, device_hit, host_hit, computed = map(int, row[1:5])
+        assert device_hit + host_hit + computed == tokens
+        # The profile is a shared prefix: the first post computes it, the others find it on the device.
+        assert device_hit == (0 if i == 0 else 768) and host_hit == 0
+        p_yes, p_no = float(row[6]), float(row[7])
         assert abs(p_yes + p_no - 1) < 2e-3 and 0 < p_yes < 1
 
 

@@ -80,48 +80,59 @@ def resolve_device(device: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """The main job: score one user profile against candidate posts (P(label) per post)."""
+    """The main job: score one user profile against candidate posts (P(label) per post).
+
+    Every post is a request sharing the profile as its prefix; they go through the KV tiers, so
+    the first computes the profile and the rest find it in the device tier."""
     import torch
     from transformers import AutoTokenizer
 
     from tiered.embedded import resolve_model_path
-    from tiered.hybrid.forward import forward
-    from tiered.hybrid.loader import load_model
+    from tiered.hybrid.loader import DTYPES, load_model
+    from tiered.offload.tiers import KVTiers, forward_with_tiers
 
     cfg = _load(args)
     device = resolve_device(cfg.device)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
-    example = json.loads((Path(__file__).parent / "data" / "examples.json").read_text())
-    if args.prompts:
-        example = json.loads(Path(args.prompts).read_text())
+    example = json.loads(
+        (Path(args.prompts) if args.prompts else Path(__file__).parent / "data" / "examples.json").read_text()
+    )
     model = load_model(folder, cfg.model.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     label_ids = [tokenizer.encode(label, add_special_tokens=False)[0] for label in example["labels"]]
     log.info(
         "model %s (%s, %s on %s), forward %s, chunk %d tokens",
-        folder,
-        model.args.architecture,
-        cfg.model.dtype,
-        device,
-        cfg.forward.mode,
-        cfg.forward.chunk_tokens,
-    )
-    header = "  ".join(f"P({label.strip()})" for label in example["labels"])
-    print(f"{'#':>2}  {'tokens':>6}  {'ms':>7}  {header}  post")
+        folder, model.args.architecture, cfg.model.dtype, device, cfg.forward.mode, cfg.forward.chunk_tokens,
+    )  # fmt: skip
+    tiers = KVTiers(cfg.cache, model.args, DTYPES[cfg.model.dtype], device, instance_id="tiered-run")
+    requests = []
     for i, post in enumerate(example["posts"]):
-        prompt = example["profile"] + "\n" + post + example["question"]
-        ids = torch.tensor(tokenizer.encode(prompt))
-        if ids.numel() > cfg.model.max_model_len:
-            raise ConfigError(f"prompt {i} has {ids.numel()} tokens > model.max_model_len {cfg.model.max_model_len}")
-        start = time.perf_counter()
-        logits = forward(model, ids, mode=cfg.forward.mode, chunk_tokens=cfg.forward.chunk_tokens)
-        ms = 1000 * (time.perf_counter() - start)
-        probs = torch.softmax(logits, dim=-1)[label_ids]
-        probs = probs / probs.sum()  # normalized over the labels, as a classifier reads them
-        cols = "  ".join(
-            f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), example["labels"], strict=True)
-        )
-        print(f"{i:>2}  {ids.numel():>6}  {ms:>7.1f}  {cols}  {post[:60]}")
+        ids = tokenizer.encode(example["profile"] + "\n" + post + example["question"])
+        if len(ids) > cfg.model.max_model_len:
+            raise ConfigError(f"post {i}: {len(ids)} tokens > model.max_model_len {cfg.model.max_model_len}")
+        requests.append(tiers.new_request(f"post-{i}", ids))
+    header = "  ".join(f"P({label.strip()})" for label in example["labels"])
+    print(f"{'#':>2}  {'tokens':>6}  {'device hit':>10}  {'host hit':>8}  {'computed':>8}  {'ms':>7}  {header}  post")
+    try:
+        for i, req in enumerate(requests):
+            # Blocks that later posts share (the profile) stay on the device: the `prefix` policy.
+            shared = {key for later in requests[i + 1 :] for key in later.keys}
+            start = time.perf_counter()
+            logits, prepared = forward_with_tiers(
+                model, tiers, req, cfg.forward.mode, cfg.forward.chunk_tokens, shared_keys=shared
+            )
+            ms = 1000 * (time.perf_counter() - start)
+            probs = torch.softmax(logits, dim=-1)[label_ids]
+            probs = probs / probs.sum()  # normalized over the labels, as a classifier reads them
+            labels = example["labels"]
+            cols = "  ".join(f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), labels, strict=True))
+            split = prepared.split
+            print(
+                f"{i:>2}  {split.num_tokens:>6}  {split.num_device_hit_tokens:>10}  {split.num_host_hit_tokens:>8}  "
+                f"{split.num_miss_tokens:>8}  {ms:>7.1f}  {cols}  {example['posts'][i][:50]}"
+            )
+    finally:
+        tiers.close()
     return 0
 
 
@@ -154,6 +165,18 @@ def cmd_bench_mil(args: argparse.Namespace) -> int:
         args.skip_mil,
         args.skip_throughput,
     )
+    return 0
+
+
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from tiered.bench.tiers import run_tiers_bench
+    from tiered.embedded import resolve_model_path
+
+    folder = resolve_model_path(args.model, args.models_dir)
+    run_tiers_bench(
+        str(folder), args.dtype, resolve_device(args.device), args.block_tokens, args.lengths, args.users,
+        args.profile_tokens, args.post_tokens, args.rounds, args.device_fraction, args.repeats, args.json,
+    )  # fmt: skip
     return 0
 
 
@@ -226,6 +249,31 @@ def build_parser() -> argparse.ArgumentParser:
     mil.add_argument("--skip-mil", action="store_true", help="throughput only")
     mil.add_argument("--skip-throughput", action="store_true", help="MIL only")
     mil.set_defaults(func=cmd_bench_mil)
+
+    tiers = bsub.add_parser(
+        "tiers", help="host-tier load cost against recompute; offload against discard on a revisit trace",
+        description="(1) Per-token cost of loading a prefix from the host tier (LMCache) into device blocks "
+        "against computing it, at --lengths. (2) A round-robin revisit trace (--users profiles, --rounds visits each, "
+        "a fresh post per visit) with a device tier holding --device-fraction of the profiles, run with suffix "
+        "policy offload and with discard: end-to-end seconds and hit tokens per tier.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    tiers.add_argument("--model", default="embedded:bench", help="HF checkpoint folder or embedded:NAME")
+    tiers.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
+    tiers.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    tiers.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    tiers.add_argument("--block-tokens", type=int, default=256, help="device block = LMCache chunk, in tokens")
+    tiers.add_argument("--lengths", type=parse_int_list, default=[2048, 8192], help="prefix lengths for (1)")
+    tiers.add_argument("--repeats", type=int, default=3, help="timed repeats for (1); best is kept")
+    tiers.add_argument("--users", type=int, default=8, help="users (distinct profiles) in (2)")
+    tiers.add_argument("--profile-tokens", type=int, default=4096, help="profile (shared prefix) length in (2)")
+    tiers.add_argument("--post-tokens", type=int, default=128, help="fresh suffix per request in (2)")
+    tiers.add_argument("--rounds", type=int, default=3, help="visits per user in (2)")
+    tiers.add_argument(
+        "--device-fraction", type=float, default=0.25, help="device tier size, as a share of all profiles' KV"
+    )
+    tiers.add_argument("--json", default=None, help="write results as JSON here")
+    tiers.set_defaults(func=cmd_bench_tiers)
     return p
 
 

@@ -70,7 +70,7 @@ class HostTierConfig:
     is always `cache.block_tokens` and is set by us."""
 
     enabled: bool = True
-    lmcache: dict[str, Any] = field(default_factory=lambda: {"max_local_cpu_size": 2.0})
+    lmcache: dict[str, Any] = field(default_factory=lambda: {"max_local_cpu_size": 0.25})
 
     def __post_init__(self) -> None:
         _require("chunk_size" not in self.lmcache, "cache.host.lmcache.chunk_size", "is set from cache.block_tokens")
