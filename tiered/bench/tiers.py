@@ -149,16 +149,14 @@ def run_tiers_bench(
     speedup = runs[1].seconds / runs[0].seconds
     print(f"{'tokens':>7} {'load ms':>8} {'compute ms':>10} {'compute/load':>12}")
     for c in costs:
-        print(
-            f"{c.num_tokens:>7} {1e3 * c.load_seconds:>8.1f} {1e3 * c.compute_seconds:>10.0f} {c.compute_over_load:>11.1f}x"
-        )
+        ms_load, ms_compute = 1e3 * c.load_seconds, 1e3 * c.compute_seconds
+        print(f"{c.num_tokens:>7} {ms_load:>8.1f} {ms_compute:>10.0f} {c.compute_over_load:>11.1f}x")
     print(f"\nrevisit trace: {users} users x {rounds} rounds, profile {profile_tokens} + post {post_tokens} tokens, "
           f"device tier {device_fraction:.0%} of the profiles ({runs[0].device_tier_blocks} blocks)")  # fmt: skip
     print(f"{'suffix':<8} {'seconds':>8} {'device hit':>10} {'host hit':>9} {'computed':>9}")
     for r in runs:
-        print(
-            f"{r.suffix:<8} {r.seconds:>8.2f} {r.num_device_hit_tokens:>10} {r.num_host_hit_tokens:>9} {r.num_miss_tokens:>9}"
-        )
+        hits = f"{r.num_device_hit_tokens:>10} {r.num_host_hit_tokens:>9} {r.num_miss_tokens:>9}"
+        print(f"{r.suffix:<8} {r.seconds:>8.2f} {hits}")
     print(f"offload is {speedup:.2f}x faster end to end than discard")
     doc: dict[str, object] = {
         "bench": "tiers",
