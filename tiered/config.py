@@ -20,6 +20,7 @@ ForwardMode = Literal["vanilla", "chunked", "hybrid"]
 DType = Literal["float32", "bfloat16", "float16"]
 RetentionPolicy = Literal["prefix", "all", "none"]
 SuffixPolicy = Literal["offload", "discard"]
+SchedulerPolicy = Literal["fcfs", "srjf", "calibrated", "lpm", "spf", "hrrn"]
 
 
 class ConfigError(ValueError):
@@ -90,8 +91,6 @@ class CacheConfig:
     retention_cap_tokens: int = 65536
     # What happens to KV that does not stay on the device.
     suffix: SuffixPolicy = "offload"
-    # Store a device block in the host tier when it is evicted and the host tier lacks it.
-    write_back: bool = False
     host: HostTierConfig = field(default_factory=HostTierConfig)
 
     def __post_init__(self) -> None:
@@ -106,6 +105,41 @@ class CacheConfig:
 
 
 @dataclass(slots=True)
+class SchedulerConfig:
+    """Which request runs next (DESIGN.md idea 3) and prefetching (idea 4)."""
+
+    policy: SchedulerPolicy = "calibrated"
+    # λ, dimensionless: seconds of predicted JCT forgiven per second waited (0 = may starve).
+    fairness: float = 0.5
+    # Load the likely next request's host-resident prefix while the current one computes.
+    prefetch: bool = True
+    # JCT profile grid: total lengths (tokens) and computed fractions; capped at max_model_len.
+    profile_tokens: list[int] = field(default_factory=lambda: [256, 1024, 4096])
+    profile_miss_fractions: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.125])
+    # Where profiled JCT fits are cached (keyed by model, device and config).
+    profile_cache_dir: str = ".cache/jct"
+
+    def __post_init__(self) -> None:
+        _require(self.fairness >= 0, "scheduler.fairness", f"must be >= 0, got {self.fairness}")
+        _require(bool(self.profile_tokens) and min(self.profile_tokens) >= 2, "scheduler.profile_tokens",
+                 "must list lengths >= 2")  # fmt: skip
+        _require(all(0 < f <= 1 for f in self.profile_miss_fractions), "scheduler.profile_miss_fractions",
+                 "must be in (0, 1]")  # fmt: skip
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Start-up memory split (DESIGN.md "Memory budget")."""
+
+    # Bytes for weights + one forward + the device tier. 0: use cache.device_tier_bytes as is.
+    # Otherwise a profile run forwards max_model_len tokens and the device tier gets the rest.
+    memory_budget_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.memory_budget_bytes >= 0, "engine.memory_budget_bytes", "must be >= 0")
+
+
+@dataclass(slots=True)
 class Config:
     """The whole engine configuration."""
 
@@ -114,6 +148,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     forward: ForwardConfig = field(default_factory=ForwardConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         ok = self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
@@ -143,6 +179,10 @@ def _check_value(value: Any, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         _require(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
         return _build(hint, value, key)  # type: ignore[arg-type]
+    if origin is list:
+        _require(isinstance(value, list), key, f"must be a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         _require(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
         return dict(value)

@@ -74,7 +74,10 @@ class DeviceTier:
         self._index: dict[int, int] = {}  # key -> block id
         self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned cached block ids, oldest first
         self._pins: dict[int, int] = {}  # block id -> pins of an allocated, not yet cached block
+        # Called with (block id, key, token ids) when a cached block is evicted.
         self.on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None
+        # Called with a key whenever it enters or leaves the index (the scheduler re-scores).
+        self.on_change: Callable[[int], None] | None = None
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
         self.num_evictions = 0
@@ -103,9 +106,13 @@ class DeviceTier:
                 self.num_queried_tokens += len(token_ids)
         return hits
 
-    def contains(self, key: int) -> bool:
-        with self._lock:
-            return key in self._index
+    def count_cached(self, keys: Sequence[int], max_blocks: int) -> int:
+        """Leading keys that are cached, by hash alone: the scheduler's cheap estimate of `match`."""
+        index = self._index
+        n = 0
+        while n < max_blocks and keys[n] in index:
+            n += 1
+        return n
 
     # ---- pinning and allocation ------------------------------------------------------------
 
@@ -155,7 +162,9 @@ class DeviceTier:
             pins = self._pins.pop(block_id)
             self._blocks[block_id] = _Block(key, tuple(token_ids), ref_count=pins)
             self._index[key] = block_id
-            return True
+        if self.on_change is not None:
+            self.on_change(key)
+        return True
 
     def _evict_one(self) -> bool:
         if not self._lru:
@@ -165,6 +174,8 @@ class DeviceTier:
         del self._index[block.key]
         if self.on_evict is not None:
             self.on_evict(block_id, block.key, block.token_ids)
+        if self.on_change is not None:
+            self.on_change(block.key)
         self._free.append(block_id)
         self.num_evictions += 1
         return True

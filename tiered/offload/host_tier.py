@@ -202,20 +202,24 @@ class HostTier:
         self.num_hit_tokens += num * bt
         return num
 
-    def store_async(self, token_ids: Tensor, staged: StagedKV) -> Future[None]:
-        """Store chunks of `staged` (already full chunks) in the background; never raises."""
+    def store_async(self, token_ids: Tensor, staged: StagedKV) -> Future[bool]:
+        """Store chunks of `staged` (already full chunks) in the background; never raises.
+
+        The future's result says whether the store succeeded."""
         end = staged.first_token + staged.kv.shape[2]
         tokens = token_ids[:end].clone()
         mask = torch.zeros(end, dtype=torch.bool)
         mask[staged.first_token :] = True
 
-        def run() -> None:
+        def run() -> bool:
             try:
                 with self._lock:
                     self._engine.store(tokens, mask=mask, staged=staged)
                 self.num_stored_tokens += end - staged.first_token
+                return True
             except Exception as exc:  # noqa: BLE001
                 self._failed("store", exc)
+                return False
 
         return self._stores.submit(run)
 

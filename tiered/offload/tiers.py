@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -113,6 +113,11 @@ class KVTiers:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch")
         self._prefetches: dict[str, Future[list[int]]] = {}
+        # Keys of chunks stored in the host tier, for cheap scoring. LMCache may evict behind our
+        # back: a load that finds less drops the missing keys (a stale key costs one lookup).
+        self.host_keys: set[int] = set()
+        self.on_change: Callable[[Iterable[int]], None] | None = None
+        self.device_tier.on_change = lambda key: self._changed((key,))
         log.info(
             "device tier: %d blocks of %d tokens (%.1f MiB); host tier: %s; retention %s, suffix %s",
             self.device_tier.num_blocks,
@@ -139,6 +144,24 @@ class KVTiers:
         bt = self.block_tokens
         return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host) * bt)
 
+    def estimate(self, req: TierRequest) -> HitSplit:
+        """The hit split by hashes alone (device index, then known host keys): no I/O, no locks.
+
+        This is what the scheduler scores with before every pick; `prepare` finds the truth."""
+        n = req.token_ids.numel()
+        max_blocks = min(len(req.keys), (n - 1) // self.block_tokens)
+        num_device = self.device_tier.count_cached(req.keys, max_blocks)
+        num_host = 0
+        host_keys = self.host_keys
+        while num_device + num_host < max_blocks and req.keys[num_device + num_host] in host_keys:
+            num_host += 1
+        bt = self.block_tokens
+        return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host) * bt)
+
+    def _changed(self, keys: Iterable[int]) -> None:
+        if self.on_change is not None:
+            self.on_change(keys)
+
     # ---- loading ---------------------------------------------------------------------------
 
     def _load_from_host(self, req: TierRequest, first_block: int) -> tuple[list[int], int]:
@@ -150,10 +173,13 @@ class KVTiers:
             return [], 0
         n = req.token_ids.numel()
         found = min(self.host_tier.lookup(req.token_ids), n - 1) // self.block_tokens
+        self._forget_host_keys(req.keys[found:])
         if found <= first_block:
             return [], found
         blocks = self.device_tier.allocate(found - first_block)
         got = self.host_tier.retrieve_into(req.token_ids, first_block, self.device_tier, blocks)
+        if got < len(blocks):
+            self._forget_host_keys(req.keys[first_block + got : found])
         loaded = blocks[:got]
         self.device_tier.unpin(blocks[got:])
         bt = self.block_tokens
@@ -161,6 +187,12 @@ class KVTiers:
             j = first_block + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
         return loaded, found
+
+    def _forget_host_keys(self, keys: Sequence[int]) -> None:
+        gone = [k for k in keys if k in self.host_keys]
+        if gone:
+            self.host_keys.difference_update(gone)
+            self._changed(gone)
 
     def prefetch(self, req: TierRequest) -> None:
         """Start loading `req`'s host-resident prefix into the device tier in the background."""
@@ -275,7 +307,16 @@ class KVTiers:
             if self._copy_stream is not None:
                 prepared.staged.ready = torch.cuda.Event()
                 prepared.staged.ready.record(self._copy_stream)
-            self.host_tier.store_async(req.token_ids, prepared.staged)
+            future = self.host_tier.store_async(req.token_ids, prepared.staged)
+            first_key = prepared.staged.first_token // bt
+            keys = req.keys[first_key : first_key + prepared.staged.kv.shape[2] // bt]
+
+            def stored(done: Future[bool]) -> None:
+                if done.result():
+                    self.host_keys.update(keys)
+                    self._changed(keys)
+
+            future.add_done_callback(stored)
 
     def abort(self, prepared: Prepared) -> None:
         """Release a prepared request that did not run (nothing retained or stored)."""
@@ -284,6 +325,14 @@ class KVTiers:
     def flush(self) -> None:
         if self.host_tier is not None:
             self.host_tier.flush()
+
+    def clear(self) -> None:
+        """Empty both tiers (unpinned device blocks, everything in the host tier)."""
+        self.device_tier.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        self._changed(list(self.host_keys))
+        self.host_keys.clear()
 
     def stats(self) -> TierStats:
         return TierStats(self.device_tier.stats(), self.host_tier.stats() if self.host_tier else None)

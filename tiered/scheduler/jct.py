@@ -1,0 +1,114 @@
+"""Job completion time (JCT) model: predicted seconds of one request from its hit split.
+
+Output length is always 1, so a job's time follows from its input: with T tokens in total, M of
+them computed (misses) and H loaded from the host tier,
+
+    jct = c0 + c1*M + c2*M*T + c3*H
+
+(c1: token-wise ops; c2: attention, each computed token attends to up to T keys; c3: host load;
+device hits cost nothing but memory). The coefficients come from a least-squares fit on a
+profile grid measured at start (cached on disk, keyed by model, device and config), and a
+multiplicative correction follows observed job times online. `error` is the mean absolute
+percentage error of the latest predictions, made before each job ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tiered.offload.tiers import HitSplit
+
+log = logging.getLogger(__name__)
+
+
+def features(num_tokens: int, num_miss_tokens: int, num_host_hit_tokens: int) -> list[float]:
+    return [1.0, float(num_miss_tokens), float(num_miss_tokens) * num_tokens, float(num_host_hit_tokens)]
+
+
+@dataclass(slots=True)
+class JCTSample:
+    num_tokens: int
+    num_miss_tokens: int
+    num_host_hit_tokens: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class JCTModel:
+    coefficients: list[float]  # c0..c3 as in the module docstring
+    correction: float = 1.0
+    correction_rate: float = 0.1
+    _errors: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+
+    @classmethod
+    def fit(cls, samples: list[JCTSample]) -> JCTModel:
+        """Least squares on the samples' relative error (long and short jobs weigh alike)."""
+        x = np.array([features(s.num_tokens, s.num_miss_tokens, s.num_host_hit_tokens) for s in samples])
+        y = np.array([s.seconds for s in samples])
+        w = 1.0 / np.maximum(y, 1e-6)
+        xw, yw = x * w[:, None], y * w
+        # Non-negative: a cost term cannot save time. Drop the most negative term and refit.
+        active = np.ones(x.shape[1], dtype=bool)
+        coef = np.zeros(x.shape[1])
+        while active.any():
+            fit, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
+            coef[:] = 0.0
+            coef[active] = fit
+            if (fit >= 0).all():
+                break
+            active[np.flatnonzero(active)[np.argmin(fit)]] = False
+        return cls([float(c) for c in coef])
+
+    def predict(self, split: HitSplit) -> float:
+        """Seconds for a job with this hit split (never below zero)."""
+        c = self.coefficients
+        m, t, h = split.num_miss_tokens, split.num_tokens, split.num_host_hit_tokens
+        return max(0.0, self.correction * (c[0] + c[1] * m + c[2] * m * t + c[3] * h))
+
+    def observe(self, split: HitSplit, seconds: float) -> float:
+        """Record a finished job; returns the prediction it had. Updates error and correction."""
+        predicted = self.predict(split)
+        if seconds > 0:
+            self._errors.append(abs(predicted - seconds) / seconds)
+            if predicted > 0:
+                ratio = seconds / (predicted / self.correction)
+                self.correction += self.correction_rate * (ratio - self.correction)
+        return predicted
+
+    @property
+    def error(self) -> float | None:
+        """Mean absolute percentage error (a fraction) over the last 100 jobs, or None."""
+        return sum(self._errors) / len(self._errors) if self._errors else None
+
+    def load_seconds_per_token(self) -> float:
+        return self.coefficients[3]
+
+
+def cache_key(parts: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_cached(folder: str | Path, key: str) -> list[JCTSample] | None:
+    path = Path(folder) / f"jct-{key}.json"
+    if not path.exists():
+        return None
+    try:
+        return [JCTSample(**s) for s in json.loads(path.read_text())["samples"]]
+    except (ValueError, KeyError, TypeError):
+        log.warning("ignoring unreadable JCT profile cache %s", path)
+        return None
+
+
+def save_cached(folder: str | Path, key: str, samples: list[JCTSample], parts: dict[str, object]) -> Path:
+    path = Path(folder) / f"jct-{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"key": parts, "samples": [asdict(s) for s in samples]}
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return path

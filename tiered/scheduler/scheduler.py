@@ -1,0 +1,186 @@
+"""Which waiting request runs next.
+
+Policies (lower score runs first; ties by arrival):
+- `fcfs`: arrival order.
+- `srjf`: predicted JCT, scored once at arrival (against the tiers as they were then).
+- `calibrated` (ours): predicted JCT against the tiers' *current* contents, minus λ·waiting
+  time. λ is dimensionless: seconds of predicted JCT forgiven per second waited, so a request
+  that has waited W seconds competes as if it were λ·W seconds shorter; λ = 0 is pure SRJF
+  with re-scoring, and any λ > 0 bounds starvation.
+- SGLang's cache-aware policies, as peers: `lpm` (longest cached prefix first), `spf` (fewest
+  uncached tokens first), `hrrn` (highest response ratio (wait + JCT) / JCT first).
+
+Cost. `jct − λ·(now − arrival)` orders requests like `jct + λ·arrival`, which does not change
+with time, so calibrated, srjf, lpm, spf and fcfs keep a lazy heap. A request is re-scored only
+when a block key it contains enters or leaves a tier (an inverted index from key to waiting
+requests), so a pick costs O(changed requests × their blocks + log n), not O(n). `hrrn`'s ratio
+changes with time for every request: it scans all of them, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tiered.config import SchedulerPolicy
+from tiered.offload.tiers import HitSplit, KVTiers, TierRequest
+from tiered.scheduler.jct import JCTModel
+
+
+@dataclass(slots=True)
+class Waiting:
+    request: TierRequest
+    seq: int
+    arrival: float
+    split: HitSplit
+    jct: float
+    version: int = 0
+
+
+@dataclass(slots=True)
+class Decision:
+    """What `pick` chose and what it expected."""
+
+    waiting: Waiting
+    predicted_jct: float
+    decision_seconds: float
+    num_rescored: int = 0
+    queue_depth: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: SchedulerPolicy,
+        fairness: float,
+        tiers: KVTiers,
+        jct: JCTModel,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.fairness = fairness
+        self.tiers = tiers
+        self.jct = jct
+        self.clock = clock
+        self._waiting: dict[int, Waiting] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (score, seq, version)
+        self._by_key: dict[int, set[int]] = defaultdict(set)
+        self._dirty: set[int] = set()
+        self._lock = threading.Lock()
+        self._seq = 0
+        tiers.on_change = self._keys_changed
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    # ---- queue -----------------------------------------------------------------------------
+
+    def add(self, request: TierRequest, arrival: float | None = None) -> Waiting:
+        split = self.tiers.estimate(request)
+        w = Waiting(request, self._seq, self.clock() if arrival is None else arrival, split, self.jct.predict(split))
+        self._seq += 1
+        self._waiting[w.seq] = w
+        for key in request.keys:
+            self._by_key[key].add(w.seq)
+        if self.policy != "hrrn":
+            heapq.heappush(self._heap, (self._score(w), w.seq, w.version))
+        return w
+
+    def remove(self, seq: int) -> Waiting | None:
+        """Take a waiting request out (cancelled); its heap entry goes stale."""
+        w = self._waiting.pop(seq, None)
+        if w is not None:
+            self._unindex(w)
+        return w
+
+    def _unindex(self, w: Waiting) -> None:
+        for key in w.request.keys:
+            seqs = self._by_key.get(key)
+            if seqs is not None:
+                seqs.discard(w.seq)
+                if not seqs:
+                    del self._by_key[key]
+
+    def waiting_keys(self) -> set[int]:
+        """Block keys of every waiting request (what the `prefix` retention policy keeps)."""
+        return set(self._by_key)
+
+    # ---- scoring ---------------------------------------------------------------------------
+
+    def _keys_changed(self, keys: Iterable[int]) -> None:
+        with self._lock:
+            for key in keys:
+                seqs = self._by_key.get(key)
+                if seqs:
+                    self._dirty.update(seqs)
+
+    def _score(self, w: Waiting) -> float:
+        p = self.policy
+        if p == "fcfs":
+            return float(w.seq)
+        if p in ("srjf", "calibrated"):
+            return w.jct + (self.fairness * w.arrival if p == "calibrated" else 0.0)
+        if p == "lpm":
+            return -float(w.split.num_device_hit_tokens + w.split.num_host_hit_tokens)
+        if p == "spf":
+            return float(w.split.num_miss_tokens)
+        raise ValueError(f"policy {p} has no static score")
+
+    def _rescore_dirty(self) -> int:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        if self.policy in ("fcfs", "srjf"):
+            return 0  # scored once
+        n = 0
+        for seq in dirty:
+            w = self._waiting.get(seq)
+            if w is None:
+                continue
+            w.split = self.tiers.estimate(w.request)
+            w.jct = self.jct.predict(w.split)
+            n += 1
+            if self.policy != "hrrn":
+                w.version += 1
+                heapq.heappush(self._heap, (self._score(w), w.seq, w.version))
+        return n
+
+    # ---- picking ---------------------------------------------------------------------------
+
+    def _best(self) -> Waiting | None:
+        if self.policy == "hrrn":
+            now = self.clock()
+            best, best_ratio = None, -1.0
+            for w in self._waiting.values():
+                service = max(w.jct, 1e-9)
+                ratio = (now - w.arrival + service) / service
+                if ratio > best_ratio:
+                    best, best_ratio = w, ratio
+            return best
+        while self._heap:
+            _, seq, version = self._heap[0]
+            top = self._waiting.get(seq)
+            if top is not None and top.version == version:
+                return top
+            heapq.heappop(self._heap)  # stale: removed or re-scored since
+        return None
+
+    def pick(self) -> Decision | None:
+        """Take the request to run next out of the queue (after re-scoring what changed)."""
+        start = time.perf_counter()
+        depth = len(self._waiting)
+        rescored = self._rescore_dirty()
+        w = self._best()
+        if w is None:
+            return None
+        del self._waiting[w.seq]
+        self._unindex(w)
+        return Decision(w, w.jct, time.perf_counter() - start, rescored, depth)
+
+    def peek(self) -> Waiting | None:
+        """The request `pick` would choose now, left in the queue (the prefetch target)."""
+        self._rescore_dirty()
+        return self._best()
