@@ -180,6 +180,17 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_policies(args: argparse.Namespace) -> int:
+    from tiered.bench.policies import run_policies_bench
+
+    cfg = _load(args)
+    run_policies_bench(
+        cfg, args.policies, args.users, args.posts, args.profile_mean, args.profile_sd, args.post_tokens,
+        args.device_fraction, args.depths, args.json,
+    )  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tiered.embedded import SHAPES
 
@@ -274,6 +285,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiers.add_argument("--json", default=None, help="write results as JSON here")
     tiers.set_defaults(func=cmd_bench_tiers)
+
+    pol = bsub.add_parser(
+        "policies", help="scheduling policies on a post-recommendation burst; JCT error; decision time",
+        description="Runs the same post-recommendation trace (--users profiles x --posts candidates, all arriving "
+        "at once, interleaved) under each policy on one engine configuration (--config, with the device tier "
+        "resized to --device-fraction of the profiles): hit tokens per tier, mean/P99 latency, makespan, JCT "
+        "prediction error. Then the cost of one scheduling decision at each of --depths waiting requests.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(pol)
+    pol.add_argument("--policies", type=lambda s: s.split(","), default=["fcfs", "srjf", "calibrated", "lpm", "spf", "hrrn"],
+                     help="comma-separated scheduler policies")  # fmt: skip
+    pol.add_argument("--users", type=int, default=8)
+    pol.add_argument("--posts", type=int, default=6, help="candidate posts per user")
+    pol.add_argument("--profile-mean", type=int, default=2000, help="mean profile length, tokens (paper: 14000)")
+    pol.add_argument("--profile-sd", type=int, default=400, help="profile length sd, tokens (paper: 3000)")
+    pol.add_argument("--post-tokens", type=int, default=150)
+    pol.add_argument("--device-fraction", type=float, default=0.25, help="device tier, as a share of all profiles' KV")
+    pol.add_argument(
+        "--depths", type=parse_int_list, default=[10, 100, 1000, 10000], help="queue depths for decision time"
+    )
+    pol.add_argument("--json", default=None, help="write results as JSON here")
+    pol.set_defaults(func=cmd_bench_policies)
     return p
 
 

@@ -1,0 +1,185 @@
+"""`tiered bench policies`: scheduling policies on a post-recommendation burst, JCT error, decision cost.
+
+1. Post recommendation (the paper's workload, scaled): U users x P candidate posts; each request
+   is the user's profile (normal length) + one post; all requests arrive at once, interleaved
+   across users (seeded). Every policy runs the same trace on the same engine configuration
+   (device tier sized to a fraction of the users' profiles, host tier on): hit tokens per tier,
+   mean and P99 latency, makespan, and the JCT model's prediction error on the way.
+2. Decision time: one `pick` (re-scoring what changed + choosing) at queue depths 10..10,000,
+   after a job changed one user's profile blocks in the tiers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from tiered.config import Config
+from tiered.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def post_recommendation(
+    vocab: int, users: int, posts: int, profile_mean: int, profile_sd: int, post_tokens: int, seed: int
+) -> list[torch.Tensor]:
+    """Requests (profile + post), interleaved across users in a seeded random order.
+
+    Profile lengths ~ Normal(mean, sd), clipped to mean ± 1 sd (the paper: 14K ± 3K, 11K–17K)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (torch.randn(users, generator=g) * profile_sd + profile_mean).clamp(
+        profile_mean - profile_sd, profile_mean + profile_sd
+    )
+    profiles = [torch.randint(0, vocab, (int(n),), generator=g) for n in lengths]
+    requests = [
+        torch.cat([profiles[u], torch.randint(0, vocab, (post_tokens,), generator=g)])
+        for u in range(users)
+        for _ in range(posts)
+    ]
+    order = torch.randperm(len(requests), generator=g).tolist()
+    return [requests[i] for i in order]
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    policy: str
+    num_requests: int
+    makespan_seconds: float
+    mean_latency_seconds: float
+    p50_latency_seconds: float
+    p99_latency_seconds: float
+    num_device_hit_tokens: int
+    num_host_hit_tokens: int
+    num_miss_tokens: int
+    jct_mape: float | None
+    mean_decision_ms: float
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def run_policy(cfg: Config, policy: str, trace: list[torch.Tensor]) -> PolicyRun:
+    engine = Engine(_with_policy(cfg, policy))
+    start = time.monotonic()
+    for ids in trace:
+        engine.submit(ids)
+    results = engine.run()
+    makespan = time.monotonic() - start
+    engine.close()
+    lat = [r.latency_seconds for r in results]
+    run = PolicyRun(
+        policy,
+        len(results),
+        makespan,
+        statistics.fmean(lat),
+        _percentile(lat, 0.5),
+        _percentile(lat, 0.99),
+        sum(r.split.num_device_hit_tokens for r in results),
+        sum(r.split.num_host_hit_tokens for r in results),
+        sum(r.split.num_miss_tokens for r in results),
+        engine.jct.error,
+        1e3 * statistics.fmean(r.decision_seconds for r in results),
+    )
+    log.info(
+        "%-10s makespan %.2f s, latency mean %.2f P99 %.2f s, hits device %d host %d, computed %d, JCT error %s",
+        policy, makespan, run.mean_latency_seconds, run.p99_latency_seconds, run.num_device_hit_tokens,
+        run.num_host_hit_tokens, run.num_miss_tokens, f"{100 * run.jct_mape:.1f}%" if run.jct_mape is not None else "-",
+    )  # fmt: skip
+    return run
+
+
+def _with_policy(cfg: Config, policy: str) -> Config:
+    return replace(cfg, scheduler=replace(cfg.scheduler, policy=policy))  # type: ignore[arg-type]
+
+
+def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: int) -> dict[str, dict[int, float]]:
+    """Mean ms per pick at each queue depth, right after one user's blocks changed in the device tier."""
+    out: dict[str, dict[int, float]] = {}
+    for policy in ("calibrated", "hrrn"):
+        engine = Engine(_with_policy(cfg, policy))
+        tiers, sched = engine.tiers, engine.scheduler
+        out[policy] = {}
+        g = torch.Generator().manual_seed(0)
+        users = 50
+        profiles = [
+            torch.randint(0, engine.model.args.vocab_size, (request_tokens,), generator=g) for _ in range(users)
+        ]
+        n_added = 0
+        for depth in depths:
+            while len(sched) < depth + picks:
+                post = torch.randint(0, engine.model.args.vocab_size, (32,), generator=g)
+                sched.add(tiers.new_request(f"d{n_added}", torch.cat([profiles[n_added % users], post])))
+                n_added += 1
+            total = 0.0
+            for i in range(picks):
+                # A job just ran: one user's profile blocks entered the device tier.
+                tiers._changed(tiers.new_request("x", profiles[i % users]).keys)
+                start = time.perf_counter()
+                decision = sched.pick()
+                total += time.perf_counter() - start
+                assert decision is not None
+            out[policy][depth] = 1e3 * total / picks
+            log.info("%-10s queue depth %6d: %.3f ms per decision", policy, depth, out[policy][depth])
+        engine.close()
+    return out
+
+
+def run_policies_bench(
+    cfg: Config, policies: list[str], users: int, posts: int, profile_mean: int, profile_sd: int,
+    post_tokens: int, device_fraction: float, depths: list[int], json_path: str | None,
+) -> dict[str, object]:  # fmt: skip
+    a_engine = Engine(cfg)  # profiles the JCT model once (cached on disk for the runs below)
+    vocab = a_engine.model.args.vocab_size
+    a = a_engine.model.args
+    kv_per_token = (
+        2 * a.num_layers * a.num_kv_heads * a.head_dim * a_engine.model.model.embed_tokens.weight.element_size()
+    )
+    a_engine.close()
+    device_bytes = int(device_fraction * users * profile_mean * kv_per_token)
+    cfg = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
+    trace = post_recommendation(vocab, users, posts, profile_mean, profile_sd, post_tokens, seed=0)
+    runs = [run_policy(cfg, p, trace) for p in policies]
+    decisions = decision_times(cfg, depths, request_tokens=min(4096, cfg.model.max_model_len - 64), picks=20)
+    print(f"post recommendation: {users} users x {posts} posts, profile ~{profile_mean}±{profile_sd} + post {post_tokens} "
+          f"tokens, device tier {device_fraction:.0%} of the profiles")  # fmt: skip
+    print(
+        f"{'policy':<11}{'device hit':>11}{'host hit':>10}{'computed':>10}{'mean s':>8}{'P99 s':>8}{'makespan':>9}{'JCT err':>8}"
+    )
+    for r in runs:
+        err = f"{100 * r.jct_mape:.1f}%" if r.jct_mape is not None else "-"
+        print(f"{r.policy:<11}{r.num_device_hit_tokens:>11}{r.num_host_hit_tokens:>10}{r.num_miss_tokens:>10}"
+              f"{r.mean_latency_seconds:>8.2f}{r.p99_latency_seconds:>8.2f}{r.makespan_seconds:>9.2f}{err:>8}")  # fmt: skip
+    print("\nms per decision by queue depth: " + "; ".join(
+        f"{p}: " + ", ".join(f"{d}: {ms:.3f}" for d, ms in by.items()) for p, by in decisions.items()))  # fmt: skip
+    doc: dict[str, object] = {
+        "bench": "policies",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+        "config": asdict(cfg),
+        "trace": {
+            "users": users,
+            "posts": posts,
+            "profile_mean": profile_mean,
+            "profile_sd": profile_sd,
+            "post_tokens": post_tokens,
+            "device_fraction": device_fraction,
+            "seed": 0,
+        },  # fmt: skip
+        "runs": [asdict(r) for r in runs],
+        "decision_ms_by_depth": decisions,
+    }
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
