@@ -295,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     _add_config_args(pol)
-    pol.add_argument("--policies", type=lambda s: s.split(","), default=["fcfs", "srjf", "calibrated", "lpm", "spf", "hrrn"],
-                     help="comma-separated scheduler policies")  # fmt: skip
+    all_policies = ["fcfs", "srjf", "calibrated", "lpm", "spf", "hrrn"]
+    pol.add_argument("--policies", type=lambda s: s.split(","), default=all_policies, help="comma-separated policies")
     pol.add_argument("--users", type=int, default=8)
     pol.add_argument("--posts", type=int, default=6, help="candidate posts per user")
     pol.add_argument("--profile-mean", type=int, default=2000, help="mean profile length, tokens (paper: 14000)")

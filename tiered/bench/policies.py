@@ -150,17 +150,17 @@ def run_policies_bench(
     trace = post_recommendation(vocab, users, posts, profile_mean, profile_sd, post_tokens, seed=0)
     runs = [run_policy(cfg, p, trace) for p in policies]
     decisions = decision_times(cfg, depths, request_tokens=min(4096, cfg.model.max_model_len - 64), picks=20)
-    print(f"post recommendation: {users} users x {posts} posts, profile ~{profile_mean}±{profile_sd} + post {post_tokens} "
-          f"tokens, device tier {device_fraction:.0%} of the profiles")  # fmt: skip
-    print(
-        f"{'policy':<11}{'device hit':>11}{'host hit':>10}{'computed':>10}{'mean s':>8}{'P99 s':>8}{'makespan':>9}{'JCT err':>8}"
-    )
+    shape = f"profile ~{profile_mean}±{profile_sd} + post {post_tokens} tokens"
+    print(f"post recommendation: {users} users x {posts} posts, {shape}, device tier {device_fraction:.0%} of the profiles")
+    head = f"{'device hit':>11}{'host hit':>10}{'computed':>10}{'mean s':>8}{'P99 s':>8}{'makespan':>9}{'JCT err':>8}"
+    print(f"{'policy':<11}{head}")
     for r in runs:
         err = f"{100 * r.jct_mape:.1f}%" if r.jct_mape is not None else "-"
-        print(f"{r.policy:<11}{r.num_device_hit_tokens:>11}{r.num_host_hit_tokens:>10}{r.num_miss_tokens:>10}"
-              f"{r.mean_latency_seconds:>8.2f}{r.p99_latency_seconds:>8.2f}{r.makespan_seconds:>9.2f}{err:>8}")  # fmt: skip
-    print("\nms per decision by queue depth: " + "; ".join(
-        f"{p}: " + ", ".join(f"{d}: {ms:.3f}" for d, ms in by.items()) for p, by in decisions.items()))  # fmt: skip
+        hits = f"{r.num_device_hit_tokens:>11}{r.num_host_hit_tokens:>10}{r.num_miss_tokens:>10}"
+        times = f"{r.mean_latency_seconds:>8.2f}{r.p99_latency_seconds:>8.2f}{r.makespan_seconds:>9.2f}"
+        print(f"{r.policy:<11}{hits}{times}{err:>8}")
+    for p, by in decisions.items():
+        print(f"ms per decision, {p}: " + ", ".join(f"depth {d}: {ms:.3f}" for d, ms in by.items()))
     doc: dict[str, object] = {
         "bench": "policies",
         "date": time.strftime("%Y-%m-%d"),
