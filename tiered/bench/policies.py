@@ -151,7 +151,7 @@ def run_policies_bench(
     runs = [run_policy(cfg, p, trace) for p in policies]
     decisions = decision_times(cfg, depths, request_tokens=min(4096, cfg.model.max_model_len - 64), picks=20)
     shape = f"profile ~{profile_mean}±{profile_sd} + post {post_tokens} tokens"
-    print(f"post recommendation: {users} users x {posts} posts, {shape}, device tier {device_fraction:.0%} of the profiles")
+    print(f"post recommendation: {users} users x {posts} posts, {shape}, device tier {device_fraction:.0%} of profiles")
     head = f"{'device hit':>11}{'host hit':>10}{'computed':>10}{'mean s':>8}{'P99 s':>8}{'makespan':>9}{'JCT err':>8}"
     print(f"{'policy':<11}{head}")
     for r in runs:
