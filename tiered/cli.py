@@ -186,7 +186,7 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
     cfg = _load(args)
     run_policies_bench(
         cfg, args.policies, args.users, args.posts, args.profile_mean, args.profile_sd, args.post_tokens,
-        args.device_fraction, args.depths, args.json,
+        args.device_fraction, args.depths, args.repeats, args.load, args.json,
     )  # fmt: skip
     return 0
 
@@ -287,11 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.set_defaults(func=cmd_bench_tiers)
 
     pol = bsub.add_parser(
-        "policies", help="scheduling policies on a post-recommendation burst; JCT error; decision time",
-        description="Runs the same post-recommendation trace (--users profiles x --posts candidates, all arriving "
-        "at once, interleaved) under each policy on one engine configuration (--config, with the device tier "
-        "resized to --device-fraction of the profiles): hit tokens per tier, mean/P99 latency, makespan, JCT "
-        "prediction error. Then the cost of one scheduling decision at each of --depths waiting requests.",
+        "policies", help="scheduling policies on a post-recommendation trace; JCT error; decision time",
+        description="Runs the same post-recommendation trace (--users profiles x --posts candidates, interleaved, "
+        "Poisson arrivals at --load x the saturation rate measured by a burst) under each policy on one engine "
+        "configuration (--config, with the device tier resized to --device-fraction of the profiles): hit tokens "
+        "per tier, mean/P99 latency, makespan, JCT prediction error. Then the cost of one scheduling decision at "
+        "each of --depths waiting requests.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     _add_config_args(pol)
@@ -306,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument(
         "--depths", type=parse_int_list, default=[10, 100, 1000, 10000], help="queue depths for decision time"
     )
+    pol.add_argument("--repeats", type=int, default=3, help="runs per policy (interleaved); the median is shown")
+    pol.add_argument("--load", type=float, default=0.8, help="Poisson arrival rate, as a share of the saturation rate")
     pol.add_argument("--json", default=None, help="write results as JSON here")
     pol.set_defaults(func=cmd_bench_policies)
     return p

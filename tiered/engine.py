@@ -219,7 +219,7 @@ class Engine:
         params, arrival = self._params.pop(w.seq)
         if self.config.scheduler.prefetch:
             nxt = self.scheduler.peek()
-            if nxt is not None:
+            if nxt is not None and nxt.split.num_host_hit_tokens > 0:
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
         prepared = self.tiers.prepare(w.request, self.scheduler.waiting_keys())
@@ -274,3 +274,9 @@ class Engine:
 
     def close(self) -> None:
         self.tiers.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

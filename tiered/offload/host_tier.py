@@ -166,6 +166,13 @@ class HostTier:
         self.num_stored_tokens = 0
         self.num_failures = 0
         self._warned: set[str] = set()
+        self._closed = False
+        # LMCache's worker threads are not daemons: an engine left open (an exception in the
+        # caller) would hang interpreter exit. This hook runs before non-daemon threads are
+        # joined (the one concurrent.futures uses); Python's `atexit` runs too late for that.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self.close)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.num_failures += 1
@@ -237,6 +244,9 @@ class HostTier:
         return HostTierStats(self.num_hit_tokens, self.num_stored_tokens, self.num_failures)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
         self._stores.shutdown(wait=True)

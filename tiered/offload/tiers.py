@@ -172,6 +172,9 @@ class KVTiers:
         if self.host_tier is None:
             return [], 0
         n = req.token_ids.numel()
+        if first_block >= len(req.keys) or req.keys[first_block] not in self.host_keys:
+            # We know what this engine stored: skip LMCache's lookup (it hashes every token).
+            return [], first_block
         found = min(self.host_tier.lookup(req.token_ids), n - 1) // self.block_tokens
         self._forget_host_keys(req.keys[found:])
         if found <= first_block:
@@ -195,13 +198,18 @@ class KVTiers:
             self._changed(gone)
 
     def prefetch(self, req: TierRequest) -> None:
-        """Start loading `req`'s host-resident prefix into the device tier in the background."""
+        """Start loading `req`'s host-resident prefix into the device tier in the background.
+
+        The loaded blocks are cached and left unpinned: if another request runs first they
+        simply stay in the device tier (evictable) like any other cached block."""
         if self.host_tier is None or req.request_id in self._prefetches:
             return
 
         def run() -> list[int]:
             hits = self.device_tier.match(req.keys, req.token_ids.tolist(), count=False)
-            return self._load_from_host(req, len(hits))[0]
+            loaded = self._load_from_host(req, len(hits))[0]
+            self.device_tier.unpin(loaded)
+            return loaded
 
         self._prefetches[req.request_id] = self._prefetcher.submit(run)
 
@@ -220,7 +228,6 @@ class KVTiers:
             wait = time.perf_counter() - start
         hits = self.device_tier.match(req.keys, tokens, count=False)
         self.device_tier.pin(hits)
-        self.device_tier.unpin(prefetched)  # now held through `hits` where still useful
         start = time.perf_counter()
         loaded, num_host_blocks = self._load_from_host(req, len(hits))
         load = time.perf_counter() - start

@@ -3,13 +3,15 @@
 Output length is always 1, so a job's time follows from its input: with T tokens in total, M of
 them computed (misses) and H loaded from the host tier,
 
-    jct = c0 + c1*M + c2*M*T + c3*H
+    jct = c0 + c1*M + c2*M*T + c3*H + c4*(T - M)
 
 (c1: token-wise ops; c2: attention, each computed token attends to up to T keys; c3: host load;
-device hits cost nothing but memory). The coefficients come from a least-squares fit on a
-profile grid measured at start (cached on disk, keyed by model, device and config), and a
-multiplicative correction follows observed job times online. `error` is the mean absolute
-percentage error of the latest predictions, made before each job ran.
+c4: handling the cached prefix, gathering its blocks and copying them into the layer buffers).
+The coefficients come from a least-squares fit on a profile grid measured at start (cached on
+disk, keyed by model, device and config). Online, every finished job joins the fit (the last
+`max_observed` of them beside the profile grid) and the model is refitted, so it follows what
+the profile grid missed: the real prefix path, background stores, the machine's load. `error`
+is the mean absolute percentage error of the latest predictions, each made before its job ran.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def features(num_tokens: int, num_miss_tokens: int, num_host_hit_tokens: int) -> list[float]:
-    return [1.0, float(num_miss_tokens), float(num_miss_tokens) * num_tokens, float(num_host_hit_tokens)]
+    m = float(num_miss_tokens)
+    return [1.0, m, m * num_tokens, float(num_host_hit_tokens), float(num_tokens - num_miss_tokens)]
 
 
 @dataclass(slots=True)
@@ -42,44 +45,30 @@ class JCTSample:
 
 @dataclass(slots=True)
 class JCTModel:
-    coefficients: list[float]  # c0..c3 as in the module docstring
-    correction: float = 1.0
-    correction_rate: float = 0.1
+    coefficients: list[float]  # c0..c4 as in the module docstring
+    profile: list[JCTSample] = field(default_factory=list)
+    max_observed: int = 256
+    _observed: deque[JCTSample] = field(default_factory=lambda: deque(maxlen=256))
     _errors: deque[float] = field(default_factory=lambda: deque(maxlen=100))
 
     @classmethod
     def fit(cls, samples: list[JCTSample]) -> JCTModel:
-        """Least squares on the samples' relative error (long and short jobs weigh alike)."""
-        x = np.array([features(s.num_tokens, s.num_miss_tokens, s.num_host_hit_tokens) for s in samples])
-        y = np.array([s.seconds for s in samples])
-        w = 1.0 / np.maximum(y, 1e-6)
-        xw, yw = x * w[:, None], y * w
-        # Non-negative: a cost term cannot save time. Drop the most negative term and refit.
-        active = np.ones(x.shape[1], dtype=bool)
-        coef = np.zeros(x.shape[1])
-        while active.any():
-            fit, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
-            coef[:] = 0.0
-            coef[active] = fit
-            if (fit >= 0).all():
-                break
-            active[np.flatnonzero(active)[np.argmin(fit)]] = False
-        return cls([float(c) for c in coef])
+        return cls(_fit(samples), profile=list(samples))
 
     def predict(self, split: HitSplit) -> float:
         """Seconds for a job with this hit split (never below zero)."""
-        c = self.coefficients
-        m, t, h = split.num_miss_tokens, split.num_tokens, split.num_host_hit_tokens
-        return max(0.0, self.correction * (c[0] + c[1] * m + c[2] * m * t + c[3] * h))
+        x = features(split.num_tokens, split.num_miss_tokens, split.num_host_hit_tokens)
+        return max(0.0, sum(c * v for c, v in zip(self.coefficients, x, strict=True)))
 
     def observe(self, split: HitSplit, seconds: float) -> float:
-        """Record a finished job; returns the prediction it had. Updates error and correction."""
+        """Record a finished job; returns the prediction it had. Updates the error and the fit."""
         predicted = self.predict(split)
         if seconds > 0:
             self._errors.append(abs(predicted - seconds) / seconds)
-            if predicted > 0:
-                ratio = seconds / (predicted / self.correction)
-                self.correction += self.correction_rate * (ratio - self.correction)
+            self._observed.append(
+                JCTSample(split.num_tokens, split.num_miss_tokens, split.num_host_hit_tokens, seconds)
+            )
+            self.coefficients = _fit(self.profile + list(self._observed))
         return predicted
 
     @property
@@ -89,6 +78,25 @@ class JCTModel:
 
     def load_seconds_per_token(self) -> float:
         return self.coefficients[3]
+
+
+def _fit(samples: list[JCTSample]) -> list[float]:
+    """Least squares on relative error (long and short jobs weigh alike), coefficients >= 0."""
+    x = np.array([features(s.num_tokens, s.num_miss_tokens, s.num_host_hit_tokens) for s in samples])
+    y = np.array([s.seconds for s in samples])
+    w = 1.0 / np.maximum(y, 1e-6)
+    xw, yw = x * w[:, None], y * w
+    # A cost term cannot save time: drop the most negative term and refit until none is.
+    active = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    while active.any():
+        fit, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
+        coef[:] = 0.0
+        coef[active] = fit
+        if (fit >= 0).all():
+            break
+        active[np.flatnonzero(active)[np.argmin(fit)]] = False
+    return [float(c) for c in coef]
 
 
 def cache_key(parts: dict[str, object]) -> str:
