@@ -14,7 +14,7 @@ from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Scheduler
 
 BT = 16
-MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0])  # a job costs 1 ms per computed token
+MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0, 0.0])  # a job costs 1 ms per computed token
 
 
 def _engine(tiny_dir: Path, tmp_path: Path, *overrides: str, jct: JCTModel = MS_PER_MISSED_TOKEN) -> Engine:

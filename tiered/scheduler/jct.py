@@ -9,7 +9,7 @@ them computed (misses) and H loaded from the host tier,
 c4: handling the cached prefix, gathering its blocks and copying them into the layer buffers).
 The coefficients come from a least-squares fit on a profile grid measured at start (cached on
 disk, keyed by model, device and config). Online, every finished job joins the fit (the last
-`max_observed` of them beside the profile grid) and the model is refitted, so it follows what
+256 of them beside the profile grid) and the model is refitted, so it follows what
 the profile grid missed: the real prefix path, background stores, the machine's load. `error`
 is the mean absolute percentage error of the latest predictions, each made before its job ran.
 """
@@ -47,7 +47,6 @@ class JCTSample:
 class JCTModel:
     coefficients: list[float]  # c0..c4 as in the module docstring
     profile: list[JCTSample] = field(default_factory=list)
-    max_observed: int = 256
     _observed: deque[JCTSample] = field(default_factory=lambda: deque(maxlen=256))
     _errors: deque[float] = field(default_factory=lambda: deque(maxlen=100))
 
