@@ -10,3 +10,4 @@ $T bench mil --model embedded:bench --skip-mil --repeats 3 --json benchmarks/out
 $T bench mil --model embedded:bench --skip-mil --repeats 3 --lengths 8192 --chunk-tokens 128 --modes vanilla,chunked,hybrid --json benchmarks/out/speed-bench-chunk128.json
 $T bench tiers --model embedded:bench --json benchmarks/out/tiers-bench.json
 $T bench policies --config configs/bench.yaml --json benchmarks/out/policies-bench.json
+$T bench policies --config configs/bench.yaml --load 0 --json benchmarks/out/policies-burst.json
