@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
+from tiered.bench.report import write_report
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES, load_model, read_args
 from tiered.hybrid.model import ModelArgs
@@ -248,22 +247,9 @@ def run_mil_bench(
         for r in results:
             r.throughput = speeds[r.mode]
     print(format_table(results))
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "bench": "mil",
-            "date": time.strftime("%Y-%m-%d"),
-            "command": " ".join(sys.argv),
-            "machine": {
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-                "device": device,
-                "torch": torch.__version__,
-            },
-            "model": {"path": model_dir, "dtype": dtype, "args": asdict(args)},
-            "chunk_tokens": chunk_tokens,
-            "modes": [asdict(r) for r in results],
-        }
-        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
-        log.info("wrote %s", json_path)
+    write_report(
+        json_path, "mil", device,
+        {"model": {"path": model_dir, "dtype": dtype, "args": asdict(args)}, "chunk_tokens": chunk_tokens,
+         "modes": [asdict(r) for r in results]},
+    )  # fmt: skip
     return results

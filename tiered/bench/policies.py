@@ -12,17 +12,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
+from tiered.bench.report import write_report
 from tiered.config import Config
 from tiered.engine import Engine, Result
 
@@ -209,11 +206,7 @@ def run_policies_bench(
         print(f"{r.policy:<11}{hits}{times}{err:>8}{100 * r.jct_noise_floor:>6.1f}%")
     for p, by in decisions.items():
         print(f"ms per decision, {p}: " + ", ".join(f"depth {d}: {ms:.3f}" for d, ms in by.items()))
-    doc: dict[str, object] = {
-        "bench": "policies",
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv),
-        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+    return write_report(json_path, "policies", cfg.device, {
         "config": asdict(cfg),
         "trace": {
             "users": users,
@@ -231,8 +224,4 @@ def run_policies_bench(
         "median_runs": [asdict(r) for r in runs],
         "runs": [asdict(r) for r in all_runs],
         "decision_ms_by_depth": decisions,
-    }
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
-    return doc
+    })  # fmt: skip

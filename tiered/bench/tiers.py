@@ -11,17 +11,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import platform
-import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
+from tiered.bench.report import write_report
 from tiered.config import CacheConfig, HostTierConfig, SuffixPolicy
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES, load_model
@@ -157,12 +154,8 @@ def run_tiers_bench(
     for r in runs:
         hits = f"{r.num_device_hit_tokens:>10} {r.num_host_hit_tokens:>9} {r.num_miss_tokens:>9}"
         print(f"{r.suffix:<8} {r.seconds:>8.2f} {hits}")
-    print(f"offload is {speedup:.2f}x faster end to end than discard")
-    doc: dict[str, object] = {
-        "bench": "tiers",
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv),
-        "machine": {"platform": platform.platform(), "device": device, "torch": torch.__version__},
+    print(f"end to end, discard takes {speedup:.2f}x the time of offload")
+    return write_report(json_path, "tiers", device, {
         "model": {"path": model_dir, "dtype": dtype},
         "block_tokens": block_tokens,
         "load_vs_compute": [asdict(c) for c in costs],
@@ -176,8 +169,4 @@ def run_tiers_bench(
         },  # fmt: skip
         "runs": [asdict(r) for r in runs],
         "offload_speedup_over_discard": speedup,
-    }
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
-    return doc
+    })  # fmt: skip
