@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ CHAT_TEMPLATE = (
 )
 TOKENIZER_VOCAB_SIZE = 2048
 EMBEDDED_PREFIX = "embedded:"
+STAMP = "tiered-embedded.json"  # what the folder was made from
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +48,9 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {
-    # For tests: a forward of thousands of tokens in milliseconds.
-    "tiny": Shape("LlamaForCausalLM", 64, 2, 4, 2, 176),
+    # For tests: a forward of thousands of tokens in milliseconds. Head size 32: the smallest
+    # vLLM's CPU attention accepts, so the same folder serves the vLLM peer in tests.
+    "tiny": Shape("LlamaForCausalLM", 64, 2, 2, 1, 176),
     # For benchmarks: an 8K-token forward takes about a second on 2 CPU cores (bf16).
     "bench": Shape("LlamaForCausalLM", 256, 4, 4, 2, 1024, seed=1),
     # Architecture variants the loader must handle, at tiny size.
@@ -174,10 +176,19 @@ def make_model(name: str, out: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     _save_tokenizer(out)
     save_file(_weights(shape), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / STAMP).write_text(json.dumps({"name": name, "shape": asdict(shape)}, indent=2) + "\n")
     # config.json last: its presence marks a complete folder.
     (out / "config.json").write_text(json.dumps(_hf_config(shape), indent=2) + "\n")
     log.info("made embedded model '%s' in %s", name, out)
     return out
+
+
+def _is_current(folder: Path, name: str) -> bool:
+    """The folder was made from today's definition of `name` (shapes change as the project does)."""
+    try:
+        return json.loads((folder / STAMP).read_text()) == {"name": name, "shape": asdict(SHAPES[name])}
+    except (OSError, ValueError):
+        return False
 
 
 def resolve_model_path(path: str, models_dir: str | Path) -> Path:
@@ -185,8 +196,10 @@ def resolve_model_path(path: str, models_dir: str | Path) -> Path:
     if not path.startswith(EMBEDDED_PREFIX):
         return Path(path).expanduser()
     name = path[len(EMBEDDED_PREFIX) :]
+    if name not in SHAPES:
+        raise ValueError(f"unknown embedded model '{name}' (choose from {', '.join(SHAPES)})")
     folder = Path(models_dir) / name
-    if not (folder / "config.json").exists():
+    if not (folder / "config.json").exists() or not _is_current(folder, name):
         # Made beside and renamed into place, so a concurrent reader never sees half a folder.
         tmp = folder.with_name(f".{name}.tmp-{os.getpid()}")
         make_model(name, tmp)
