@@ -70,13 +70,9 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def resolve_device(device: str) -> str:
-    import torch
+    from tiered.hybrid.loader import resolve_device as resolve
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"config key 'device': '{device}' requested but CUDA is not available here")
-    return device
+    return resolve(device)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

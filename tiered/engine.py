@@ -22,7 +22,7 @@ from torch import Tensor
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.forward import ForwardInputError, forward
-from tiered.hybrid.loader import DTYPES, load_model
+from tiered.hybrid.loader import DTYPES, load_model, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
 from tiered.offload.tiers import HitSplit, KVTiers, Prepared
 from tiered.scheduler.jct import JCTModel, JCTSample, cache_key, load_cached, save_cached
@@ -69,9 +69,7 @@ class Engine:
 
     def __init__(self, config: Config, jct_model: JCTModel | None = None) -> None:
         self.config = config
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(config.device)
         self.device = device
         folder = resolve_model_path(config.model.path, config.model.models_dir)
         self.model_dir = folder

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from tiered.config import ConfigError
 from tiered.hybrid.model import (
     SUPPORTED_ARCHITECTURES,
     CausalLM,
@@ -18,6 +19,15 @@ from tiered.hybrid.model import (
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when available, else cpu; a cuda device on a machine without one is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'device': '{device}' requested but CUDA is not available here")
+    return device
 
 
 class ModelLoadError(RuntimeError):
