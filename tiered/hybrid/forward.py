@@ -47,7 +47,8 @@ def _check_inputs(model: CausalLM, token_ids: Tensor, prefix_kv: Sequence[LayerK
     if prefix_kv is not None:
         if len(prefix_kv) != a.num_layers:
             raise ForwardInputError(f"prefix_kv has {len(prefix_kv)} layers, the model {a.num_layers}")
-        num_prefix = prefix_kv[0][0].shape[0]
+        # A lazy prefix (the tiers' PrefixKV) states its length; gathering a layer to read it costs a copy.
+        num_prefix = getattr(prefix_kv, "num_tokens", None) or prefix_kv[0][0].shape[0]
     total = num_prefix + token_ids.numel()
     if a.sliding_window is not None and total > a.sliding_window:
         raise ForwardInputError(

@@ -83,6 +83,10 @@ class PrefixKV(Sequence[LayerKV]):
     def __len__(self) -> int:
         return self._num_layers
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self._blocks) * self._tier.block_tokens
+
     def __getitem__(self, layer: int) -> LayerKV:  # type: ignore[override]
         return self._tier.layer_kv(layer, self._blocks)
 

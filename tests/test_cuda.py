@@ -1,0 +1,53 @@
+"""The CUDA path of the same code: run where a GPU is present (skipped elsewhere, marked `gpu`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiered.config import CacheConfig, HostTierConfig
+from tiered.hybrid.forward import forward
+from tiered.hybrid.loader import load_model
+from tiered.hybrid.memory import measure_forward_peak
+from tiered.offload.tiers import KVTiers, forward_with_tiers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_cuda_forward_matches_cpu(tiny_dir: Path) -> None:
+    cpu, gpu = load_model(tiny_dir, "float32", "cpu"), load_model(tiny_dir, "float32", "cuda")
+    ids = torch.randint(0, 1300, (3000,), generator=torch.Generator().manual_seed(0))
+    for mode in ("vanilla", "chunked", "hybrid"):
+        ref = forward(cpu, ids, mode=mode, chunk_tokens=256)
+        got = forward(gpu, ids, mode=mode, chunk_tokens=256).cpu()
+        assert (got - ref).abs().max().item() <= 1e-3 * ref.abs().max().item(), mode
+
+
+def test_cuda_offload_through_pinned_side_stream_gives_the_same_logits(tiny_dir: Path) -> None:
+    model = load_model(tiny_dir, "float32", "cuda")
+    a = model.args
+    cfg = CacheConfig(block_tokens=16, device_tier_bytes=64 * 2 * a.num_layers * 16 * a.num_kv_heads * a.head_dim * 4,
+                      retention="none", host=HostTierConfig(lmcache={"max_local_cpu_size": 0.05}))  # fmt: skip
+    tiers = KVTiers(cfg, a, torch.float32, "cuda", "test-cuda")
+    try:
+        ids = torch.randint(0, 1300, (500,), generator=torch.Generator().manual_seed(1))
+        ref, first = forward_with_tiers(model, tiers, tiers.new_request("a", ids))
+        assert first.staged is not None and first.staged.kv.is_pinned()
+        tiers.flush()
+        again, second = forward_with_tiers(model, tiers, tiers.new_request("b", ids))
+        assert second.split.num_host_hit_tokens == 496
+        assert (again - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    finally:
+        tiers.close()
+
+
+def test_cuda_peak_is_max_allocated(tiny_dir: Path) -> None:
+    model = load_model(tiny_dir, "bfloat16", "cuda")
+    short = measure_forward_peak(model, 1024, "hybrid", 256)
+    long = measure_forward_peak(model, 8192, "hybrid", 256)
+    assert short.method == "cuda max allocated" and short.weights_bytes < short.peak_bytes < long.peak_bytes
