@@ -187,6 +187,21 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """An OpenAI-compatible HTTP server: the API process here, the engine in a child process."""
+    import uvicorn
+
+    from tiered.api.server import build_app
+
+    overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else [])
+    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    cfg = load_config(path, overrides)
+    resolve_device(cfg.device)
+    app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tiered.embedded import SHAPES
 
@@ -202,6 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(run)
     run.add_argument("--prompts", help="JSON file shaped like tiered/data/examples.json (default: the bundled one)")
     run.set_defaults(func=cmd_run)
+
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions so far)",
+        description="Start the API process (FastAPI + uvicorn) and the engine process (ZMQ + msgpack). "
+        "GET /health answers 200 once the engine serves, 503 before. POST /v1/completions takes max_tokens=1 "
+        "(prefill-only), logprobs (top-k) and logprob_token_ids (exactly these ids' logprobs).",
+    )  # fmt: skip
+    serve.add_argument("model", nargs="?", help="HF checkpoint folder or embedded:NAME (default: the config's)")
+    _add_config_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on all routes but /health")
+    serve.add_argument("--served-model-name", default=None, help="model id in responses (default: the folder name)")
+    serve.set_defaults(func=cmd_serve)
 
     mk = sub.add_parser(
         "make-model",

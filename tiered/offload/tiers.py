@@ -120,6 +120,7 @@ class KVTiers:
         # Keys of chunks stored in the host tier, for cheap scoring. LMCache may evict behind our
         # back: a load that finds less drops the missing keys (a stale key costs one lookup).
         self.host_keys: set[int] = set()
+        self._storing_keys: set[int] = set()  # in stores still in flight: counted as host-resident
         self.on_change: Callable[[Iterable[int]], None] | None = None
         self.device_tier.on_change = lambda key: self._changed((key,))
         log.info(
@@ -156,8 +157,10 @@ class KVTiers:
         max_blocks = min(len(req.keys), (n - 1) // self.block_tokens)
         num_device = self.device_tier.count_cached(req.keys, max_blocks)
         num_host = 0
-        host_keys = self.host_keys
-        while num_device + num_host < max_blocks and req.keys[num_device + num_host] in host_keys:
+        host_keys, storing = self.host_keys, self._storing_keys
+        while num_device + num_host < max_blocks and (
+            req.keys[num_device + num_host] in host_keys or req.keys[num_device + num_host] in storing
+        ):
             num_host += 1
         bt = self.block_tokens
         return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host) * bt)
@@ -176,7 +179,11 @@ class KVTiers:
         if self.host_tier is None:
             return [], 0
         n = req.token_ids.numel()
-        if first_block >= len(req.keys) or req.keys[first_block] not in self.host_keys:
+        if first_block >= len(req.keys):
+            return [], first_block
+        if req.keys[first_block] in self._storing_keys:
+            self.host_tier.flush()  # the chunk is on its way: waiting for it beats recomputing it
+        if req.keys[first_block] not in self.host_keys:
             # We know what this engine stored: skip LMCache's lookup (it hashes every token).
             return [], first_block
         found = min(self.host_tier.lookup(req.token_ids), n - 1) // self.block_tokens
@@ -318,14 +325,16 @@ class KVTiers:
             if self._copy_stream is not None:
                 prepared.staged.ready = torch.cuda.Event()
                 prepared.staged.ready.record(self._copy_stream)
-            future = self.host_tier.store_async(req.token_ids, prepared.staged)
             first_key = prepared.staged.first_token // bt
             keys = req.keys[first_key : first_key + prepared.staged.kv.shape[2] // bt]
+            self._storing_keys.update(keys)
+            future = self.host_tier.store_async(req.token_ids, prepared.staged)
 
             def stored(done: Future[bool]) -> None:
                 if done.result():
                     self.host_keys.update(keys)
-                    self._changed(keys)
+                self._storing_keys.difference_update(keys)
+                self._changed(keys)
 
             future.add_done_callback(stored)
 

@@ -1,0 +1,115 @@
+"""A real `tiered serve` (API process + engine process) on the tiny model, through the openai client."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tiered.hybrid.forward import forward
+from tiered.hybrid.loader import load_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    jct = tmp_path_factory.mktemp("jct")
+    cmd = [sys.executable, "-m", "tiered", "serve", str(tiny_dir), "--port", str(port), "--api-key", "sekret",
+           "--set", "cache.block_tokens=16", "--set", f"scheduler.profile_cache_dir={jct}",
+           "--set", "model.max_model_len=1024"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="sekret")
+
+
+def test_completions_equal_the_in_process_forward(client: openai.OpenAI, tiny_dir: Path) -> None:
+    model = load_model(tiny_dir)
+    prompts = [[0] + list(range(10, 10 + n)) for n in (5, 50, 300)]
+    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=1, logprobs=3,
+                                    extra_body={"logprob_token_ids": [11, 12]})  # fmt: skip
+    assert len(out.choices) == 3 and out.usage.prompt_tokens == sum(map(len, prompts))
+    for choice in out.choices:
+        ref = torch.log_softmax(forward(model, torch.tensor(prompts[choice.index])), dim=-1)
+        got = choice.model_extra["logprob_token_ids"]
+        assert abs(got["11"] - float(ref[11])) < 1e-4 and abs(got["12"] - float(ref[12])) < 1e-4
+        assert abs(choice.logprobs.token_logprobs[0] - float(ref.max())) < 1e-4
+        assert len(choice.logprobs.top_logprobs[0]) <= 3
+
+
+def test_a_shared_prefix_is_reported_as_cached(client: openai.OpenAI) -> None:
+    prefix = list(range(100, 164))  # 4 blocks of 16
+    client.completions.create(model="tiny", prompt=prefix + [7, 8], max_tokens=1)
+    # Nothing else waited, so the `prefix` policy kept nothing on the device: the host tier has it.
+    again = client.completions.create(model="tiny", prompt=prefix + [9, 10], max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    assert again.usage.model_extra["tiered"] == {"device_hit_tokens": 0, "host_hit_tokens": 64}
+    # Loading it put it in device blocks: now it is a device hit.
+    third = client.completions.create(model="tiny", prompt=prefix + [11, 12], max_tokens=1)
+    assert third.usage.model_extra["tiered"] == {"device_hit_tokens": 64, "host_hit_tokens": 0}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"prompt": "hi", "max_tokens": 4}, "max_tokens", "max_tokens must be 1: this engine serves prefill-only"),
+        ({"prompt": [1] * 1025}, "prompt", "This model's maximum context length is 1024 tokens."),
+        ({"prompt": [1, 99999]}, "prompt", "token id 99999 is outside the vocabulary"),
+        ({"prompt": []}, "prompt", "prompt must not be empty"),
+        ({"prompt": "hi", "logprobs": 50}, "logprobs", "logprobs must be between 0 and 20"),
+        ({"promptx": "hi"}, "prompt", "prompt: Field required"),
+        ({"prompt": 3.5}, "prompt", "prompt"),
+    ],
+)
+def test_bad_requests_get_an_openai_400_and_the_server_keeps_serving(
+    server: str, body: dict, param: str, message: str
+) -> None:
+    r = httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}, timeout=30)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(message) and err["param"] == param
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+
+
+def test_api_key_is_required_except_for_health(server: str) -> None:
+    r = httpx.get(f"{server}/v1/models", timeout=5)
+    assert r.status_code == 401 and r.json()["error"]["message"] == "Incorrect API key provided."
+    ok = httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=5)
+    assert ok.status_code == 200 and ok.json()["data"][0]["max_model_len"] == 1024
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong").completions.create(
+            model="tiny", prompt="x", max_tokens=1
+        )

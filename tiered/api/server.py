@@ -1,0 +1,245 @@
+"""The API process: FastAPI + uvicorn in front of the engine process (ZMQ + msgpack).
+
+Tokenization and validation happen here; the engine process only sees token ids. Errors use
+OpenAI's envelope {"error": {"message", "type", "param", "code"}}; bad input is a 400, never a
+500, and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from transformers import AutoTokenizer
+
+from tiered.api.engine_process import serve_engine
+from tiered.api.protocol import Ready, ScoreRequest, ScoreResponse, decode, encode
+from tiered.config import Config
+from tiered.embedded import resolve_model_path
+
+log = logging.getLogger(__name__)
+ENGINE_START_TIMEOUT_S = 900
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+
+def _error_body(status: int, message: str, type_: str, param: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+class EngineClient:
+    """Starts the engine process and matches its responses to waiting requests."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.ctx = zmq.asyncio.Context()
+        self.requests = self.ctx.socket(zmq.PUSH)
+        self.responses = self.ctx.socket(zmq.PULL)
+        req_port = self.requests.bind_to_random_port("tcp://127.0.0.1")
+        resp_port = self.responses.bind_to_random_port("tcp://127.0.0.1")
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=serve_engine,
+            args=(config, f"tcp://127.0.0.1:{req_port}", f"tcp://127.0.0.1:{resp_port}"),
+            name="tiered-engine",
+            daemon=True,
+        )
+        self.pending: dict[str, asyncio.Future[ScoreResponse]] = {}
+        self.ready: Ready | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.process.start()
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while self.ready is None:
+            if not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up (code {self.process.exitcode})")
+            if await self.responses.poll(1000):
+                message = decode(await self.responses.recv())
+                if isinstance(message, Ready):
+                    self.ready = message
+            if time.monotonic() > deadline:
+                raise RuntimeError("the engine process did not become ready in time")
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            message = decode(await self.responses.recv())
+            future = self.pending.pop(message.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    @property
+    def alive(self) -> bool:
+        return self.ready is not None and self.process.is_alive()
+
+    async def score(self, req: ScoreRequest) -> ScoreResponse:
+        future: asyncio.Future[ScoreResponse] = asyncio.get_running_loop().create_future()
+        self.pending[req.request_id] = future
+        await self.requests.send(encode(req))
+        return await future
+
+    def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+        self.ctx.destroy(linger=0)
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # fields of other engines are accepted and ignored
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 1
+    logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+
+
+def build_app(config: Config, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+    folder = resolve_model_path(config.model.path, config.model.models_dir)
+    config = replace(config, model=replace(config.model, path=str(folder)))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model_name = served_model_name or Path(folder).name
+    client = EngineClient(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        await client.start()
+        log.info("serving %s (max_model_len %d)", model_name, client.ready.max_model_len if client.ready else 0)
+        yield
+        client.stop()
+
+    app = FastAPI(title="tiered", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        param = loc[0] if loc else None  # the request field; deeper parts name union members
+        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(_error_body(400, message, "invalid_request_error", param), status_code=400)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):  # noqa: ANN001, ANN202
+        if api_key and request.url.path != "/health":
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                body = _error_body(401, "Incorrect API key provided.", "invalid_request_error", None)
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(
+            {"status": "ok" if client.alive else "unavailable"}, status_code=200 if client.alive else 503
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        max_len = client.ready.max_model_len if client.ready else config.model.max_model_len
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tiered", "max_model_len": max_len}
+        return {"object": "list", "data": [card]}
+
+    def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [tokenizer.encode(prompt)]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+
+    def _check(ids: list[int], logprob_ids: list[int]) -> None:
+        assert client.ready is not None
+        limit, vocab = client.ready.max_model_len, client.ready.vocab_size
+        if not ids:
+            raise APIError(400, "prompt must contain at least one token", "prompt")
+        if len(ids) > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested {len(ids)} "
+                f"tokens in the prompt. Please reduce the length of the prompt.",
+                "prompt",
+            )
+        for t in (*ids, *logprob_ids):
+            if not 0 <= t < vocab:
+                raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", "prompt")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> dict[str, Any]:
+        if body.max_tokens is not None and body.max_tokens != 1:
+            message = f"max_tokens must be 1: this engine serves prefill-only requests (got {body.max_tokens})"
+            raise APIError(400, message, "max_tokens")
+        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+            raise APIError(400, f"logprobs must be between 0 and 20 (got {body.logprobs})", "logprobs")
+        if not client.alive:
+            raise APIError(503, "the engine is not serving", type_="service_unavailable")
+        prompts = _prompts(body.prompt)
+        wanted = body.logprob_token_ids or []
+        for ids in prompts:
+            _check(ids, wanted)
+        top = 0 if body.logprobs is None else max(1, body.logprobs)  # the chosen token is the top-1
+        reqs = [ScoreRequest(uuid.uuid4().hex, ids, wanted, top) for ids in prompts]
+        outs = await asyncio.gather(*(client.score(r) for r in reqs))
+        choices = []
+        for i, out in enumerate(outs):
+            if out.error:
+                raise APIError(400, out.error, "prompt")
+            text = tokenizer.decode([out.token_id])
+            choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": "length", "logprobs": None}
+            if body.logprobs is not None:
+                chosen = dict(out.top_logprobs).get(out.token_id)
+                shown = out.top_logprobs[: body.logprobs]
+                choice["logprobs"] = {
+                    "tokens": [text],
+                    "token_logprobs": [chosen],
+                    "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in shown}],
+                    "text_offset": [0],
+                }
+            if wanted:
+                choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
+            choices.append(choice)
+        prompt_tokens = sum(o.num_tokens for o in outs)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(outs),
+                "total_tokens": prompt_tokens + len(outs),
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(o.num_device_hit_tokens + o.num_host_hit_tokens for o in outs)
+                },
+                "tiered": {  # our extension: where the cached tokens came from
+                    "device_hit_tokens": sum(o.num_device_hit_tokens for o in outs),
+                    "host_hit_tokens": sum(o.num_host_hit_tokens for o in outs),
+                },
+            },
+        }
+
+    return app
