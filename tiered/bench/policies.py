@@ -195,7 +195,10 @@ def run_policies_bench(
     decisions = decision_times(cfg, depths, request_tokens=min(4096, cfg.model.max_model_len - 64), picks=20)
     shape = f"profile ~{profile_mean}±{profile_sd} + post {post_tokens} tokens"
     print(f"post recommendation: {users} users x {posts} posts, {shape}, device tier {device_fraction:.0%} of profiles")
-    print(f"Poisson arrivals at {qps:.2f} requests/s = {load:.0%} of the saturation throughput {saturation_qps:.2f}/s")
+    if load > 0:
+        print(f"Poisson arrivals at {qps:.2f} requests/s = {load:.0%} of the saturation throughput {saturation_qps:.2f}/s")
+    else:
+        print(f"all requests at once (a burst); saturation throughput {saturation_qps:.2f} requests/s")
     head = f"{'device hit':>11}{'host hit':>10}{'computed':>10}{'mean s':>8}{'P99 s':>8}{'makespan':>9}"
     head += f"{'JCT err':>8}{'floor':>7}"
     print(f"{'policy':<11}{head}")
