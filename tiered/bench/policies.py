@@ -196,7 +196,7 @@ def run_policies_bench(
     shape = f"profile ~{profile_mean}±{profile_sd} + post {post_tokens} tokens"
     print(f"post recommendation: {users} users x {posts} posts, {shape}, device tier {device_fraction:.0%} of profiles")
     if load > 0:
-        print(f"Poisson arrivals at {qps:.2f} requests/s = {load:.0%} of the saturation throughput {saturation_qps:.2f}/s")
+        print(f"Poisson arrivals at {qps:.2f} requests/s = {load:.0%} of the saturation {saturation_qps:.2f}/s")
     else:
         print(f"all requests at once (a burst); saturation throughput {saturation_qps:.2f} requests/s")
     head = f"{'device hit':>11}{'host hit':>10}{'computed':>10}{'mean s':>8}{'P99 s':>8}{'makespan':>9}"
