@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import subprocess
 import sys
@@ -113,3 +114,47 @@ def test_api_key_is_required_except_for_health(server: str) -> None:
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong").completions.create(
             model="tiny", prompt="x", max_tokens=1
         )
+
+
+def _post(server: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server}{path}", json=body, headers={"Authorization": "Bearer sekret"}, timeout=120)
+
+
+def test_scoring_50_items_equals_50_single_completions(server: str, client: openai.OpenAI) -> None:
+    query = list(range(200, 264))  # 4 blocks of 16: the shared prefix
+    items = [[300 + i, 301 + i, 302] for i in range(50)]
+    labels = [11, 12]
+    vllm = _post(server, "/generative_scoring", {"query": query, "items": items, "label_token_ids": labels})
+    sglang = _post(
+        server, "/v1/score", {"query": query, "items": items, "label_token_ids": labels, "apply_softmax": False}
+    )
+    assert vllm.status_code == 200 and sglang.status_code == 200, (vllm.text, sglang.text)
+    results, scores = vllm.json()["results"], sglang.json()["scores"]
+    assert len(results) == len(scores) == 50 and sglang.json()["object"] == "scoring"
+    # The query was computed once and found in the tiers by the other 49 items.
+    assert vllm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 49 * 64
+    singles = client.completions.create(model="tiny", prompt=[query + item for item in items], max_tokens=1,
+                                        extra_body={"logprob_token_ids": labels})  # fmt: skip
+    for choice in singles.choices:
+        lp = choice.model_extra["logprob_token_ids"]
+        p11, p12 = math.exp(lp["11"]), math.exp(lp["12"])
+        assert abs(scores[choice.index][0] - p11) < 1e-6 and abs(scores[choice.index][1] - p12) < 1e-6
+        probs = results[choice.index]["token_probs"]
+        assert abs(probs["11"] - p11 / (p11 + p12)) < 1e-5 and abs(probs["11"] + probs["12"] - 1) < 1e-6
+
+
+def test_text_scoring_puts_the_item_first_when_asked(server: str, tiny_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    model = load_model(tiny_dir)
+    body = {"query": " Answer:", "items": ["Post: bread.", "Post: football."], "label_token_ids": [11, 12],
+            "item_first": True, "apply_softmax": False}  # fmt: skip
+    r = _post(server, "/v1/score", body)
+    assert r.status_code == 200, r.text
+    for item, row in zip(body["items"], r.json()["scores"], strict=True):
+        ids = tok.encode(item) + tok.encode(" Answer:", add_special_tokens=False)
+        ref = torch.softmax(forward(model, torch.tensor(ids)), dim=-1)
+        assert abs(row[0] - float(ref[11])) < 1e-5 and abs(row[1] - float(ref[12])) < 1e-5
+    bad = _post(server, "/v1/score", {"query": "q", "items": [], "label_token_ids": [1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "items"

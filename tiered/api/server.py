@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import time
 import uuid
@@ -114,6 +115,19 @@ class CompletionRequest(BaseModel):
     logprob_token_ids: list[int] | None = None
 
 
+class ScoreBody(BaseModel):
+    """vLLM's /generative_scoring and SGLang's /v1/score take the same fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    query: str | list[int]
+    items: list[str] | list[list[int]]
+    label_token_ids: list[int]
+    apply_softmax: bool = True
+    item_first: bool = False
+
+
 def build_app(config: Config, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
     folder = resolve_model_path(config.model.path, config.model.models_dir)
     config = replace(config, model=replace(config.model, path=str(folder)))
@@ -187,6 +201,71 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             if not 0 <= t < vocab:
                 raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", "prompt")
 
+    async def _score_items(body: ScoreBody) -> tuple[list[list[float]], list[ScoreResponse]]:
+        """One prefill-only request per item, all sent together: the query is their shared prefix."""
+        if not client.alive:
+            raise APIError(503, "the engine is not serving", type_="service_unavailable")
+        if not body.items:
+            raise APIError(400, "items must not be empty", "items")
+        if not body.label_token_ids:
+            raise APIError(400, "label_token_ids must not be empty", "label_token_ids")
+
+        def ids(part: str | list[int], first: bool) -> list[int]:
+            return tokenizer.encode(part, add_special_tokens=first) if isinstance(part, str) else list(part)
+
+        prompts = [
+            ids(item, True) + ids(body.query, False) if body.item_first else ids(body.query, True) + ids(item, False)
+            for item in body.items
+        ]
+        for p in prompts:
+            _check(p, body.label_token_ids)
+        reqs = [ScoreRequest(uuid.uuid4().hex, p, list(body.label_token_ids)) for p in prompts]
+        outs = await asyncio.gather(*(client.score(r) for r in reqs))
+        scores = []
+        for out in outs:
+            if out.error:
+                raise APIError(400, out.error, "items")
+            lps = dict(out.logprobs)
+            values = [math.exp(lps[t]) for t in body.label_token_ids]
+            if body.apply_softmax:  # over the label tokens only
+                total = sum(values)
+                values = [v / total for v in values]
+            scores.append(values)
+        return scores, list(outs)
+
+    def _usage(outs: list[ScoreResponse]) -> dict[str, Any]:
+        prompt_tokens = sum(o.num_tokens for o in outs)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(outs),
+            "total_tokens": prompt_tokens + len(outs),
+            "prompt_tokens_details": {
+                "cached_tokens": sum(o.num_device_hit_tokens + o.num_host_hit_tokens for o in outs)
+            },
+            "tiered": {  # our extension: where the cached tokens came from
+                "device_hit_tokens": sum(o.num_device_hit_tokens for o in outs),
+                "host_hit_tokens": sum(o.num_host_hit_tokens for o in outs),
+            },
+        }
+
+    @app.post("/generative_scoring")
+    @app.post("/v1/generative-scores")
+    async def generative_scoring(body: ScoreBody) -> dict[str, Any]:
+        """vLLM's shape: results[i].token_probs maps each label id (a string) to its probability."""
+        scores, outs = await _score_items(body)
+        results = [
+            {"index": i, "token_probs": {str(t): p for t, p in zip(body.label_token_ids, row, strict=True)}}
+            for i, row in enumerate(scores)
+        ]
+        return {"id": f"genscore-{uuid.uuid4().hex}", "object": "generative_score", "created": int(time.time()),
+                "model": model_name, "results": results, "usage": _usage(outs)}  # fmt: skip
+
+    @app.post("/v1/score")
+    async def sglang_score(body: ScoreBody) -> dict[str, Any]:
+        """SGLang's shape: scores[i] lists the label probabilities of item i, in label order."""
+        scores, outs = await _score_items(body)
+        return {"object": "scoring", "model": model_name, "scores": scores, "usage": _usage(outs)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> dict[str, Any]:
         if body.max_tokens is not None and body.max_tokens != 1:
@@ -221,25 +300,13 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             if wanted:
                 choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
             choices.append(choice)
-        prompt_tokens = sum(o.num_tokens for o in outs)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": model_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": len(outs),
-                "total_tokens": prompt_tokens + len(outs),
-                "prompt_tokens_details": {
-                    "cached_tokens": sum(o.num_device_hit_tokens + o.num_host_hit_tokens for o in outs)
-                },
-                "tiered": {  # our extension: where the cached tokens came from
-                    "device_hit_tokens": sum(o.num_device_hit_tokens for o in outs),
-                    "host_hit_tokens": sum(o.num_host_hit_tokens for o in outs),
-                },
-            },
+            "usage": _usage(list(outs)),
         }
 
     return app
