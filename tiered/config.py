@@ -118,9 +118,12 @@ class SchedulerConfig:
     profile_miss_fractions: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.125])
     # Where profiled JCT fits are cached (keyed by model, device and config).
     profile_cache_dir: str = ".cache/jct"
+    # Most requests waiting or running at once; the server answers 429 beyond it.
+    max_waiting: int = 4096
 
     def __post_init__(self) -> None:
         _require(self.fairness >= 0, "scheduler.fairness", f"must be >= 0, got {self.fairness}")
+        _require(self.max_waiting >= 1, "scheduler.max_waiting", f"must be >= 1, got {self.max_waiting}")
         _require(bool(self.profile_tokens) and min(self.profile_tokens) >= 2, "scheduler.profile_tokens",
                  "must list lengths >= 2")  # fmt: skip
         _require(all(0 < f <= 1 for f in self.profile_miss_fractions), "scheduler.profile_miss_fractions",

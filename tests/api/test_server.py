@@ -158,3 +158,51 @@ def test_text_scoring_puts_the_item_first_when_asked(server: str, tiny_dir: Path
         assert abs(row[0] - float(ref[11])) < 1e-5 and abs(row[1] - float(ref[12])) < 1e-5
     bad = _post(server, "/v1/score", {"query": "q", "items": [], "label_token_ids": [1]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "items"
+
+
+def test_chat_completion_uses_the_chat_template(client: openai.OpenAI, tiny_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Will the user like this post? Answer:"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=1, logprobs=True,
+                                         top_logprobs=2)  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    ref = torch.log_softmax(forward(load_model(tiny_dir), torch.tensor(ids)), dim=-1)
+    content = out.choices[0].logprobs.content[0]
+    assert abs(content.logprob - float(ref.max())) < 1e-4 and len(content.top_logprobs) == 2
+    assert out.usage.prompt_tokens == len(ids) and out.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be 1"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+
+
+def test_64_concurrent_requests_all_answered_correctly(server: str, tiny_dir: Path) -> None:
+    import asyncio
+
+    model = load_model(tiny_dir)
+    prompts = [[0] + [(7 * i + j) % 1300 + 1 for j in range(20 + i)] for i in range(64)]
+
+    async def run() -> list:
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="sekret")
+        calls = [aclient.completions.create(model="tiny", prompt=p, max_tokens=1, extra_body={"logprob_token_ids": [5]})
+                 for p in prompts]  # fmt: skip
+        return await asyncio.gather(*calls)
+
+    outs = asyncio.run(run())
+    assert len(outs) == 64
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = torch.log_softmax(forward(model, torch.tensor(prompt)), dim=-1)
+        assert abs(out.choices[0].model_extra["logprob_token_ids"]["5"] - float(ref[5])) < 1e-4
+
+
+def test_metrics_count_requests_and_cached_tokens(server: str) -> None:
+    text = httpx.get(f"{server}/metrics", headers={"Authorization": "Bearer sekret"}, timeout=5).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["tiered:request_success"] >= 1
+    assert values["tiered:prefix_cache_hits"] == values["tiered:device_hit_tokens"] + values["tiered:host_hit_tokens"]
+    assert 0 <= values["tiered:prefix_cache_hits"] <= values["tiered:prefix_cache_queries"]
+    assert values["tiered:e2e_request_latency_seconds_count"] == values["tiered:request_success"]
+    assert "tiered:jct_prediction_error" in values and values["tiered:num_requests_waiting"] == 0

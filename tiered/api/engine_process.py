@@ -54,6 +54,7 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
                             num_host_hit_tokens=result.split.num_host_hit_tokens,
                             queued_seconds=result.queued_seconds,
                             compute_seconds=result.compute_seconds,
+                            jct_error=engine.jct.error,
                         )
                     )
                 )

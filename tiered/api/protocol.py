@@ -28,6 +28,7 @@ class ScoreResponse:
     num_host_hit_tokens: int = 0
     queued_seconds: float = 0.0
     compute_seconds: float = 0.0
+    jct_error: float | None = None  # the engine's JCT prediction error (MAPE) after this job
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from transformers import AutoTokenizer
 
@@ -96,6 +96,9 @@ class EngineClient:
         await self.requests.send(encode(req))
         return await future
 
+    def full(self, incoming: int) -> bool:
+        return len(self.pending) + incoming > self.config.scheduler.max_waiting
+
     def stop(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
@@ -128,12 +131,80 @@ class ScoreBody(BaseModel):
     item_first: bool = False
 
 
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# For a tokenizer without a chat template: role-tagged turns, then the assistant's turn opens.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class Metrics:
+    """Prometheus counters, named after vLLM's under a `tiered:` prefix."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.device_hit_tokens = 0
+        self.host_hit_tokens = 0
+        self.queue_seconds = 0.0
+        self.e2e_seconds = 0.0
+        self.jct_error: float | None = None
+
+    def observe(self, out: ScoreResponse, e2e_seconds: float) -> None:
+        self.requests += 1
+        self.prompt_tokens += out.num_tokens
+        self.device_hit_tokens += out.num_device_hit_tokens
+        self.host_hit_tokens += out.num_host_hit_tokens
+        self.cached_tokens += out.num_device_hit_tokens + out.num_host_hit_tokens
+        self.queue_seconds += out.queued_seconds
+        self.e2e_seconds += e2e_seconds
+        if out.jct_error is not None:
+            self.jct_error = out.jct_error
+
+    def render(self, waiting: int) -> str:
+        rows = [
+            ("prefix_cache_queries", "counter", "Prompt tokens looked up in the KV tiers.", self.prompt_tokens),
+            ("prefix_cache_hits", "counter", "Prompt tokens found in the KV tiers.", self.cached_tokens),
+            ("device_hit_tokens", "counter", "Prompt tokens found in the device tier.", self.device_hit_tokens),
+            ("host_hit_tokens", "counter", "Prompt tokens loaded from the host tier.", self.host_hit_tokens),
+            ("request_success", "counter", "Requests answered.", self.requests),
+            ("num_requests_waiting", "gauge", "Requests sent to the engine and not answered yet.", waiting),
+            ("jct_prediction_error", "gauge", "Mean absolute percentage error of the JCT model (fraction).",
+             self.jct_error if self.jct_error is not None else float("nan")),
+        ]  # fmt: skip
+        lines = []
+        for name, kind, doc, value in rows:
+            lines += [f"# HELP tiered:{name} {doc}", f"# TYPE tiered:{name} {kind}", f"tiered:{name} {value}"]
+        for name, doc, total in (
+            ("request_queue_time_seconds", "Time in the engine's queue.", self.queue_seconds),
+            ("e2e_request_latency_seconds", "Time from the API receiving a request to its answer.", self.e2e_seconds),
+        ):
+            lines += [f"# HELP tiered:{name} {doc}", f"# TYPE tiered:{name} summary",
+                      f"tiered:{name}_sum {total}", f"tiered:{name}_count {self.requests}"]  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+
 def build_app(config: Config, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
     folder = resolve_model_path(config.model.path, config.model.models_dir)
     config = replace(config, model=replace(config.model, path=str(folder)))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model_name = served_model_name or Path(folder).name
     client = EngineClient(config)
+    metrics = Metrics()
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -147,6 +218,12 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        body = _error_body(500, f"internal error: {type(exc).__name__}", "internal_server_error", None)
+        return JSONResponse(body, status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -201,6 +278,61 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             if not 0 <= t < vocab:
                 raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", "prompt")
 
+    async def _run(reqs: list[ScoreRequest]) -> list[ScoreResponse]:
+        """Send requests together (the scheduler sees them all); refuse them all if the queue is full."""
+        if client.full(len(reqs)):
+            raise APIError(429, f"the queue is full ({config.scheduler.max_waiting} requests); retry later",
+                           type_="rate_limit_exceeded")  # fmt: skip
+        start = time.monotonic()
+        outs = list(await asyncio.gather(*(client.score(r) for r in reqs)))
+        for out in outs:
+            if out.error is None:
+                metrics.observe(out, time.monotonic() - start)
+        return outs
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(len(client.pending)), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest) -> dict[str, Any]:
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if limit is not None and limit != 1:
+            param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"{param} must be 1: this engine serves prefill-only requests (got {limit})", param)
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be between 0 and 20 (got {body.top_logprobs})", "top_logprobs")
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        if not client.alive:
+            raise APIError(503, "the engine is not serving", type_="service_unavailable")
+        try:
+            text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes its own BOS
+        except Exception as exc:  # noqa: BLE001 - a malformed message is the client's error
+            raise APIError(400, f"messages could not be rendered: {exc}", "messages") from None
+        _check(ids, [])
+        top = max(1, body.top_logprobs or 0) if body.logprobs else 0
+        (out,) = await _run([ScoreRequest(uuid.uuid4().hex, ids, [], top)])
+        if out.error:
+            raise APIError(400, out.error, "messages")
+        text = tokenizer.decode([out.token_id])
+        logprobs = None
+        if body.logprobs:
+
+            def entry(t: int, lp: float) -> dict[str, Any]:
+                tok = str(tokenizer.decode([t]))
+                return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+            chosen = dict(out.top_logprobs).get(out.token_id)
+            first = entry(out.token_id, chosen if chosen is not None else float("nan"))
+            first["top_logprobs"] = [entry(t, lp) for t, lp in out.top_logprobs[: body.top_logprobs or 0]]
+            logprobs = {"content": [first]}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": "length"}  # fmt: skip
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_name, "choices": [choice], "usage": _usage([out])}  # fmt: skip
+
     async def _score_items(body: ScoreBody) -> tuple[list[list[float]], list[ScoreResponse]]:
         """One prefill-only request per item, all sent together: the query is their shared prefix."""
         if not client.alive:
@@ -220,7 +352,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         for p in prompts:
             _check(p, body.label_token_ids)
         reqs = [ScoreRequest(uuid.uuid4().hex, p, list(body.label_token_ids)) for p in prompts]
-        outs = await asyncio.gather(*(client.score(r) for r in reqs))
+        outs = await _run(reqs)
         scores = []
         for out in outs:
             if out.error:
@@ -281,7 +413,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             _check(ids, wanted)
         top = 0 if body.logprobs is None else max(1, body.logprobs)  # the chosen token is the top-1
         reqs = [ScoreRequest(uuid.uuid4().hex, ids, wanted, top) for ids in prompts]
-        outs = await asyncio.gather(*(client.score(r) for r in reqs))
+        outs = await _run(reqs)
         choices = []
         for i, out in enumerate(outs):
             if out.error:
