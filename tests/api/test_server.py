@@ -206,3 +206,35 @@ def test_metrics_count_requests_and_cached_tokens(server: str) -> None:
     assert 0 <= values["tiered:prefix_cache_hits"] <= values["tiered:prefix_cache_queries"]
     assert values["tiered:e2e_request_latency_seconds_count"] == values["tiered:request_success"]
     assert "tiered:jct_prediction_error" in values and values["tiered:num_requests_waiting"] == 0
+
+
+def test_engine_death_answers_503_instead_of_hanging(tiny_dir: Path, tmp_path: Path) -> None:
+    """Kill the engine process: a request gets a 503 (never a hang) and /health turns 503."""
+    import os
+    import signal
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tiered", "serve", str(tiny_dir), "--port", str(port),
+           "--set", "cache.block_tokens=16", "--set", f"scheduler.profile_cache_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(360):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        engine_pid = int(
+            subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[-1]
+        )
+        os.kill(engine_pid, signal.SIGKILL)
+        r = httpx.post(
+            f"{url}/v1/completions", json={"prompt": [t % 1300 + 1 for t in range(4000)], "max_tokens": 1}, timeout=30
+        )
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+    finally:
+        proc.terminate()
+        proc.wait(30)

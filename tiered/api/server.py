@@ -64,6 +64,7 @@ class EngineClient:
         self.pending: dict[str, asyncio.Future[ScoreResponse]] = {}
         self.ready: Ready | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.process.start()
@@ -78,6 +79,17 @@ class EngineClient:
             if time.monotonic() > deadline:
                 raise RuntimeError("the engine process did not become ready in time")
         self._reader = asyncio.create_task(self._read())
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """If the engine process dies, every waiting request gets a 503 instead of waiting forever."""
+        while self.process.is_alive():
+            await asyncio.sleep(0.5)
+        log.error("the engine process exited (code %s)", self.process.exitcode)
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(APIError(503, "the engine process exited", type_="service_unavailable"))
+        self.pending.clear()
 
     async def _read(self) -> None:
         while True:
@@ -100,8 +112,9 @@ class EngineClient:
         return len(self.pending) + incoming > self.config.scheduler.max_waiting
 
     def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(10)
