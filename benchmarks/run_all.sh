@@ -11,3 +11,4 @@ $T bench mil --model embedded:bench --skip-mil --repeats 3 --lengths 8192 --chun
 $T bench tiers --model embedded:bench --json benchmarks/out/tiers-bench.json
 $T bench policies --config configs/bench.yaml --json benchmarks/out/policies-bench.json
 $T bench policies --config configs/bench.yaml --load 0 --json benchmarks/out/policies-burst.json
+$T bench server --json benchmarks/out/server-overhead.json

@@ -202,6 +202,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    from tiered.bench.server import run_server_bench
+
+    run_server_bench(_load(args), args.config, args.overrides, args.requests, args.tokens, args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tiered.embedded import SHAPES
 
@@ -336,6 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--load", type=float, default=0.8, help="Poisson arrival rate, as a share of the saturation rate")
     pol.add_argument("--json", default=None, help="write results as JSON here")
     pol.set_defaults(func=cmd_bench_policies)
+
+    srv = bsub.add_parser(
+        "server", help="per-request overhead of tiered serve over the in-process engine, at low load",
+        description="One request at a time: --requests distinct prompts of --tokens tokens in-process, then as many "
+        "through a `tiered serve` started with the same config; prints both medians and their difference.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(srv)
+    srv.add_argument("--requests", type=int, default=50)
+    srv.add_argument("--tokens", type=int, default=256)
+    srv.add_argument("--json", default=None, help="write results as JSON here")
+    srv.set_defaults(func=cmd_bench_server)
     return p
 
 

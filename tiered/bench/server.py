@@ -1,0 +1,84 @@
+"""`tiered bench server`: what the HTTP server adds per request over the in-process engine.
+
+Low load: one request at a time. The same config runs in-process (`Engine.submit` + `run`) and
+behind `tiered serve` (the openai-style POST /v1/completions with token ids, over loopback);
+each side gets its own distinct prompts of equal length, so neither finds the other's prefix
+in a cache. Reported: median latency of each and the median difference.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+from tiered.bench.report import write_report
+from tiered.config import Config
+from tiered.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_server_bench(cfg: Config, config_path: str | None, overrides: list[str], requests: int, tokens: int,
+                     json_path: str | None) -> dict[str, object]:  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    engine = Engine(cfg)
+    vocab = engine.model.args.vocab_size
+    prompts = [torch.randint(1, min(vocab, 1300), (tokens,), generator=g).tolist() for _ in range(2 * requests + 2)]
+    engine.submit(prompts[-1])  # warm-up
+    engine.run()
+    in_process = []
+    for p in prompts[:requests]:
+        start = time.perf_counter()
+        engine.submit(p)
+        engine.run()
+        in_process.append(time.perf_counter() - start)
+    engine.close()
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tiered", "serve", "--port", str(port)]
+    cmd += ["--config", config_path] if config_path else []
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1800):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        http = httpx.Client(timeout=600)
+        http.post(f"{url}/v1/completions", json={"prompt": prompts[-2], "max_tokens": 1})  # warm-up
+        over_http = []
+        for p in prompts[requests : 2 * requests]:
+            start = time.perf_counter()
+            r = http.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 1})
+            over_http.append(time.perf_counter() - start)
+            r.raise_for_status()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    med_in, med_http = statistics.median(in_process), statistics.median(over_http)
+    print(f"{requests} requests of {tokens} tokens, one at a time")
+    print(f"in-process engine: median {1e3 * med_in:.2f} ms")
+    print(f"through tiered serve: median {1e3 * med_http:.2f} ms")
+    print(f"server overhead per request: {1e3 * (med_http - med_in):.2f} ms (median difference)")
+    return write_report(json_path, "server", cfg.device, {
+        "requests": requests, "tokens": tokens, "in_process_seconds": in_process, "http_seconds": over_http,
+        "median_overhead_seconds": med_http - med_in,
+    })  # fmt: skip
