@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import math
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,40 +12,19 @@ import openai
 import pytest
 import torch
 
+from tiered.api.launch import start_server, stop_server
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     jct = tmp_path_factory.mktemp("jct")
-    cmd = [sys.executable, "-m", "tiered", "serve", str(tiny_dir), "--port", str(port), "--api-key", "sekret",
-           "--set", "cache.block_tokens=16", "--set", f"scheduler.profile_cache_dir={jct}",
-           "--set", "model.max_model_len=1024"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not become healthy")
+    proc, url = start_server([str(tiny_dir), "--api-key", "sekret", "--set", "cache.block_tokens=16",
+                              "--set", f"scheduler.profile_cache_dir={jct}", "--set", "model.max_model_len=1024"],
+                             timeout_s=180)  # fmt: skip
     yield url
-    proc.terminate()
-    proc.wait(30)
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -213,19 +189,9 @@ def test_engine_death_answers_503_instead_of_hanging(tiny_dir: Path, tmp_path: P
     import os
     import signal
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tiered", "serve", str(tiny_dir), "--port", str(port),
-           "--set", "cache.block_tokens=16", "--set", f"scheduler.profile_cache_dir={tmp_path}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server([str(tiny_dir), "--set", "cache.block_tokens=16",
+                              "--set", f"scheduler.profile_cache_dir={tmp_path}"], timeout_s=180)  # fmt: skip
     try:
-        for _ in range(360):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
         engine_pid = int(
             subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[-1]
         )
@@ -236,5 +202,4 @@ def test_engine_death_answers_503_instead_of_hanging(tiny_dir: Path, tmp_path: P
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(f"{url}/health", timeout=5).status_code == 503
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_server(proc)

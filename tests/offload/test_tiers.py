@@ -105,7 +105,7 @@ def test_asynchronous_store_becomes_visible_to_lookups(model: CausalLM, make_tie
     forward_with_tiers(model, tiers, req)
     tiers.flush()
     assert tiers.host_tier.lookup(ids) == 96  # full chunks only: the 4-token tail is not stored
-    assert tiers.split(req).num_host_hit_tokens == 96
+    assert tiers.estimate(req).num_host_hit_tokens == 96  # the scheduler's view follows the store
     assert tiers.stats().host.num_stored_tokens == 96
 
 

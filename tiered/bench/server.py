@@ -9,26 +9,18 @@ in a cache. Reported: median latency of each and the median difference.
 from __future__ import annotations
 
 import logging
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 import torch
 
+from tiered.api.launch import start_server, stop_server
 from tiered.bench.report import write_report
 from tiered.config import Config
 from tiered.engine import Engine
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_server_bench(cfg: Config, config_path: str | None, overrides: list[str], requests: int, tokens: int,
@@ -47,21 +39,9 @@ def run_server_bench(cfg: Config, config_path: str | None, overrides: list[str],
         in_process.append(time.perf_counter() - start)
     engine.close()
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tiered", "serve", "--port", str(port)]
-    cmd += ["--config", config_path] if config_path else []
-    for o in overrides:
-        cmd += ["--set", o]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    args = (["--config", config_path] if config_path else []) + [a for o in overrides for a in ("--set", o)]
+    proc, url = start_server(args)
     try:
-        for _ in range(1800):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
         http = httpx.Client(timeout=600)
         http.post(f"{url}/v1/completions", json={"prompt": prompts[-2], "max_tokens": 1})  # warm-up
         over_http = []
@@ -71,8 +51,7 @@ def run_server_bench(cfg: Config, config_path: str | None, overrides: list[str],
             over_http.append(time.perf_counter() - start)
             r.raise_for_status()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_server(proc)
     med_in, med_http = statistics.median(in_process), statistics.median(over_http)
     print(f"{requests} requests of {tokens} tokens, one at a time")
     print(f"in-process engine: median {1e3 * med_in:.2f} ms")

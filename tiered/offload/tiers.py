@@ -138,17 +138,6 @@ class KVTiers:
 
     # ---- scoring (no side effects) ---------------------------------------------------------
 
-    def split(self, req: TierRequest) -> HitSplit:
-        """The hit split if `req` ran now (device matched by hash; host by an LMCache lookup)."""
-        n = req.token_ids.numel()
-        num_device = len(self.device_tier.match(req.keys, req.token_ids.tolist(), count=False))
-        num_host = 0
-        if self.host_tier is not None and num_device < (n - 1) // self.block_tokens:
-            found = min(self.host_tier.lookup(req.token_ids), n - 1) // self.block_tokens
-            num_host = max(0, found - num_device)
-        bt = self.block_tokens
-        return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host) * bt)
-
     def estimate(self, req: TierRequest) -> HitSplit:
         """The hit split by hashes alone (device index, then known host keys): no I/O, no locks.
 

@@ -75,9 +75,6 @@ class JCTModel:
         """Mean absolute percentage error (a fraction) over the last 100 jobs, or None."""
         return sum(self._errors) / len(self._errors) if self._errors else None
 
-    def load_seconds_per_token(self) -> float:
-        return self.coefficients[3]
-
 
 def _fit(samples: list[JCTSample]) -> list[float]:
     """Least squares on relative error (long and short jobs weigh alike), coefficients >= 0."""
