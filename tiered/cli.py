@@ -226,10 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (completions so far)",
-        description="Start the API process (FastAPI + uvicorn) and the engine process (ZMQ + msgpack). "
-        "GET /health answers 200 once the engine serves, 503 before. POST /v1/completions takes max_tokens=1 "
-        "(prefill-only), logprobs (top-k) and logprob_token_ids (exactly these ids' logprobs).",
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, vLLM and SGLang scoring)",
+        description="Start the API process (FastAPI + uvicorn: tokenizes and validates) and the engine process "
+        "(ZMQ + msgpack). Routes: POST /v1/completions, /v1/chat/completions, /generative_scoring "
+        "(= /v1/generative-scores, vLLM's shape), /v1/score (SGLang's shape); GET /v1/models, /health (200 once "
+        "the engine serves, 503 while it starts or restarts), /metrics (Prometheus, tiered: prefix). max_tokens must "
+        "be 1 (prefill-only). vLLM's extras are honoured: logprob_token_ids, allowed_token_ids, logit_bias, "
+        "priority (lower runs first), cache_salt (KV shared only within a salt). Errors use OpenAI's envelope. "
+        "Limits: server.request_timeout_s (504), server.max_body_bytes (413), scheduler.max_waiting (429); a dead "
+        "engine process is restarted (server.restart_engine). SIGINT/SIGTERM stop both processes.",
     )  # fmt: skip
     serve.add_argument("model", nargs="?", help="HF checkpoint folder or embedded:NAME (default: the config's)")
     _add_config_args(serve)

@@ -143,6 +143,22 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class ServerConfig:
+    """`tiered serve`: limits the API process enforces before anything reaches the engine."""
+
+    # Seconds from a request's arrival to its answer; past it the request is cancelled (504). 0: none.
+    request_timeout_s: float = 600.0
+    # Largest request body accepted, bytes (413 beyond).
+    max_body_bytes: int = 16 * 2**20
+    # Start a new engine process when the engine process dies (requests in flight get 503).
+    restart_engine: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0")
+        _require(self.max_body_bytes >= 1024, "server.max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
+
+
+@dataclass(slots=True)
 class Config:
     """The whole engine configuration."""
 
@@ -153,6 +169,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         ok = self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit())

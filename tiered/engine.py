@@ -31,16 +31,41 @@ from tiered.scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """cuda raises torch.OutOfMemoryError; the CPU allocator a RuntimeError saying so."""
+    return isinstance(exc, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(exc)
+
+
 class EngineStartError(RuntimeError):
     """The engine cannot start with this configuration (the message says by how much)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ScoreParams:
-    """What to return of the last token's distribution."""
+    """What to return of the last token's distribution, and how to choose the one output token.
+
+    As in vLLM (its default `raw_logprobs` mode), logprobs are those of the model's own
+    distribution; `logit_bias` and `allowed_token_ids` only change which token is chosen."""
 
     logprob_token_ids: tuple[int, ...] = ()  # exactly these ids' logprobs (e.g. Yes / No)
     top_logprobs: int = 0
+    allowed_token_ids: tuple[int, ...] = ()  # the chosen token is one of these (empty: any)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # added to the logits before choosing
+
+    def token_ids(self) -> list[int]:
+        """Every token id these parameters name (validated against the vocabulary)."""
+        return [*self.logprob_token_ids, *self.allowed_token_ids, *(t for t, _ in self.logit_bias)]
+
+    def choose(self, logits: Tensor) -> int:
+        if not self.allowed_token_ids and not self.logit_bias:
+            return int(torch.argmax(logits))
+        biased = logits.clone()
+        for t, b in self.logit_bias:
+            biased[t] += b
+        if self.allowed_token_ids:
+            allowed = torch.tensor(self.allowed_token_ids, dtype=torch.long)
+            return int(allowed[torch.argmax(biased[allowed])])
+        return int(torch.argmax(biased))
 
 
 @dataclass(slots=True)
@@ -58,6 +83,12 @@ class Result:
     predicted_seconds: float
     decision_seconds: float
     finished_at: float = field(default=0.0)
+    error: str | None = None  # the request failed in the engine (out of memory); the engine goes on
+
+    @classmethod
+    def failed(cls, request_id: str, num_tokens: int, error: str, queued_seconds: float) -> Result:
+        return cls(request_id, num_tokens, HitSplit(0, 0, num_tokens), 0, {}, [], queued_seconds, 0.0, 0.0, 0.0,
+                   0.0, 0.0, time.monotonic(), error)  # fmt: skip
 
     @property
     def latency_seconds(self) -> float:
@@ -84,6 +115,8 @@ class Engine:
         self.jct = jct_model or self._profile_jct()
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self._params: dict[int, tuple[ScoreParams, float]] = {}
+        self._seqs: dict[str, int] = {}  # request id -> scheduler seq, while waiting
+        self.num_cancelled = 0
         log.info(
             "engine ready: %s on %s, policy %s (λ=%g), prefetch %s",
             folder.name, device, config.scheduler.policy, config.scheduler.fairness, config.scheduler.prefetch,
@@ -187,9 +220,17 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(
-        self, token_ids: Sequence[int] | Tensor, params: ScoreParams = ScoreParams(), request_id: str | None = None
+        self,
+        token_ids: Sequence[int] | Tensor,
+        params: ScoreParams = ScoreParams(),
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; returns its id. Bad input raises ForwardInputError naming the value."""
+        """Queue a request; returns its id. Bad input raises ForwardInputError naming the value.
+
+        `priority`: lower runs first (vLLM's field); `cache_salt`: cached KV is shared only with
+        requests of the same salt (vLLM's field), in both tiers."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         n = ids.numel()
         if n == 0:
@@ -200,13 +241,31 @@ class Engine:
                 f"However, you requested {n} tokens."
             )
         vocab = self.model.args.vocab_size
-        oov = ids[(ids < 0) | (ids >= vocab)].tolist() + [i for i in params.logprob_token_ids if not 0 <= i < vocab]
+        oov = ids[(ids < 0) | (ids >= vocab)].tolist() + [i for i in params.token_ids() if not 0 <= i < vocab]
         if oov:
             raise ForwardInputError(f"token id {oov[0]} is outside the vocabulary [0, {vocab})")
         request_id = request_id or uuid.uuid4().hex
-        w = self.scheduler.add(self.tiers.new_request(request_id, ids))
+        if request_id in self._seqs:
+            raise ForwardInputError(f"request id {request_id!r} is already waiting")
+        w = self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt), priority=priority)
         self._params[w.seq] = (params, w.arrival)
+        self._seqs[request_id] = w.seq
         return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting request (timed out, client gone). False if it is not waiting."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self._params.pop(seq, None)
+        self.tiers.drop_prefetch(request_id)
+        self.num_cancelled += 1
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._seqs)
 
     def step(self) -> Result | None:
         """Run the next request; None when nothing waits."""
@@ -215,18 +274,28 @@ class Engine:
             return None
         w = decision.waiting
         params, arrival = self._params.pop(w.seq)
+        del self._seqs[w.request.request_id]
         if self.config.scheduler.prefetch:
             nxt = self.scheduler.peek()
             if nxt is not None and nxt.split.num_host_hit_tokens > 0:
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
-        prepared = self.tiers.prepare(w.request, self.scheduler.waiting_keys())
-        compute_start = time.perf_counter()
+        prepared: Prepared | None = None
         try:
+            prepared = self.tiers.prepare(w.request, self.scheduler.waiting_keys())
+            compute_start = time.perf_counter()
             logits = self._compute(prepared)
-        except BaseException:
-            self.tiers.abort(prepared)
-            raise
+        except BaseException as exc:
+            if prepared is not None:
+                self.tiers.abort(prepared)
+            if not _out_of_memory(exc):
+                raise
+            # This request did not fit (admission should prevent it): fail it alone, go on.
+            n = w.request.token_ids.numel()
+            log.error("request %s (%d tokens) ran out of memory: %s", w.request.request_id, n, str(exc)[:200])
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            return Result.failed(w.request.request_id, n, f"out of memory computing {n} tokens", started - arrival)
         self._sync()
         compute = time.perf_counter() - compute_start
         self.tiers.finish(prepared)
@@ -240,7 +309,7 @@ class Engine:
             request_id=w.request.request_id,
             num_tokens=w.request.token_ids.numel(),
             split=prepared.split,
-            token_id=int(torch.argmax(logits)),
+            token_id=params.choose(logits),
             logprobs={i: float(logprobs[i]) for i in params.logprob_token_ids},
             top_logprobs=top,
             queued_seconds=started - arrival,

@@ -184,22 +184,148 @@ def test_metrics_count_requests_and_cached_tokens(server: str) -> None:
     assert "tiered:jct_prediction_error" in values and values["tiered:num_requests_waiting"] == 0
 
 
-def test_engine_death_answers_503_instead_of_hanging(tiny_dir: Path, tmp_path: Path) -> None:
-    """Kill the engine process: a request gets a 503 (never a hang) and /health turns 503."""
+def test_vllm_extras_choose_the_token_and_salt_the_cache(client: openai.OpenAI, tiny_dir: Path) -> None:
+    model = load_model(tiny_dir)
+    prompt = [0] + list(range(400, 440))
+    ref = torch.log_softmax(forward(model, torch.tensor(prompt)), dim=-1)
+    allowed = [int(ref.argsort()[3]), int(ref.argsort()[8])]  # neither is the argmax
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, logprobs=1,
+                                    extra_body={"allowed_token_ids": allowed, "priority": -5})  # fmt: skip
+    chosen = max(allowed, key=lambda t: float(ref[t]))
+    assert out.choices[0].text == client_decode(tiny_dir, chosen)
+    biased = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, logit_bias={"7": 100})
+    assert biased.choices[0].text == client_decode(tiny_dir, 7)
+    long = [0] + list(range(500, 564))  # 4 full blocks of 16 below the last token
+    first = client.completions.create(model="tiny", prompt=long, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    other = client.completions.create(model="tiny", prompt=long, max_tokens=1, extra_body={"cache_salt": "tenant-b"})
+    same = client.completions.create(model="tiny", prompt=long, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # another salt never sees tenant-a's KV
+    assert same.usage.prompt_tokens_details.cached_tokens == 64
+
+
+def client_decode(tiny_dir: Path, token: int) -> str:
+    from transformers import AutoTokenizer
+
+    return str(AutoTokenizer.from_pretrained(str(tiny_dir)).decode([token]))
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"prompt": [1, 2], "allowed_token_ids": [5000]}, "allowed_token_ids", "token id 5000 is outside"),
+        ({"prompt": [1, 2], "allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids must not be empty"),
+        ({"prompt": [1, 2], "logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+        ({"prompt": [1, 2], "logit_bias": {"5": 300}}, "logit_bias", "logit_bias values must be in [-100, 100]"),
+        ({"prompt": [1, 2], "cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string"),
+        ({"prompt": [1, 2], "priority": "high"}, "priority", "priority: Input should be a valid integer"),
+    ],
+)
+def test_bad_extras_get_a_400_naming_them(server: str, body: dict, param: str, message: str) -> None:
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert r.json()["error"]["message"].startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("content", "status"),
+    [
+        (b"{not json", 400),
+        (b'{"prompt": "\xff\xfe"}'.replace(b"\\xff\\xfe", b"\xff\xfe"), 400),  # invalid UTF-8
+        (b"[" * 100000 + b"]" * 100000, 400),  # deep JSON
+        (b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}', 413),  # over server.max_body_bytes
+    ],
+)
+def test_hostile_bodies_get_a_4xx_envelope(server: str, content: bytes, status: int) -> None:
+    headers = {"Authorization": "Bearer sekret", "Content-Type": "application/json"}
+    r = httpx.post(f"{server}/v1/completions", content=content, headers=headers, timeout=60)
+    assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+
+
+def test_unknown_routes_and_methods_use_the_envelope(server: str) -> None:
+    headers = {"Authorization": "Bearer sekret"}
+    assert httpx.get(f"{server}/v1/nothing", headers=headers, timeout=5).json()["error"]["code"] == 404
+    assert httpx.get(f"{server}/v1/completions", headers=headers, timeout=5).json()["error"]["code"] == 405
+
+
+def _engine_pid(server_pid: int) -> int:
+    import psutil
+
+    (engine,) = [p for p in psutil.Process(server_pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    return engine.pid
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+
+
+@pytest.fixture()
+def faulty(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A server of its own (these tests kill its parts), with a 2 s request timeout."""
+    jct = tmp_path_factory.mktemp("jct-faulty")
+    sets = ["cache.block_tokens=16", f"scheduler.profile_cache_dir={jct}", "server.request_timeout_s=2",
+            "scheduler.profile_tokens=[64,256]"]  # fmt: skip
+    proc, url = start_server([str(tiny_dir), *(a for s in sets for a in ("--set", s))], timeout_s=180)
+    yield proc, url
+    if proc.poll() is None:
+        stop_server(proc)
+
+
+def test_timeouts_and_disconnects_cancel_waiting_requests(faulty: tuple[subprocess.Popen[bytes], str]) -> None:
+    """30 requests of ~0.2 s each against a 2 s timeout: the late ones get 504 and leave the engine's
+    queue; a client that hangs up has its request cancelled too. Nothing stays pinned."""
+    import concurrent.futures
+
+    _, url = faulty
+    prompts = [[(i * 31 + t) % 1290 + 3 for t in range(8000)] for i in range(30)]
+    with concurrent.futures.ThreadPoolExecutor(31) as pool:
+        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": p}, timeout=60) for p in prompts]
+
+        def hang_up() -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0][::-1]}, timeout=0.3)
+
+        pool.submit(hang_up).result()
+        codes = [f.result().status_code for f in futures]
+    assert set(codes) == {200, 504} and codes.count(504) >= 5, codes
+    assert all(f.result().json()["error"]["type"] == "timeout" for f in futures if f.result().status_code == 504)
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=30)
+    assert ok.status_code == 200
+    m = _metrics(url)
+    assert m["tiered:request_timeout"] == codes.count(504) and m["tiered:request_cancelled"] == 1
+    assert m["tiered:engine_cancelled_requests"] >= 5  # dropped while waiting: never computed
+    assert m["tiered:device_tier_pinned_blocks"] == 0 and m["tiered:num_requests_waiting"] == 0
+
+
+def test_a_dead_engine_answers_503_and_is_restarted(faulty: tuple[subprocess.Popen[bytes], str]) -> None:
     import os
     import signal
+    import time
 
-    proc, url = start_server([str(tiny_dir), "--set", "cache.block_tokens=16",
-                              "--set", f"scheduler.profile_cache_dir={tmp_path}"], timeout_s=180)  # fmt: skip
-    try:
-        engine_pid = int(
-            subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[-1]
-        )
-        os.kill(engine_pid, signal.SIGKILL)
-        r = httpx.post(
-            f"{url}/v1/completions", json={"prompt": [t % 1300 + 1 for t in range(4000)], "max_tokens": 1}, timeout=30
-        )
-        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
-    finally:
-        stop_server(proc)
+    proc, url = faulty
+    os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [t % 1300 + 1 for t in range(4000)]}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the engine was not restarted"
+        time.sleep(0.5)
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=30).status_code == 200
+    assert _metrics(url)["tiered:engine_restarts"] == 1
+
+
+def test_sigterm_stops_both_processes_cleanly(faulty: tuple[subprocess.Popen[bytes], str]) -> None:
+    import signal
+
+    import psutil
+
+    proc, url = faulty
+    engine = psutil.Process(_engine_pid(proc.pid))
+    proc.terminate()
+    # uvicorn shuts down gracefully, then re-raises the signal it caught (the usual exit status for it)
+    assert proc.wait(60) in (0, -signal.SIGTERM)
+    engine.wait(10)  # raises if the engine process outlives the server
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert "stopping the engine process" in err and "engine: SIGTERM: stopping" in err and "Traceback" not in err

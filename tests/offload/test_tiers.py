@@ -116,8 +116,8 @@ def test_missing_host_chunk_falls_back_to_recomputation(model: CausalLM, make_ti
     host = tiers.host_tier
     lookup = host.lookup
 
-    def lookup_then_lose_everything(token_ids: torch.Tensor) -> int:
-        found = lookup(token_ids)
+    def lookup_then_lose_everything(token_ids: torch.Tensor, salt: str | None = None) -> int:
+        found = lookup(token_ids, salt)
         host._engine.clear()  # the chunks vanish between lookup and retrieval
         return found
 

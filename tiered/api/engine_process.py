@@ -1,67 +1,106 @@
 """The engine process: an Engine behind two ZMQ sockets (requests in, responses out).
 
-It drains every waiting request message before each step, so the scheduler sees all of them
-(a scoring call's N items arrive together), runs one request per step, and sends each result
-as soon as it is computed. A request the engine refuses gets a response with `error` set.
+It drains every waiting message before each step, so the scheduler sees all of them (a scoring
+call's N items arrive together), runs one request per step, and sends each result as soon as it
+is computed. A request the engine refuses or fails gets a response with `error` set; a `Cancel`
+drops a request that still waits.
+
+Signals: SIGTERM ends the loop and closes the engine (LMCache included); SIGINT is ignored, since
+Ctrl-C reaches the whole process group and the API process, which owns this one, stops it. If the
+API process disappears without stopping it (killed), the engine notices and exits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 import zmq
 
-from tiered.api.protocol import Ready, ScoreRequest, ScoreResponse, decode, encode
+from tiered.api.protocol import Cancel, Ready, ScoreRequest, ScoreResponse, decode, encode
 from tiered.config import Config
-from tiered.engine import Engine, ScoreParams
+from tiered.engine import Engine, Result, ScoreParams
 from tiered.hybrid.forward import ForwardInputError
 
 log = logging.getLogger(__name__)
 
 
+class _Stop(Exception):
+    pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Stop
+
+
 def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
-    """Run until the process is terminated."""
+    """Run until SIGTERM or until the parent process is gone."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s", datefmt="%H:%M:%S")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    parent = os.getppid()
     ctx = zmq.Context()
     requests = ctx.socket(zmq.PULL)
     requests.connect(request_addr)
     responses = ctx.socket(zmq.PUSH)
     responses.connect(response_addr)
-    with Engine(config) as engine:
-        responses.send(encode(Ready(engine.max_model_len, engine.model.args.vocab_size)))
-        poller = zmq.Poller()
-        poller.register(requests, zmq.POLLIN)
-        while True:
-            busy = len(engine.scheduler) > 0
-            if dict(poller.poll(0 if busy else 100)):
-                while True:
-                    try:
-                        frame = requests.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    _submit(engine, decode(frame), responses)
-            result = engine.step()
-            if result is not None:
-                responses.send(
-                    encode(
-                        ScoreResponse(
-                            request_id=result.request_id,
-                            token_id=result.token_id,
-                            logprobs=list(result.logprobs.items()),
-                            top_logprobs=result.top_logprobs,
-                            num_tokens=result.num_tokens,
-                            num_device_hit_tokens=result.split.num_device_hit_tokens,
-                            num_host_hit_tokens=result.split.num_host_hit_tokens,
-                            queued_seconds=result.queued_seconds,
-                            compute_seconds=result.compute_seconds,
-                            jct_error=engine.jct.error,
-                        )
-                    )
-                )
-
-
-def _submit(engine: Engine, req: ScoreRequest, responses: zmq.Socket) -> None:
     try:
-        engine.submit(req.token_ids, ScoreParams(tuple(req.logprob_token_ids), req.top_logprobs), req.request_id)
+        with Engine(config) as engine:
+            responses.send(encode(Ready(engine.max_model_len, engine.model.args.vocab_size)))
+            poller = zmq.Poller()
+            poller.register(requests, zmq.POLLIN)
+            while True:
+                busy = engine.num_waiting > 0
+                if dict(poller.poll(0 if busy else 100)):
+                    while True:
+                        try:
+                            frame = requests.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        _handle(engine, decode(frame), responses)
+                elif not busy and os.getppid() != parent:
+                    log.warning("the API process is gone; stopping")
+                    break
+                result = engine.step()
+                if result is not None:
+                    responses.send(encode(_response(result, engine)))
+    except _Stop:
+        log.info("SIGTERM: stopping")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _response(result: Result, engine: Engine) -> ScoreResponse:
+    if result.error is not None:
+        return ScoreResponse(request_id=result.request_id, error=result.error, error_status=500)
+    return ScoreResponse(
+        request_id=result.request_id,
+        token_id=result.token_id,
+        logprobs=list(result.logprobs.items()),
+        top_logprobs=result.top_logprobs,
+        num_tokens=result.num_tokens,
+        num_device_hit_tokens=result.split.num_device_hit_tokens,
+        num_host_hit_tokens=result.split.num_host_hit_tokens,
+        queued_seconds=result.queued_seconds,
+        compute_seconds=result.compute_seconds,
+        jct_error=engine.jct.error,
+        host_failures=engine.tiers.host_tier.num_failures if engine.tiers.host_tier else 0,
+        pinned_blocks=engine.tiers.device_tier.stats().num_pinned_blocks,
+        engine_cancelled=engine.num_cancelled,
+    )
+
+
+def _handle(engine: Engine, message: ScoreRequest | Cancel, responses: zmq.Socket) -> None:
+    if isinstance(message, Cancel):
+        if engine.cancel(message.request_id):
+            log.info("request %s cancelled while waiting", message.request_id)
+        return
+    req = message
+    params = ScoreParams(
+        tuple(req.logprob_token_ids), req.top_logprobs, tuple(req.allowed_token_ids), tuple(req.logit_bias)
+    )
+    try:
+        engine.submit(req.token_ids, params, req.request_id, priority=req.priority, cache_salt=req.cache_salt)
     except ForwardInputError as exc:
         responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc))))

@@ -14,12 +14,24 @@ class ScoreRequest:
     token_ids: list[int]
     logprob_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
+    allowed_token_ids: list[int] = field(default_factory=list)
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class Cancel:
+    """The client is gone or its time ran out: drop the request if it still waits."""
+
+    request_id: str
 
 
 @dataclass(slots=True)
 class ScoreResponse:
     request_id: str
-    error: str | None = None  # set when the engine refused the request (a 400 for the client)
+    error: str | None = None  # set when the engine refused or failed the request
+    error_status: int = 400  # the HTTP status for `error`: 400 refused input, 500 failed (out of memory)
     token_id: int = 0
     logprobs: list[tuple[int, float]] = field(default_factory=list)  # for logprob_token_ids
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
@@ -29,6 +41,9 @@ class ScoreResponse:
     queued_seconds: float = 0.0
     compute_seconds: float = 0.0
     jct_error: float | None = None  # the engine's JCT prediction error (MAPE) after this job
+    host_failures: int = 0  # host-tier operations that failed so far (each degraded to recomputation)
+    pinned_blocks: int = 0  # device-tier blocks pinned after this job (0 when nothing else runs)
+    engine_cancelled: int = 0  # requests the engine dropped from its queue on a Cancel, so far
 
 
 @dataclass(slots=True)
@@ -39,11 +54,11 @@ class Ready:
     vocab_size: int
 
 
-_TYPES: dict[str, type] = {"request": ScoreRequest, "response": ScoreResponse, "ready": Ready}
+_TYPES: dict[str, type] = {"request": ScoreRequest, "response": ScoreResponse, "ready": Ready, "cancel": Cancel}
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-def encode(message: ScoreRequest | ScoreResponse | Ready) -> bytes:
+def encode(message: ScoreRequest | ScoreResponse | Ready | Cancel) -> bytes:
     return msgpack.packb({"type": _NAMES[type(message)], "body": asdict(message)})
 
 
@@ -54,4 +69,6 @@ def decode(frame: bytes) -> Any:
     if cls is ScoreResponse:
         body["logprobs"] = [tuple(p) for p in body["logprobs"]]
         body["top_logprobs"] = [tuple(p) for p in body["top_logprobs"]]
+    elif cls is ScoreRequest:
+        body["logit_bias"] = [tuple(p) for p in body["logit_bias"]]
     return cls(**body)

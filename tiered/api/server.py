@@ -8,11 +8,13 @@ OpenAI's envelope {"error": {"message", "type", "param", "code"}}; bad input is 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import multiprocessing
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -24,10 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from tiered.api.engine_process import serve_engine
-from tiered.api.protocol import Ready, ScoreRequest, ScoreResponse, decode, encode
+from tiered.api.protocol import Cancel, Ready, ScoreRequest, ScoreResponse, decode, encode
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 
@@ -45,8 +48,12 @@ def _error_body(status: int, message: str, type_: str, param: str | None) -> dic
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected while its requests waited."""
+
+
 class EngineClient:
-    """Starts the engine process and matches its responses to waiting requests."""
+    """Runs the engine process (restarting it if it dies) and matches its responses to requests."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -55,88 +62,169 @@ class EngineClient:
         self.responses = self.ctx.socket(zmq.PULL)
         req_port = self.requests.bind_to_random_port("tcp://127.0.0.1")
         resp_port = self.responses.bind_to_random_port("tcp://127.0.0.1")
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=serve_engine,
-            args=(config, f"tcp://127.0.0.1:{req_port}", f"tcp://127.0.0.1:{resp_port}"),
-            name="tiered-engine",
-            daemon=True,
-        )
+        self._addrs = (f"tcp://127.0.0.1:{req_port}", f"tcp://127.0.0.1:{resp_port}")
+        self.process: multiprocessing.process.BaseProcess | None = None
         self.pending: dict[str, asyncio.Future[ScoreResponse]] = {}
         self.ready: Ready | None = None
+        self.restarts = 0
+        self.cancelled = 0
+        self.timed_out = 0
+        self._ready_event = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._stopping = False
 
-    async def start(self) -> None:
+    def _spawn(self) -> None:
+        self.ready = None
+        self._ready_event.clear()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=serve_engine, args=(self.config, *self._addrs), name="tiered-engine", daemon=True
+        )
         self.process.start()
+
+    async def _wait_ready(self) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while self.ready is None:
+        while not self._ready_event.is_set():
             if not self.process.is_alive():
                 raise RuntimeError(f"the engine process exited during start-up (code {self.process.exitcode})")
-            if await self.responses.poll(1000):
-                message = decode(await self.responses.recv())
-                if isinstance(message, Ready):
-                    self.ready = message
             if time.monotonic() > deadline:
                 raise RuntimeError("the engine process did not become ready in time")
+            try:
+                await asyncio.wait_for(self._ready_event.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+    async def start(self) -> None:
         self._reader = asyncio.create_task(self._read())
+        self._spawn()
+        await self._wait_ready()
         self._watchdog = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
-        """If the engine process dies, every waiting request gets a 503 instead of waiting forever."""
-        while self.process.is_alive():
-            await asyncio.sleep(0.5)
-        log.error("the engine process exited (code %s)", self.process.exitcode)
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(APIError(503, "the engine process exited", type_="service_unavailable"))
-        self.pending.clear()
+        """A dead engine process fails its waiting requests with 503, then is replaced."""
+        while not self._stopping:
+            await asyncio.sleep(0.2)
+            if self.process is None or self.process.is_alive():
+                continue
+            log.error("the engine process exited (code %s)", self.process.exitcode)
+            self.ready = None
+            for future in self.pending.values():
+                if not future.done():
+                    future.set_exception(APIError(503, "the engine process exited", type_="service_unavailable"))
+            self.pending.clear()
+            if not self.config.server.restart_engine:
+                return
+            self.restarts += 1
+            log.warning("starting a new engine process (restart %d)", self.restarts)
+            try:
+                self._spawn()
+                await self._wait_ready()
+                log.info("the engine process serves again")
+            except RuntimeError as exc:
+                log.error("the new engine process did not start (%s); not serving", exc)
+                return
 
     async def _read(self) -> None:
         while True:
             message = decode(await self.responses.recv())
+            if isinstance(message, Ready):
+                self.ready = message
+                self._ready_event.set()
+                continue
             future = self.pending.pop(message.request_id, None)
             if future is not None and not future.done():
                 future.set_result(message)
 
     @property
     def alive(self) -> bool:
-        return self.ready is not None and self.process.is_alive()
+        return self.ready is not None and self.process is not None and self.process.is_alive()
 
-    async def score(self, req: ScoreRequest) -> ScoreResponse:
-        future: asyncio.Future[ScoreResponse] = asyncio.get_running_loop().create_future()
-        self.pending[req.request_id] = future
-        await self.requests.send(encode(req))
-        return await future
+    async def run(
+        self, reqs: list[ScoreRequest], disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> list[ScoreResponse]:
+        """Send requests together and wait for all their answers.
+
+        Past `server.request_timeout_s` (504) or when the client disconnects, the requests that
+        have no answer yet are cancelled in the engine (they leave its queue; one already
+        computing finishes and its answer is dropped)."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for r in reqs:
+            future: asyncio.Future[ScoreResponse] = loop.create_future()
+            self.pending[r.request_id] = future
+            futures.append(future)
+        gathered = asyncio.gather(*futures)
+        try:
+            for r in reqs:
+                await self.requests.send(encode(r))
+            timeout = self.config.server.request_timeout_s
+            deadline = time.monotonic() + timeout if timeout else math.inf
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+                if done:
+                    return list(gathered.result())
+                if disconnected is not None and await disconnected():
+                    self.cancelled += len(reqs)
+                    raise ClientGone
+                if time.monotonic() >= deadline:
+                    self.timed_out += len(reqs)
+                    raise APIError(504, f"the request did not finish within server.request_timeout_s={timeout:g} s; "
+                                   "it was cancelled", type_="timeout")  # fmt: skip
+        except BaseException:
+            gathered.cancel()
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()  # retrieved: an engine death already answered them
+            for r in reqs:
+                if self.pending.pop(r.request_id, None) is not None and self.alive:
+                    await self.requests.send(encode(Cancel(r.request_id)))
+            raise
 
     def full(self, incoming: int) -> bool:
         return len(self.pending) + incoming > self.config.scheduler.max_waiting
 
     def stop(self) -> None:
+        self._stopping = True
         for task in (self._reader, self._watchdog):
             if task is not None:
                 task.cancel()
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(10)
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()  # SIGTERM: the engine closes its tiers and exits
+            self.process.join(30)
+            if self.process.is_alive():
+                log.warning("the engine process did not stop in 30 s; killing it")
+                self.process.kill()
+                self.process.join(5)
         self.ctx.destroy(linger=0)
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # fields of other engines are accepted and ignored
-
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 1
-    logprobs: int | None = None
-    logprob_token_ids: list[int] | None = None
-
-
-class ScoreBody(BaseModel):
-    """vLLM's /generative_scoring and SGLang's /v1/score take the same fields."""
+class EngineFields(BaseModel):
+    """Fields every route takes. Fields of other engines are accepted and ignored (extra=allow)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    priority: int = 0  # vLLM's: lower runs first (always honoured here)
+    cache_salt: str | None = None  # vLLM's: cached KV is shared only with the same salt
+
+
+class ChoiceFields(EngineFields):
+    """How the one output token is chosen (vLLM's and OpenAI's fields)."""
+
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    logprob_token_ids: list[int] | None = None  # vLLM's: return exactly these ids' logprobs
+
+
+class CompletionRequest(ChoiceFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 1
+    logprobs: int | None = None
+
+
+class ScoreBody(EngineFields):
+    """vLLM's /generative_scoring and SGLang's /v1/score take the same fields."""
+
     query: str | list[int]
     items: list[str] | list[list[int]]
     label_token_ids: list[int]
@@ -144,10 +232,7 @@ class ScoreBody(BaseModel):
     item_first: bool = False
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
+class ChatRequest(ChoiceFields):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -174,6 +259,10 @@ class Metrics:
         self.queue_seconds = 0.0
         self.e2e_seconds = 0.0
         self.jct_error: float | None = None
+        self.host_failures = 0
+        self.pinned_blocks = 0
+        self.engine_cancelled = 0
+        self.failed = 0  # requests the engine failed (out of memory)
 
     def observe(self, out: ScoreResponse, e2e_seconds: float) -> None:
         self.requests += 1
@@ -185,8 +274,11 @@ class Metrics:
         self.e2e_seconds += e2e_seconds
         if out.jct_error is not None:
             self.jct_error = out.jct_error
+        self.host_failures = out.host_failures
+        self.pinned_blocks = out.pinned_blocks
+        self.engine_cancelled = out.engine_cancelled
 
-    def render(self, waiting: int) -> str:
+    def render(self, waiting: int, client: EngineClient) -> str:
         rows = [
             ("prefix_cache_queries", "counter", "Prompt tokens looked up in the KV tiers.", self.prompt_tokens),
             ("prefix_cache_hits", "counter", "Prompt tokens found in the KV tiers.", self.cached_tokens),
@@ -196,6 +288,16 @@ class Metrics:
             ("num_requests_waiting", "gauge", "Requests sent to the engine and not answered yet.", waiting),
             ("jct_prediction_error", "gauge", "Mean absolute percentage error of the JCT model (fraction).",
              self.jct_error if self.jct_error is not None else float("nan")),
+            ("host_tier_failures", "counter", "Host-tier operations that failed and fell back to recomputation "
+             "(this engine process).", self.host_failures),
+            ("request_failure", "counter", "Requests the engine failed (out of memory).", self.failed),
+            ("request_timeout", "counter", "Requests cancelled past server.request_timeout_s.", client.timed_out),
+            ("request_cancelled", "counter", "Requests cancelled because the client disconnected.", client.cancelled),
+            ("engine_cancelled_requests", "counter", "Cancelled requests the engine dropped while they waited "
+             "(this engine process).", self.engine_cancelled),
+            ("device_tier_pinned_blocks", "gauge", "Device-tier blocks pinned when the last answer left the "
+             "engine (0 unless another request was running).", self.pinned_blocks),
+            ("engine_restarts", "counter", "Engine processes started after one died.", client.restarts),
         ]  # fmt: skip
         lines = []
         for name, kind, doc, value in rows:
@@ -207,6 +309,49 @@ class Metrics:
             lines += [f"# HELP tiered:{name} {doc}", f"# TYPE tiered:{name} summary",
                       f"tiered:{name}_sum {total}", f"tiered:{name}_count {self.requests}"]  # fmt: skip
         return "\n".join(lines) + "\n"
+
+
+class _Guard:
+    """Pure ASGI middleware (cheaper than BaseHTTPMiddleware, and leaves disconnects visible):
+    the API key on every route but /health (401) and the body size limit (413)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"] != "/health":
+            if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
+                return await _reply(send, 401, "Incorrect API key provided.", "invalid_request_error")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _reply(send, 413, f"the request body is over server.max_body_bytes={self.max_body}",
+                                "invalid_request_error")  # fmt: skip
+        seen = 0
+
+        async def counted() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:  # a chunked body without content-length
+                raise APIError(413, f"the request body is over server.max_body_bytes={self.max_body}")
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+async def _reply(send: Any, status: int, message: str, type_: str) -> None:
+    body = json.dumps(_error_body(status, message, type_, None)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})  # fmt: skip
 
 
 def build_app(config: Config, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
@@ -224,13 +369,25 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         await client.start()
         log.info("serving %s (max_model_len %d)", model_name, client.ready.max_model_len if client.ready else 0)
         yield
+        log.info("shutting down: stopping the engine process")
         client.stop()
 
     app = FastAPI(title="tiered", lifespan=lifespan)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown route (404), wrong method (405), a body that is not JSON (400): OpenAI's envelope too.
+        body = _error_body(exc.status_code, str(exc.detail), "invalid_request_error", None)
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientGone)
+    async def gone(_: Request, exc: ClientGone) -> JSONResponse:
+        return JSONResponse(_error_body(499, "the client disconnected", "cancelled", None), status_code=499)
 
     @app.exception_handler(Exception)
     async def bug(_: Request, exc: Exception) -> JSONResponse:
@@ -245,14 +402,6 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         param = loc[0] if loc else None  # the request field; deeper parts name union members
         message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(_error_body(400, message, "invalid_request_error", param), status_code=400)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):  # noqa: ANN001, ANN202
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                body = _error_body(401, "Incorrect API key provided.", "invalid_request_error", None)
-                return JSONResponse(body, status_code=401)
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -275,40 +424,89 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             return [list(prompt)]  # type: ignore[arg-type]
         return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
-    def _check(ids: list[int], logprob_ids: list[int]) -> None:
+    def _check_ids(ids: list[int], param: str) -> None:
         assert client.ready is not None
-        limit, vocab = client.ready.max_model_len, client.ready.vocab_size
+        vocab = client.ready.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab}) (in {param})", param)
+
+    def _check_prompt(ids: list[int], param: str) -> None:
+        """The API's admission check: nothing too long or out of vocabulary reaches the engine.
+
+        max_model_len is the measured limit when engine.memory_budget_bytes is set (the engine's
+        start-up profile run proves a max_model_len forward fits, or refuses to start)."""
+        assert client.ready is not None
+        limit = client.ready.max_model_len
         if not ids:
-            raise APIError(400, "prompt must contain at least one token", "prompt")
+            raise APIError(400, f"{param} must contain at least one token", param)
         if len(ids) > limit:
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested {len(ids)} "
                 f"tokens in the prompt. Please reduce the length of the prompt.",
-                "prompt",
+                param,
             )
-        for t in (*ids, *logprob_ids):
-            if not 0 <= t < vocab:
-                raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", "prompt")
+        _check_ids(ids, param)
 
-    async def _run(reqs: list[ScoreRequest]) -> list[ScoreResponse]:
+    def _serving() -> None:
+        if not client.alive:
+            raise APIError(503, "the engine is not serving (starting or restarting); retry shortly",
+                           type_="service_unavailable")  # fmt: skip
+
+    def _requests(
+        prompts: list[list[int]], body: EngineFields, param: str, wanted: list[int], top: int = 0
+    ) -> list[ScoreRequest]:
+        """Validate the prompts and the choice fields; one engine request per prompt."""
+        if body.cache_salt is not None and not body.cache_salt:
+            raise APIError(400, "cache_salt must be a non-empty string when given", "cache_salt")
+        allowed: list[int] = []
+        bias: list[tuple[int, float]] = []
+        if isinstance(body, ChoiceFields):
+            if body.allowed_token_ids is not None:
+                if not body.allowed_token_ids:
+                    raise APIError(400, "allowed_token_ids must not be empty when given", "allowed_token_ids")
+                allowed = list(body.allowed_token_ids)
+                _check_ids(allowed, "allowed_token_ids")
+            for key, value in (body.logit_bias or {}).items():
+                if not key.lstrip("-").isdigit():
+                    raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+                if not -100 <= value <= 100 or math.isnan(value):
+                    raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+                bias.append((int(key), value))
+            _check_ids([t for t, _ in bias], "logit_bias")
+        _check_ids(wanted, "logprob_token_ids" if isinstance(body, ChoiceFields) else "label_token_ids")
+        for ids in prompts:
+            _check_prompt(ids, param)
+        return [
+            ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt)
+            for ids in prompts
+        ]
+
+    async def _run(reqs: list[ScoreRequest], request: Request, param: str) -> list[ScoreResponse]:
         """Send requests together (the scheduler sees them all); refuse them all if the queue is full."""
         if client.full(len(reqs)):
             raise APIError(429, f"the queue is full ({config.scheduler.max_waiting} requests); retry later",
                            type_="rate_limit_exceeded")  # fmt: skip
         start = time.monotonic()
-        outs = list(await asyncio.gather(*(client.score(r) for r in reqs)))
+        outs = await client.run(reqs, request.is_disconnected)
         for out in outs:
             if out.error is None:
                 metrics.observe(out, time.monotonic() - start)
+            elif out.error_status >= 500:
+                metrics.failed += 1
+        for out in outs:
+            if out.error:
+                type_ = "server_error" if out.error_status >= 500 else "invalid_request_error"
+                raise APIError(out.error_status, out.error, param if out.error_status < 500 else None, type_)
         return outs
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(len(client.pending)), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(len(client.pending), client), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> dict[str, Any]:
+    async def chat(body: ChatRequest, request: Request) -> dict[str, Any]:
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if limit is not None and limit != 1:
             param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -317,18 +515,15 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             raise APIError(400, f"top_logprobs must be between 0 and 20 (got {body.top_logprobs})", "top_logprobs")
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        if not client.alive:
-            raise APIError(503, "the engine is not serving", type_="service_unavailable")
+        _serving()
         try:
             text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=False)
             ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes its own BOS
         except Exception as exc:  # noqa: BLE001 - a malformed message is the client's error
             raise APIError(400, f"messages could not be rendered: {exc}", "messages") from None
-        _check(ids, [])
         top = max(1, body.top_logprobs or 0) if body.logprobs else 0
-        (out,) = await _run([ScoreRequest(uuid.uuid4().hex, ids, [], top)])
-        if out.error:
-            raise APIError(400, out.error, "messages")
+        (out,) = await _run(_requests([ids], body, "messages", list(body.logprob_token_ids or []), top), request,
+                            "messages")  # fmt: skip
         text = tokenizer.decode([out.token_id])
         logprobs = None
         if body.logprobs:
@@ -341,15 +536,16 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             first = entry(out.token_id, chosen if chosen is not None else float("nan"))
             first["top_logprobs"] = [entry(t, lp) for t, lp in out.top_logprobs[: body.top_logprobs or 0]]
             logprobs = {"content": [first]}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": "length"}  # fmt: skip
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": logprobs, "finish_reason": "length"}  # fmt: skip
+        if body.logprob_token_ids:
+            choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": model_name, "choices": [choice], "usage": _usage([out])}  # fmt: skip
 
-    async def _score_items(body: ScoreBody) -> tuple[list[list[float]], list[ScoreResponse]]:
+    async def _score_items(body: ScoreBody, request: Request) -> tuple[list[list[float]], list[ScoreResponse]]:
         """One prefill-only request per item, all sent together: the query is their shared prefix."""
-        if not client.alive:
-            raise APIError(503, "the engine is not serving", type_="service_unavailable")
+        _serving()
         if not body.items:
             raise APIError(400, "items must not be empty", "items")
         if not body.label_token_ids:
@@ -362,14 +558,9 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             ids(item, True) + ids(body.query, False) if body.item_first else ids(body.query, True) + ids(item, False)
             for item in body.items
         ]
-        for p in prompts:
-            _check(p, body.label_token_ids)
-        reqs = [ScoreRequest(uuid.uuid4().hex, p, list(body.label_token_ids)) for p in prompts]
-        outs = await _run(reqs)
+        outs = await _run(_requests(prompts, body, "items", list(body.label_token_ids)), request, "items")
         scores = []
         for out in outs:
-            if out.error:
-                raise APIError(400, out.error, "items")
             lps = dict(out.logprobs)
             values = [math.exp(lps[t]) for t in body.label_token_ids]
             if body.apply_softmax:  # over the label tokens only
@@ -395,9 +586,9 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
 
     @app.post("/generative_scoring")
     @app.post("/v1/generative-scores")
-    async def generative_scoring(body: ScoreBody) -> dict[str, Any]:
+    async def generative_scoring(body: ScoreBody, request: Request) -> dict[str, Any]:
         """vLLM's shape: results[i].token_probs maps each label id (a string) to its probability."""
-        scores, outs = await _score_items(body)
+        scores, outs = await _score_items(body, request)
         results = [
             {"index": i, "token_probs": {str(t): p for t, p in zip(body.label_token_ids, row, strict=True)}}
             for i, row in enumerate(scores)
@@ -406,31 +597,24 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
                 "model": model_name, "results": results, "usage": _usage(outs)}  # fmt: skip
 
     @app.post("/v1/score")
-    async def sglang_score(body: ScoreBody) -> dict[str, Any]:
+    async def sglang_score(body: ScoreBody, request: Request) -> dict[str, Any]:
         """SGLang's shape: scores[i] lists the label probabilities of item i, in label order."""
-        scores, outs = await _score_items(body)
+        scores, outs = await _score_items(body, request)
         return {"object": "scoring", "model": model_name, "scores": scores, "usage": _usage(outs)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> dict[str, Any]:
+    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
         if body.max_tokens is not None and body.max_tokens != 1:
             message = f"max_tokens must be 1: this engine serves prefill-only requests (got {body.max_tokens})"
             raise APIError(400, message, "max_tokens")
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise APIError(400, f"logprobs must be between 0 and 20 (got {body.logprobs})", "logprobs")
-        if not client.alive:
-            raise APIError(503, "the engine is not serving", type_="service_unavailable")
-        prompts = _prompts(body.prompt)
-        wanted = body.logprob_token_ids or []
-        for ids in prompts:
-            _check(ids, wanted)
+        _serving()
+        wanted = list(body.logprob_token_ids or [])
         top = 0 if body.logprobs is None else max(1, body.logprobs)  # the chosen token is the top-1
-        reqs = [ScoreRequest(uuid.uuid4().hex, ids, wanted, top) for ids in prompts]
-        outs = await _run(reqs)
+        outs = await _run(_requests(_prompts(body.prompt), body, "prompt", wanted, top), request, "prompt")
         choices = []
         for i, out in enumerate(outs):
-            if out.error:
-                raise APIError(400, out.error, "prompt")
             text = tokenizer.decode([out.token_id])
             choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": "length", "logprobs": None}
             if body.logprobs is not None:

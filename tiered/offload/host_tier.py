@@ -101,6 +101,11 @@ def _connector_class() -> type:
     return TieredConnector
 
 
+def _salted(salt: str | None) -> dict[str, str] | None:
+    """LMCache puts `lmcache.tag.*` request configs into its chunk keys: a salt isolates chunks."""
+    return None if salt is None else {"lmcache.tag.cache_salt": salt}
+
+
 def _quiet_lmcache() -> None:
     """LMCache logs every store and retrieve at INFO (each of its loggers sets its own level)."""
     for name in list(logging.root.manager.loggerDict):
@@ -180,16 +185,18 @@ class HostTier:
             self._warned.add(what)
             log.warning("host tier %s failed (%s: %s); recomputing instead", what, type(exc).__name__, exc)
 
-    def lookup(self, token_ids: Tensor) -> int:
+    def lookup(self, token_ids: Tensor, salt: str | None = None) -> int:
         """Tokens of the longest prefix of `token_ids` stored as full chunks (0 on failure)."""
         try:
             with self._lock:
-                return int(self._engine.lookup(token_ids))
+                return int(self._engine.lookup(token_ids, request_configs=_salted(salt)))
         except Exception as exc:  # noqa: BLE001 - any host-tier fault degrades to a miss
             self._failed("lookup", exc)
             return 0
 
-    def retrieve_into(self, token_ids: Tensor, first_block: int, tier: DeviceTier, block_ids: Sequence[int]) -> int:
+    def retrieve_into(
+        self, token_ids: Tensor, first_block: int, tier: DeviceTier, block_ids: Sequence[int], salt: str | None = None
+    ) -> int:
         """Load chunks first_block.. into `block_ids`; return how many leading ones arrived."""
         if not block_ids:
             return 0
@@ -200,7 +207,9 @@ class HostTier:
         mask[start:] = True
         try:
             with self._lock:
-                got = self._engine.retrieve(tokens, mask=mask, target=_IntoBlocks(tier, block_ids, start))
+                got = self._engine.retrieve(
+                    tokens, mask=mask, target=_IntoBlocks(tier, block_ids, start), request_configs=_salted(salt)
+                )
         except Exception as exc:  # noqa: BLE001
             self._failed("retrieve", exc)
             return 0
@@ -209,7 +218,7 @@ class HostTier:
         self.num_hit_tokens += num * bt
         return num
 
-    def store_async(self, token_ids: Tensor, staged: StagedKV) -> Future[bool]:
+    def store_async(self, token_ids: Tensor, staged: StagedKV, salt: str | None = None) -> Future[bool]:
         """Store chunks of `staged` (already full chunks) in the background; never raises.
 
         The future's result says whether the store succeeded."""
@@ -221,7 +230,7 @@ class HostTier:
         def run() -> bool:
             try:
                 with self._lock:
-                    self._engine.store(tokens, mask=mask, staged=staged)
+                    self._engine.store(tokens, mask=mask, staged=staged, request_configs=_salted(salt))
                 self.num_stored_tokens += end - staged.first_token
                 return True
             except Exception as exc:  # noqa: BLE001

@@ -50,11 +50,14 @@ class TierRequest:
     request_id: str
     token_ids: Tensor  # [T] int64, on the CPU
     keys: list[int] = field(default_factory=list)
+    salt: str | None = None  # vLLM's cache_salt: shares cached KV only with the same salt
 
     @classmethod
-    def make(cls, request_id: str, token_ids: Sequence[int] | Tensor, block_tokens: int) -> TierRequest:
+    def make(
+        cls, request_id: str, token_ids: Sequence[int] | Tensor, block_tokens: int, salt: str | None = None
+    ) -> TierRequest:
         ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
-        return cls(request_id, ids, block_keys(ids.tolist(), block_tokens))
+        return cls(request_id, ids, block_keys(ids.tolist(), block_tokens, salt), salt)
 
 
 @dataclass(slots=True)
@@ -133,8 +136,8 @@ class KVTiers:
             cfg.suffix,
         )
 
-    def new_request(self, request_id: str, token_ids: Sequence[int] | Tensor) -> TierRequest:
-        return TierRequest.make(request_id, token_ids, self.block_tokens)
+    def new_request(self, request_id: str, token_ids: Sequence[int] | Tensor, salt: str | None = None) -> TierRequest:
+        return TierRequest.make(request_id, token_ids, self.block_tokens, salt)
 
     # ---- scoring (no side effects) ---------------------------------------------------------
 
@@ -175,12 +178,12 @@ class KVTiers:
         if req.keys[first_block] not in self.host_keys:
             # We know what this engine stored: skip LMCache's lookup (it hashes every token).
             return [], first_block
-        found = min(self.host_tier.lookup(req.token_ids), n - 1) // self.block_tokens
+        found = min(self.host_tier.lookup(req.token_ids, req.salt), n - 1) // self.block_tokens
         self._forget_host_keys(req.keys[found:])
         if found <= first_block:
             return [], found
         blocks = self.device_tier.allocate(found - first_block)
-        got = self.host_tier.retrieve_into(req.token_ids, first_block, self.device_tier, blocks)
+        got = self.host_tier.retrieve_into(req.token_ids, first_block, self.device_tier, blocks, req.salt)
         if got < len(blocks):
             self._forget_host_keys(req.keys[first_block + got : found])
         loaded = blocks[:got]
@@ -213,11 +216,14 @@ class KVTiers:
 
         self._prefetches[req.request_id] = self._prefetcher.submit(run)
 
+    def drop_prefetch(self, request_id: str) -> None:
+        """Forget a prefetch for a request that will not run (what it loaded stays cached)."""
+        self._prefetches.pop(request_id, None)
+
     def prepare(self, req: TierRequest, shared_keys: Collection[int] = ()) -> Prepared:
         """Pin the request's prefix (loading host hits) and plan its retention and offload.
 
         `shared_keys`: block keys of other waiting requests, for the `prefix` retention policy."""
-        bt = self.block_tokens
         tokens = req.token_ids.tolist()
         prefetched: list[int] = []
         wait = 0.0
@@ -228,6 +234,22 @@ class KVTiers:
             wait = time.perf_counter() - start
         hits = self.device_tier.match(req.keys, tokens, count=False)
         self.device_tier.pin(hits)
+        try:
+            return self._plan(req, tokens, hits, prefetched, wait, shared_keys)
+        except BaseException:
+            self.device_tier.unpin(hits)  # what _plan pinned it released itself
+            raise
+
+    def _plan(
+        self,
+        req: TierRequest,
+        tokens: list[int],
+        hits: list[int],
+        prefetched: list[int],
+        wait: float,
+        shared_keys: Collection[int],
+    ) -> Prepared:
+        bt = self.block_tokens
         start = time.perf_counter()
         loaded, num_host_blocks = self._load_from_host(req, len(hits))
         load = time.perf_counter() - start
@@ -249,7 +271,11 @@ class KVTiers:
         if self.host_tier is not None and first_stored < num_full:
             num = (num_full - first_stored) * bt
             shape = (self.args.num_layers, 2, num, self.args.num_kv_heads, self.args.head_dim)
-            kv = torch.empty(shape, dtype=self._dtype, pin_memory=self._copy_stream is not None)
+            try:
+                kv = torch.empty(shape, dtype=self._dtype, pin_memory=self._copy_stream is not None)
+            except BaseException:
+                self.device_tier.unpin(loaded + retained)
+                raise
             staged = StagedKV(kv, first_stored * bt)
         return Prepared(req, split, prefix, retained, staged, wait, load)
 
@@ -317,7 +343,7 @@ class KVTiers:
             first_key = prepared.staged.first_token // bt
             keys = req.keys[first_key : first_key + prepared.staged.kv.shape[2] // bt]
             self._storing_keys.update(keys)
-            future = self.host_tier.store_async(req.token_ids, prepared.staged)
+            future = self.host_tier.store_async(req.token_ids, prepared.staged, req.salt)
 
             def stored(done: Future[bool]) -> None:
                 if done.result():

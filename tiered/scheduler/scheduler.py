@@ -7,6 +7,8 @@ Policies (lower score runs first; ties by arrival):
   time. λ is dimensionless: seconds of predicted JCT forgiven per second waited, so a request
   that has waited W seconds competes as if it were λ·W seconds shorter; λ = 0 is pure SRJF
   with re-scoring, and any λ > 0 bounds starvation.
+- `priority` (vLLM's request field): a request with a lower value runs before any with a
+  higher one, whatever the policy; the policy orders requests of equal priority (default 0).
 - SGLang's cache-aware policies, as peers: `lpm` (longest cached prefix first), `spf` (fewest
   uncached tokens first), `hrrn` (highest response ratio (wait + JCT) / JCT first).
 
@@ -39,6 +41,7 @@ class Waiting:
     split: HitSplit
     jct: float
     version: int = 0
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -67,7 +70,7 @@ class Scheduler:
         self.jct = jct
         self.clock = clock
         self._waiting: dict[int, Waiting] = {}
-        self._heap: list[tuple[float, int, int]] = []  # (score, seq, version)
+        self._heap: list[tuple[int, float, int, int]] = []  # (priority, score, seq, version)
         self._by_key: dict[int, set[int]] = defaultdict(set)
         self._dirty: set[int] = set()
         self._lock = threading.Lock()
@@ -79,15 +82,16 @@ class Scheduler:
 
     # ---- queue -----------------------------------------------------------------------------
 
-    def add(self, request: TierRequest, arrival: float | None = None) -> Waiting:
+    def add(self, request: TierRequest, arrival: float | None = None, priority: int = 0) -> Waiting:
         split = self.tiers.estimate(request)
-        w = Waiting(request, self._seq, self.clock() if arrival is None else arrival, split, self.jct.predict(split))
+        now = self.clock() if arrival is None else arrival
+        w = Waiting(request, self._seq, now, split, self.jct.predict(split), priority=priority)
         self._seq += 1
         self._waiting[w.seq] = w
         for key in request.keys:
             self._by_key[key].add(w.seq)
         if self.policy != "hrrn":
-            heapq.heappush(self._heap, (self._score(w), w.seq, w.version))
+            heapq.heappush(self._heap, (w.priority, self._score(w), w.seq, w.version))
         return w
 
     def remove(self, seq: int) -> Waiting | None:
@@ -145,7 +149,7 @@ class Scheduler:
             n += 1
             if self.policy != "hrrn":
                 w.version += 1
-                heapq.heappush(self._heap, (self._score(w), w.seq, w.version))
+                heapq.heappush(self._heap, (w.priority, self._score(w), w.seq, w.version))
         return n
 
     # ---- picking ---------------------------------------------------------------------------
@@ -153,15 +157,15 @@ class Scheduler:
     def _best(self) -> Waiting | None:
         if self.policy == "hrrn":
             now = self.clock()
-            best, best_ratio = None, -1.0
+            best, best_key = None, (0, 0.0)
             for w in self._waiting.values():
                 service = max(w.jct, 1e-9)
-                ratio = (now - w.arrival + service) / service
-                if ratio > best_ratio:
-                    best, best_ratio = w, ratio
+                key = (-w.priority, (now - w.arrival + service) / service)
+                if best is None or key > best_key:
+                    best, best_key = w, key
             return best
         while self._heap:
-            _, seq, version = self._heap[0]
+            _, _, seq, version = self._heap[0]
             top = self._waiting.get(seq)
             if top is not None and top.version == version:
                 return top
