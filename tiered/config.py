@@ -266,3 +266,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_to_dict(config: Config) -> dict[str, Any]:
     """The config as plain data (for logs and benchmark JSON)."""
     return dataclasses.asdict(config)
+
+
+def with_overrides(config: Config, overrides: list[str]) -> Config:
+    """`config` with `key=value` overrides applied (checked as in `load_config`)."""
+    raw = config_to_dict(config)
+    for assignment in overrides:
+        _apply_override(raw, assignment)
+    return _build(Config, raw)  # type: ignore[no-any-return]
+
+
+def write_config(config: Config, path: str | Path) -> Path:
+    """Write `config` as YAML that `load_config` reads back to an equal config."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    return Path(path)

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from tiered.api.launch import start_server, stop_server
+from tiered.api.launch import ServerProcess, start_server, stop_server
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model
 
@@ -249,6 +249,23 @@ def test_unknown_routes_and_methods_use_the_envelope(server: str) -> None:
     assert httpx.get(f"{server}/v1/completions", headers=headers, timeout=5).json()["error"]["code"] == 405
 
 
+def test_fuzzing_from_the_openapi_schema_finds_no_server_error(server: str, tmp_path: Path) -> None:
+    """schemathesis generates valid and invalid bodies for every route from /openapi.json."""
+    import shutil
+    import sys
+
+    cli = shutil.which("schemathesis") or str(Path(sys.executable).parent / "schemathesis")
+    out = subprocess.run(
+        [cli, "run", f"{server}/openapi.json", "--checks", "not_a_server_error,negative_data_rejection",
+         "--header", "Authorization: Bearer sekret", "--max-examples", "25", "--seed", "7", "--workers", "1",
+         "--phases", "examples,coverage,fuzzing", "--request-timeout", "60", "--report", "junit",
+         "--report-junit-path", str(tmp_path / "fuzz.xml")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+
+
 def _engine_pid(server_pid: int) -> int:
     import psutil
 
@@ -262,7 +279,7 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 @pytest.fixture()
-def faulty(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def faulty(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, str]]:
     """A server of its own (these tests kill its parts), with a 2 s request timeout."""
     jct = tmp_path_factory.mktemp("jct-faulty")
     sets = ["cache.block_tokens=16", f"scheduler.profile_cache_dir={jct}", "server.request_timeout_s=2",
@@ -273,7 +290,7 @@ def faulty(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         stop_server(proc)
 
 
-def test_timeouts_and_disconnects_cancel_waiting_requests(faulty: tuple[subprocess.Popen[bytes], str]) -> None:
+def test_timeouts_and_disconnects_cancel_waiting_requests(faulty: tuple[ServerProcess, str]) -> None:
     """30 requests of ~0.2 s each against a 2 s timeout: the late ones get 504 and leave the engine's
     queue; a client that hangs up has its request cancelled too. Nothing stays pinned."""
     import concurrent.futures
@@ -299,7 +316,7 @@ def test_timeouts_and_disconnects_cancel_waiting_requests(faulty: tuple[subproce
     assert m["tiered:device_tier_pinned_blocks"] == 0 and m["tiered:num_requests_waiting"] == 0
 
 
-def test_a_dead_engine_answers_503_and_is_restarted(faulty: tuple[subprocess.Popen[bytes], str]) -> None:
+def test_a_dead_engine_answers_503_and_is_restarted(faulty: tuple[ServerProcess, str]) -> None:
     import os
     import signal
     import time
@@ -316,7 +333,7 @@ def test_a_dead_engine_answers_503_and_is_restarted(faulty: tuple[subprocess.Pop
     assert _metrics(url)["tiered:engine_restarts"] == 1
 
 
-def test_sigterm_stops_both_processes_cleanly(faulty: tuple[subprocess.Popen[bytes], str]) -> None:
+def test_sigterm_stops_both_processes_cleanly(faulty: tuple[ServerProcess, str]) -> None:
     import signal
 
     import psutil
@@ -327,5 +344,5 @@ def test_sigterm_stops_both_processes_cleanly(faulty: tuple[subprocess.Popen[byt
     # uvicorn shuts down gracefully, then re-raises the signal it caught (the usual exit status for it)
     assert proc.wait(60) in (0, -signal.SIGTERM)
     engine.wait(10)  # raises if the engine process outlives the server
-    err = proc.stderr.read().decode() if proc.stderr else ""
+    err = proc.log_tail(100_000)
     assert "stopping the engine process" in err and "engine: SIGTERM: stopping" in err and "Traceback" not in err

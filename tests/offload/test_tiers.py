@@ -197,3 +197,33 @@ def test_prefetch_loads_the_host_prefix_before_prepare(model: CausalLM, make_tie
     # Loaded by the prefetch, yet counted where they came from: the host tier.
     assert prepared.split.num_host_hit_tokens == 288 and prepared.split.num_device_hit_tokens == 0
     _close(logits, forward(model, ids))
+
+
+def test_a_removed_disk_tier_degrades_to_recomputation(model: CausalLM, make_tiers, tmp_path: Path) -> None:
+    """LMCache's local disk backend, its folder deleted under it: answers stay right, nothing raises."""
+    import shutil
+
+    disk = tmp_path / "lmcache-disk"
+    disk.mkdir()
+    lm = {"local_cpu": False, "max_local_cpu_size": 0.01, "local_disk": f"file://{disk}/", "max_local_disk_size": 0.01}
+    tiers = make_tiers(device_blocks=0, retention="none", host=HostTierConfig(lmcache=lm))
+    ids = _tokens(200, 7)
+    _run(model, tiers, ids)
+    shutil.rmtree(disk)
+    for i in range(3):  # loads of what was on the disk, and stores into a folder that is gone
+        probe = ids if i == 0 else _tokens(150, 8 + i)
+        logits, split = _run(model, tiers, probe)
+        _close(logits, forward(model, probe))
+        assert split.num_host_hit_tokens == 0
+
+
+def test_an_unreachable_remote_store_degrades_to_recomputation(model: CausalLM, make_tiers, caplog) -> None:
+    """A remote LMCache store on a port where nothing listens: the engine starts and computes."""
+    from tiered.api.launch import free_port
+
+    lm = {"max_local_cpu_size": 0.01, "remote_url": f"lm://127.0.0.1:{free_port()}", "remote_serde": "naive"}
+    tiers = make_tiers(device_blocks=0, retention="none", host=HostTierConfig(lmcache=lm))
+    ids = _tokens(200, 9)
+    for _ in range(2):
+        logits, split = _run(model, tiers, ids)
+        _close(logits, forward(model, ids))

@@ -199,9 +199,10 @@ class EngineClient:
 
 
 class EngineFields(BaseModel):
-    """Fields every route takes. Fields of other engines are accepted and ignored (extra=allow)."""
+    """Fields every route takes. Fields of other engines are accepted and ignored (extra=allow);
+    types are strict (a token id given as the string "5" is a 400, as the schema says)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     priority: int = 0  # vLLM's: lower runs first (always honoured here)

@@ -19,31 +19,13 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from tiered.bench.load import percentile, poisson_arrivals, run_engine
 from tiered.bench.report import write_report
+from tiered.bench.traces import Trace, ordinary_token_ids, post_recommendation
 from tiered.config import Config
 from tiered.engine import Engine, Result
 
 log = logging.getLogger(__name__)
-
-
-def post_recommendation(
-    vocab: int, users: int, posts: int, profile_mean: int, profile_sd: int, post_tokens: int, seed: int
-) -> list[torch.Tensor]:
-    """Requests (profile + post), interleaved across users in a seeded random order.
-
-    Profile lengths ~ Normal(mean, sd), clipped to mean ± 1 sd (the paper: 14K ± 3K, 11K–17K)."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = (torch.randn(users, generator=g) * profile_sd + profile_mean).clamp(
-        profile_mean - profile_sd, profile_mean + profile_sd
-    )
-    profiles = [torch.randint(0, vocab, (int(n),), generator=g) for n in lengths]
-    requests = [
-        torch.cat([profiles[u], torch.randint(0, vocab, (post_tokens,), generator=g)])
-        for u in range(users)
-        for _ in range(posts)
-    ]
-    order = torch.randperm(len(requests), generator=g).tolist()
-    return [requests[i] for i in order]
 
 
 @dataclass(slots=True)
@@ -64,50 +46,22 @@ class PolicyRun:
     mean_decision_ms: float
 
 
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def poisson_arrivals(n: int, qps: float, seed: int) -> list[float]:
-    """Arrival offsets (seconds) of a Poisson process at `qps`; all zero for qps = 0 (a burst)."""
-    if qps <= 0:
-        return [0.0] * n
-    g = torch.Generator().manual_seed(seed)
-    gaps = torch.empty(n).exponential_(1.0, generator=g) / qps
-    return torch.cumsum(gaps, 0).tolist()
-
-
-def run_policy(cfg: Config, policy: str, trace: list[torch.Tensor], arrivals: list[float]) -> PolicyRun:
+def run_policy(cfg: Config, policy: str, trace: Trace, arrivals: list[float]) -> PolicyRun:
     """Submit each request at its arrival time (wall clock) while the engine runs."""
-    engine = Engine(_with_policy(cfg, policy))
-    results = []
-    start = time.monotonic()
-    i = 0
-    while i < len(trace) or len(engine.scheduler):
-        now = time.monotonic() - start
-        while i < len(trace) and arrivals[i] <= now:
-            engine.submit(trace[i])
-            i += 1
-        r = engine.step()
-        if r is not None:
-            results.append(r)
-        elif i < len(trace):
-            time.sleep(max(0.0, arrivals[i] - (time.monotonic() - start)))
-    makespan = time.monotonic() - start
-    engine.close()
+    engine_cfg = _with_policy(cfg, policy)
+    results, makespan, jct_error = run_engine(engine_cfg, trace, arrivals, policy)
     lat = [r.latency_seconds for r in results]
     run = PolicyRun(
         policy,
         len(results),
         makespan,
         statistics.fmean(lat),
-        _percentile(lat, 0.5),
-        _percentile(lat, 0.99),
+        percentile(lat, 0.5),
+        percentile(lat, 0.99),
         sum(r.split.num_device_hit_tokens for r in results),
         sum(r.split.num_host_hit_tokens for r in results),
         sum(r.split.num_miss_tokens for r in results),
-        engine.jct.error,
+        jct_error,
         _noise_floor(results),
         1e3 * statistics.fmean(r.decision_seconds for r in results),
     )
@@ -169,7 +123,7 @@ def run_policies_bench(
     post_tokens: int, device_fraction: float, depths: list[int], repeats: int, load: float, json_path: str | None,
 ) -> dict[str, object]:  # fmt: skip
     a_engine = Engine(cfg)  # profiles the JCT model once (cached on disk for the runs below)
-    vocab = a_engine.model.args.vocab_size
+    vocab = ordinary_token_ids(a_engine.model_dir)
     a = a_engine.model.args
     kv_per_token = (
         2 * a.num_layers * a.num_kv_heads * a.head_dim * a_engine.model.model.embed_tokens.weight.element_size()
@@ -177,7 +131,8 @@ def run_policies_bench(
     a_engine.close()
     device_bytes = int(device_fraction * users * profile_mean * kv_per_token)
     cfg = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
-    trace = post_recommendation(vocab, users, posts, profile_mean, profile_sd, post_tokens, seed=0)
+    trace = post_recommendation(vocab, users, posts, profile_mean, profile_sd, profile_mean - profile_sd,
+                                profile_mean + profile_sd, post_tokens, seed=0)  # fmt: skip
     # Saturation throughput: everything submitted at once (fcfs: the order does not change the work much).
     burst = run_policy(cfg, "fcfs", trace, poisson_arrivals(len(trace), 0, seed=0))
     saturation_qps = len(trace) / burst.makespan_seconds

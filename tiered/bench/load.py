@@ -1,0 +1,465 @@
+"""`tiered bench load`: a trace under Poisson load, on our engine and on vLLM, side by side.
+
+1. Saturation: the reference system (the first of --systems that is ours) runs the whole trace
+   submitted at once; saturation QPS = requests / makespan.
+2. For each system and each multiple m of --multiples, the trace arrives as a Poisson process at
+   m x saturation QPS (the same seeded arrival times for every system). Per request: latency
+   (arrival to answer), queue time (ours in-process), hit tokens per tier.
+3. Summary per run: throughput (requests / (last answer - first arrival)), mean / P50 / P99
+   latency, hit rate per tier. Sustainable QPS per system: the highest offered QPS whose P99
+   (resp. mean) latency stays under the SLO, interpolated between measured loads.
+
+Systems (each one flag value):
+- ours in-process: `tiered` (calibrated + offload: the default), `prefillonly` (calibrated +
+  discard: PrefillOnly's design), `fcfs` (fcfs + offload), `lpm`, `spf`, `hrrn` (SGLang's
+  policies on our engine, offload);
+- `tiered-http`: the default config behind `tiered serve`, over loopback HTTP;
+- `vllm`, `vllm-nochunk`: `vllm serve` (vLLM's OpenAI server, run by --vllm-python) on the same
+  model folder and dtype, prefix caching on, chunked prefill on / off, every request
+  `max_tokens=1`; its KV cache gets the same number of tokens as our device tier (more only if
+  vLLM needs it to hold one longest request, and the output says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from tiered.api.launch import free_port, start_server, stop_server
+from tiered.bench.report import write_report
+from tiered.bench.traces import BenchError, Trace, TraceRequest
+from tiered.config import Config, with_overrides, write_config
+from tiered.embedded import resolve_model_path
+from tiered.engine import Engine, Result
+
+log = logging.getLogger(__name__)
+
+# ours in-process: config overrides on top of the given config
+ENGINE_SYSTEMS: dict[str, list[str]] = {
+    "tiered": ["scheduler.policy=calibrated", "cache.suffix=offload"],
+    "prefillonly": ["scheduler.policy=calibrated", "cache.suffix=discard"],
+    "fcfs": ["scheduler.policy=fcfs", "cache.suffix=offload"],
+    "lpm": ["scheduler.policy=lpm", "cache.suffix=offload"],
+    "spf": ["scheduler.policy=spf", "cache.suffix=offload"],
+    "hrrn": ["scheduler.policy=hrrn", "cache.suffix=offload"],
+}
+HTTP_SYSTEMS = {"tiered-http": ["scheduler.policy=calibrated", "cache.suffix=offload"]}
+VLLM_SYSTEMS = {"vllm": True, "vllm-nochunk": False}  # chunked prefill on / off
+SYSTEMS = [*ENGINE_SYSTEMS, *HTTP_SYSTEMS, *VLLM_SYSTEMS]
+SLO_FACTORS = (2.5, 5.0, 10.0)
+
+
+@dataclass(slots=True)
+class Record:
+    request_id: str
+    num_tokens: int
+    arrival_seconds: float  # offset from the run's start
+    latency_seconds: float  # arrival to answer
+    queued_seconds: float | None  # ours in-process only
+    device_hit_tokens: int
+    host_hit_tokens: int
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Summary:
+    system: str
+    multiple: float
+    offered_qps: float
+    num_requests: int
+    num_errors: int
+    throughput_qps: float
+    mean_latency_seconds: float
+    p50_latency_seconds: float
+    p99_latency_seconds: float
+    device_hit_rate: float
+    host_hit_rate: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else math.nan
+
+
+def poisson_arrivals(n: int, qps: float, seed: int) -> list[float]:
+    """Arrival offsets (seconds) of a Poisson process at `qps`; all zero for qps = 0 (a burst)."""
+    if qps <= 0:
+        return [0.0] * n
+    g = torch.Generator().manual_seed(seed)
+    gaps = torch.empty(n).exponential_(1.0, generator=g) / qps
+    return torch.cumsum(gaps, 0).tolist()
+
+
+class Progress:
+    """One line on stderr per run, redrawn as answers arrive."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self.start = label, total, 0, time.monotonic()
+        self._enabled = sys.stderr.isatty() or os.environ.get("TIERED_PROGRESS") == "1"
+
+    def step(self) -> None:
+        self.done += 1
+        if self._enabled:
+            width = 30
+            filled = int(width * self.done / self.total)
+            bar = "#" * filled + "." * (width - filled)
+            elapsed = time.monotonic() - self.start
+            sys.stderr.write(f"\r{self.label:<28} [{bar}] {self.done}/{self.total} {elapsed:6.1f} s")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def run_engine(
+    cfg: Config, trace: Trace, arrivals: list[float], label: str = ""
+) -> tuple[list[Result], float, float | None]:
+    """Submit each request at its arrival time (wall clock) while a fresh engine runs.
+
+    Returns the results in completion order, the makespan (first arrival to last answer) and the
+    JCT model's prediction error at the end."""
+    engine = Engine(cfg)
+    engine.submit(list(range(3, 67)))  # warm-up (first-call costs), then empty tiers: every run starts cold
+    engine.run()
+    engine.tiers.clear()
+    progress = Progress(label, len(trace))
+    results = []
+    i = 0
+    start = time.monotonic()
+    try:
+        while i < len(trace) or engine.num_waiting:
+            now = time.monotonic() - start
+            while i < len(trace) and arrivals[i] <= now:
+                r = trace.requests[i]
+                engine.submit(r.token_ids, request_id=r.request_id)
+                i += 1
+            result = engine.step()
+            if result is not None:
+                results.append(result)
+                progress.step()
+            elif i < len(trace):
+                time.sleep(max(0.0, arrivals[i] - (time.monotonic() - start)))
+        makespan = time.monotonic() - start - arrivals[0]
+        jct_error = engine.jct.error
+    finally:
+        engine.close()
+    return results, makespan, jct_error
+
+
+def _engine_records(results: list[Result], trace: Trace, arrivals: list[float]) -> list[Record]:
+    at = {r.request_id: (arrivals[i], len(r.token_ids)) for i, r in enumerate(trace.requests)}
+    return [
+        Record(
+            r.request_id,
+            at[r.request_id][1],
+            at[r.request_id][0],
+            r.latency_seconds,
+            r.queued_seconds,
+            r.split.num_device_hit_tokens,
+            r.split.num_host_hit_tokens,
+            r.error,
+        )  # fmt: skip
+        for r in results
+    ]
+
+
+async def _run_http_async(url: str, model: str, trace: Trace, arrivals: list[float], label: str) -> list[Record]:
+    progress = Progress(label, len(trace))
+    limits = httpx.Limits(max_connections=len(trace), max_keepalive_connections=len(trace))
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(i: int) -> Record:
+            req = trace.requests[i]
+            await asyncio.sleep(max(0.0, start + arrivals[i] - loop.time()))
+            sent = loop.time()
+            body = {"model": model, "prompt": req.token_ids, "max_tokens": 1, "temperature": 0.0}
+            error = None
+            device = host = 0
+            try:
+                r = await client.post(f"{url}/v1/completions", json=body)
+                data = r.json()
+                if r.status_code != 200:
+                    error = f"{r.status_code}: {data.get('error', data)}"
+                else:
+                    usage = data.get("usage") or {}
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    split = usage.get("tiered")
+                    device, host = (split["device_hit_tokens"], split["host_hit_tokens"]) if split else (cached, 0)
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            done = loop.time()
+            progress.step()
+            return Record(req.request_id, len(req.token_ids), sent - start, done - sent, None, device, host, error)
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(trace)))))
+
+
+def run_http(url: str, model: str, trace: Trace, arrivals: list[float], label: str = "") -> tuple[list[Record], float]:
+    records = asyncio.run(_run_http_async(url, model, trace, arrivals, label))
+    makespan = max(r.arrival_seconds + r.latency_seconds for r in records) - min(arrivals)
+    return records, makespan
+
+
+def summarize(system: str, multiple: float, qps: float, records: list[Record], makespan: float) -> Summary:
+    ok = [r for r in records if r.error is None]
+    lat = [r.latency_seconds for r in ok]
+    tokens = sum(r.num_tokens for r in ok) or 1
+    return Summary(
+        system, multiple, qps, len(records), len(records) - len(ok), len(ok) / makespan if makespan > 0 else math.nan,
+        statistics.fmean(lat) if lat else math.nan, percentile(lat, 0.5), percentile(lat, 0.99),
+        sum(r.device_hit_tokens for r in ok) / tokens, sum(r.host_hit_tokens for r in ok) / tokens,
+    )  # fmt: skip
+
+
+def sustainable_qps(points: list[tuple[float, float]], slo: float) -> tuple[float, bool]:
+    """Highest offered QPS with latency <= slo, linear between measured loads; (qps, exact).
+
+    `exact` is False when even the highest load met the SLO (the figure is then a lower bound)."""
+    points = sorted(points)
+    if not points or points[0][1] > slo:
+        return 0.0, True
+    for (q0, l0), (q1, l1) in zip(points, points[1:], strict=False):
+        if l1 > slo:
+            return q0 + (slo - l0) / (l1 - l0) * (q1 - q0), True
+    return points[-1][0], False
+
+
+class VLLMServer:
+    """`vllm serve` in its own Python (vLLM pins its own torch), on a free port."""
+
+    def __init__(self, python: str, model_dir: Path, dtype: str, max_model_len: int, kv_tokens: int,
+                 chunked: bool, chunk_tokens: int) -> None:  # fmt: skip
+        self.block = 128 if max_model_len >= 128 else 16
+        need = math.ceil(max_model_len / self.block) + 1  # vLLM refuses a cache that cannot hold one request
+        self.num_blocks = max(math.ceil(kv_tokens / self.block), need)
+        self.enlarged = self.num_blocks * self.block > kv_tokens + self.block
+        self.port = free_port()
+        batched = ["--enable-chunked-prefill", "--max-num-batched-tokens", str(min(chunk_tokens, max_model_len))]
+        if not chunked:
+            batched = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max_model_len)]
+        self.args = [
+            python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(self.port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-prefix-caching",
+            "--block-size", str(self.block), "--num-gpu-blocks-override", str(self.num_blocks), "--enforce-eager",
+            "--enable-prompt-tokens-details", "--served-model-name", "model", "--no-enable-log-requests", *batched,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_path: Path, timeout_s: float = 600) -> None:
+        cores = os.cpu_count() or 1  # vLLM binds its OpenMP threads to these cores, as ours use all of them
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+            "OMP_NUM_THREADS": str(cores),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+        }  # fmt: skip  (dev mode: POST /reset_prefix_cache between runs)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not become healthy within {timeout_s:.0f} s; see {log_path}")
+
+    def reset(self) -> None:
+        """Empty vLLM's prefix cache, so every run starts cold (as ours do)."""
+        r = httpx.post(f"{self.url}/reset_prefix_cache", timeout=60)
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM did not reset its prefix cache: {r.status_code} {r.text[:200]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def _one_run(
+    system: str, cfg: Config, trace: Trace, arrivals: list[float], label: str, vllm: VLLMServer | None, out_dir: Path
+) -> tuple[list[Record], float]:
+    if system in ENGINE_SYSTEMS:
+        results, makespan, _ = run_engine(with_overrides(cfg, ENGINE_SYSTEMS[system]), trace, arrivals, label)
+        return _engine_records(results, trace, arrivals), makespan
+    if vllm is not None:
+        vllm.reset()
+        return run_http(vllm.url, "model", trace, arrivals, label)
+    # ours over HTTP: a fresh server per run, so every run starts cold
+    path = write_config(with_overrides(cfg, HTTP_SYSTEMS[system]), out_dir / f"{system}.yaml")
+    proc, url = start_server(["--config", str(path), "--served-model-name", "model"])
+    try:
+        run_http(url, "model", Trace("warm-up", {}, [TraceRequest("w", 0, list(range(3, 67)))]), [0.0])
+        return run_http(url, "model", trace, arrivals, label)
+    finally:
+        stop_server(proc)
+
+
+def median_summary(runs: list[Summary]) -> Summary:
+    """Each figure's median over repeated runs of one (system, load)."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    med = {k: statistics.median(getattr(r, k) for r in runs) for k in (
+        "throughput_qps", "mean_latency_seconds", "p50_latency_seconds", "p99_latency_seconds", "device_hit_rate",
+        "host_hit_rate")}  # fmt: skip
+    return Summary(first.system, first.multiple, first.offered_qps, first.num_requests,
+                   max(r.num_errors for r in runs), **med)  # fmt: skip
+
+
+def kv_bytes_per_token(cfg: Config) -> int:
+    from tiered.hybrid.loader import DTYPES, read_args
+
+    a = read_args(resolve_model_path(cfg.model.path, cfg.model.models_dir))
+    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * DTYPES[cfg.model.dtype].itemsize
+
+
+def device_tokens(trace: Trace, fraction: float) -> int:
+    """`fraction` of the trace's distinct prefixes (users' profiles), or of all its tokens if it has none."""
+    profiles = {r.user: r.prefix_tokens for r in trace.requests}
+    base = sum(profiles.values()) or trace.num_tokens
+    return int(fraction * base)
+
+
+def run_load_bench(
+    cfg: Config, trace: Trace, systems: list[str], multiples: list[float], device_fraction: float,
+    vllm_python: str | None, slo_p99: list[float] | None, slo_mean: list[float] | None, seed: int,
+    json_path: str | None,
+    out_dir: Path, repeats: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise BenchError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    if any(s in VLLM_SYSTEMS for s in systems) and not vllm_python:
+        raise BenchError("the vllm systems need --vllm-python (a Python with vLLM installed)")
+    if trace.max_tokens > cfg.model.max_model_len:
+        cfg = replace(cfg, model=replace(cfg.model, max_model_len=trace.max_tokens))
+    kv_tokens = device_tokens(trace, device_fraction)
+    cfg = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=kv_tokens * kv_bytes_per_token(cfg)))
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
+    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
+    print(trace.describe())
+    print(f"device tier: {kv_tokens} tokens ({device_fraction:.0%} of the users' profiles), "
+          f"{cfg.cache.device_tier_bytes / 2**20:.1f} MiB")  # fmt: skip
+
+    # 1. Saturation, on the reference system (ours, default config), all requests at once.
+    reference = next((s for s in systems if s in ENGINE_SYSTEMS), "tiered")
+    burst_cfg = with_overrides(cfg, ENGINE_SYSTEMS[reference])
+    burst, burst_makespan, _ = run_engine(burst_cfg, trace, [0.0] * len(trace), f"{reference} burst")
+    saturation = len(trace) / burst_makespan
+    services = [r.load_seconds + r.compute_seconds for r in burst]
+    service = statistics.fmean(services)
+    # Default SLOs: 2.5x, 5x and 10x what the jobs themselves take when nothing waits (P99 job, mean job).
+    slo_p99 = slo_p99 or [f * percentile(services, 0.99) for f in SLO_FACTORS]
+    slo_mean = slo_mean or [f * service for f in SLO_FACTORS]
+    print(f"saturation ({reference}, burst): {saturation:.2f} requests/s (makespan {burst_makespan:.1f} s); "
+          f"mean service time {1e3 * service:.0f} ms")  # fmt: skip
+
+    runs: list[dict[str, Any]] = []
+    summaries: list[Summary] = []
+    for system in systems:
+        vllm: VLLMServer | None = None
+        try:
+            if system in VLLM_SYSTEMS:
+                assert vllm_python is not None
+                vllm = VLLMServer(vllm_python, model_dir, cfg.model.dtype, trace.max_tokens + 16, kv_tokens,
+                                  VLLM_SYSTEMS[system], cfg.forward.chunk_tokens)  # fmt: skip
+                if vllm.enlarged:
+                    print(f"{system}: KV cache enlarged to {vllm.num_blocks * vllm.block} tokens "
+                          "(vLLM needs room for one longest request)")  # fmt: skip
+                vllm.start(out_dir / f"{system}.log")
+            for multiple in multiples:
+                qps = multiple * saturation
+                arrivals = poisson_arrivals(len(trace), qps, seed)
+                repeats_here: list[Summary] = []
+                for rep in range(repeats):
+                    label = f"{system} x{multiple:g}" + (f" #{rep + 1}" if repeats > 1 else "")
+                    records, makespan = _one_run(system, cfg, trace, arrivals, label, vllm, out_dir)
+                    s = summarize(system, multiple, qps, records, makespan)
+                    repeats_here.append(s)
+                    runs.append({"summary": asdict(s), "repeat": rep, "records": [asdict(r) for r in records]})
+                s = median_summary(repeats_here)
+                summaries.append(s)
+                log.info("%-13s x%-4g %.2f QPS: throughput %.2f/s, latency mean %.2f s P99 %.2f s, hits device "
+                         "%.0f%% host %.0f%%%s%s", system, multiple, qps, s.throughput_qps, s.mean_latency_seconds,
+                         s.p99_latency_seconds, 100 * s.device_hit_rate, 100 * s.host_hit_rate,
+                         f", {s.num_errors} errors" if s.num_errors else "",
+                         f" (medians of {repeats})" if repeats > 1 else "")  # fmt: skip
+        finally:
+            if vllm is not None:
+                vllm.stop()
+
+    table = sustainable_table(summaries, systems, slo_p99, slo_mean)
+    _print(summaries, table, slo_p99, slo_mean)
+    doc = write_report(json_path, "load", cfg.device, {
+        "config": asdict(cfg), "trace": {"kind": trace.kind, "params": trace.params, "requests": len(trace),
+                                         "tokens": trace.num_tokens},
+        "systems": systems, "multiples": multiples, "repeats": repeats, "device_fraction": device_fraction,
+        "device_tier_tokens": kv_tokens,
+        "saturation_qps": saturation, "reference": reference, "mean_service_seconds": service,
+        "slo_p99_seconds": slo_p99, "slo_mean_seconds": slo_mean, "sustainable": table,
+        "summaries": [asdict(s) for s in summaries], "runs": runs,
+    })  # fmt: skip
+    return doc
+
+
+def sustainable_table(
+    summaries: list[Summary], systems: list[str], slo_p99: list[float], slo_mean: list[float]
+) -> dict[str, Any]:
+    """Per system, per SLO: the highest offered QPS that meets it (and whether that is exact)."""
+    out: dict[str, Any] = {}
+    for system in systems:
+        mine = [s for s in summaries if s.system == system]
+        out[system] = {}
+        for key, attr, slos in (("p99", "p99_latency_seconds", slo_p99), ("mean", "mean_latency_seconds", slo_mean)):
+            points = [(s.offered_qps, getattr(s, attr)) for s in mine]
+            out[system][key] = [dict(zip(("slo", "qps", "exact"), (slo, *sustainable_qps(points, slo)), strict=True))
+                                for slo in slos]  # fmt: skip
+    return out
+
+
+def _print(summaries: list[Summary], table: dict[str, Any], slo_p99: list[float], slo_mean: list[float]) -> None:
+    print(f"{'system':<14}{'x':>5}{'QPS':>7}{'thru':>7}{'mean s':>8}{'P50 s':>8}{'P99 s':>8}{'dev hit':>8}"
+          f"{'host hit':>9}{'errors':>7}")  # fmt: skip
+    for s in summaries:
+        print(f"{s.system:<14}{s.multiple:>5g}{s.offered_qps:>7.2f}{s.throughput_qps:>7.2f}"
+              f"{s.mean_latency_seconds:>8.2f}{s.p50_latency_seconds:>8.2f}{s.p99_latency_seconds:>8.2f}"
+              f"{100 * s.device_hit_rate:>7.0f}%{100 * s.host_hit_rate:>8.0f}%{s.num_errors:>7}")  # fmt: skip
+    reference = next(iter(table))
+    for key, slos in (("p99", slo_p99), ("mean", slo_mean)):
+        print(f"sustainable QPS at {key} latency <= SLO ('>=': met even at the top load; x: {reference} / system)")
+        print(f"  {'system':<14}" + "".join(f"{f'<= {slo:.2f} s':>20}" for slo in slos))
+        for system, row in table.items():
+            cells = []
+            for mine, ref in zip(row[key], table[reference][key], strict=True):
+                ratio = f" x{ref['qps'] / mine['qps']:.2f}" if mine["qps"] > 0 else " x-"
+                cells.append(f"{'' if mine['exact'] else '>='}{mine['qps']:.2f}{ratio if system != reference else ''}")
+            print(f"  {system:<14}" + "".join(f"{c:>20}" for c in cells))

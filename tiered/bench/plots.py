@@ -1,0 +1,83 @@
+"""PNG plots of a `tiered bench load` JSON: latency against QPS, throughput, latency CDFs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def plot_load(doc_or_path: dict[str, Any] | str | Path, out_dir: str | Path) -> list[Path]:
+    """Write latency.png, throughput.png and cdf.png for one load run; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = doc_or_path if isinstance(doc_or_path, dict) else json.loads(Path(doc_or_path).read_text())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = doc["summaries"]
+    systems = list(dict.fromkeys(s["system"] for s in summaries))
+    title = f"{doc['trace']['kind']} ({doc['trace']['requests']} requests), {doc['machine']['device']}"
+    paths = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, slo, name in (
+        (axes[0], "mean_latency_seconds", doc["slo_mean_seconds"], "mean latency (s)"),
+        (axes[1], "p99_latency_seconds", doc["slo_p99_seconds"], "P99 latency (s)"),
+    ):
+        for system in systems:
+            mine = sorted((s for s in summaries if s["system"] == system), key=lambda s: s["offered_qps"])
+            ax.plot([s["offered_qps"] for s in mine], [s[key] for s in mine], marker="o", label=system)
+        for i, value in enumerate(slo if isinstance(slo, list) else [slo]):
+            ax.axhline(value, color="grey", linestyle="--", linewidth=1, label="SLOs" if i == 0 else None)
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(name)
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    paths.append(out / "latency.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    top = max(s["offered_qps"] for s in summaries)
+    ax.plot([0, top], [0, top], color="grey", linestyle=":", linewidth=1, label="offered")
+    for system in systems:
+        mine = sorted((s for s in summaries if s["system"] == system), key=lambda s: s["offered_qps"])
+        ax.plot([s["offered_qps"] for s in mine], [s["throughput_qps"] for s in mine], marker="o", label=system)
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("throughput (requests/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    paths.append(out / "throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    multiples = sorted({s["multiple"] for s in summaries})
+    shown = sorted({multiples[0], min(multiples, key=lambda m: abs(m - 1)), multiples[-1]})
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 4), squeeze=False)
+    for ax, m in zip(axes[0], shown, strict=True):
+        for run in doc["runs"]:
+            if run["summary"]["multiple"] != m or run.get("repeat", 0) != 0:  # the first of repeated runs
+                continue
+            lat = sorted(r["latency_seconds"] for r in run["records"] if r["error"] is None)
+            if lat:
+                ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=run["summary"]["system"])
+        ax.set_xscale("log")
+        ax.set_xlabel("latency (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{m:g} x saturation")
+        ax.grid(True, alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"latency CDF: {title}")
+    fig.tight_layout()
+    paths.append(out / "cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
