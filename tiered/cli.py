@@ -243,6 +243,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     report = run_soak(cfg, args.minutes, args.concurrency, args.invalid_fraction, args.users, args.profile_tokens,
                       Path(args.out_dir), args.json)  # fmt: skip
     ok = report["exactly_once"] and report["server_errors_5xx"] == 0 and report["idle_pinned_blocks"] == 0
+    ok = ok and report["rss_ok"] and not report["valid_failures"]
     return 0 if ok else 1
 
 

@@ -44,6 +44,7 @@ from tiered.bench.traces import BenchError, Trace, TraceRequest
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result
+from tiered.hybrid.loader import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +368,8 @@ def run_load_bench(
     model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     print(trace.describe())
-    print(f"device tier: {kv_tokens} tokens ({device_fraction:.0%} of the users' profiles), "
+    of = "the users' profiles" if any(r.prefix_tokens for r in trace.requests) else "all the trace's tokens"
+    print(f"device tier: {kv_tokens} tokens ({device_fraction:.0%} of {of}), "
           f"{cfg.cache.device_tier_bytes / 2**20:.1f} MiB")  # fmt: skip
 
     # 1. Saturation, on the reference system (ours, default config), all requests at once.
@@ -419,7 +421,7 @@ def run_load_bench(
 
     table = sustainable_table(summaries, systems, slo_p99, slo_mean)
     _print(summaries, table, slo_p99, slo_mean)
-    doc = write_report(json_path, "load", cfg.device, {
+    doc = write_report(json_path, "load", resolve_device(cfg.device), {
         "config": asdict(cfg), "trace": {"kind": trace.kind, "params": trace.params, "requests": len(trace),
                                          "tokens": trace.num_tokens},
         "systems": systems, "multiples": multiples, "repeats": repeats, "device_fraction": device_fraction,

@@ -12,7 +12,8 @@ Reported and checked:
   requests sent and the server's `tiered:request_success` increase (nothing lost, nothing twice);
 - every invalid request got a 4xx naming its problem; no 5xx at all;
 - RSS of the API and engine processes: after warm-up, after the first fifth of the run (the host
-  tier's buffer is touched by then), and at the end;
+  tier's buffer is touched by then), and at the end; growth over the last four fifths must stay
+  under RSS_GROWTH_BOUND;
 - device-tier accounting when idle: no pinned blocks, no request waiting.
 """
 
@@ -40,6 +41,10 @@ from tiered.embedded import resolve_model_path
 
 log = logging.getLogger(__name__)
 
+# The RSS of both processes may grow by at most this much after the first fifth of a soak (by then
+# LMCache's buffer and the allocator pools are warm): more means something accumulates.
+RSS_GROWTH_BOUND = 32 * 2**20
+
 INVALID = {
     "out_of_vocabulary": lambda ids, n: {"prompt": [*ids[:10], 10**7], "max_tokens": 1},
     "too_long": lambda ids, n: {"prompt": ids[:1] * (n + 1), "max_tokens": 1},
@@ -64,6 +69,7 @@ def run_soak(
     cfg: Config, minutes: float, concurrency: int, invalid_fraction: float, users: int, profile_tokens: int,
     out_dir: Path, json_path: str | None, seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     cfg = replace(cfg, model=replace(cfg.model, path=str(folder)))
     vocab = ordinary_token_ids(folder)
@@ -116,6 +122,9 @@ def run_soak(
     }  # fmt: skip
     report["exactly_once"] = stats["ok"] == stats["valid_sent"] + 1 == answered
     growth = rss["end"] - rss.get("fifth", rss["warm"])
+    report["rss_growth_bytes"] = growth
+    report["rss_growth_bound_bytes"] = RSS_GROWTH_BOUND
+    report["rss_ok"] = growth < RSS_GROWTH_BOUND
     print(
         f"soak: {minutes:g} min, concurrency {concurrency}: {stats['valid_sent'] + 1} valid requests, "
         f"{stats['ok']} answered 200, server counted {answered:.0f} -> exactly once: {report['exactly_once']}"

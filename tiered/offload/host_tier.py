@@ -149,6 +149,11 @@ class HostTier:
         self.block_tokens = block_tokens
         self.instance_id = instance_id
         config = LMCacheEngineConfig.from_dict(options)
+        chunk_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * dtype.itemsize
+        local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)
+                                                            if config.local_disk else 0.0)  # fmt: skip
+        # How many chunks this tier can hold (a remote store: unknown, so a generous bound).
+        self.capacity_chunks = int(local_gb * 2**30 / chunk_bytes) if not config.remote_url else 1 << 22
         metadata = LMCacheMetadata(
             model_name=instance_id,
             world_size=1,

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -94,6 +95,40 @@ class PrefixKV(Sequence[LayerKV]):
         return self._tier.layer_kv(layer, self._blocks)
 
 
+class BoundedKeys:
+    """A set of keys that forgets its oldest ones past `cap` (insertion order)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def update(self, keys: Iterable[int]) -> list[int]:
+        """Add keys; returns the ones dropped to stay within the cap."""
+        for k in keys:
+            self._keys[k] = None
+            self._keys.move_to_end(k)
+        dropped = []
+        while len(self._keys) > self.cap:
+            dropped.append(self._keys.popitem(last=False)[0])
+        return dropped
+
+    def difference_update(self, keys: Iterable[int]) -> None:
+        for k in keys:
+            self._keys.pop(k, None)
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+
 @dataclass(slots=True)
 class TierStats:
     device: DeviceTierStats
@@ -122,7 +157,9 @@ class KVTiers:
         self._prefetches: dict[str, Future[list[int]]] = {}
         # Keys of chunks stored in the host tier, for cheap scoring. LMCache may evict behind our
         # back: a load that finds less drops the missing keys (a stale key costs one lookup).
-        self.host_keys: set[int] = set()
+        # Bounded: LMCache evicts silently, so keys of long-gone chunks would pile up forever; the
+        # oldest are dropped past twice what the tier can hold (a dropped live key costs a recompute).
+        self.host_keys = BoundedKeys(2 * self.host_tier.capacity_chunks + 1024 if self.host_tier else 0)
         self._storing_keys: set[int] = set()  # in stores still in flight: counted as host-resident
         self.on_change: Callable[[Iterable[int]], None] | None = None
         self.device_tier.on_change = lambda key: self._changed((key,))
@@ -347,7 +384,7 @@ class KVTiers:
 
             def stored(done: Future[bool]) -> None:
                 if done.result():
-                    self.host_keys.update(keys)
+                    keys.extend(self.host_keys.update(keys))  # the dropped ones changed too
                 self._storing_keys.difference_update(keys)
                 self._changed(keys)
 
