@@ -9,8 +9,12 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiered.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from tiered.bench.traces import Trace
 
 log = logging.getLogger("tiered")
 
@@ -187,7 +191,7 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace_from_args(args: argparse.Namespace, cfg: Config) -> object:
+def _trace_from_args(args: argparse.Namespace, cfg: Config) -> Trace:
     from tiered.bench import traces
     from tiered.embedded import resolve_model_path
 
@@ -206,8 +210,8 @@ def _trace_from_args(args: argparse.Namespace, cfg: Config) -> object:
 
 def cmd_bench_trace(args: argparse.Namespace) -> int:
     trace = _trace_from_args(args, _load(args))
-    trace.write(args.out)  # type: ignore[attr-defined]
-    print(f"{trace.describe()} -> {args.out}")  # type: ignore[attr-defined]
+    trace.write(args.out)
+    print(f"{trace.describe()} -> {args.out}")
     return 0
 
 
@@ -218,7 +222,7 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
     cfg = _load(args)
     trace = _trace_from_args(args, cfg)
     out_dir = Path(args.plots or "benchmarks/out/load")
-    doc = run_load_bench(cfg, trace, args.systems, args.multiples, args.device_fraction, args.vllm_python,  # type: ignore[arg-type]
+    doc = run_load_bench(cfg, trace, args.systems, args.multiples, args.device_fraction, args.vllm_python,
                          args.slo_p99, args.slo_mean, args.seed, args.json, out_dir, args.repeats)  # fmt: skip
     for path in plot_load(doc, out_dir):
         print(f"wrote {path}")

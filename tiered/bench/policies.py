@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from tiered.bench.load import percentile, poisson_arrivals, run_engine
+from tiered.bench.load import kv_bytes_per_token, percentile, poisson_arrivals, run_engine
 from tiered.bench.report import write_report
 from tiered.bench.traces import Trace, ordinary_token_ids, post_recommendation
 from tiered.config import Config
@@ -124,11 +124,8 @@ def run_policies_bench(
 ) -> dict[str, object]:  # fmt: skip
     a_engine = Engine(cfg)  # profiles the JCT model once (cached on disk for the runs below)
     vocab = ordinary_token_ids(a_engine.model_dir)
-    a = a_engine.model.args
-    kv_per_token = (
-        2 * a.num_layers * a.num_kv_heads * a.head_dim * a_engine.model.model.embed_tokens.weight.element_size()
-    )
     a_engine.close()
+    kv_per_token = kv_bytes_per_token(cfg)
     device_bytes = int(device_fraction * users * profile_mean * kv_per_token)
     cfg = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
     trace = post_recommendation(vocab, users, posts, profile_mean, profile_sd, profile_mean - profile_sd,

@@ -207,7 +207,8 @@ class DeviceTier:
 
     def stats(self) -> DeviceTierStats:
         with self._lock:
-            pinned = sum(1 for b in self._blocks.values() if b.ref_count > 0) + len(self._pins)
+            # A cached block is in the LRU exactly when nothing pins it; uncached ones are all pinned.
+            pinned = len(self._blocks) - len(self._lru) + len(self._pins)
             return DeviceTierStats(
                 num_blocks=self.num_blocks,
                 num_used_blocks=self.num_blocks - len(self._free),
