@@ -168,6 +168,16 @@ def cmd_bench_mil(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from tiered.bench.batch import run_batch_bench
+    from tiered.embedded import resolve_model_path
+
+    folder = resolve_model_path(args.model, args.models_dir)
+    run_batch_bench(str(folder), args.dtype, resolve_device(args.device), args.json, args.requests, args.new_tokens,
+                    args.prefix_tokens, args.hit_new_tokens, args.chunk_tokens, args.repeats)  # fmt: skip
+    return 0
+
+
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from tiered.bench.tiers import run_tiers_bench
     from tiered.embedded import resolve_model_path
@@ -337,7 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a seeded Llama-family checkpoint with a trained BPE tokenizer.",
     )
     mk.add_argument(
-        "name", choices=sorted(SHAPES), help="tiny: tests; bench: benchmarks; tiny-*: architecture variants"
+        "name",
+        choices=sorted(SHAPES),
+        help="tiny: tests; bench: quick benchmarks (6 M); bench-m: headline figures (126 M); "
+        "tiny-*: architecture variants",
     )
     mk.add_argument("--out", required=True, help="output folder (created)")
     mk.set_defaults(func=cmd_make_model)
@@ -384,6 +397,28 @@ def build_parser() -> argparse.ArgumentParser:
     mil.add_argument("--skip-mil", action="store_true", help="throughput only")
     mil.add_argument("--skip-throughput", action="store_true", help="MIL only")
     mil.set_defaults(func=cmd_bench_mil)
+
+    bb = bsub.add_parser(
+        "batch",
+        help="one request per forward vs a batched forward on a shared prefix; what a cache hit saves",
+        description="In one process, timings interleaved (best of --repeats): --requests requests of --new-tokens "
+        "each on one cached prefix of --prefix-tokens, run one per forward and as one batched forward, with the "
+        "achieved FLOP/s of each as a fraction of the measured matmul rate; then --hit-new-tokens on the same "
+        "cached prefix against recomputing prefix + new tokens (the compute a hit saves, measured and by FLOPs).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bb.add_argument("--model", default="embedded:bench-m", help="HF checkpoint folder or embedded:NAME")
+    bb.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
+    bb.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    bb.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    bb.add_argument("--requests", type=int, default=8, help="requests sharing the prefix (a visit's posts)")
+    bb.add_argument("--new-tokens", type=int, default=160, help="computed tokens per request")
+    bb.add_argument("--prefix-tokens", type=int, default=1792, help="cached prefix tokens (the profile)")
+    bb.add_argument("--hit-new-tokens", type=int, default=1296, help="new tokens of the hit-saving case")
+    bb.add_argument("--chunk-tokens", type=int, default=1024, help="hybrid chunk size")
+    bb.add_argument("--repeats", type=int, default=3, help="timed runs per side (best is kept)")
+    bb.add_argument("--json", default=None, help="write results as JSON here")
+    bb.set_defaults(func=cmd_bench_batch)
 
     tiers = bsub.add_parser(
         "tiers", help="host-tier load cost against recompute; offload against discard on a revisit trace",

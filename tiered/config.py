@@ -120,10 +120,14 @@ class SchedulerConfig:
     profile_cache_dir: str = ".cache/jct"
     # Most requests waiting or running at once; the server answers 429 beyond it.
     max_waiting: int = 4096
+    # Computed (uncached) tokens of one batched forward: requests sharing a prefix run together
+    # up to this budget (DESIGN.md idea 5). 0: one request per forward (PrefillOnly's way).
+    max_batch_tokens: int = 2048
 
     def __post_init__(self) -> None:
         _require(self.fairness >= 0, "scheduler.fairness", f"must be >= 0, got {self.fairness}")
         _require(self.max_waiting >= 1, "scheduler.max_waiting", f"must be >= 1, got {self.max_waiting}")
+        _require(self.max_batch_tokens >= 0, "scheduler.max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
         _require(bool(self.profile_tokens) and min(self.profile_tokens) >= 2, "scheduler.profile_tokens",
                  "must list lengths >= 2")  # fmt: skip
         _require(all(0 < f <= 1 for f in self.profile_miss_fractions), "scheduler.profile_miss_fractions",

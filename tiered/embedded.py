@@ -53,6 +53,9 @@ SHAPES: dict[str, Shape] = {
     "tiny": Shape("LlamaForCausalLM", 64, 2, 2, 1, 176),
     # For benchmarks: an 8K-token forward takes about a second on 2 CPU cores (bf16).
     "bench": Shape("LlamaForCausalLM", 256, 4, 4, 2, 1024, seed=1),
+    # For headline figures: a model of realistic proportions (126 M parameters; in bf16 its
+    # matmuls are big enough that compute, not Python, sets the pace, as in a real deployment).
+    "bench-m": Shape("LlamaForCausalLM", 1024, 8, 16, 4, 4096, seed=5),
     # Architecture variants the loader must handle, at tiny size.
     "tiny-qwen2": Shape("Qwen2ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=2),
     "tiny-mistral": Shape("MistralForCausalLM", 64, 2, 4, 1, 160, seed=3),

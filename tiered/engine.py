@@ -1,11 +1,13 @@
 """`tiered.Engine`: the in-process API. Submit requests, run the loop, get results.
 
-The loop runs one request per forward (prefill is compute-bound; the paper found batching
-raised latency without raising throughput). Each step: the scheduler re-scores what changed and
-picks; the likely next pick's host-resident prefix starts loading in the background; the picked
-request waits for its own prefetch (if any), computes its misses on top of its cached prefix,
-and its KV goes to the tiers by policy. Results carry the hit split per tier and a timing
-breakdown (queued, waiting for prefetch, loading, computing).
+Each step runs one forward over a batch (DESIGN.md idea 5): the scheduler re-scores what changed
+and picks a head plus the waiting requests that share its prefix, up to
+`scheduler.max_batch_tokens` computed tokens (0: one request per forward, PrefillOnly's way; a
+long uncached request runs alone, chunk by chunk). The likely next pick's host-resident prefix
+starts loading in the background; each request of the batch waits for its own prefetch (if
+any), and one forward computes every request's misses on top of its cached prefix; each
+request's KV goes to the tiers by policy. Results carry the hit split per tier and a timing
+breakdown (queued, waiting for prefetch, loading, computing: the batch's).
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from torch import Tensor
 
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
-from tiered.hybrid.forward import ForwardInputError, forward
+from tiered.hybrid.forward import BatchItem, ForwardInputError, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
-from tiered.offload.tiers import HitSplit, KVTiers, Prepared
+from tiered.offload.tiers import HitSplit, KVTiers, PrefixKV, Prepared
 from tiered.scheduler.jct import JCTModel, JCTSample, cache_key, load_cached, save_cached
-from tiered.scheduler.scheduler import Scheduler
+from tiered.scheduler.scheduler import Decision, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class Result:
     decision_seconds: float
     finished_at: float = field(default=0.0)
     error: str | None = None  # the request failed in the engine (out of memory); the engine goes on
+    batch_size: int = 1  # requests in the forward that computed this one
 
     @classmethod
     def failed(cls, request_id: str, num_tokens: int, error: str, queued_seconds: float) -> Result:
@@ -198,13 +201,13 @@ class Engine:
                 continue
             ids = torch.randint(0, self.model.args.vocab_size, (total,), generator=g)
             stored = self.tiers.prepare(self.tiers.new_request(f"profile-store-{total}", ids))
-            self._compute(stored)
+            self._compute([stored])
             self.tiers.finish(stored)
             self.tiers.flush()
             self.tiers.device_tier.clear()
             start = time.perf_counter()
             loaded = self.tiers.prepare(self.tiers.new_request(f"profile-load-{total}", ids))
-            self._compute(loaded)
+            self._compute([loaded])
             self._sync()
             seconds = time.perf_counter() - start
             self.tiers.abort(loaded)
@@ -267,76 +270,113 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._seqs)
 
-    def step(self) -> Result | None:
-        """Run the next request; None when nothing waits."""
-        decision = self.scheduler.pick()
-        if decision is None:
-            return None
-        w = decision.waiting
-        params, arrival = self._params.pop(w.seq)
-        del self._seqs[w.request.request_id]
-        if self.config.scheduler.prefetch:
+    def step(self) -> list[Result]:
+        """Run the next batch (one forward); its results, or [] when nothing waits."""
+        sc = self.config.scheduler
+        batch = self.scheduler.pick_batch(sc.max_batch_tokens, self.max_model_len)
+        if not batch:
+            return []
+        waiting = [d.waiting for d in batch]
+        params = [self._params.pop(w.seq) for w in waiting]
+        for w in waiting:
+            del self._seqs[w.request.request_id]
+        if sc.prefetch:
             nxt = self.scheduler.peek()
             if nxt is not None and nxt.split.num_host_hit_tokens > 0:
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
-        prepared: Prepared | None = None
+        if len(batch) == 1:
+            return self._run_alone(batch[0], params[0], started)
         try:
-            prepared = self.tiers.prepare(w.request, self.scheduler.waiting_keys())
-            compute_start = time.perf_counter()
-            logits = self._compute(prepared)
+            return self._run_batch(batch, params, started)
         except BaseException as exc:
-            if prepared is not None:
-                self.tiers.abort(prepared)
             if not _out_of_memory(exc):
                 raise
-            # This request did not fit (admission should prevent it): fail it alone, go on.
-            n = w.request.token_ids.numel()
-            log.error("request %s (%d tokens) ran out of memory: %s", w.request.request_id, n, str(exc)[:200])
-            if self.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-            return Result.failed(w.request.request_id, n, f"out of memory computing {n} tokens", started - arrival)
-        self._sync()
-        compute = time.perf_counter() - compute_start
-        self.tiers.finish(prepared)
-        predicted = self.jct.observe(prepared.split, prepared.load_seconds + compute)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        top = []
-        if params.top_logprobs:
-            values, indices = torch.topk(logprobs, params.top_logprobs)
-            top = list(zip(indices.tolist(), values.tolist(), strict=True))
-        return Result(
-            request_id=w.request.request_id,
-            num_tokens=w.request.token_ids.numel(),
-            split=prepared.split,
-            token_id=params.choose(logits),
-            logprobs={i: float(logprobs[i]) for i in params.logprob_token_ids},
-            top_logprobs=top,
-            queued_seconds=started - arrival,
-            prefetch_wait_seconds=prepared.prefetch_wait_seconds,
-            load_seconds=prepared.load_seconds,
-            compute_seconds=compute,
-            predicted_seconds=predicted,
-            decision_seconds=decision.decision_seconds,
-            finished_at=time.monotonic(),
-        )
+            self._release_memory()
+            log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
+            return [r for d, p in zip(batch, params, strict=True) for r in self._run_alone(d, p, started)]
 
-    def _compute(self, prepared: Prepared) -> Tensor:
+    def _run_alone(self, decision: Decision, params: tuple[ScoreParams, float], started: float) -> list[Result]:
+        """One request in its own forward; out of memory fails it alone (admission should prevent it)."""
+        try:
+            return self._run_batch([decision], [params], started)
+        except BaseException as exc:
+            if not _out_of_memory(exc):
+                raise
+            self._release_memory()
+            req = decision.waiting.request
+            n = req.token_ids.numel()
+            log.error("request %s (%d tokens) ran out of memory: %s", req.request_id, n, str(exc)[:200])
+            return [Result.failed(req.request_id, n, f"out of memory computing {n} tokens", started - params[1])]
+
+    def _release_memory(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def _run_batch(
+        self, batch: list[Decision], params: list[tuple[ScoreParams, float]], started: float
+    ) -> list[Result]:
+        """Prepare every request (pins, host loads), one forward over all, then finish each."""
+        prepared: list[Prepared] = []
+        try:
+            for d in batch:
+                prepared.append(self.tiers.prepare(d.waiting.request, self.scheduler.waiting_keys()))
+            compute_start = time.perf_counter()
+            logits = self._compute(prepared)
+            self._sync()
+        except BaseException:
+            for p in prepared:
+                self.tiers.abort(p)
+            raise
+        compute = time.perf_counter() - compute_start
+        for p in prepared:
+            self.tiers.finish(p)
+        splits = [p.split for p in prepared]
+        load = sum(p.load_seconds for p in prepared)
+        predicted = self.jct.observe(splits, load + compute)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        results = []
+        for i, (d, p, (par, arrival)) in enumerate(zip(batch, prepared, params, strict=True)):
+            top = []
+            if par.top_logprobs:
+                values, indices = torch.topk(logprobs[i], par.top_logprobs)
+                top = list(zip(indices.tolist(), values.tolist(), strict=True))
+            results.append(Result(
+                request_id=p.request.request_id,
+                num_tokens=p.request.token_ids.numel(),
+                split=p.split,
+                token_id=par.choose(logits[i]),
+                logprobs={t: float(logprobs[i, t]) for t in par.logprob_token_ids},
+                top_logprobs=top,
+                queued_seconds=started - arrival,
+                prefetch_wait_seconds=p.prefetch_wait_seconds,
+                load_seconds=load,
+                compute_seconds=compute,
+                predicted_seconds=predicted,
+                decision_seconds=d.decision_seconds,
+                finished_at=time.monotonic(),
+                batch_size=len(batch),
+            ))  # fmt: skip
+        return results
+
+    def _compute(self, prepared: Sequence[Prepared]) -> Tensor:
+        """One forward over the prepared requests; requests with the same prefix blocks share one
+        prefix object, which the forward reads once per layer. Returns logits [B, V]."""
         f = self.config.forward
-        return forward(
-            self.model,
-            prepared.request.token_ids[prepared.num_prefix_tokens :],
-            mode=f.mode,
-            chunk_tokens=f.chunk_tokens,
-            prefix_kv=self.tiers.prefix_kv(prepared),
-            kv_sink=self.tiers.sink(prepared),
-        )
+        prefixes: dict[tuple[int, ...], PrefixKV | None] = {}
+        items = []
+        for p in prepared:
+            blocks = tuple(p.prefix_blocks)
+            if blocks not in prefixes:
+                prefixes[blocks] = self.tiers.prefix_kv(p)
+            items.append(BatchItem(p.request.token_ids[p.num_prefix_tokens :], prefixes[blocks], self.tiers.sink(p)))
+        return forward_batch(self.model, items, mode=f.mode, chunk_tokens=f.chunk_tokens)
 
     def run(self) -> list[Result]:
         """Run until nothing waits; results in completion order."""
         results = []
-        while (r := self.step()) is not None:
-            results.append(r)
+        while batch := self.step():
+            results += batch
         return results
 
     def close(self) -> None:

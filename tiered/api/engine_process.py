@@ -1,9 +1,9 @@
 """The engine process: an Engine behind two ZMQ sockets (requests in, responses out).
 
 It drains every waiting message before each step, so the scheduler sees all of them (a scoring
-call's N items arrive together), runs one request per step, and sends each result as soon as it
-is computed. A request the engine refuses or fails gets a response with `error` set; a `Cancel`
-drops a request that still waits.
+call's N items arrive together), runs one batch per step, and sends each result as soon as it
+is computed (a batch's results together). A request the engine refuses or fails gets a
+response with `error` set; a `Cancel` drops a request that still waits.
 
 Signals: SIGTERM ends the loop and closes the engine (LMCache included); SIGINT is ignored, since
 Ctrl-C reaches the whole process group and the API process, which owns this one, stops it. If the
@@ -62,8 +62,7 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
                 elif not busy and os.getppid() != parent:
                     log.warning("the API process is gone; stopping")
                     break
-                result = engine.step()
-                if result is not None:
+                for result in engine.step():
                     responses.send(encode(_response(result, engine)))
     except _Stop:
         log.info("SIGTERM: stopping")

@@ -146,11 +146,11 @@ def run_engine(
                 r = trace.requests[i]
                 engine.submit(r.token_ids, request_id=r.request_id)
                 i += 1
-            result = engine.step()
-            if result is not None:
+            batch = engine.step()
+            for result in batch:
                 results.append(result)
                 progress.step()
-            elif i < len(trace):
+            if not batch and i < len(trace):
                 time.sleep(max(0.0, arrivals[i] - (time.monotonic() - start)))
         makespan = time.monotonic() - start - arrivals[0]
         jct_error = engine.jct.error

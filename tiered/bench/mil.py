@@ -77,8 +77,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def probe_peak(model_dir: str, dtype: str, device: str, mode: str, chunk_tokens: int, num_tokens: int) -> int:
-    """Peak bytes of one forward of `num_tokens`, measured in a fresh process."""
+def probe_peak(
+    model_dir: str, dtype: str, device: str, mode: str, chunk_tokens: int, num_tokens: int, num_requests: int = 1,
+    prefix_tokens: int = 0,
+) -> int:  # fmt: skip
+    """Peak bytes of one forward of `num_tokens` (per request of a batch on one shared prefix),
+    measured in a fresh process."""
     cmd = [
         sys.executable,
         "-m",
@@ -95,6 +99,10 @@ def probe_peak(model_dir: str, dtype: str, device: str, mode: str, chunk_tokens:
         str(chunk_tokens),
         "--tokens",
         str(num_tokens),
+        "--requests",
+        str(num_requests),
+        "--prefix-tokens",
+        str(prefix_tokens),
     ]
     # A fixed mmap threshold makes glibc return every freed tensor to the OS, so the resident
     # size follows live memory (its dynamic threshold would keep freed blocks in the heap).

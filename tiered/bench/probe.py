@@ -22,10 +22,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--mode", required=True)
     p.add_argument("--chunk-tokens", type=int, default=1024)
-    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--tokens", type=int, required=True, help="new tokens (per request, with --requests)")
+    p.add_argument("--requests", type=int, default=1, help="requests in one batched forward")
+    p.add_argument("--prefix-tokens", type=int, default=0, help="one cached prefix all requests share")
     a = p.parse_args(argv)
     model = load_model(a.model, a.dtype, a.device)
-    json.dump(asdict(measure_forward_peak(model, a.tokens, a.mode, a.chunk_tokens)), sys.stdout)
+    peak = measure_forward_peak(model, a.tokens, a.mode, a.chunk_tokens, a.requests, a.prefix_tokens)
+    json.dump(asdict(peak), sys.stdout)
 
 
 if __name__ == "__main__":

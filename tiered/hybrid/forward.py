@@ -1,21 +1,26 @@
-"""One request's forward pass, in the three modes of DESIGN.md, through one code path.
+"""The forward pass over a batch of requests, in the three modes of DESIGN.md, through one code path.
 
-- `hybrid` (ours): the layer loop runs each token-wise op (norm, q/k/v, RoPE, o_proj, MLP)
-  chunk by chunk along the token axis into preallocated buffers, and attention once per layer
-  over all tokens. Only the current layer's K,V exist; the KV sink receives them right after
-  the layer's attention, then they are dropped.
+- `hybrid` (ours): the new tokens of every request in the batch are packed along the token axis;
+  the layer loop runs each token-wise op (norm, q/k/v, RoPE at each request's own positions,
+  o_proj, MLP) chunk by chunk over the packed tokens into preallocated buffers, and attention
+  once per layer, per request over its own prefix + its own new tokens. Requests given the same
+  prefix object read it once per layer (DESIGN.md idea 5). Only the current layer's K,V exist;
+  each request's KV sink receives its K,V right after the layer's attention, then they are dropped.
 - `vanilla`: the same loop with one chunk of all tokens, and every layer's K,V held until the
   end of the forward (what a general engine keeps for decoding).
 - `chunked`: Sarathi-style; the whole model runs per token chunk, each chunk attending to the
-  K,V of the chunks before it, so every layer's K,V is kept for the whole forward.
+  K,V of the chunks before it, so every layer's K,V is kept for the whole forward. A comparison
+  mode: a batch runs request by request.
 
-All modes take an optional prefix (K,V per layer for the first P tokens, e.g. cache hits) and
-return the fp32 logits of the last token only: a prefill-only engine needs nothing else.
+Every request may carry a prefix (K,V per layer of its first P tokens, e.g. cache hits); the
+forward returns the fp32 logits of each request's last token only: a prefill-only engine needs
+nothing else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,21 +40,38 @@ class ForwardInputError(ValueError):
     """The request cannot be computed by this model (empty, out-of-vocabulary, too long)."""
 
 
-def _check_inputs(model: CausalLM, token_ids: Tensor, prefix_kv: Sequence[LayerKV] | None) -> int:
-    a = model.args
+@dataclass(slots=True)
+class BatchItem:
+    """One request of a batched forward: the tokens to compute after its optional prefix.
+
+    Items given the *same* `prefix_kv` object share that prefix: it is gathered once per layer
+    and all their queries attend to it in one call."""
+
+    token_ids: Tensor  # [T] the tokens to compute
+    prefix_kv: Sequence[LayerKV] | None = None  # K,V of the P tokens before them, per layer
+    kv_sink: KVSink | None = None
+
+
+def check_token_ids(token_ids: Tensor, vocab_size: int) -> None:
+    """A non-empty 1-D tensor of ids inside the vocabulary, or ForwardInputError naming the bad value."""
     if token_ids.ndim != 1 or token_ids.numel() == 0:
         raise ForwardInputError(f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}")
     lo, hi = int(token_ids.min()), int(token_ids.max())
-    if lo < 0 or hi >= a.vocab_size:
+    if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise ForwardInputError(f"token id {bad} is outside the vocabulary [0, {a.vocab_size})")
+        raise ForwardInputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def _num_prefix_tokens(model: CausalLM, item: BatchItem) -> int:
+    a = model.args
+    check_token_ids(item.token_ids, a.vocab_size)
     num_prefix = 0
-    if prefix_kv is not None:
-        if len(prefix_kv) != a.num_layers:
-            raise ForwardInputError(f"prefix_kv has {len(prefix_kv)} layers, the model {a.num_layers}")
+    if item.prefix_kv is not None:
+        if len(item.prefix_kv) != a.num_layers:
+            raise ForwardInputError(f"prefix_kv has {len(item.prefix_kv)} layers, the model {a.num_layers}")
         # A lazy prefix (the tiers' PrefixKV) states its length; gathering a layer to read it costs a copy.
-        num_prefix = getattr(prefix_kv, "num_tokens", None) or prefix_kv[0][0].shape[0]
-    total = num_prefix + token_ids.numel()
+        num_prefix = getattr(item.prefix_kv, "num_tokens", None) or item.prefix_kv[0][0].shape[0]
+    total = num_prefix + item.token_ids.numel()
     if a.sliding_window is not None and total > a.sliding_window:
         raise ForwardInputError(
             f"{total} tokens exceed the model's sliding window of {a.sliding_window}; "
@@ -58,7 +80,6 @@ def _check_inputs(model: CausalLM, token_ids: Tensor, prefix_kv: Sequence[LayerK
     return num_prefix
 
 
-@torch.inference_mode()
 def forward(
     model: CausalLM,
     token_ids: Tensor,
@@ -71,73 +92,110 @@ def forward(
     """Compute the tokens after an optional prefix; return the last token's logits [V] (fp32).
 
     `token_ids` [T] are the tokens to compute; `prefix_kv[layer]` holds K,V of the P tokens
-    before them (positions 0..P-1), so the new tokens take positions P..P+T-1.
-    """
-    num_prefix = _check_inputs(model, token_ids, prefix_kv)
-    token_ids = token_ids.to(model.inv_freq.device)
+    before them (positions 0..P-1), so the new tokens take positions P..P+T-1."""
+    item = BatchItem(token_ids, prefix_kv, kv_sink)
+    return forward_batch(model, [item], mode=mode, chunk_tokens=chunk_tokens)[0]
+
+
+@torch.inference_mode()
+def forward_batch(
+    model: CausalLM, items: Sequence[BatchItem], *, mode: ForwardMode = "hybrid", chunk_tokens: int = 1024
+) -> Tensor:
+    """One forward over every item; returns each item's last-token logits [len(items), V] (fp32)."""
+    if not items:
+        raise ForwardInputError("a batch needs at least one request")
+    prefix_lens = [_num_prefix_tokens(model, it) for it in items]
     if mode == "chunked":
-        hidden_last = _chunked(model, token_ids, chunk_tokens, prefix_kv, num_prefix, kv_sink)
-    elif mode in ("hybrid", "vanilla"):
-        chunk = token_ids.numel() if mode == "vanilla" else chunk_tokens
-        hidden_last = _layer_by_layer(
-            model, token_ids, chunk, prefix_kv, num_prefix, kv_sink, hold_kv=(mode == "vanilla")
-        )
-    else:
+        device = model.inv_freq.device
+        hidden = [
+            _chunked(model, it.token_ids.to(device), chunk_tokens, it.prefix_kv, p, it.kv_sink)
+            for it, p in zip(items, prefix_lens, strict=True)
+        ]
+        return model.last_token_logits(torch.stack(hidden))
+    if mode not in ("hybrid", "vanilla"):
         raise ValueError(f"unknown forward mode '{mode}' (expected vanilla, chunked or hybrid)")
-    return model.last_token_logits(hidden_last)
+    return model.last_token_logits(_layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla"))
 
 
-def _new_layer_kv(model: CausalLM, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LayerKV:
-    a = model.args
-    shape = (num_tokens, a.num_kv_heads, a.head_dim)
-    return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+@dataclass(slots=True)
+class _Group:
+    """Requests that share one prefix object, packed next to each other."""
+
+    prefix_kv: Sequence[LayerKV] | None
+    segments: list[tuple[int, int]]  # rows of the packed tokens, one per request
 
 
-def _copy_prefix(k: Tensor, v: Tensor, prefix_kv: Sequence[LayerKV] | None, layer: int, num_prefix: int) -> None:
-    if num_prefix:
-        pk, pv = prefix_kv[layer]  # type: ignore[index]
-        k[:num_prefix].copy_(pk)
-        v[:num_prefix].copy_(pv)
+def _pack(items: Sequence[BatchItem]) -> tuple[list[int], list[_Group]]:
+    """Packing order (items of one prefix adjacent, first appearance first) and the groups."""
+    by_prefix: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        key = id(it.prefix_kv) if it.prefix_kv is not None else -1 - i  # no prefix: a group of its own
+        by_prefix.setdefault(key, []).append(i)
+    order = [i for members in by_prefix.values() for i in members]
+    groups, start = [], 0
+    for members in by_prefix.values():
+        segments = []
+        for i in members:
+            n = items[i].token_ids.numel()
+            segments.append((start, start + n))
+            start += n
+        groups.append(_Group(items[members[0]].prefix_kv, segments))
+    return order, groups
 
 
 def _layer_by_layer(
-    model: CausalLM,
-    token_ids: Tensor,
-    chunk: int,
-    prefix_kv: Sequence[LayerKV] | None,
-    num_prefix: int,
-    kv_sink: KVSink | None,
-    hold_kv: bool,
+    model: CausalLM, items: Sequence[BatchItem], prefix_lens: list[int], chunk: int, hold_kv: bool
 ) -> Tensor:
-    """hybrid (chunk < T, KV dropped per layer) and vanilla (chunk = T, KV held to the end)."""
+    """hybrid (chunk < N, KV dropped per layer) and vanilla (chunk = N, KV held to the end).
+
+    Returns the last token's hidden state of each item, in the items' order: [B, D]."""
     a = model.args
-    T, P = token_ids.numel(), num_prefix
-    x = model.model.embed_tokens(token_ids)  # [T, D] residual stream, updated in place
-    chunk = min(chunk, T)
-    bounds = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
-    q = torch.empty((T, a.num_heads, a.head_dim), dtype=x.dtype, device=x.device)
-    gate_buf = torch.empty((chunk, a.intermediate_size), dtype=x.dtype, device=x.device)
+    order, groups = _pack(items)
+    device = model.inv_freq.device
+    token_ids = torch.cat([items[i].token_ids for i in order]).to(device)
+    positions = torch.cat([torch.arange(prefix_lens[i], prefix_lens[i] + items[i].token_ids.numel()) for i in order])
+    N = token_ids.numel()
+    x = model.model.embed_tokens(token_ids)  # [N, D] residual stream, updated in place
+    chunk = N if hold_kv else min(chunk, N)
+    bounds = [(s, min(s + chunk, N)) for s in range(0, N, chunk)]
+    q = torch.empty((N, a.num_heads, a.head_dim), dtype=x.dtype, device=device)
+    gate_buf = torch.empty((chunk, a.intermediate_size), dtype=x.dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
+    rows = [seg for g in groups for seg in g.segments]  # packed rows, in packing order
     held: list[LayerKV] = []
     for i, layer in enumerate(model.layers):
-        k, v = _new_layer_kv(model, P + T, x.dtype, x.device)
-        _copy_prefix(k, v, prefix_kv, i, P)
+        k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=x.dtype, device=device)
+        v = torch.empty_like(k)
         for s, e in bounds:
-            cos, sin = rope_cos_sin(model.inv_freq, P + s, P + e, x.dtype)
-            qkv_step(layer, x[s:e], cos, sin, q[s:e], k[P + s : P + e], v[P + s : P + e])
-        attention_(q, k, v, P)  # q now holds the attention output [T, H, Dh]
+            cos, sin = rope_cos_sin(model.inv_freq, positions[s:e], x.dtype)  # [n, 1, Dh], per chunk: no [N] copy
+            qkv_step(layer, x[s:e], cos, sin, q[s:e], k[s:e], v[s:e])
+        for g in groups:
+            pk, pv = g.prefix_kv[i] if g.prefix_kv is not None else (None, None)
+            attention_(q, k, v, g.segments, pk, pv)  # q rows of the group now hold the attention output
+            del pk, pv
         if hold_kv:
-            held.append((k[P:], v[P:]))
-        elif kv_sink is not None:
-            kv_sink(i, k[P:], v[P:])
+            held.append((k, v))
+        else:
+            _to_sinks(items, order, rows, i, k, v)
         del k, v
         for s, e in bounds:
             o_proj_step_(layer, x[s:e], q[s:e].view(e - s, -1))
             mlp_step_(layer, x[s:e], gate_buf, up_buf)
-    if kv_sink is not None:
-        for i, (k, v) in enumerate(held):
-            kv_sink(i, k, v)
-    return x[-1]
+    for i, (k, v) in enumerate(held):
+        _to_sinks(items, order, rows, i, k, v)
+    last = torch.empty(len(items), dtype=torch.long)
+    for idx, (_, e) in zip(order, rows, strict=True):
+        last[idx] = e - 1
+    return x[last.to(device)]
+
+
+def _to_sinks(
+    items: Sequence[BatchItem], order: list[int], rows: list[tuple[int, int]], layer: int, k: Tensor, v: Tensor
+) -> None:
+    for idx, (s, e) in zip(order, rows, strict=True):
+        sink = items[idx].kv_sink
+        if sink is not None:
+            sink(layer, k[s:e], v[s:e])
 
 
 def _chunked(
@@ -153,9 +211,15 @@ def _chunked(
     T, P = token_ids.numel(), num_prefix
     chunk = min(chunk, T)
     dtype, device = model.model.embed_tokens.weight.dtype, token_ids.device
-    kv = [_new_layer_kv(model, P + T, dtype, device) for _ in range(a.num_layers)]
-    for i, (k, v) in enumerate(kv):
-        _copy_prefix(k, v, prefix_kv, i, P)
+    kv = []
+    for i in range(a.num_layers):
+        k = torch.empty((P + T, a.num_kv_heads, a.head_dim), dtype=dtype, device=device)
+        v = torch.empty_like(k)
+        if P:
+            pk, pv = prefix_kv[i]  # type: ignore[index]
+            k[:P].copy_(pk)
+            v[:P].copy_(pv)
+        kv.append((k, v))
     q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=dtype, device=device)
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
@@ -164,11 +228,13 @@ def _chunked(
         e = min(s + chunk, T)
         n = e - s
         x = model.model.embed_tokens(token_ids[s:e])  # [n, D]
-        cos, sin = rope_cos_sin(model.inv_freq, P + s, P + e, dtype)
+        cos, sin = rope_cos_sin(model.inv_freq, torch.arange(P + s, P + e), dtype)
         for i, layer in enumerate(model.layers):
             k, v = kv[i]
             qkv_step(layer, x, cos, sin, q[:n], k[P + s : P + e], v[P + s : P + e])
-            attention_(q[:n], k[: P + e], v[: P + e], P + s)
+            # earlier chunks (and the prefix) are this chunk's prefix: all visible
+            before = (k[: P + s], v[: P + s]) if P + s else (None, None)
+            attention_(q[:n], k[P + s : P + e], v[P + s : P + e], [(0, n)], *before)
             o_proj_step_(layer, x, q[:n].view(n, -1))
             mlp_step_(layer, x, gate_buf, up_buf)
         hidden_last = x[-1]

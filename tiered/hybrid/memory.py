@@ -9,13 +9,14 @@ For a clean reading run it in a process of its own with a fixed glibc mmap thres
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tiered.config import ForwardMode
-from tiered.hybrid.forward import forward
+from tiered.hybrid.forward import BatchItem, LayerKV, forward_batch
 from tiered.hybrid.model import CausalLM
 
 
@@ -47,23 +48,55 @@ def weights_bytes(model: CausalLM) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure_forward_peak(model: CausalLM, num_tokens: int, mode: ForwardMode, chunk_tokens: int) -> ForwardPeak:
-    """Run one forward of `num_tokens` random tokens and return its memory peak."""
-    ids = torch.randint(0, model.args.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
-    forward(model, ids[: min(64, num_tokens)], mode=mode, chunk_tokens=chunk_tokens)  # warm-up
-    weights = weights_bytes(model)
+class GatheredPrefix(Sequence[LayerKV]):
+    """A prefix that copies a layer's K,V out on each access, as the device tier's gather does."""
+
+    def __init__(self, layers: list[LayerKV]) -> None:
+        self._layers = layers
+        self.num_tokens = layers[0][0].shape[0]
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __getitem__(self, layer: int) -> LayerKV:  # type: ignore[override]
+        k, v = self._layers[layer]
+        return k.clone(), v.clone()
+
+
+def measure_forward_peak(
+    model: CausalLM, num_tokens: int, mode: ForwardMode, chunk_tokens: int, num_requests: int = 1,
+    prefix_tokens: int = 0,
+) -> ForwardPeak:  # fmt: skip
+    """Run one forward of `num_tokens` random tokens and return its memory peak.
+
+    With `num_requests` > 1 it is a batch: that many requests of `num_tokens` new tokens each,
+    all on one shared prefix of `prefix_tokens` (held outside the forward, as the device tier
+    holds it; the forward's gather of each layer counts)."""
+    a = model.args
+    g = torch.Generator().manual_seed(0)
     device = model.inv_freq.device
+    dtype = model.model.embed_tokens.weight.dtype
+    prefix = None
+    if prefix_tokens:
+        shape = (prefix_tokens, a.num_kv_heads, a.head_dim)
+        layers = [tuple(torch.randn(shape, generator=g).to(device, dtype) for _ in "kv") for _ in range(a.num_layers)]
+        prefix = GatheredPrefix(layers)  # type: ignore[arg-type]
+    items = [BatchItem(torch.randint(0, a.vocab_size, (num_tokens,), generator=g), prefix) for _ in range(num_requests)]
+    warm = [BatchItem(it.token_ids[: min(64, num_tokens)], prefix) for it in items[:2]]
+    forward_batch(model, warm, mode=mode, chunk_tokens=chunk_tokens)  # warm-up
+    weights = weights_bytes(model)
+    total = num_requests * num_tokens
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        forward(model, ids, mode=mode, chunk_tokens=chunk_tokens)
+        forward_batch(model, items, mode=mode, chunk_tokens=chunk_tokens)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
-        return ForwardPeak(num_tokens, torch.cuda.max_memory_allocated(device), weights, seconds, "cuda max allocated")
+        return ForwardPeak(total, torch.cuda.max_memory_allocated(device), weights, seconds, "cuda max allocated")
     baseline = _status_bytes("VmRSS")
     method = "VmHWM after clear_refs" if _reset_cpu_peak() else "VmHWM (not resettable: an upper bound)"
     start = time.perf_counter()
-    forward(model, ids, mode=mode, chunk_tokens=chunk_tokens)
+    forward_batch(model, items, mode=mode, chunk_tokens=chunk_tokens)
     seconds = time.perf_counter() - start
-    return ForwardPeak(num_tokens, max(0, _status_bytes("VmHWM") - baseline) + weights, weights, seconds, method)
+    return ForwardPeak(total, max(0, _status_bytes("VmHWM") - baseline) + weights, weights, seconds, method)

@@ -121,8 +121,8 @@ class CausalLM(nn.Module):
         return list(self.model.layers)  # type: ignore[arg-type]
 
     def last_token_logits(self, hidden_last: Tensor) -> Tensor:
-        """[D] hidden state of the last token -> [V] fp32 logits."""
-        return self.lm_head(self.model.norm(hidden_last[None]))[0].float()
+        """[B, D] hidden states of each request's last token -> [B, V] fp32 logits."""
+        return self.lm_head(self.model.norm(hidden_last)).float()
 
 
 # ---- RoPE ----------------------------------------------------------------------------------
@@ -146,10 +146,9 @@ def rope_inv_freq(a: ModelArgs) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: Tensor, start: int, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin for positions [start, end): each [n, 1, head_dim], in the activations' dtype."""
-    positions = torch.arange(start, end, device=inv_freq.device, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)  # [n, Dh/2]
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin for the given positions [n] (each request of a batch has its own): each [n, 1, head_dim]."""
+    freqs = torch.outer(positions.to(device=inv_freq.device, dtype=torch.float32), inv_freq)  # [n, Dh/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, Dh]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -214,20 +213,70 @@ def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor) 
     _linear_accumulate_(x, gate, mlp.down_proj)
 
 
-def attention_(q: Tensor, k: Tensor, v: Tensor, num_prefix_tokens: int) -> None:
-    """Causal attention of q [T, H, Dh] over k, v [P+T, Hkv, Dh], written over q in place.
+def attention_(
+    q: Tensor,  # [L, H, Dh] queries of one or more requests, packed
+    k: Tensor,  # [L, Hkv, Dh] keys of those same tokens
+    v: Tensor,  # [L, Hkv, Dh]
+    segments: list[tuple[int, int]],  # each request's rows [s, e) of q, k, v, covering [0, L)
+    prefix_k: Tensor | None = None,  # [P, Hkv, Dh] keys before every segment (one shared prefix)
+    prefix_v: Tensor | None = None,
+) -> None:
+    """Causal attention written over q in place: each segment's queries see all prefix keys and,
+    causally, the keys of their own segment (query i of a segment sees its keys 0..i).
 
-    One SDPA call per KV head covers all T queries of that head's query group, so the kernel
-    still sees the whole sequence, while the output needs scratch for one group only (not
-    another [T, H, Dh] tensor). With a prefix (P > 0) the causal mask is aligned to the lower
-    right: query i sees keys [0, P + i].
+    No mask is materialized. The keys are split at the prefix boundary: one call of all queries
+    against the shared prefix (unmasked: every segment reads the same prefix KV, no copy per
+    request), one causal call per segment against its own keys, and the two outputs merged by
+    their log-sum-exp. On the CPU both calls are the flash kernel that returns the log-sum-exp;
+    elsewhere `_attend_masked` concatenates and masks (correct, not the fast path). Calls run
+    per KV head so scratch is one query group's output, not another [L, H, Dh] tensor.
     """
+    if q.device.type != "cpu":
+        _attend_masked(q, k, v, segments, prefix_k, prefix_v)
+        return
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
-    mask = causal_lower_right(q.shape[0], k.shape[0]) if num_prefix_tokens else None
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     for j in range(num_kv_heads):
-        qj = q[:, j * group : (j + 1) * group]
-        q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qj, k[:, j : j + 1], v[:, j : j + 1]))
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        qj.copy_(out[0].transpose(0, 1))
-        del out  # before the next group's call allocates its own
+        heads = slice(j * group, (j + 1) * group)
+        q4 = q[:, heads].permute(1, 0, 2)[None]  # [1, g, L, Dh]
+        k4, v4 = (t[:, j : j + 1].permute(1, 0, 2)[None] for t in (k, v))  # [1, 1, L, Dh]
+        out_p = lse_p = None
+        if prefix_k is not None and prefix_v is not None:
+            pk4, pv4 = (t[:, j : j + 1].permute(1, 0, 2)[None] for t in (prefix_k, prefix_v))
+            out_p, lse_p = flash(q4, pk4, pv4)  # [1, g, L, Dh], [1, g, L] (fp32)
+        for s, e in segments:
+            out, lse = flash(q4[:, :, s:e], k4[:, :, s:e], v4[:, :, s:e], is_causal=True)
+            if out_p is not None and lse_p is not None:
+                out = _merge(out_p[:, :, s:e], lse_p[:, :, s:e], out, lse)
+            q[s:e, heads].copy_(out[0].transpose(0, 1))
+        del out_p  # before the next group's call allocates its own
+
+
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """Softmax attention over keys A ∪ B from its parts over A and over B (weights by log-sum-exp)."""
+    top = torch.maximum(lse_a, lse_b)
+    wa, wb = (lse_a - top).exp_(), (lse_b - top).exp_()
+    total = wa + wb
+    wa, wb = (wa / total)[..., None].to(out_a.dtype), (wb / total)[..., None].to(out_b.dtype)
+    return out_a * wa + out_b * wb
+
+
+def _attend_masked(
+    q: Tensor, k: Tensor, v: Tensor, segments: list[tuple[int, int]], prefix_k: Tensor | None,
+    prefix_v: Tensor | None,
+) -> None:  # fmt: skip
+    """`attention_` through SDPA with a lower-right causal mask over prefix + segment keys."""
+    num_kv_heads = k.shape[1]
+    group = q.shape[1] // num_kv_heads
+    for s, e in segments:
+        ks, vs = k[s:e], v[s:e]
+        if prefix_k is not None and prefix_v is not None:
+            ks, vs = torch.cat((prefix_k, ks)), torch.cat((prefix_v, vs))
+        mask = causal_lower_right(e - s, ks.shape[0]) if ks.shape[0] > e - s else None
+        for j in range(num_kv_heads):
+            qj = q[s:e, j * group : (j + 1) * group]
+            q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qj, ks[:, j : j + 1], vs[:, j : j + 1]))
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            qj.copy_(out[0].transpose(0, 1))
+            del out

@@ -6,7 +6,9 @@ them computed (misses) and H loaded from the host tier,
     jct = c0 + c1*M + c2*M*T + c3*H + c4*(T - M)
 
 (c1: token-wise ops; c2: attention, each computed token attends to up to T keys; c3: host load;
-c4: handling the cached prefix, gathering its blocks and copying them into the layer buffers).
+c4: handling the cached prefix, gathering its blocks per layer). A batch is one forward: c0 once,
+the other terms summed over its requests (`predict_batch`), so the fit separates the cost of a
+forward from the cost of a token once batches have been observed.
 The coefficients come from a least-squares fit on a profile grid measured at start (cached on
 disk, keyed by model, device and config). Online, every finished job joins the fit (the last
 256 of them beside the profile grid) and the model is refitted, so it follows what
@@ -20,6 +22,7 @@ import hashlib
 import json
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,17 +33,29 @@ from tiered.offload.tiers import HitSplit
 log = logging.getLogger(__name__)
 
 
-def features(num_tokens: int, num_miss_tokens: int, num_host_hit_tokens: int) -> list[float]:
-    m = float(num_miss_tokens)
-    return [1.0, m, m * num_tokens, float(num_host_hit_tokens), float(num_tokens - num_miss_tokens)]
-
-
 @dataclass(slots=True)
 class JCTSample:
+    """One measured forward: one request, or a batch with its requests' counts summed."""
+
     num_tokens: int
     num_miss_tokens: int
     num_host_hit_tokens: int
     seconds: float
+    # Σ miss·total over the forward's requests (attention pairs); -1: one request, miss·total.
+    num_attention_pairs: int = -1
+
+    @classmethod
+    def of(cls, splits: Sequence[HitSplit], seconds: float) -> JCTSample:
+        return cls(
+            sum(s.num_tokens for s in splits), sum(s.num_miss_tokens for s in splits),
+            sum(s.num_host_hit_tokens for s in splits), seconds,
+            sum(s.num_miss_tokens * s.num_tokens for s in splits),
+        )  # fmt: skip
+
+    def features(self) -> list[float]:
+        m = float(self.num_miss_tokens)
+        pairs = m * self.num_tokens if self.num_attention_pairs < 0 else float(self.num_attention_pairs)
+        return [1.0, m, pairs, float(self.num_host_hit_tokens), float(self.num_tokens - self.num_miss_tokens)]
 
 
 @dataclass(slots=True)
@@ -55,18 +70,20 @@ class JCTModel:
         return cls(_fit(samples), profile=list(samples))
 
     def predict(self, split: HitSplit) -> float:
-        """Seconds for a job with this hit split (never below zero)."""
-        x = features(split.num_tokens, split.num_miss_tokens, split.num_host_hit_tokens)
+        """Seconds for a job with this hit split run alone (never below zero)."""
+        return self.predict_batch((split,))
+
+    def predict_batch(self, splits: Sequence[HitSplit]) -> float:
+        """Seconds for one forward over requests with these hit splits (never below zero)."""
+        x = JCTSample.of(splits, 0.0).features()
         return max(0.0, sum(c * v for c, v in zip(self.coefficients, x, strict=True)))
 
-    def observe(self, split: HitSplit, seconds: float) -> float:
-        """Record a finished job; returns the prediction it had. Updates the error and the fit."""
-        predicted = self.predict(split)
+    def observe(self, splits: Sequence[HitSplit], seconds: float) -> float:
+        """Record a finished forward (a batch); returns the prediction it had. Updates the error and the fit."""
+        predicted = self.predict_batch(splits)
         if seconds > 0:
             self._errors.append(abs(predicted - seconds) / seconds)
-            self._observed.append(
-                JCTSample(split.num_tokens, split.num_miss_tokens, split.num_host_hit_tokens, seconds)
-            )
+            self._observed.append(JCTSample.of(splits, seconds))
             if self.profile:  # a model given as coefficients (tests, benchmarks) stays as given
                 self.coefficients = _fit(self.profile + list(self._observed))
         return predicted
@@ -79,7 +96,7 @@ class JCTModel:
 
 def _fit(samples: list[JCTSample]) -> list[float]:
     """Least squares on relative error (long and short jobs weigh alike), coefficients >= 0."""
-    x = np.array([features(s.num_tokens, s.num_miss_tokens, s.num_host_hit_tokens) for s in samples])
+    x = np.array([s.features() for s in samples])
     y = np.array([s.seconds for s in samples])
     w = 1.0 / np.maximum(y, 1e-6)
     xw, yw = x * w[:, None], y * w

@@ -12,6 +12,15 @@ Policies (lower score runs first; ties by arrival):
 - SGLang's cache-aware policies, as peers: `lpm` (longest cached prefix first), `spf` (fewest
   uncached tokens first), `hrrn` (highest response ratio (wait + JCT) / JCT first).
 
+Batches (DESIGN.md idea 5). `pick_batch` takes the policy's pick as the batch's head, then fills
+the batch up to a budget of computed tokens: first with waiting requests that share the head's
+first block (prefix-homogeneous: they read one copy of the prefix), then with the others in the
+policy's order. Only requests of the head's priority join it, so a batch never carries a request
+past a higher-priority one; the head was chosen with λ, so fairness holds for the head, and a
+filler only rides along. A request that would compute a block the batch already computes waits
+for the next batch instead, where that block is a cache hit. Every policy batches this way, so
+policies still compare.
+
 Cost. `jct − λ·(now − arrival)` orders requests like `jct + λ·arrival`, which does not change
 with time, so calibrated, srjf, lpm, spf and fcfs keep a lazy heap. A request is re-scored only
 when a block key it contains enters or leaves a tier (an inverted index from key to waiting
@@ -183,6 +192,79 @@ class Scheduler:
         del self._waiting[w.seq]
         self._unindex(w)
         return Decision(w, w.jct, time.perf_counter() - start, rescored, depth)
+
+    def pick_batch(self, max_batch_tokens: int, max_total_tokens: int) -> list[Decision]:
+        """The head (`pick`) plus waiting requests that fit, in the order they were chosen.
+
+        `max_batch_tokens`: computed (miss) tokens in the batch; 0 runs one request per forward,
+        and a head over the budget runs alone. `max_total_tokens`: computed tokens plus the
+        longest cached prefix, which bounds the forward's memory (the start-up profile run
+        proved `max_model_len` tokens fit)."""
+        head = self.pick()
+        if head is None:
+            return []
+        batch = [head]
+        miss = head.waiting.split.num_miss_tokens
+        if max_batch_tokens <= 0 or miss >= max_batch_tokens:
+            return batch
+        start = time.perf_counter()
+        computing = set(self._miss_keys(head.waiting))
+        longest_prefix = head.waiting.split.num_tokens - miss
+        for w in self._fill_candidates(head.waiting):
+            m = w.split.num_miss_tokens
+            prefix = w.split.num_tokens - m
+            if miss + m > max_batch_tokens or miss + m + max(longest_prefix, prefix) > max_total_tokens:
+                continue
+            own = self._miss_keys(w)
+            if own and own[0] in computing:
+                continue  # the batch computes its next block: next time it is a hit
+            del self._waiting[w.seq]
+            self._unindex(w)
+            batch.append(Decision(w, w.jct, 0.0, 0, head.queue_depth))
+            miss += m
+            longest_prefix = max(longest_prefix, prefix)
+            computing.update(own)
+            if miss >= max_batch_tokens:
+                break
+        head.decision_seconds += time.perf_counter() - start
+        return batch
+
+    def _miss_keys(self, w: Waiting) -> list[int]:
+        """Keys of the full blocks this request would compute (after its estimated hits)."""
+        return w.request.keys[(w.split.num_tokens - w.split.num_miss_tokens) // self.tiers.block_tokens :]
+
+    def _fill_candidates(self, head: Waiting, limit: int = 256) -> list[Waiting]:
+        """Same-priority waiting requests: those sharing the head's first block, then the rest
+        in policy order (at most `limit` of them: the cost of a pick stays bounded)."""
+        keys = head.request.keys
+        sharing = [self._waiting[q] for q in self._by_key.get(keys[0], ())] if keys else []
+        sharing.sort(key=lambda w: (self._order(w), w.seq))
+        seen = {w.seq for w in sharing}
+        out = sharing + [w for w in self._in_policy_order(limit) if w.seq not in seen]
+        return [w for w in out if w.priority == head.priority]
+
+    def _in_policy_order(self, limit: int) -> list[Waiting]:
+        """The first `limit` waiting requests in policy order, left in the queue."""
+        if self.policy == "hrrn":  # its ratio moves with time: a scan, as in `_best`
+            return sorted(self._waiting.values(), key=lambda w: (w.priority, self._order(w), w.seq))[:limit]
+        out: list[Waiting] = []
+        popped = []
+        while self._heap and len(out) < limit:
+            entry = heapq.heappop(self._heap)
+            w = self._waiting.get(entry[2])
+            if w is not None and w.version == entry[3]:  # stale entries stay out of the heap
+                out.append(w)
+                popped.append(entry)
+        for entry in popped:
+            heapq.heappush(self._heap, entry)
+        return out
+
+    def _order(self, w: Waiting) -> float:
+        """The policy's sort key (hrrn: minus its current response ratio)."""
+        if self.policy == "hrrn":
+            service = max(w.jct, 1e-9)
+            return -(self.clock() - w.arrival + service) / service
+        return self._score(w)
 
     def peek(self) -> Waiting | None:
         """The request `pick` would choose now, left in the queue (the prefetch target)."""

@@ -1,0 +1,117 @@
+"""The engine's batches: same answers and same KV in the tiers as one request per forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiered.config import load_config
+from tiered.engine import Engine, Result, ScoreParams
+from tiered.hybrid.forward import forward
+
+BT = 16
+YES_NO = ScoreParams(logprob_token_ids=(11, 12), top_logprobs=2)
+
+
+def _engine(tiny_dir: Path, tmp_path: Path, *overrides: str) -> Engine:
+    cfg = load_config(None, [f"model.path={tiny_dir}", f"cache.block_tokens={BT}", "model.max_model_len=2048",
+                             "scheduler.profile_tokens=[64, 256]", f"scheduler.profile_cache_dir={tmp_path}",
+                             "scheduler.prefetch=false", *overrides])  # fmt: skip
+    return Engine(cfg)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 1300, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _visit(engine: Engine, prompts: list[torch.Tensor]) -> dict[str, Result]:
+    ids = [engine.submit(p, YES_NO) for p in prompts]
+    by_id = {r.request_id: r for r in engine.run()}
+    return {i: by_id[i] for i in ids}
+
+
+def test_batches_equal_single_runs_with_device_and_host_hits(tiny_dir: Path, tmp_path: Path) -> None:
+    u1, u2, u3 = _ids(200, 1), _ids(200, 2), _ids(200, 3)
+    post = {i: _ids(10 + i, 10 + i) for i in range(8)}
+    mixed = [torch.cat([u1, post[0]]), torch.cat([u1, post[1]]), torch.cat([u1, post[2]]),
+             torch.cat([u2, post[3]]), torch.cat([u2, post[4]]), torch.cat([u3, post[5]]), post[6]]  # fmt: skip
+    answers = {}
+    for budget in (2048, 0):
+        engine = _engine(tiny_dir, tmp_path, "cache.retention=all", f"scheduler.max_batch_tokens={budget}")
+        _visit(engine, [torch.cat([u2, post[7]])])
+        engine.tiers.flush()
+        engine.tiers.device_tier.clear()  # u2's profile now lives in the host tier only
+        _visit(engine, [torch.cat([u1, post[7]])])  # u1's on the device
+        results = list(_visit(engine, mixed).values())
+        assert engine.tiers.device_tier.stats().num_pinned_blocks == 0
+        engine.close()
+        sizes = [r.batch_size for r in results]
+        assert max(sizes) > 1 if budget else set(sizes) == {1}
+        u1_posts, u2_posts = results[:3], results[3:5]
+        assert all(r.split.num_device_hit_tokens == 192 and r.split.num_host_hit_tokens == 0 for r in u1_posts)
+        # The first u2 post loads the profile from the host tier; the second finds it on the device.
+        assert sorted(r.split.num_host_hit_tokens for r in u2_posts) == [0, 192]
+        assert sorted(r.split.num_device_hit_tokens for r in u2_posts) == [0, 192]
+        assert results[5].split.num_miss_tokens == 215 and results[6].split.num_miss_tokens == 16
+        answers[budget] = results
+    ref_model = _engine(tiny_dir, tmp_path, "cache.suffix=discard")
+    for prompt, batched, single in zip(mixed, answers[2048], answers[0], strict=True):
+        ref = torch.log_softmax(forward(ref_model.model, prompt), dim=-1)
+        for got in (batched, single):
+            assert max(abs(got.logprobs[t] - float(ref[t])) for t in (11, 12)) < 1e-4
+            assert got.token_id == int(ref.argmax())
+            assert [t for t, _ in got.top_logprobs] == torch.topk(ref, 2).indices.tolist()
+    ref_model.close()
+
+
+def _tier_kv(engine: Engine, prompt: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K,V of the prompt's cached blocks as the tiers hold them (device first, host on a miss)."""
+    prepared = engine.tiers.prepare(engine.tiers.new_request("probe", prompt))
+    try:
+        kv = engine.tiers.prefix_kv(prepared)
+        assert kv is not None and prepared.num_prefix_tokens == (prompt.numel() - 1) // BT * BT
+        return [kv[layer] for layer in range(len(kv))]
+    finally:
+        engine.tiers.abort(prepared)
+
+
+def test_kv_a_batch_hands_to_the_tiers_equals_single_runs(tiny_dir: Path, tmp_path: Path) -> None:
+    profile = _ids(100, 4)
+    prompts = [_ids(70, 5), _ids(33, 6), torch.cat([profile, _ids(20, 7)]), torch.cat([profile, _ids(40, 8)])]
+    held = {}
+    for budget in (2048, 0):
+        engine = _engine(tiny_dir, tmp_path, "cache.retention=all", f"scheduler.max_batch_tokens={budget}")
+        _visit(engine, prompts)
+        engine.tiers.flush()
+        device = [_tier_kv(engine, p) for p in prompts]
+        engine.tiers.device_tier.clear()
+        host = [_tier_kv(engine, p) for p in prompts]  # each loaded back from LMCache
+        held[budget] = (device, host)
+        engine.close()
+    for tier in (0, 1):
+        for got, ref in zip(held[2048][tier], held[0][tier], strict=True):
+            for (k, v), (rk, rv) in zip(got, ref, strict=True):
+                torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5)
+
+
+def test_a_request_over_the_budget_runs_alone(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard", "scheduler.max_batch_tokens=64")
+    long, *short = _visit(engine, [_ids(200, 9), _ids(20, 10), _ids(20, 11), _ids(20, 12)]).values()
+    engine.close()
+    assert long.batch_size == 1
+    assert [r.batch_size for r in short] == [3, 3, 3]
+
+
+def test_a_visits_prompts_run_in_one_forward_on_their_cached_profile(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = _engine(tiny_dir, tmp_path)
+    profile = _ids(300, 13)
+    _visit(engine, [torch.cat([profile, _ids(9, 14)])])  # an earlier visit: the profile went to the host tier
+    results = _visit(engine, [torch.cat([profile, _ids(12 + i, 20 + i)]) for i in range(8)]).values()
+    engine.close()
+    assert [r.batch_size for r in results] == [8] * 8
+    # One request loads the profile from the host tier, the seven others find it on the device.
+    assert sorted(r.split.num_host_hit_tokens for r in results) == [0] * 7 + [288]
+    assert [r.split.num_device_hit_tokens + r.split.num_host_hit_tokens for r in results] == [288] * 8
+    assert len({r.compute_seconds for r in results}) == 1  # one forward

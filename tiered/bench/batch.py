@@ -1,0 +1,155 @@
+"""`tiered bench batch`: what batching and the prefix path buy, forward by forward.
+
+Side by side in one process, on one model, timings interleaved (best of `repeats`):
+- **visit**: N requests of `new` tokens each on one shared cached prefix of `prefix` tokens
+  (a user's profile + N candidate posts), run one per forward vs packed into one forward;
+  throughput and each side's achieved FLOP/s as a fraction of the measured matmul rate.
+- **hit saving**: `new` tokens on a cached prefix vs recomputing prefix + new tokens from
+  scratch: the compute a cache hit saves (the issue's case: 1,296 new on 1,800 cached).
+The prefix is held as a device-tier pool holds it (blocks gathered per layer), so the prefix
+path's cost counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tiered.bench.mil import forward_flops, matmul_flops_per_s
+from tiered.bench.report import write_report
+from tiered.hybrid.forward import BatchItem, forward, forward_batch
+from tiered.hybrid.loader import DTYPES, load_model
+from tiered.hybrid.memory import GatheredPrefix
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class VisitResult:
+    num_requests: int
+    new_tokens: int
+    prefix_tokens: int
+    single_seconds: float  # all requests, one forward each
+    batched_seconds: float  # all requests, one forward
+    speedup: float
+    single_fraction_of_matmul: float
+    batched_fraction_of_matmul: float
+
+
+@dataclass(slots=True)
+class HitSavingResult:
+    new_tokens: int
+    prefix_tokens: int
+    with_prefix_seconds: float
+    recompute_seconds: float
+    saving: float  # recompute / with prefix
+    ideal_saving: float  # by FLOPs alone
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_batch_bench(
+    model_dir: str,
+    dtype: str,
+    device: str,
+    json_path: str | None,
+    num_requests: int,
+    new_tokens: int,
+    prefix_tokens: int,
+    hit_new_tokens: int,
+    chunk_tokens: int,
+    repeats: int,
+) -> dict[str, object]:
+    model = load_model(model_dir, dtype, device)
+    a = model.args
+    g = torch.Generator().manual_seed(0)
+    rate = matmul_flops_per_s(DTYPES[dtype], device)
+    log.info("matmul rate (%s, 2048^3): %.1f GFLOP/s", dtype, rate / 1e9)
+    profile = torch.randint(0, a.vocab_size, (prefix_tokens,), generator=g)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward(model, profile, chunk_tokens=chunk_tokens, kv_sink=lambda i, k, v: kv.append((k.clone(), v.clone())))
+    prefix = GatheredPrefix(kv)
+    posts = [torch.randint(0, a.vocab_size, (new_tokens,), generator=g) for _ in range(num_requests)]
+    items = [BatchItem(p, prefix) for p in posts]
+
+    def single() -> None:
+        for p in posts:
+            forward(model, p, chunk_tokens=chunk_tokens, prefix_kv=prefix)
+
+    def batched() -> None:
+        forward_batch(model, items, chunk_tokens=chunk_tokens)
+
+    flops = num_requests * forward_flops(a, new_tokens, prefix_tokens)
+    times = {"single": float("inf"), "batched": float("inf")}
+    for _ in range(repeats):  # interleaved, so drift hits both sides alike
+        for name, fn in (("single", single), ("batched", batched)):
+            times[name] = min(times[name], _best(fn, 1))
+    visit = VisitResult(
+        num_requests,
+        new_tokens,
+        prefix_tokens,
+        times["single"],
+        times["batched"],
+        times["single"] / times["batched"],
+        flops / times["single"] / rate,
+        flops / times["batched"] / rate,
+    )
+    log.info(
+        "visit: %d x %d new on %d cached: one per forward %.3f s, batched %.3f s (%.2fx); %.0f%% / %.0f%% of matmul",
+        num_requests,
+        new_tokens,
+        prefix_tokens,
+        visit.single_seconds,
+        visit.batched_seconds,
+        visit.speedup,
+        100 * visit.single_fraction_of_matmul,
+        100 * visit.batched_fraction_of_matmul,
+    )
+
+    new = torch.randint(0, a.vocab_size, (hit_new_tokens,), generator=g)
+    whole = torch.cat([profile, new])
+    hit_times = {"prefix": float("inf"), "recompute": float("inf")}
+    for _ in range(repeats):
+        hit_times["prefix"] = min(hit_times["prefix"], _best(lambda: forward(model, new, prefix_kv=prefix), 1))
+        hit_times["recompute"] = min(hit_times["recompute"], _best(lambda: forward(model, whole), 1))
+    ideal = forward_flops(a, prefix_tokens + hit_new_tokens) / forward_flops(a, hit_new_tokens, prefix_tokens)
+    hit = HitSavingResult(
+        hit_new_tokens,
+        prefix_tokens,
+        hit_times["prefix"],
+        hit_times["recompute"],
+        hit_times["recompute"] / hit_times["prefix"],
+        ideal,
+    )
+    log.info(
+        "hit saving: %d new on %d cached %.3f s vs recompute %.3f s: %.2fx (FLOPs alone: %.2fx)",
+        hit_new_tokens,
+        prefix_tokens,
+        hit.with_prefix_seconds,
+        hit.recompute_seconds,
+        hit.saving,
+        ideal,
+    )
+    return write_report(
+        json_path,
+        "batch",
+        device,
+        {
+            "model": model_dir,
+            "dtype": dtype,
+            "matmul_flops_per_s": rate,
+            "visit": asdict(visit),
+            "hit_saving": asdict(hit),
+        },
+    )
