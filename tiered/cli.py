@@ -215,6 +215,8 @@ def _trace_from_args(args: argparse.Namespace, cfg: Config) -> Trace:
         return traces.post_recommendation(vocab, args.users, args.posts, **profile, **common)
     if args.kind == "revisit":
         return traces.revisit(vocab, args.users, args.posts, args.rounds, **profile, **common)
+    if args.kind == "visits":
+        return traces.visits(vocab, args.users, args.visits, args.posts, **profile, zipf=args.zipf, **common)
     return traces.credit_verification(vocab, args.users, args.min_tokens, args.max_tokens, **common)
 
 
@@ -261,8 +263,24 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_bench_visits(args: argparse.Namespace) -> int:
+    from tiered.bench.plots import plot_load
+    from tiered.bench.visits import run_visits_bench
+
+    cfg = _load(args)
+    trace = _trace_from_args(args, cfg)
+    out_dir = Path(args.plots or "benchmarks/out/visits")
+    doc = run_visits_bench(cfg, trace, args.systems, args.multiples, args.concurrency, args.vllm_python,
+                           args.slo_p99, args.slo_mean, args.seed, args.json, out_dir)  # fmt: skip
+    for path in plot_load(doc, out_dir):
+        print(f"wrote {path}")
+    return 0
+
+
 def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
-    kinds = ["post_recommendation", "credit_verification", "revisit"]
+    from tiered.bench.traces import KINDS
+
+    kinds = list(KINDS)
     if kind_positional:
         p.add_argument("kind", choices=kinds, help="which workload")
     else:
@@ -273,6 +291,8 @@ def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
     g.add_argument("--users", type=int, default=16, help="distinct users (profiles / credit histories)")
     g.add_argument("--posts", type=int, default=8, help="candidate posts per user per visit")
     g.add_argument("--rounds", type=int, default=2, help="revisit: visits per user")
+    g.add_argument("--visits", type=int, default=256, help="visits: visits in all (users drawn by --zipf)")
+    g.add_argument("--zipf", type=float, default=1.1, help="visits: user u comes with probability ~ 1/(u+1)^zipf")
     g.add_argument("--profile-mean", type=int, default=14000, help="profile length mean (paper: 14000)")
     g.add_argument("--profile-sd", type=int, default=3000, help="profile length sd (paper: 3000)")
     g.add_argument("--profile-min", type=int, default=11000, help="profile length lower clip (paper: 11000)")
@@ -520,6 +540,56 @@ def build_parser() -> argparse.ArgumentParser:
         "--plots", default=None, help="folder for the PNG plots and vLLM logs (default benchmarks/out/load)"
     )
     ld.set_defaults(func=cmd_bench_load)
+
+    vs = bsub.add_parser(
+        "visits", help="one HTTP call per user visit (N prompts sharing a profile), tiered serve vs vllm serve",
+        description="A recommendation service's traffic: each visit is ONE POST /v1/completions whose prompt lists "
+        "--posts token-id prompts (the user's profile + a fresh post + a 12-token question, max_tokens=1); users "
+        "come from a Zipf law (--zipf), so popular users return. Per system: (1) all visits at once with at most "
+        "--concurrency calls in flight: visits/s = visits / makespan; the first system's figure sets the offered "
+        "loads; (2) Poisson arrivals at each of --multiples x that rate, the same seeded calls and times for every "
+        "system: mean/P50/P99 visit latency (arrival to answer of the whole call); sustainable visits/s at each P99 "
+        "and mean SLO; prompt tokens served from cache (tiered: device / host tier, from the responses' usage; vLLM: "
+        "its /metrics prefix-cache counters); the physical limit (computed tokens x forward FLOPs per token / the "
+        "measured matmul rate) and the fraction of it reached at saturation. Every run starts cold (its own "
+        "cache_salt). Systems: tiered (tiered serve with --config and --set), tiered-single (the same with "
+        "scheduler.max_batch_tokens=0: one request per forward), vllm (vllm serve, KV cache = our device tier's "
+        "tokens), vllm-full (KV cache for the whole working set); the vllm ones need --vllm-python. Lengths are "
+        "tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use --config configs/bench.yaml "
+        "for the bench model.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(vs)
+    vs.set_defaults(kind="visits", scale=1.0, func=cmd_bench_visits)
+    vs.add_argument("--trace", default=None, help="a visits trace written by `tiered bench trace visits` (else one "
+                    "is generated from the options below)")  # fmt: skip
+    vg = vs.add_argument_group("trace (lengths in tokens)")
+    vg.add_argument("--users", type=int, default=64, help="distinct users (profiles)")
+    vg.add_argument("--visits", type=int, default=256, help="visits (HTTP calls) in all")
+    vg.add_argument("--posts", type=int, default=8, help="prompts per visit (candidate posts)")
+    vg.add_argument("--profile-tokens", dest="profile_mean", metavar="N", type=int, default=1800,
+                    help="profile length mean")  # fmt: skip
+    vg.add_argument("--profile-sd", type=int, default=300, help="profile length sd")
+    vg.add_argument("--profile-min", type=int, default=1200, help="profile length lower clip")
+    vg.add_argument("--profile-max", type=int, default=2400, help="profile length upper clip")
+    vg.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%)")
+    vg.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf (0: uniform)")
+    vg.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
+    from tiered.bench.visits import SYSTEMS as VISIT_SYSTEMS
+
+    vs.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-single"],
+                    help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}")  # fmt: skip
+    vs.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.5, 1, 2],
+                    help="offered loads, as multiples of the first system's saturation visits/s")  # fmt: skip
+    vs.add_argument("--concurrency", type=int, default=16, help="calls in flight at most in the saturation run")
+    vs.add_argument("--vllm-python", default=None, help="a Python with vLLM installed, for the vllm systems")
+    vs.add_argument("--slo-p99", type=floats, default=None, help="P99 visit latency SLOs, s, comma-separated "
+                    "(default: 2.5, 5, 10x the first system's P99 at the lowest load)")  # fmt: skip
+    vs.add_argument("--slo-mean", type=floats, default=None, help="mean visit latency SLOs, s, comma-separated "
+                    "(default: 2.5, 5, 10x the first system's mean at the lowest load)")  # fmt: skip
+    vs.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
+    vs.add_argument("--plots", default=None, help="folder for PNG plots, server configs and logs "
+                    "(default benchmarks/out/visits)")  # fmt: skip
 
     sk = bsub.add_parser(
         "soak", help="bounded soak of tiered serve: valid + invalid requests, tiers under eviction pressure",

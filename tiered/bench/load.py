@@ -40,7 +40,7 @@ import torch
 
 from tiered.api.launch import free_port, start_server, stop_server
 from tiered.bench.report import write_report
-from tiered.bench.traces import BenchError, Trace, TraceRequest
+from tiered.bench.traces import BenchError, Trace
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result
@@ -176,41 +176,73 @@ def _engine_records(results: list[Result], trace: Trace, arrivals: list[float]) 
     ]
 
 
-async def _run_http_async(url: str, model: str, trace: Trace, arrivals: list[float], label: str) -> list[Record]:
-    progress = Progress(label, len(trace))
-    limits = httpx.Limits(max_connections=len(trace), max_keepalive_connections=len(trace))
+@dataclass(slots=True)
+class Call:
+    """One `POST /v1/completions`: a trace request's prompt, or all the prompts of a visit as one list."""
+
+    call_id: str
+    prompts: list[list[int]]
+
+
+WARM_UP = Call("warm-up", [list(range(3, 67))])  # pays first-call costs before a timed run
+
+
+def trace_calls(trace: Trace) -> list[Call]:
+    """One call per request of the trace."""
+    return [Call(r.request_id, [r.token_ids]) for r in trace.requests]
+
+
+async def _run_http_async(
+    url: str, model: str, calls: list[Call], arrivals: list[float], label: str, concurrency: int | None,
+    cache_salt: str | None,
+) -> list[Record]:  # fmt: skip
+    progress = Progress(label, len(calls))
+    limits = httpx.Limits(max_connections=len(calls), max_keepalive_connections=len(calls))
+    gate = asyncio.Semaphore(concurrency or len(calls))
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         loop = asyncio.get_running_loop()
         start = loop.time()
 
         async def one(i: int) -> Record:
-            req = trace.requests[i]
+            call = calls[i]
             await asyncio.sleep(max(0.0, start + arrivals[i] - loop.time()))
-            sent = loop.time()
-            body = {"model": model, "prompt": req.token_ids, "max_tokens": 1, "temperature": 0.0}
-            error = None
-            device = host = 0
-            try:
-                r = await client.post(f"{url}/v1/completions", json=body)
-                data = r.json()
-                if r.status_code != 200:
-                    error = f"{r.status_code}: {data.get('error', data)}"
-                else:
-                    usage = data.get("usage") or {}
-                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                    split = usage.get("tiered")
-                    device, host = (split["device_hit_tokens"], split["host_hit_tokens"]) if split else (cached, 0)
-            except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            done = loop.time()
+            async with gate:
+                sent = loop.time()
+                prompt = call.prompts[0] if len(call.prompts) == 1 else call.prompts
+                body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+                if cache_salt is not None:
+                    body["cache_salt"] = cache_salt
+                error = None
+                device = host = 0
+                try:
+                    r = await client.post(f"{url}/v1/completions", json=body)
+                    data = r.json()
+                    if r.status_code != 200:
+                        error = f"{r.status_code}: {data.get('error', data)}"
+                    else:
+                        usage = data.get("usage") or {}
+                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        split = usage.get("tiered")
+                        device, host = (split["device_hit_tokens"], split["host_hit_tokens"]) if split else (cached, 0)
+                except httpx.HTTPError as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                done = loop.time()
             progress.step()
-            return Record(req.request_id, len(req.token_ids), sent - start, done - sent, None, device, host, error)
+            num_tokens = sum(len(p) for p in call.prompts)
+            return Record(call.call_id, num_tokens, sent - start, done - sent, None, device, host, error)
 
-        return list(await asyncio.gather(*(one(i) for i in range(len(trace)))))
+        return list(await asyncio.gather(*(one(i) for i in range(len(calls)))))
 
 
-def run_http(url: str, model: str, trace: Trace, arrivals: list[float], label: str = "") -> tuple[list[Record], float]:
-    records = asyncio.run(_run_http_async(url, model, trace, arrivals, label))
+def run_http(
+    url: str, model: str, calls: list[Call], arrivals: list[float], label: str = "", concurrency: int | None = None,
+    cache_salt: str | None = None,
+) -> tuple[list[Record], float]:  # fmt: skip
+    """Send each call at its arrival offset (at most `concurrency` in flight); records and makespan.
+
+    A record's latency runs from sending to the whole answer; its hit tokens are the response's
+    (`usage.tiered` when the server is ours, else `cached_tokens`, all counted as device hits)."""
+    records = asyncio.run(_run_http_async(url, model, calls, arrivals, label, concurrency, cache_salt))
     makespan = max(r.arrival_seconds + r.latency_seconds for r in records) - min(arrivals)
     return records, makespan
 
@@ -244,7 +276,7 @@ class VLLMServer:
 
     def __init__(self, python: str, model_dir: Path, dtype: str, max_model_len: int, kv_tokens: int,
                  chunked: bool, chunk_tokens: int) -> None:  # fmt: skip
-        self.block = 128 if max_model_len >= 128 else 16
+        self.block = self.block_tokens(max_model_len)
         need = math.ceil(max_model_len / self.block) + 1  # vLLM refuses a cache that cannot hold one request
         self.num_blocks = max(math.ceil(kv_tokens / self.block), need)
         self.enlarged = self.num_blocks * self.block > kv_tokens + self.block
@@ -260,6 +292,11 @@ class VLLMServer:
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"http://127.0.0.1:{self.port}"
+
+    @staticmethod
+    def block_tokens(max_model_len: int) -> int:
+        """The KV block size the server is started with."""
+        return 128 if max_model_len >= 128 else 16
 
     def start(self, log_path: Path, timeout_s: float = 600) -> None:
         cores = os.cpu_count() or 1  # vLLM binds its OpenMP threads to these cores, as ours use all of them
@@ -312,13 +349,13 @@ def _one_run(
         return _engine_records(results, trace, arrivals), makespan
     if vllm is not None:
         vllm.reset()
-        return run_http(vllm.url, "model", trace, arrivals, label)
+        return run_http(vllm.url, "model", trace_calls(trace), arrivals, label)
     # ours over HTTP: a fresh server per run, so every run starts cold
     path = write_config(with_overrides(cfg, HTTP_SYSTEMS[system]), out_dir / f"{system}.yaml")
     proc, url = start_server(["--config", str(path), "--served-model-name", "model"])
     try:
-        run_http(url, "model", Trace("warm-up", {}, [TraceRequest("w", 0, list(range(3, 67)))]), [0.0])
-        return run_http(url, "model", trace, arrivals, label)
+        run_http(url, "model", [WARM_UP], [0.0])
+        return run_http(url, "model", trace_calls(trace), arrivals, label)
     finally:
         stop_server(proc)
 
@@ -420,7 +457,7 @@ def run_load_bench(
                 vllm.stop()
 
     table = sustainable_table(summaries, systems, slo_p99, slo_mean)
-    _print(summaries, table, slo_p99, slo_mean)
+    print_tables(summaries, table, slo_p99, slo_mean)
     doc = write_report(json_path, "load", resolve_device(cfg.device), {
         "config": asdict(cfg), "trace": {"kind": trace.kind, "params": trace.params, "requests": len(trace),
                                          "tokens": trace.num_tokens},
@@ -448,7 +485,8 @@ def sustainable_table(
     return out
 
 
-def _print(summaries: list[Summary], table: dict[str, Any], slo_p99: list[float], slo_mean: list[float]) -> None:
+def print_tables(summaries: list[Summary], table: dict[str, Any], slo_p99: list[float], slo_mean: list[float]) -> None:
+    """Print one row per (system, load), then the sustainable-QPS tables (the first system is the reference)."""
     print(f"{'system':<14}{'x':>5}{'QPS':>7}{'thru':>7}{'mean s':>8}{'P50 s':>8}{'P99 s':>8}{'dev hit':>8}"
           f"{'host hit':>9}{'errors':>7}")  # fmt: skip
     for s in summaries:

@@ -17,6 +17,12 @@ and its requests in arrival order.
   interleaved with other users' within the round), with new posts each round. Between a user's
   visits, all other users come: with a device tier that holds only a fraction of the profiles,
   a returning user's profile has left the device, and only a host tier still has it.
+- `visits`: what a recommendation service receives, one HTTP call per user visit. Each visit is
+  one user (drawn from a Zipf law over `users`: popular users return, most others come once or
+  never) and `posts` prompts, each the user's profile + a fresh post + the question; profiles as
+  in post recommendation but without a default `scale` (~1,800 tokens). A request carries its
+  visit's index (`visit`); the requests of one visit are consecutive. Arrival times are not part
+  of the trace: the benchmark draws them (Poisson) per visit.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class TraceRequest:
     user: int
     token_ids: list[int]
     prefix_tokens: int = 0  # the part shared with the user's other requests (its profile)
+    visit: int = -1  # `visits` traces: which visit (one HTTP call) the request belongs to; -1 elsewhere
 
 
 @dataclass(slots=True)
@@ -63,9 +70,10 @@ class Trace:
     def describe(self) -> str:
         lengths = [len(r.token_ids) for r in self.requests]
         users = len({r.user for r in self.requests})
+        visits = len({r.visit for r in self.requests if r.visit >= 0})
         return (
-            f"{self.kind}: {len(self)} requests from {users} users, {min(lengths)}-{max(lengths)} tokens "
-            f"(mean {sum(lengths) / len(lengths):.0f})"
+            f"{self.kind}: {len(self)} requests from {users} users{f' in {visits} visits' if visits else ''}, "
+            f"{min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f})"
         )
 
     def write(self, path: str | Path) -> None:
@@ -103,6 +111,17 @@ class _Draw:
     def normal_length(self, mean: float, sd: float, lo: float, hi: float) -> int:
         return int(round(min(hi, max(lo, self.rng.gauss(mean, sd)))))
 
+    def profiles(self, users: int, mean: int, sd: int, lo: int, hi: int, scale: float) -> list[list[int]]:
+        """One profile per user, lengths ~ Normal(mean, sd) clipped to [lo, hi], all times `scale`."""
+        ok = 0 < scale and lo <= mean <= hi and sd >= 0
+        _check(ok, "need scale > 0, profile_min <= mean <= profile_max, sd >= 0")
+        lengths = [self.normal_length(mean * scale, sd * scale, lo * scale, hi * scale) for _ in range(users)]
+        return [self.tokens(n) for n in lengths]
+
+    def post(self, mean_tokens: int) -> list[int]:
+        """A candidate post: ~Normal(mean, mean / 10) tokens, at least one."""
+        return self.tokens(max(1, int(round(self.rng.gauss(mean_tokens, mean_tokens / 10)))))
+
 
 def post_recommendation(
     vocab: list[int],
@@ -139,23 +158,54 @@ def revisit(
               "profile_sd": profile_sd, "profile_min": profile_min, "profile_max": profile_max,
               "post_tokens": post_tokens, "scale": scale, "seed": seed}  # fmt: skip
     _check(users >= 1 and posts >= 1 and rounds >= 1, "users, posts and rounds must be >= 1")
-    mean, sd, lo, hi = profile_mean, profile_sd, profile_min, profile_max
-    _check(0 < scale and lo <= mean <= hi and sd >= 0, "need scale > 0, profile_min <= mean <= profile_max, sd >= 0")
     d = _Draw(vocab, seed)
-    lengths = [d.normal_length(mean * scale, sd * scale, lo * scale, hi * scale) for _ in range(users)]
-    profiles = [d.tokens(n) for n in lengths]
+    profiles = d.profiles(users, profile_mean, profile_sd, profile_min, profile_max, scale)
     question = d.tokens(QUESTION_TOKENS)
     requests = []
     for r in range(rounds):
         batch = []
         for u in range(users):
             for p in range(posts):
-                post = d.tokens(max(1, int(round(d.rng.gauss(post_tokens, post_tokens / 10)))))
-                ids = profiles[u] + post + question
+                ids = profiles[u] + d.post(post_tokens) + question
                 batch.append(TraceRequest(f"r{r}-u{u}-p{p}", u, ids, len(profiles[u])))
         d.rng.shuffle(batch)
         requests += batch
     return Trace("revisit", params, requests)
+
+
+def visits(
+    vocab: list[int],
+    users: int = 64,
+    visits: int = 256,
+    posts: int = 8,
+    profile_mean: int = 1800,
+    profile_sd: int = 300,
+    profile_min: int = 1200,
+    profile_max: int = 2400,
+    post_tokens: int = 150,
+    zipf: float = 1.1,
+    scale: float = 1.0,
+    seed: int = 0,
+) -> Trace:
+    """`visits` visits; user u (0 = most popular) comes with probability proportional to 1 / (u + 1)^zipf.
+
+    A finite Zipf law, so any exponent >= 0 works (0: uniform). With the defaults, the 5 most popular
+    of 64 users make about half of the visits (54% expected), and a dozen users never come."""
+    params = {"users": users, "visits": visits, "posts": posts, "profile_mean": profile_mean,
+              "profile_sd": profile_sd, "profile_min": profile_min, "profile_max": profile_max,
+              "post_tokens": post_tokens, "zipf": zipf, "scale": scale, "seed": seed}  # fmt: skip
+    _check(users >= 1 and visits >= 1 and posts >= 1, "users, visits and posts must be >= 1")
+    _check(zipf >= 0, f"the Zipf exponent must be >= 0, got {zipf}")
+    d = _Draw(vocab, seed)
+    profiles = d.profiles(users, profile_mean, profile_sd, profile_min, profile_max, scale)
+    question = d.tokens(QUESTION_TOKENS)
+    who = d.rng.choices(range(users), [1 / (u + 1) ** zipf for u in range(users)], k=visits)
+    requests = []
+    for v, u in enumerate(who):
+        for p in range(posts):
+            ids = profiles[u] + d.post(post_tokens) + question
+            requests.append(TraceRequest(f"v{v}-u{u}-p{p}", u, ids, len(profiles[u]), v))
+    return Trace("visits", params, requests)
 
 
 def credit_verification(
@@ -177,4 +227,9 @@ def _check(ok: bool, message: str) -> None:
         raise BenchError(message)
 
 
-KINDS = {"post_recommendation": post_recommendation, "credit_verification": credit_verification, "revisit": revisit}
+KINDS = {
+    "post_recommendation": post_recommendation,
+    "credit_verification": credit_verification,
+    "revisit": revisit,
+    "visits": visits,
+}

@@ -1,0 +1,139 @@
+"""The visits trace (seeded, exact, Zipf users) and `tiered bench visits`: helpers and a small real run."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tiered.bench import visits as bench_visits
+from tiered.bench.traces import QUESTION_TOKENS, BenchError, Trace, TraceRequest, revisit, visits
+from tiered.bench.visits import run_visits_bench, split_visits, vllm_prefix_cache_tokens, working_set_tokens
+from tiered.cli import DEFAULT_CONFIG, main
+from tiered.config import load_config
+
+VOCAB = list(range(10, 500))
+SMALL = {"profile_mean": 100, "profile_sd": 20, "profile_min": 80, "profile_max": 120, "post_tokens": 10}
+
+
+def test_visits_are_seeded_exact_and_draw_returning_users(tmp_path: Path) -> None:
+    t = visits(VOCAB, users=6, visits=20, posts=4, **SMALL, seed=3)
+    assert len(t) == 80 and t.requests == visits(VOCAB, users=6, visits=20, posts=4, **SMALL, seed=3).requests
+    assert t.requests != visits(VOCAB, users=6, visits=20, posts=4, **SMALL, seed=4).requests
+    assert [r.visit for r in t.requests] == [v for v in range(20) for _ in range(4)]  # a visit's prompts adjoin
+    question = t.requests[0].token_ids[-QUESTION_TOKENS:]
+    profile: dict[int, list[int]] = {}
+    for r in t.requests:
+        assert 80 <= r.prefix_tokens <= 120 and r.token_ids[-QUESTION_TOKENS:] == question
+        assert profile.setdefault(r.user, r.token_ids[: r.prefix_tokens]) == r.token_ids[: r.prefix_tokens]
+        post = r.token_ids[r.prefix_tokens : -QUESTION_TOKENS]
+        assert 1 <= len(post) <= 20 and r.request_id == f"v{r.visit}-u{r.user}-p{t.requests.index(r) % 4}"
+    assert len({tuple(p[:16]) for p in profile.values()}) == len(profile)  # users share no prefix
+    by_visit = Counter(r.user for r in t.requests if r.request_id.endswith("-p0"))
+    assert by_visit.most_common(1)[0][1] >= 3 and len(by_visit) < 20  # Zipf: users come back
+    steep = Counter(r.user for r in visits(VOCAB, users=6, visits=200, posts=1, **SMALL, zipf=3.0).requests)
+    assert steep[0] > 150  # 1 / zeta-ish mass of user 0 at exponent 3: ~0.84
+    t.write(tmp_path / "v.json")
+    back = Trace.read(tmp_path / "v.json")
+    assert back.kind == "visits" and back.params["zipf"] == 1.1 and back.requests == t.requests
+    with pytest.raises(BenchError, match="Zipf exponent"):
+        visits(VOCAB, zipf=-1)
+
+
+def test_old_trace_files_read_with_no_visit(tmp_path: Path) -> None:
+    revisit(VOCAB, users=2, posts=1, rounds=1, scale=0.01).write(tmp_path / "old.json")
+    doc = json.loads((tmp_path / "old.json").read_text())
+    for r in doc["requests"]:
+        del r["visit"]  # as written before the field existed
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert [r.visit for r in Trace.read(tmp_path / "old.json").requests] == [-1, -1]
+
+
+def test_split_visits_and_working_set_are_exact() -> None:
+    reqs = [TraceRequest("a", 0, [1] * 62, 40, 0), TraceRequest("b", 0, [1] * 62, 40, 0),
+            TraceRequest("c", 1, [2] * 20, 5, 1), TraceRequest("d", 0, [1] * 60, 40, 2)]  # fmt: skip
+    trace = Trace("visits", {}, reqs)
+    got = split_visits(trace)
+    assert [(v.call.call_id, len(v.call.prompts), v.user, v.returning) for v in got] == [
+        ("v0-u0", 2, 0, False), ("v1-u1", 1, 1, False), ("v2-u0", 1, 0, True)]  # fmt: skip
+    # user 0: 2 shared blocks of 16; own blocks ceil(30/16) + ceil(30/16) + ceil(28/16); user 1: ceil(20/16)
+    assert working_set_tokens(trace, 16) == 32 + (2 + 2 + 2) * 16 + 2 * 16
+    with pytest.raises(BenchError, match="needs a visits trace"):
+        split_visits(revisit(VOCAB, users=1, posts=1, rounds=1, scale=0.01))
+
+
+def test_vllm_counters_are_summed_over_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = """# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+vllm:prefix_cache_hits_total{engine="0",model_name="model"} 1200.0
+vllm:prefix_cache_hits_total{engine="1",model_name="model"} 34.0
+vllm:prefix_cache_queries_total{engine="0",model_name="model"} 5000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="model"} 1.7e9
+"""
+    monkeypatch.setattr(bench_visits.httpx, "get", lambda url, timeout: SimpleNamespace(text=text))
+    assert vllm_prefix_cache_tokens("http://x") == (5000, 1234)
+    monkeypatch.setattr(bench_visits.httpx, "get", lambda url, timeout: SimpleNamespace(text="up 1\n"))
+    with pytest.raises(BenchError, match="prefix_cache_queries_total"):
+        vllm_prefix_cache_tokens("http://x")
+
+
+def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
+    cfg = load_config(DEFAULT_CONFIG)
+    trace = visits(VOCAB, users=2, visits=2, posts=1, **SMALL)
+    with pytest.raises(BenchError, match="unknown system"):
+        run_visits_bench(cfg, trace, ["nope"], [1.0], 4, None, None, None, 0, None, tmp_path)
+    with pytest.raises(BenchError, match="--vllm-python"):
+        run_visits_bench(cfg, trace, ["tiered", "vllm"], [1.0], 4, None, None, None, 0, None, tmp_path)
+
+
+def test_the_cli_writes_a_visits_trace(tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "v.json"
+    args = ["bench", "trace", "visits", "--set", f"model.path={tiny_dir}", "--users", "3", "--visits", "5",
+            "--posts", "2", "--profile-mean", "40", "--profile-min", "30", "--profile-max", "50", "--profile-sd", "5",
+            "--post-tokens", "8", "--scale", "1", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    t = Trace.read(out)
+    assert t.kind == "visits" and len(t) == 10 and {r.visit for r in t.requests} == set(range(5))
+
+
+def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "cache.block_tokens=16",
+                                       "scheduler.profile_tokens=[64,256]",
+                                       f"scheduler.profile_cache_dir={tmp_path / 'jct'}"])  # fmt: skip
+    trace = visits(VOCAB, users=3, visits=6, posts=3, profile_mean=48, profile_sd=8, profile_min=40, profile_max=64,
+                   post_tokens=8)  # fmt: skip
+    doc = run_visits_bench(cfg, trace, ["tiered"], [0.5, 2.0], 4, None, None, None, 0, str(tmp_path / "v.json"),
+                           tmp_path)  # fmt: skip
+    saved = json.loads((tmp_path / "v.json").read_text())
+    assert saved["bench"] == "visits" and saved["trace"] == {"kind": "visits", "params": trace.params, "requests": 6,
+                                                             "prompts": 18, "tokens": trace.num_tokens}  # fmt: skip
+    (sat,) = saved["saturation"]
+    cache, limit = sat["cache"], sat["limit"]
+    assert sat["system"] == "tiered" and sat["visits_per_s"] > 0 and sat["num_errors"] == 0
+    assert cache["source"] == "usage" and cache["prompt_tokens"] == trace.num_tokens
+    assert cache["device_hit_tokens"] + cache["host_hit_tokens"] + cache["computed_tokens"] == trace.num_tokens
+    assert limit["computed_tokens"] == cache["computed_tokens"] and 0 < limit["achieved_fraction"] < 1
+    assert saved["saturation_visits_per_s"] == sat["visits_per_s"] and len(saved["slo_p99_seconds"]) == 3
+    assert [(s["system"], s["multiple"], s["num_requests"], s["num_errors"]) for s in saved["summaries"]] == [
+        ("tiered", 0.5, 6, 0), ("tiered", 2.0, 6, 0)]  # fmt: skip
+    assert set(saved["sustainable"]["tiered"]) == {"p99", "mean"}
+    assert any(v["returning"] for v in saved["visits"])  # Zipf over 3 users: someone comes back
+    for records in (sat["records"], *(run["records"] for run in saved["runs"])):
+        by_id = {r["request_id"]: r for r in records}
+        assert set(by_id) == {v["call_id"] for v in saved["visits"]}
+        answered: dict[int, float] = {}  # user -> when their first answered visit was answered
+        for v in saved["visits"]:
+            r = by_id[v["call_id"]]
+            hit = r["device_hit_tokens"] + r["host_hit_tokens"]
+            if v["returning"]:
+                assert hit > 0, v
+                if answered[v["user"]] <= r["arrival_seconds"]:  # the profile was cached before this visit came
+                    assert hit >= v["prompts"] * (v["profile_tokens"] // 16 * 16), v  # all its whole blocks hit
+            end = r["arrival_seconds"] + r["latency_seconds"]
+            answered[v["user"]] = min(answered.get(v["user"], end), end)
+    assert doc["runs"][0]["summary"]["p99_latency_seconds"] >= doc["runs"][0]["summary"]["p50_latency_seconds"] > 0
+    from tiered.bench.plots import plot_load
+
+    assert [p.name for p in plot_load(doc, tmp_path / "plots")] == ["latency.png", "throughput.png", "cdf.png"]
