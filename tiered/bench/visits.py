@@ -184,8 +184,10 @@ def _serve(system: str, cfg: Config, vllm_python: str | None, kv_tokens: int, ma
             stop_server(proc)
         return
     assert vllm_python is not None
-    vllm = VLLMServer(vllm_python, Path(cfg.model.path), cfg.model.dtype, max_len, kv_tokens, True,
-                      cfg.forward.chunk_tokens)  # fmt: skip
+    # vLLM's per-step token budget is ours per batched forward (scheduler.max_batch_tokens), so
+    # both batch the same number of tokens; at least a chunk, as in `tiered bench load`.
+    step_tokens = max(cfg.forward.chunk_tokens, cfg.scheduler.max_batch_tokens)
+    vllm = VLLMServer(vllm_python, Path(cfg.model.path), cfg.model.dtype, max_len, kv_tokens, True, step_tokens)
     if vllm.enlarged:
         print(f"{system}: KV cache enlarged to {vllm.num_blocks * vllm.block} tokens (vLLM needs room for one request)")
     vllm.start(out_dir / f"{system}.log")

@@ -2,10 +2,12 @@
 
 - `hybrid` (ours): the new tokens of every request in the batch are packed along the token axis;
   the layer loop runs each token-wise op (norm, q/k/v, RoPE at each request's own positions,
-  o_proj, MLP) chunk by chunk over the packed tokens into preallocated buffers, and attention
-  once per layer, per request over its own prefix + its own new tokens. Requests given the same
-  prefix object read it once per layer (DESIGN.md idea 5). Only the current layer's K,V exist;
-  each request's KV sink receives its K,V right after the layer's attention, then they are dropped.
+  o_proj, MLP) chunk by chunk over the packed tokens into preallocated buffers. A layer first
+  makes K,V of all tokens; then each chunk makes its queries and attends, per request, to its
+  cached prefix, its earlier tokens and its own tokens, before its o_proj and MLP. Requests given
+  the same prefix object read it once per layer (DESIGN.md idea 5). Alive at once: the residual,
+  the current layer's K,V and one chunk's scratch; each request's KV sink receives its K,V as
+  soon as the layer's K,V are made, then they are dropped with the layer.
 - `vanilla`: the same loop with one chunk of all tokens, and every layer's K,V held until the
   end of the forward (what a general engine keeps for decoding).
 - `chunked`: Sarathi-style; the whole model runs per token chunk, each chunk attending to the
@@ -26,7 +28,16 @@ import torch
 from torch import Tensor
 
 from tiered.config import ForwardMode
-from tiered.hybrid.model import CausalLM, attention_, mlp_step_, o_proj_step_, qkv_step, rope_cos_sin
+from tiered.hybrid.model import (
+    CausalLM,
+    Piece,
+    attention_,
+    kv_step,
+    mlp_step_,
+    o_proj_step_,
+    q_step,
+    rope_cos_sin,
+)
 
 LayerKV = tuple[Tensor, Tensor]
 """K and V of one layer, each [tokens, kv_heads, head_dim]."""
@@ -148,7 +159,11 @@ def _layer_by_layer(
 ) -> Tensor:
     """hybrid (chunk < N, KV dropped per layer) and vanilla (chunk = N, KV held to the end).
 
-    Returns the last token's hidden state of each item, in the items' order: [B, D]."""
+    Per layer: K,V of all packed tokens, chunk by chunk; then, chunk by chunk, the chunk's
+    queries, their attention (over each request's prefix, its earlier tokens and, causally, its
+    own tokens in the chunk), o_proj and the MLP, updating the residual in place. Keys are
+    complete before any residual changes, so updating chunk by chunk is exact; queries exist for
+    one chunk at a time. Returns the last token's hidden state of each item, in order: [B, D]."""
     a = model.args
     order, groups = _pack(items)
     device = model.inv_freq.device
@@ -158,7 +173,7 @@ def _layer_by_layer(
     x = model.model.embed_tokens(token_ids)  # [N, D] residual stream, updated in place
     chunk = N if hold_kv else min(chunk, N)
     bounds = [(s, min(s + chunk, N)) for s in range(0, N, chunk)]
-    q = torch.empty((N, a.num_heads, a.head_dim), dtype=x.dtype, device=device)
+    q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=x.dtype, device=device)  # one chunk's queries
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=x.dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
     rows = [seg for g in groups for seg in g.segments]  # packed rows, in packing order
@@ -167,26 +182,63 @@ def _layer_by_layer(
         k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=x.dtype, device=device)
         v = torch.empty_like(k)
         for s, e in bounds:
-            cos, sin = rope_cos_sin(model.inv_freq, positions[s:e], x.dtype)  # [n, 1, Dh], per chunk: no [N] copy
-            qkv_step(layer, x[s:e], cos, sin, q[s:e], k[s:e], v[s:e])
-        for g in groups:
-            pk, pv = g.prefix_kv[i] if g.prefix_kv is not None else (None, None)
-            attention_(q, k, v, g.segments, pk, pv)  # q rows of the group now hold the attention output
-            del pk, pv
+            kv_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), k[s:e], v[s:e])
         if hold_kv:
             held.append((k, v))
         else:
             _to_sinks(items, order, rows, i, k, v)
-        del k, v
+        prefixes = _LayerPrefixes(groups, i)
         for s, e in bounds:
-            o_proj_step_(layer, x[s:e], q[s:e].view(e - s, -1))
+            n = e - s
+            q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n])
+            for g, pieces in _pieces(groups, s, e):
+                attention_(q, k, v, pieces, *prefixes.get(g))  # q[:n] now holds the attention output
+            prefixes.release_before(e)
+            o_proj_step_(layer, x[s:e], q[:n].view(n, -1))
             mlp_step_(layer, x[s:e], gate_buf, up_buf)
+        del k, v, prefixes
     for i, (k, v) in enumerate(held):
         _to_sinks(items, order, rows, i, k, v)
     last = torch.empty(len(items), dtype=torch.long)
     for idx, (_, e) in zip(order, rows, strict=True):
         last[idx] = e - 1
     return x[last.to(device)]
+
+
+def _pieces(groups: list[_Group], start: int, end: int) -> list[tuple[int, list[Piece]]]:
+    """Per group, the parts of its requests inside packed rows [start, end), as attention pieces
+    (query rows relative to `start`)."""
+    out = []
+    for gi, g in enumerate(groups):
+        pieces = []
+        for s, e in g.segments:
+            lo, hi = max(s, start), min(e, end)
+            if lo < hi:
+                pieces.append(Piece(lo - start, s, lo, hi - lo))
+        if pieces:
+            out.append((gi, pieces))
+    return out
+
+
+class _LayerPrefixes:
+    """One layer's cached prefixes, gathered when a chunk first needs them and released once the
+    chunks are past their group (groups are contiguous), so about one is alive at a time."""
+
+    def __init__(self, groups: list[_Group], layer: int) -> None:
+        self._groups, self._layer = groups, layer
+        self._kv: dict[int, LayerKV] = {}
+
+    def get(self, group: int) -> tuple[Tensor | None, Tensor | None]:
+        prefix = self._groups[group].prefix_kv
+        if prefix is None:
+            return None, None
+        if group not in self._kv:
+            self._kv[group] = prefix[self._layer]
+        return self._kv[group]
+
+    def release_before(self, row: int) -> None:
+        for g in [g for g in self._kv if self._groups[g].segments[-1][1] <= row]:
+            del self._kv[g]
 
 
 def _to_sinks(
@@ -231,10 +283,9 @@ def _chunked(
         cos, sin = rope_cos_sin(model.inv_freq, torch.arange(P + s, P + e), dtype)
         for i, layer in enumerate(model.layers):
             k, v = kv[i]
-            qkv_step(layer, x, cos, sin, q[:n], k[P + s : P + e], v[P + s : P + e])
-            # earlier chunks (and the prefix) are this chunk's prefix: all visible
-            before = (k[: P + s], v[: P + s]) if P + s else (None, None)
-            attention_(q[:n], k[P + s : P + e], v[P + s : P + e], [(0, n)], *before)
+            kv_step(layer, x, cos, sin, k[P + s : P + e], v[P + s : P + e])
+            q_step(layer, x, cos, sin, q[:n])
+            attention_(q, k, v, [Piece(0, 0, P + s, n)])  # the prefix and earlier chunks: all visible
             o_proj_step_(layer, x, q[:n].view(n, -1))
             mlp_step_(layer, x, gate_buf, up_buf)
         hidden_last = x[-1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -177,24 +178,24 @@ def _linear_accumulate_(acc: Tensor, x: Tensor, proj: nn.Linear) -> None:
         acc.add_(proj.bias)
 
 
-def qkv_step(
-    layer: DecoderLayer,
-    x: Tensor,  # [n, D] residual stream slice
-    cos: Tensor,
-    sin: Tensor,
-    q_out: Tensor,  # [n, H, Dh]
-    k_out: Tensor,  # [n, Hkv, Dh]
-    v_out: Tensor,  # [n, Hkv, Dh]
-) -> None:
-    """Norm, q/k/v projections and RoPE for a slice of tokens, written into q/k/v buffers."""
+def kv_step(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_out: Tensor, v_out: Tensor) -> None:
+    """Norm, k/v projections and RoPE of keys for a slice of tokens x [n, D] into k/v [n, Hkv, Dh]."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     n = x.shape[0]
-    _linear_into(q_out.view(n, -1), h, attn.q_proj)
     _linear_into(k_out.view(n, -1), h, attn.k_proj)
     _linear_into(v_out.view(n, -1), h, attn.v_proj)
-    apply_rope_(q_out, cos, sin)
     apply_rope_(k_out, cos, sin)
+
+
+def q_step(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor) -> None:
+    """Norm, q projection and RoPE for a slice of tokens x [n, D] into q [n, H, Dh].
+
+    Separate from `kv_step` so the queries of a chunk are made only when its attention runs:
+    queries of all tokens never exist at once (the norm runs twice; it is cheap)."""
+    h = layer.input_layernorm(x)
+    _linear_into(q_out.view(x.shape[0], -1), h, layer.self_attn.q_proj)
+    apply_rope_(q_out, cos, sin)
 
 
 def o_proj_step_(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> None:
@@ -213,69 +214,84 @@ def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor) 
     _linear_accumulate_(x, gate, mlp.down_proj)
 
 
+class Piece(NamedTuple):
+    """Queries q[q_start : q_start + num] of one request; their own keys are k[k_start : k_start + num]
+    (causal: the i-th sees its first i + 1), and the request's earlier keys k[k_before : k_start]
+    are visible to all of them."""
+
+    q_start: int
+    k_before: int
+    k_start: int
+    num: int
+
+
 def attention_(
     q: Tensor,  # [L, H, Dh] queries of one or more requests, packed
-    k: Tensor,  # [L, Hkv, Dh] keys of those same tokens
-    v: Tensor,  # [L, Hkv, Dh]
-    segments: list[tuple[int, int]],  # each request's rows [s, e) of q, k, v, covering [0, L)
-    prefix_k: Tensor | None = None,  # [P, Hkv, Dh] keys before every segment (one shared prefix)
+    k: Tensor,  # [*, Hkv, Dh] keys of the computed tokens
+    v: Tensor,  # [*, Hkv, Dh]
+    pieces: list[Piece],  # contiguous and in order along q
+    prefix_k: Tensor | None = None,  # [P, Hkv, Dh] cached keys before every piece (one shared prefix)
     prefix_v: Tensor | None = None,
 ) -> None:
-    """Causal attention written over q in place: each segment's queries see all prefix keys and,
-    causally, the keys of their own segment (query i of a segment sees its keys 0..i).
+    """Causal attention written over the pieces' rows of q, in place.
 
-    No mask is materialized. The keys are split at the prefix boundary: one call of all queries
-    against the shared prefix (unmasked: every segment reads the same prefix KV, no copy per
-    request), one causal call per segment against its own keys, and the two outputs merged by
-    their log-sum-exp. On the CPU both calls are the flash kernel that returns the log-sum-exp;
-    elsewhere `_attend_masked` concatenates and masks (correct, not the fast path). Calls run
-    per KV head so scratch is one query group's output, not another [L, H, Dh] tensor.
+    No mask is materialized. A query's keys are split in up to three parts, each one call of the
+    flash kernel that also returns the log-sum-exp, merged by it: the shared cached prefix (one
+    call for the queries of all pieces: requests that share a prefix read it once, no copy per
+    request), the request's earlier computed tokens (unmasked), and its own piece (causal). On
+    other devices `_attend_masked` concatenates and masks (correct, not the fast path). Calls
+    run per KV head, so scratch is one query group's output, not another [L, H, Dh] tensor.
     """
     if q.device.type != "cpu":
-        _attend_masked(q, k, v, segments, prefix_k, prefix_v)
+        _attend_masked(q, k, v, pieces, prefix_k, prefix_v)
         return
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    first, last = pieces[0].q_start, pieces[-1].q_start + pieces[-1].num
     for j in range(num_kv_heads):
         heads = slice(j * group, (j + 1) * group)
         q4 = q[:, heads].permute(1, 0, 2)[None]  # [1, g, L, Dh]
-        k4, v4 = (t[:, j : j + 1].permute(1, 0, 2)[None] for t in (k, v))  # [1, 1, L, Dh]
+        k4, v4 = (t[:, j : j + 1].permute(1, 0, 2)[None] for t in (k, v))  # [1, 1, *, Dh]
         out_p = lse_p = None
         if prefix_k is not None and prefix_v is not None:
             pk4, pv4 = (t[:, j : j + 1].permute(1, 0, 2)[None] for t in (prefix_k, prefix_v))
-            out_p, lse_p = flash(q4, pk4, pv4)  # [1, g, L, Dh], [1, g, L] (fp32)
-        for s, e in segments:
-            out, lse = flash(q4[:, :, s:e], k4[:, :, s:e], v4[:, :, s:e], is_causal=True)
+            out_p, lse_p = flash(q4[:, :, first:last], pk4, pv4)  # [1, g, n, Dh], [1, g, n] (fp32)
+        for p in pieces:
+            qs, ks = slice(p.q_start, p.q_start + p.num), slice(p.k_start, p.k_start + p.num)
+            out, lse = flash(q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], is_causal=True)
+            if p.k_before < p.k_start:
+                before = slice(p.k_before, p.k_start)
+                out, lse = _merge(out, lse, *flash(q4[:, :, qs], k4[:, :, before], v4[:, :, before]))
             if out_p is not None and lse_p is not None:
-                out = _merge(out_p[:, :, s:e], lse_p[:, :, s:e], out, lse)
-            q[s:e, heads].copy_(out[0].transpose(0, 1))
+                rows = slice(p.q_start - first, p.q_start - first + p.num)
+                out, lse = _merge(out, lse, out_p[:, :, rows], lse_p[:, :, rows])
+            q[qs, heads].copy_(out[0].transpose(0, 1))
         del out_p  # before the next group's call allocates its own
 
 
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
-    """Softmax attention over keys A ∪ B from its parts over A and over B (weights by log-sum-exp)."""
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention over keys A ∪ B from its parts over A and over B, with its log-sum-exp."""
     top = torch.maximum(lse_a, lse_b)
     wa, wb = (lse_a - top).exp_(), (lse_b - top).exp_()
     total = wa + wb
-    wa, wb = (wa / total)[..., None].to(out_a.dtype), (wb / total)[..., None].to(out_b.dtype)
-    return out_a * wa + out_b * wb
+    out = out_a * (wa / total)[..., None].to(out_a.dtype) + out_b * (wb / total)[..., None].to(out_b.dtype)
+    return out, total.log_().add_(top)
 
 
 def _attend_masked(
-    q: Tensor, k: Tensor, v: Tensor, segments: list[tuple[int, int]], prefix_k: Tensor | None,
-    prefix_v: Tensor | None,
-) -> None:  # fmt: skip
-    """`attention_` through SDPA with a lower-right causal mask over prefix + segment keys."""
+    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+) -> None:
+    """`attention_` through SDPA with a lower-right causal mask over each piece's visible keys."""
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
-    for s, e in segments:
-        ks, vs = k[s:e], v[s:e]
+    for p in pieces:
+        ks, vs = k[p.k_before : p.k_start + p.num], v[p.k_before : p.k_start + p.num]
         if prefix_k is not None and prefix_v is not None:
             ks, vs = torch.cat((prefix_k, ks)), torch.cat((prefix_v, vs))
-        mask = causal_lower_right(e - s, ks.shape[0]) if ks.shape[0] > e - s else None
+        mask = causal_lower_right(p.num, ks.shape[0]) if ks.shape[0] > p.num else None
         for j in range(num_kv_heads):
-            qj = q[s:e, j * group : (j + 1) * group]
+            qj = q[p.q_start : p.q_start + p.num, j * group : (j + 1) * group]
             q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qj, ks[:, j : j + 1], vs[:, j : j + 1]))
             out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             qj.copy_(out[0].transpose(0, 1))
