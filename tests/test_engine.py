@@ -27,7 +27,9 @@ def test_results_match_a_direct_forward_and_the_profile_is_cached(tiny_dir: Path
     ids = {engine.submit(p, ScoreParams(logprob_token_ids=(11, 12), top_logprobs=3)): p for p in prompts}
     results = engine.run()
     assert {r.request_id for r in results} == set(ids) and len(engine.scheduler) == 0
-    assert sum(r.split.num_device_hit_tokens for r in results) == 4 * 288  # the shared prefix hit 4 times
+    # One forward: the first prompt computes the shared 300 tokens for the four others.
+    assert [r.batch_size for r in results] == [5] * 5
+    assert sorted(r.num_shared_tokens for r in results) == [0, 300, 300, 300, 300]
     for r in results:
         ref = torch.log_softmax(forward(engine.model, ids[r.request_id]), dim=-1)
         assert abs(r.logprobs[11] - ref[11].item()) < 1e-4 and abs(r.logprobs[12] - ref[12].item()) < 1e-4

@@ -114,4 +114,23 @@ def test_a_visits_prompts_run_in_one_forward_on_their_cached_profile(tiny_dir: P
     # One request loads the profile from the host tier, the seven others find it on the device.
     assert sorted(r.split.num_host_hit_tokens for r in results) == [0] * 7 + [288]
     assert [r.split.num_device_hit_tokens + r.split.num_host_hit_tokens for r in results] == [288] * 8
+    # The profile's last 12 tokens fill no block: one request computes them for all eight.
+    assert sorted(r.num_shared_tokens for r in results) == [0] + [12] * 7
+
+
+def test_a_new_users_visit_computes_the_profile_once(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = _engine(tiny_dir, tmp_path)
+    profile = _ids(300, 15)
+    prompts = [torch.cat([profile, _ids(12 + i, 30 + i)]) for i in range(6)]
+    results = list(_visit(engine, prompts).values())
+    engine.tiers.flush()
+    stored = len(engine.tiers.host_keys)
+    for prompt, r in zip(prompts, results, strict=True):
+        ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)
+        assert max(abs(r.logprobs[t] - float(ref[t])) for t in (11, 12)) < 1e-4
+    engine.close()
+    assert [r.batch_size for r in results] == [6] * 6
+    assert sorted(r.num_shared_tokens for r in results) == [0] + [300] * 5
+    # The profile's 18 blocks stored once (not once per prompt), plus each prompt's own block 19.
+    assert stored == 300 // BT + 6
     assert len({r.compute_seconds for r in results}) == 1  # one forward

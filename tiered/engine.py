@@ -38,6 +38,15 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(exc)
 
 
+def _common_prefix_len(a: Tensor, b: Tensor, limit: int) -> int:
+    """Leading tokens a and b have in common, at most `limit`."""
+    n = min(limit, a.numel(), b.numel())
+    if n <= 0:
+        return 0
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
+
+
 class EngineStartError(RuntimeError):
     """The engine cannot start with this configuration (the message says by how much)."""
 
@@ -87,6 +96,9 @@ class Result:
     finished_at: float = field(default=0.0)
     error: str | None = None  # the request failed in the engine (out of memory); the engine goes on
     batch_size: int = 1  # requests in the forward that computed this one
+    # Tokens after the cached prefix that another request of the batch computed for this one
+    # (the same tokens: a shared profile tail, or a whole profile nothing had cached yet).
+    num_shared_tokens: int = 0
 
     @classmethod
     def failed(cls, request_id: str, num_tokens: int, error: str, queued_seconds: float) -> Result:
@@ -318,11 +330,12 @@ class Engine:
     ) -> list[Result]:
         """Prepare every request (pins, host loads), one forward over all, then finish each."""
         prepared: list[Prepared] = []
+        planned: set[int] = set()  # blocks an earlier request of the batch keeps or stores
         try:
             for d in batch:
-                prepared.append(self.tiers.prepare(d.waiting.request, self.scheduler.waiting_keys()))
+                prepared.append(self.tiers.prepare(d.waiting.request, self.scheduler.waiting_keys(), planned))
             compute_start = time.perf_counter()
-            logits = self._compute(prepared)
+            logits, shared = self._compute(prepared)
             self._sync()
         except BaseException:
             for p in prepared:
@@ -331,7 +344,11 @@ class Engine:
         compute = time.perf_counter() - compute_start
         for p in prepared:
             self.tiers.finish(p)
-        splits = [p.split for p in prepared]
+        # For the cost model, tokens computed by another request cost what a cached prefix does.
+        splits = [
+            HitSplit(p.split.num_device_hit_tokens + m, p.split.num_host_hit_tokens, p.split.num_miss_tokens - m)
+            for p, m in zip(prepared, shared, strict=True)
+        ]
         load = sum(p.load_seconds for p in prepared)
         predicted = self.jct.observe(splits, load + compute)
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -356,21 +373,36 @@ class Engine:
                 decision_seconds=d.decision_seconds,
                 finished_at=time.monotonic(),
                 batch_size=len(batch),
+                num_shared_tokens=shared[i],
             ))  # fmt: skip
         return results
 
-    def _compute(self, prepared: Sequence[Prepared]) -> Tensor:
-        """One forward over the prepared requests; requests with the same prefix blocks share one
-        prefix object, which the forward reads once per layer. Returns logits [B, V]."""
+    def _compute(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
+        """One forward over the prepared requests. Requests with the same prefix blocks share one
+        prefix object, read once per layer; the first of them leads, and each other one whose
+        next tokens equal the lead's follows it: those tokens are computed once (a profile's tail
+        that fills no whole block, or a whole profile on a user's first visit). Returns logits
+        [B, V] and each request's tokens computed by its lead."""
         f = self.config.forward
         prefixes: dict[tuple[int, ...], PrefixKV | None] = {}
-        items = []
+        leads: dict[tuple[int, ...], int] = {}
+        items: list[BatchItem] = []
+        shared: list[int] = []
         for p in prepared:
             blocks = tuple(p.prefix_blocks)
             if blocks not in prefixes:
                 prefixes[blocks] = self.tiers.prefix_kv(p)
-            items.append(BatchItem(p.request.token_ids[p.num_prefix_tokens :], prefixes[blocks], self.tiers.sink(p)))
-        return forward_batch(self.model, items, mode=f.mode, chunk_tokens=f.chunk_tokens)
+            new = p.request.token_ids[p.num_prefix_tokens :]
+            lead = leads.get(blocks)
+            m = 0 if lead is None else _common_prefix_len(items[lead].token_ids, new, new.numel() - 1)
+            sink = self.tiers.sink(p)
+            if m:
+                items.append(BatchItem(new[m:], prefixes[blocks], sink, lead=lead, num_shared=m))
+            else:
+                leads.setdefault(blocks, len(items))
+                items.append(BatchItem(new, prefixes[blocks], sink))
+            shared.append(m)
+        return forward_batch(self.model, items, mode=f.mode, chunk_tokens=f.chunk_tokens), shared
 
     def run(self) -> list[Result]:
         """Run until nothing waits; results in completion order."""

@@ -113,7 +113,8 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     cache, limit = sat["cache"], sat["limit"]
     assert sat["system"] == "tiered" and sat["visits_per_s"] > 0 and sat["num_errors"] == 0
     assert cache["source"] == "usage" and cache["prompt_tokens"] == trace.num_tokens
-    assert cache["device_hit_tokens"] + cache["host_hit_tokens"] + cache["computed_tokens"] == trace.num_tokens
+    parts = ("device_hit_tokens", "host_hit_tokens", "shared_tokens", "computed_tokens")
+    assert sum(cache[p] for p in parts) == trace.num_tokens
     assert limit["computed_tokens"] == cache["computed_tokens"] and 0 < limit["achieved_fraction"] < 1
     assert saved["saturation_visits_per_s"] == sat["visits_per_s"] and len(saved["slo_p99_seconds"]) == 3
     assert [(s["system"], s["multiple"], s["num_requests"], s["num_errors"]) for s in saved["summaries"]] == [

@@ -111,3 +111,48 @@ def test_a_batch_peaks_no_higher_than_one_request_of_the_same_total(tiny_dir: Pa
     single = probe_peak(str(tiny_dir), "float32", "cpu", "hybrid", 1024, max_model_len)
     batch = probe_peak(str(tiny_dir), "float32", "cpu", "hybrid", 1024, 1024, num_requests=8, prefix_tokens=8192)
     assert batch <= single * 1.05, (batch, single)
+
+
+def _followers(model: CausalLM) -> tuple[list[BatchItem], list[torch.Tensor]]:
+    """Items with followers, and each item's whole tokens after its prefix (the reference input)."""
+    shared = _prefix(model, _ids(256, 30))
+    tail, profile = _ids(37, 31), _ids(500, 32)  # uncached shared parts
+    posts = [_ids(n, 40 + n) for n in (20, 1, 65, 3)]
+    whole = [torch.cat([tail, posts[0]]), torch.cat([tail, posts[1]]), torch.cat([tail, posts[2]]),
+             torch.cat([profile, posts[3]]), torch.cat([profile, posts[3][:1]])]  # fmt: skip
+    items = [
+        BatchItem(whole[0], shared),  # the lead of items 1 and 2
+        BatchItem(posts[1], shared, lead=0, num_shared=37),
+        BatchItem(torch.cat([tail[30:], posts[2]]), shared, lead=0, num_shared=30),  # shares part of the tail
+        BatchItem(whole[3]),  # a new user's first prompt computes the profile...
+        BatchItem(posts[3][:1], lead=3, num_shared=500),  # ... for this one too (which computes 1 token)
+    ]
+    return items, whole
+
+
+@pytest.mark.parametrize(("mode", "chunk"), [("hybrid", 64), ("hybrid", 4096), ("vanilla", 1), ("chunked", 64)])
+def test_followers_equal_computing_their_whole_prompt(model_dirs: dict[str, Path], mode: str, chunk: int) -> None:
+    model = load_model(model_dirs["tiny"], "float32")
+    items, whole = _followers(model)
+    sinks = [Collector() for _ in items]
+    for it, sink in zip(items, sinks, strict=True):
+        it.kv_sink = sink
+    batched = forward_batch(model, items, mode=mode, chunk_tokens=chunk)  # type: ignore[arg-type]
+    for i, (it, ids) in enumerate(zip(items, whole, strict=True)):
+        ref_sink = Collector()
+        single = forward(model, ids, mode="vanilla", prefix_kv=it.prefix_kv, kv_sink=ref_sink)
+        assert _rel_err(batched[i], single) <= TOLERANCE, (i, _rel_err(batched[i], single))
+        for layer in range(model.args.num_layers):  # a follower's sink gets the shared tokens too
+            torch.testing.assert_close(sinks[i].kv[layer][0], ref_sink.kv[layer][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(sinks[i].kv[layer][1], ref_sink.kv[layer][1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_bad_lead_is_refused(model_dirs: dict[str, Path]) -> None:
+    from tiered.hybrid.forward import ForwardInputError
+
+    model = load_model(model_dirs["tiny"], "float32")
+    a, b = _ids(10, 1), _ids(5, 2)
+    for bad in ([BatchItem(a), BatchItem(b, lead=1, num_shared=3)], [BatchItem(a), BatchItem(b, lead=0, num_shared=11)],
+                [BatchItem(a), BatchItem(b, _prefix(model, a), lead=0, num_shared=2)]):  # fmt: skip
+        with pytest.raises(ForwardInputError, match="item 1"):
+            forward_batch(model, bad)

@@ -81,6 +81,7 @@ def _response(result: Result, engine: Engine) -> ScoreResponse:
         num_tokens=result.num_tokens,
         num_device_hit_tokens=result.split.num_device_hit_tokens,
         num_host_hit_tokens=result.split.num_host_hit_tokens,
+        num_shared_tokens=result.num_shared_tokens,
         queued_seconds=result.queued_seconds,
         compute_seconds=result.compute_seconds,
         jct_error=engine.jct.error,

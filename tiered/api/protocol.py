@@ -38,6 +38,7 @@ class ScoreResponse:
     num_tokens: int = 0
     num_device_hit_tokens: int = 0
     num_host_hit_tokens: int = 0
+    num_shared_tokens: int = 0  # computed once for this request by another one of its batch
     queued_seconds: float = 0.0
     compute_seconds: float = 0.0
     jct_error: float | None = None  # the engine's JCT prediction error (MAPE) after this job

@@ -582,6 +582,8 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             "tiered": {  # our extension: where the cached tokens came from
                 "device_hit_tokens": sum(o.num_device_hit_tokens for o in outs),
                 "host_hit_tokens": sum(o.num_host_hit_tokens for o in outs),
+                # not cached, but computed once for several prompts of the batch (a shared profile)
+                "batch_shared_tokens": sum(o.num_shared_tokens for o in outs),
             },
         }
 

@@ -73,6 +73,7 @@ class Record:
     device_hit_tokens: int
     host_hit_tokens: int
     error: str | None = None
+    shared_tokens: int = 0  # ours: computed once for several prompts of the batch (not cached)
 
 
 @dataclass(slots=True)
@@ -213,7 +214,7 @@ async def _run_http_async(
                 if cache_salt is not None:
                     body["cache_salt"] = cache_salt
                 error = None
-                device = host = 0
+                device = host = shared = 0
                 try:
                     r = await client.post(f"{url}/v1/completions", json=body)
                     data = r.json()
@@ -224,12 +225,13 @@ async def _run_http_async(
                         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                         split = usage.get("tiered")
                         device, host = (split["device_hit_tokens"], split["host_hit_tokens"]) if split else (cached, 0)
+                        shared = split.get("batch_shared_tokens", 0) if split else 0
                 except httpx.HTTPError as exc:
                     error = f"{type(exc).__name__}: {exc}"
                 done = loop.time()
             progress.step()
             num_tokens = sum(len(p) for p in call.prompts)
-            return Record(call.call_id, num_tokens, sent - start, done - sent, None, device, host, error)
+            return Record(call.call_id, num_tokens, sent - start, done - sent, None, device, host, error, shared)
 
         return list(await asyncio.gather(*(one(i) for i in range(len(calls)))))
 

@@ -90,6 +90,7 @@ class CacheUse:
     host_hit_tokens: int
     computed_tokens: int
     source: str  # "usage": the responses' usage.tiered; "metrics": vLLM's /metrics, after minus before
+    shared_tokens: int = 0  # ours: not cached, computed once for several prompts of a batch
 
 
 @dataclass(slots=True)
@@ -209,7 +210,8 @@ def _measure(url: str, vllm: VLLMServer | None, calls: list[Call], arrivals: lis
     if vllm is None:
         prompt = sum(r.num_tokens for r in ok)
         device, host = sum(r.device_hit_tokens for r in ok), sum(r.host_hit_tokens for r in ok)
-        return records, makespan, CacheUse(prompt, device, host, prompt - device - host, "usage")
+        shared = sum(r.shared_tokens for r in ok)  # computed once for several prompts: counted once
+        return records, makespan, CacheUse(prompt, device, host, prompt - device - host - shared, "usage", shared)
     queried, hit = (after - b for after, b in zip(vllm_prefix_cache_tokens(url), before, strict=True))
     return records, makespan, CacheUse(queried, hit, 0, queried - hit, "metrics")
 

@@ -61,6 +61,11 @@ class BatchItem:
     token_ids: Tensor  # [T] the tokens to compute
     prefix_kv: Sequence[LayerKV] | None = None  # K,V of the P tokens before them, per layer
     kv_sink: KVSink | None = None
+    # A follower: its first `num_shared` tokens after the prefix equal those of item `lead` (same
+    # prefix object), which computes them once for both; `token_ids` are the tokens after them.
+    # Its sink still receives K,V of all its tokens after the prefix, the shared ones included.
+    lead: int | None = None
+    num_shared: int = 0
 
 
 def check_token_ids(token_ids: Tensor, vocab_size: int) -> None:
@@ -73,7 +78,19 @@ def check_token_ids(token_ids: Tensor, vocab_size: int) -> None:
         raise ForwardInputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def _check_lead(items: Sequence[BatchItem], i: int) -> None:
+    item = items[i]
+    if item.lead is None:
+        return
+    lead = items[item.lead] if 0 <= item.lead < len(items) else None
+    if lead is None or lead.lead is not None or item.lead == i or lead.prefix_kv is not item.prefix_kv:
+        raise ForwardInputError(f"item {i}: lead {item.lead} must be another item, not a follower, on the same prefix")
+    if not 0 < item.num_shared <= lead.token_ids.numel():
+        raise ForwardInputError(f"item {i}: num_shared {item.num_shared} must be in [1, {lead.token_ids.numel()}]")
+
+
 def _num_prefix_tokens(model: CausalLM, item: BatchItem) -> int:
+    """Tokens before the item's own tokens: its prefix and, for a follower, the shared ones."""
     a = model.args
     check_token_ids(item.token_ids, a.vocab_size)
     num_prefix = 0
@@ -82,6 +99,7 @@ def _num_prefix_tokens(model: CausalLM, item: BatchItem) -> int:
             raise ForwardInputError(f"prefix_kv has {len(item.prefix_kv)} layers, the model {a.num_layers}")
         # A lazy prefix (the tiers' PrefixKV) states its length; gathering a layer to read it costs a copy.
         num_prefix = getattr(item.prefix_kv, "num_tokens", None) or item.prefix_kv[0][0].shape[0]
+    num_prefix += item.num_shared if item.lead is not None else 0
     total = num_prefix + item.token_ids.numel()
     if a.sliding_window is not None and total > a.sliding_window:
         raise ForwardInputError(
@@ -115,13 +133,18 @@ def forward_batch(
     """One forward over every item; returns each item's last-token logits [len(items), V] (fp32)."""
     if not items:
         raise ForwardInputError("a batch needs at least one request")
+    for i in range(len(items)):
+        _check_lead(items, i)
     prefix_lens = [_num_prefix_tokens(model, it) for it in items]
-    if mode == "chunked":
+    if mode == "chunked":  # a comparison mode: request by request, a follower computing its shared tokens
         device = model.inv_freq.device
-        hidden = [
-            _chunked(model, it.token_ids.to(device), chunk_tokens, it.prefix_kv, p, it.kv_sink)
-            for it, p in zip(items, prefix_lens, strict=True)
-        ]
+        hidden = []
+        for it, num_before in zip(items, prefix_lens, strict=True):
+            ids = it.token_ids
+            if it.lead is not None:
+                ids = torch.cat([items[it.lead].token_ids[: it.num_shared], ids])
+                num_before -= it.num_shared
+            hidden.append(_chunked(model, ids.to(device), chunk_tokens, it.prefix_kv, num_before, it.kv_sink))
         return model.last_token_logits(torch.stack(hidden))
     if mode not in ("hybrid", "vanilla"):
         raise ValueError(f"unknown forward mode '{mode}' (expected vanilla, chunked or hybrid)")
@@ -134,6 +157,7 @@ class _Group:
 
     prefix_kv: Sequence[LayerKV] | None
     segments: list[tuple[int, int]]  # rows of the packed tokens, one per request
+    shared: list[tuple[int, int] | None]  # per segment: the lead's rows a follower also sees
 
 
 def _pack(items: Sequence[BatchItem]) -> tuple[list[int], list[_Group]]:
@@ -143,14 +167,18 @@ def _pack(items: Sequence[BatchItem]) -> tuple[list[int], list[_Group]]:
         key = id(it.prefix_kv) if it.prefix_kv is not None else -1 - i  # no prefix: a group of its own
         by_prefix.setdefault(key, []).append(i)
     order = [i for members in by_prefix.values() for i in members]
-    groups, start = [], 0
+    first_row, start = {}, 0
+    for i in order:
+        first_row[i] = start
+        start += items[i].token_ids.numel()
+    groups = []
     for members in by_prefix.values():
-        segments = []
-        for i in members:
-            n = items[i].token_ids.numel()
-            segments.append((start, start + n))
-            start += n
-        groups.append(_Group(items[members[0]].prefix_kv, segments))
+        segments = [(first_row[i], first_row[i] + items[i].token_ids.numel()) for i in members]
+        shared = [
+            None if (lead := items[i].lead) is None else (first_row[lead], first_row[lead] + items[i].num_shared)
+            for i in members
+        ]
+        groups.append(_Group(items[members[0]].prefix_kv, segments, shared))
     return order, groups
 
 
@@ -177,6 +205,7 @@ def _layer_by_layer(
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=x.dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
     rows = [seg for g in groups for seg in g.segments]  # packed rows, in packing order
+    shared = [sh for g in groups for sh in g.shared]
     held: list[LayerKV] = []
     for i, layer in enumerate(model.layers):
         k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=x.dtype, device=device)
@@ -186,7 +215,7 @@ def _layer_by_layer(
         if hold_kv:
             held.append((k, v))
         else:
-            _to_sinks(items, order, rows, i, k, v)
+            _to_sinks(items, order, rows, shared, i, k, v)
         prefixes = _LayerPrefixes(groups, i)
         for s, e in bounds:
             n = e - s
@@ -198,7 +227,7 @@ def _layer_by_layer(
             mlp_step_(layer, x[s:e], gate_buf, up_buf)
         del k, v, prefixes
     for i, (k, v) in enumerate(held):
-        _to_sinks(items, order, rows, i, k, v)
+        _to_sinks(items, order, rows, shared, i, k, v)
     last = torch.empty(len(items), dtype=torch.long)
     for idx, (_, e) in zip(order, rows, strict=True):
         last[idx] = e - 1
@@ -207,14 +236,15 @@ def _layer_by_layer(
 
 def _pieces(groups: list[_Group], start: int, end: int) -> list[tuple[int, list[Piece]]]:
     """Per group, the parts of its requests inside packed rows [start, end), as attention pieces
-    (query rows relative to `start`)."""
+    (query rows relative to `start`; key rows absolute)."""
     out = []
     for gi, g in enumerate(groups):
         pieces = []
-        for s, e in g.segments:
+        for (s, e), shared in zip(g.segments, g.shared, strict=True):
             lo, hi = max(s, start), min(e, end)
             if lo < hi:
-                pieces.append(Piece(lo - start, s, lo, hi - lo))
+                visible = tuple(r for r in (shared, (s, lo)) if r is not None and r[0] < r[1])
+                pieces.append(Piece(lo - start, lo, hi - lo, visible))
         if pieces:
             out.append((gi, pieces))
     return out
@@ -242,12 +272,23 @@ class _LayerPrefixes:
 
 
 def _to_sinks(
-    items: Sequence[BatchItem], order: list[int], rows: list[tuple[int, int]], layer: int, k: Tensor, v: Tensor
+    items: Sequence[BatchItem],
+    order: list[int],
+    rows: list[tuple[int, int]],
+    shared: list[tuple[int, int] | None],
+    layer: int,
+    k: Tensor,
+    v: Tensor,
 ) -> None:
-    for idx, (s, e) in zip(order, rows, strict=True):
+    """Each item's K,V after its prefix; a follower's start with the lead's shared rows."""
+    for idx, (s, e), sh in zip(order, rows, shared, strict=True):
         sink = items[idx].kv_sink
-        if sink is not None:
+        if sink is None:
+            continue
+        if sh is None:
             sink(layer, k[s:e], v[s:e])
+        else:
+            sink(layer, torch.cat([k[sh[0] : sh[1]], k[s:e]]), torch.cat([v[sh[0] : sh[1]], v[s:e]]))
 
 
 def _chunked(
@@ -285,7 +326,7 @@ def _chunked(
             k, v = kv[i]
             kv_step(layer, x, cos, sin, k[P + s : P + e], v[P + s : P + e])
             q_step(layer, x, cos, sin, q[:n])
-            attention_(q, k, v, [Piece(0, 0, P + s, n)])  # the prefix and earlier chunks: all visible
+            attention_(q, k, v, [Piece(0, P + s, n, ((0, P + s),) if P + s else ())])  # earlier: all visible
             o_proj_step_(layer, x, q[:n].view(n, -1))
             mlp_step_(layer, x, gate_buf, up_buf)
         hidden_last = x[-1]

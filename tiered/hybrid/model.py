@@ -215,14 +215,14 @@ def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor) 
 
 
 class Piece(NamedTuple):
-    """Queries q[q_start : q_start + num] of one request; their own keys are k[k_start : k_start + num]
-    (causal: the i-th sees its first i + 1), and the request's earlier keys k[k_before : k_start]
-    are visible to all of them."""
+    """Queries q[q_start : q_start + num] of one request: their own keys are k[k_start : k_start + num]
+    (causal: the i-th sees the first i + 1), and every key row range in `visible` (the request's
+    earlier tokens, tokens another request computed for it) is seen by all of them."""
 
     q_start: int
-    k_before: int
     k_start: int
     num: int
+    visible: tuple[tuple[int, int], ...] = ()
 
 
 def attention_(
@@ -235,10 +235,10 @@ def attention_(
 ) -> None:
     """Causal attention written over the pieces' rows of q, in place.
 
-    No mask is materialized. A query's keys are split in up to three parts, each one call of the
-    flash kernel that also returns the log-sum-exp, merged by it: the shared cached prefix (one
-    call for the queries of all pieces: requests that share a prefix read it once, no copy per
-    request), the request's earlier computed tokens (unmasked), and its own piece (causal). On
+    No mask is materialized. A query's keys are split in parts, each one call of the flash
+    kernel that also returns the log-sum-exp, merged by it: the shared cached prefix (one call
+    for the queries of all pieces: requests that share a prefix read it once, no copy per
+    request), each visible range (unmasked), and its own piece (causal). On
     other devices `_attend_masked` concatenates and masks (correct, not the fast path). Calls
     run per KV head, so scratch is one query group's output, not another [L, H, Dh] tensor.
     """
@@ -260,9 +260,8 @@ def attention_(
         for p in pieces:
             qs, ks = slice(p.q_start, p.q_start + p.num), slice(p.k_start, p.k_start + p.num)
             out, lse = flash(q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], is_causal=True)
-            if p.k_before < p.k_start:
-                before = slice(p.k_before, p.k_start)
-                out, lse = _merge(out, lse, *flash(q4[:, :, qs], k4[:, :, before], v4[:, :, before]))
+            for a, b in p.visible:
+                out, lse = _merge(out, lse, *flash(q4[:, :, qs], k4[:, :, a:b], v4[:, :, a:b]))
             if out_p is not None and lse_p is not None:
                 rows = slice(p.q_start - first, p.q_start - first + p.num)
                 out, lse = _merge(out, lse, out_p[:, :, rows], lse_p[:, :, rows])
@@ -286,9 +285,11 @@ def _attend_masked(
     num_kv_heads = k.shape[1]
     group = q.shape[1] // num_kv_heads
     for p in pieces:
-        ks, vs = k[p.k_before : p.k_start + p.num], v[p.k_before : p.k_start + p.num]
-        if prefix_k is not None and prefix_v is not None:
-            ks, vs = torch.cat((prefix_k, ks)), torch.cat((prefix_v, vs))
+        parts = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
+        parts += [(k[a:b], v[a:b]) for a, b in p.visible] + [
+            (k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num])
+        ]
+        ks, vs = torch.cat([kk for kk, _ in parts]), torch.cat([vv for _, vv in parts])
         mask = causal_lower_right(p.num, ks.shape[0]) if ks.shape[0] > p.num else None
         for j in range(num_kv_heads):
             qj = q[p.q_start : p.q_start + p.num, j * group : (j + 1) * group]

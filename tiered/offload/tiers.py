@@ -68,10 +68,11 @@ class Prepared:
     request: TierRequest
     split: HitSplit
     prefix_blocks: list[int]
-    retained_blocks: list[int]  # device blocks for computed blocks prefix_len.. (in order)
+    retained_blocks: list[int]  # device blocks for computed blocks first_retained_block.. (in order)
     staged: StagedKV | None
     prefetch_wait_seconds: float
     load_seconds: float
+    first_retained_block: int = 0  # block index of retained_blocks[0]
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -257,10 +258,15 @@ class KVTiers:
         """Forget a prefetch for a request that will not run (what it loaded stays cached)."""
         self._prefetches.pop(request_id, None)
 
-    def prepare(self, req: TierRequest, shared_keys: Collection[int] = ()) -> Prepared:
+    def prepare(
+        self, req: TierRequest, shared_keys: Collection[int] = (), planned_keys: set[int] | None = None
+    ) -> Prepared:
         """Pin the request's prefix (loading host hits) and plan its retention and offload.
 
-        `shared_keys`: block keys of other waiting requests, for the `prefix` retention policy."""
+        `shared_keys`: block keys of other waiting requests, for the `prefix` retention policy.
+        `planned_keys`: keys of blocks an earlier request of the same batch already keeps and
+        stores (it computes them for both: DESIGN.md idea 5); this request's leading computed
+        blocks among them are neither kept nor stored again. Its own plan is added to the set."""
         tokens = req.token_ids.tolist()
         prefetched: list[int] = []
         wait = 0.0
@@ -272,7 +278,7 @@ class KVTiers:
         hits = self.device_tier.match(req.keys, tokens, count=False)
         self.device_tier.pin(hits)
         try:
-            return self._plan(req, tokens, hits, prefetched, wait, shared_keys)
+            return self._plan(req, tokens, hits, prefetched, wait, shared_keys, planned_keys)
         except BaseException:
             self.device_tier.unpin(hits)  # what _plan pinned it released itself
             raise
@@ -285,6 +291,7 @@ class KVTiers:
         prefetched: list[int],
         wait: float,
         shared_keys: Collection[int],
+        planned_keys: set[int] | None,
     ) -> Prepared:
         bt = self.block_tokens
         start = time.perf_counter()
@@ -299,12 +306,15 @@ class KVTiers:
         self.device_tier.num_queried_tokens += n
 
         num_full = n // bt
-        computed = range(len(prefix), num_full)
+        first_own = len(prefix)
+        while planned_keys is not None and first_own < num_full and req.keys[first_own] in planned_keys:
+            first_own += 1
+        computed = range(first_own, num_full)
         retain = self._retention(req, computed, shared_keys)
         retained = self.device_tier.allocate(len(retain))
         staged = None
         # Stage only chunks the host tier lacks (it may hold some that found no device block).
-        first_stored = max(len(prefix), num_host_blocks)
+        first_stored = max(first_own, num_host_blocks)
         if self.host_tier is not None and first_stored < num_full:
             num = (num_full - first_stored) * bt
             shape = (self.args.num_layers, 2, num, self.args.num_kv_heads, self.args.head_dim)
@@ -314,7 +324,10 @@ class KVTiers:
                 self.device_tier.unpin(loaded + retained)
                 raise
             staged = StagedKV(kv, first_stored * bt)
-        return Prepared(req, split, prefix, retained, staged, wait, load)
+        if planned_keys is not None:
+            planned_keys.update(req.keys[first_own : first_own + len(retained)])
+            planned_keys.update(req.keys[first_stored:num_full] if staged is not None else ())
+        return Prepared(req, split, prefix, retained, staged, wait, load, first_own)
 
     def _retention(self, req: TierRequest, computed: range, shared_keys: Collection[int]) -> list[int]:
         """Indices of computed blocks to keep on the device, as a contiguous run after the prefix."""
@@ -343,12 +356,13 @@ class KVTiers:
         staged = prepared.staged
         stream = self._copy_stream
         first_computed = prepared.num_prefix_tokens
+        first_retained = prepared.first_retained_block * bt - first_computed
 
         def sink(layer: int, k: Tensor, v: Tensor) -> None:
             # k, v: [new tokens, Hkv, Dh]; token 0 is the first computed one (a block boundary).
             if retained:
-                n = len(retained) * bt
-                self.device_tier.write_layer(layer, retained, k[:n], v[:n])
+                s, e = first_retained, first_retained + len(retained) * bt
+                self.device_tier.write_layer(layer, retained, k[s:e], v[s:e])
             if staged is not None:
                 s = staged.first_token - first_computed
                 e = s + staged.kv.shape[2]
@@ -368,7 +382,7 @@ class KVTiers:
     def finish(self, prepared: Prepared) -> None:
         """Index retained blocks, release pins, and offload computed chunks asynchronously."""
         req, bt = prepared.request, self.block_tokens
-        first = len(prepared.prefix_blocks)
+        first = prepared.first_retained_block
         for i, b in enumerate(prepared.retained_blocks):
             j = first + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())

@@ -17,9 +17,9 @@ the batch up to a budget of computed tokens: first with waiting requests that sh
 first block (prefix-homogeneous: they read one copy of the prefix), then with the others in the
 policy's order. Only requests of the head's priority join it, so a batch never carries a request
 past a higher-priority one; the head was chosen with λ, so fairness holds for the head, and a
-filler only rides along. A request that would compute a block the batch already computes waits
-for the next batch instead, where that block is a cache hit. Every policy batches this way, so
-policies still compare.
+filler only rides along. Blocks that another request of the batch computes (a new user's
+profile, shared by all the prompts of the visit) are computed once by the forward, so they do
+not count against the budget twice. Every policy batches this way, so policies still compare.
 
 Cost. `jct − λ·(now − arrival)` orders requests like `jct + λ·arrival`, which does not change
 with time, so calibrated, srjf, lpm, spf and fcfs keep a lazy heap. A request is re-scored only
@@ -211,13 +211,12 @@ class Scheduler:
         computing = set(self._miss_keys(head.waiting))
         longest_prefix = head.waiting.split.num_tokens - miss
         for w in self._fill_candidates(head.waiting):
-            m = w.split.num_miss_tokens
+            own = self._miss_keys(w)
+            num_shared = next((i for i, key in enumerate(own) if key not in computing), len(own))
+            m = w.split.num_miss_tokens - num_shared * self.tiers.block_tokens
             prefix = w.split.num_tokens - m
             if miss + m > max_batch_tokens or miss + m + max(longest_prefix, prefix) > max_total_tokens:
                 continue
-            own = self._miss_keys(w)
-            if own and own[0] in computing:
-                continue  # the batch computes its next block: next time it is a hit
             del self._waiting[w.seq]
             self._unindex(w)
             batch.append(Decision(w, w.jct, 0.0, 0, head.queue_depth))
