@@ -27,5 +27,12 @@ $T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --
 $T bench load --config configs/bench.yaml --kind credit_verification --users 12 --scale 0.1 \
   --systems tiered,prefillonly,vllm,vllm-nochunk --vllm-python "$VLLM_PY" \
   --json benchmarks/out/load-credit.json --plots benchmarks/out/load-credit
+# Issue 11: batching on the realistic model (bench-m), the visit workload against vLLM, MIL of bench-m
+$T bench batch --model embedded:bench-m --json benchmarks/out/batch-bench-m.json
+$T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 40 \
+  --systems tiered,tiered-single,tiered-fcfs,vllm,vllm-full --vllm-python "$VLLM_PY" --multiples 0.5,1,2 \
+  --json benchmarks/out/visits-bench-m.json --plots benchmarks/out/visits-bench-m
+$T bench mil --model embedded:bench-m --budget 512MiB --modes vanilla,hybrid --skip-throughput --start-tokens 4096 \
+  --resolution 1024 --max-tokens 32768 --json benchmarks/out/mil-bench-m-512MiB.json
 # Issue 7: a bounded soak (exit status 1 if a check fails)
 $T bench soak --minutes 5 --concurrency 64 --json benchmarks/out/soak.json

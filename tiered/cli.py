@@ -553,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
         "its /metrics prefix-cache counters); the physical limit (computed tokens x forward FLOPs per token / the "
         "measured matmul rate) and the fraction of it reached at saturation. Every run starts cold (its own "
         "cache_salt). Systems: tiered (tiered serve with --config and --set), tiered-single (the same with "
-        "scheduler.max_batch_tokens=0: one request per forward), vllm (vllm serve, KV cache = our device tier's "
+        "scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the same batches, heads in arrival "
+        "order), vllm (vllm serve, KV cache = our device tier's "
         "tokens), vllm-full (KV cache for the whole working set); the vllm ones need --vllm-python. Lengths are "
         "tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use --config configs/bench.yaml "
         "for the bench model.",

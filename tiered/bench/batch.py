@@ -24,6 +24,7 @@ from tiered.bench.report import write_report
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.memory import GatheredPrefix
+from tiered.hybrid.model import Piece, attention_
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,17 @@ class VisitResult:
     speedup: float
     single_fraction_of_matmul: float
     batched_fraction_of_matmul: float
+
+
+@dataclass(slots=True)
+class AttentionResult:
+    """The attention kernel alone at the visit's shape: every new token against the cached prefix."""
+
+    num_queries: int
+    num_keys: int
+    seconds: float  # one layer, all heads
+    flops_per_s: float
+    fraction_of_matmul: float
 
 
 @dataclass(slots=True)
@@ -117,6 +129,22 @@ def run_batch_bench(
         100 * visit.batched_fraction_of_matmul,
     )
 
+    # The attention of one layer alone, as the batched forward calls it: the visit's queries
+    # against the shared prefix in one call, then each request's own tokens (causal).
+    queries = num_requests * new_tokens
+    dt = kv[0][0].dtype
+    q = torch.randn(queries, a.num_heads, a.head_dim, generator=g).to(dt)
+    own_k, own_v = (torch.randn(queries, a.num_kv_heads, a.head_dim, generator=g).to(dt) for _ in "kv")
+    pieces = [Piece(i * new_tokens, i * new_tokens, new_tokens) for i in range(num_requests)]
+    seconds = min(_best(lambda: attention_(q.clone(), own_k, own_v, pieces, *kv[0]), 1) for _ in range(repeats))
+    pairs = queries * prefix_tokens + num_requests * new_tokens * (new_tokens + 1) / 2
+    attn_flops = 4 * a.num_heads * a.head_dim * pairs
+    attn = AttentionResult(queries, prefix_tokens, seconds, attn_flops / seconds, attn_flops / seconds / rate)
+    log.info(
+        "attention of one layer: %d queries on %d cached keys: %.1f ms, %.0f GFLOP/s (%.0f%% of matmul)",
+        queries, prefix_tokens, 1e3 * seconds, attn.flops_per_s / 1e9, 100 * attn.fraction_of_matmul,
+    )  # fmt: skip
+
     new = torch.randint(0, a.vocab_size, (hit_new_tokens,), generator=g)
     whole = torch.cat([profile, new])
     hit_times = {"prefix": float("inf"), "recompute": float("inf")}
@@ -150,6 +178,7 @@ def run_batch_bench(
             "dtype": dtype,
             "matmul_flops_per_s": rate,
             "visit": asdict(visit),
+            "attention": asdict(attn),
             "hit_saving": asdict(hit),
         },
     )

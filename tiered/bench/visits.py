@@ -23,7 +23,8 @@ tier) for ours; for vLLM from its `/metrics` counters before and after the run, 
 `cached_tokens` of a multi-prompt response under-reports its hits (DESIGN.md, Dependencies).
 
 Systems: `tiered` (`tiered serve` with the config), `tiered-single` (the same with
-`scheduler.max_batch_tokens=0`: one request per forward, PrefillOnly's way), `vllm` (`vllm serve`
+`scheduler.max_batch_tokens=0`: one request per forward, PrefillOnly's way), `tiered-fcfs` (the
+same batches, their heads picked in arrival order: what the calibrated policy earns), `vllm` (`vllm serve`
 with a KV cache of as many tokens as our device tier, more only if one request needs it) and
 `vllm-full` (a KV cache that holds the whole trace's working set: nothing is ever evicted).
 """
@@ -65,7 +66,11 @@ from tiered.hybrid.model import ModelArgs
 
 log = logging.getLogger(__name__)
 
-TIERED_SYSTEMS: dict[str, list[str]] = {"tiered": [], "tiered-single": ["scheduler.max_batch_tokens=0"]}
+TIERED_SYSTEMS: dict[str, list[str]] = {
+    "tiered": [],
+    "tiered-single": ["scheduler.max_batch_tokens=0"],
+    "tiered-fcfs": ["scheduler.policy=fcfs"],  # the same batches, heads in arrival order
+}
 VLLM_SYSTEMS = ("vllm", "vllm-full")
 SYSTEMS = [*TIERED_SYSTEMS, *VLLM_SYSTEMS]
 VLLM_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")

@@ -1,0 +1,22 @@
+"""`tiered bench batch` runs end to end on the tiny model and reports what it says it does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tiered.cli import main
+
+
+def test_batch_bench_writes_both_cases(tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "batch.json"
+    args = ["bench", "batch", "--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu", "--requests", "4",
+            "--new-tokens", "20", "--prefix-tokens", "256", "--hit-new-tokens", "100", "--repeats", "1",
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    visit, attn, hit = doc["visit"], doc["attention"], doc["hit_saving"]
+    assert (visit["num_requests"], visit["new_tokens"], visit["prefix_tokens"]) == (4, 20, 256)
+    assert visit["speedup"] == visit["single_seconds"] / visit["batched_seconds"] > 0
+    assert (attn["num_queries"], attn["num_keys"]) == (80, 256) and attn["flops_per_s"] > 0
+    assert hit["saving"] == hit["recompute_seconds"] / hit["with_prefix_seconds"] and hit["ideal_saving"] > 1
