@@ -144,6 +144,14 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
+    """--model, --models-dir, --dtype, --device: what a benchmark that loads one model takes."""
+    parser.add_argument("--model", default=default_model, help="HF checkpoint folder or embedded:NAME")
+    parser.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+
+
 def cmd_bench_mil(args: argparse.Namespace) -> int:
     from tiered.bench.mil import run_mil_bench
     from tiered.embedded import resolve_model_path
@@ -386,8 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         "matmul rate. Peak = weights + the forward's activations (cpu: resident high-water mark; cuda: max allocated).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    mil.add_argument("--model", default="embedded:bench", help="HF checkpoint folder or embedded:NAME")
-    mil.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
+    _add_model_args(mil, "embedded:bench")
     mil.add_argument(
         "--budget",
         type=parse_bytes,
@@ -401,8 +408,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=["vanilla", "chunked", "hybrid"],
         help="comma-separated forward modes",
     )
-    mil.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    mil.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     mil.add_argument("--chunk-tokens", type=int, default=1024, help="chunk size of hybrid and chunked modes")
     mil.add_argument(
         "--lengths",
@@ -427,10 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cached prefix against recomputing prefix + new tokens (the compute a hit saves, measured and by FLOPs).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    bb.add_argument("--model", default="embedded:bench-m", help="HF checkpoint folder or embedded:NAME")
-    bb.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
-    bb.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    bb.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    _add_model_args(bb, "embedded:bench-m")
     bb.add_argument("--requests", type=int, default=8, help="requests sharing the prefix (a visit's posts)")
     bb.add_argument("--new-tokens", type=int, default=160, help="computed tokens per request")
     bb.add_argument("--prefix-tokens", type=int, default=1792, help="cached prefix tokens (the profile)")
@@ -448,10 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         "policy offload and with discard: end-to-end seconds and hit tokens per tier.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
-    tiers.add_argument("--model", default="embedded:bench", help="HF checkpoint folder or embedded:NAME")
-    tiers.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
-    tiers.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    tiers.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    _add_model_args(tiers, "embedded:bench")
     tiers.add_argument("--block-tokens", type=int, default=256, help="device block = LMCache chunk, in tokens")
     tiers.add_argument("--lengths", type=parse_int_list, default=[2048, 8192], help="prefix lengths for (1)")
     tiers.add_argument("--repeats", type=int, default=3, help="timed repeats for (1); best is kept")
