@@ -134,3 +134,19 @@ def test_a_new_users_visit_computes_the_profile_once(tiny_dir: Path, tmp_path: P
     # The profile's 18 blocks stored once (not once per prompt), plus each prompt's own block 19.
     assert stored == 300 // BT + 6
     assert len({r.compute_seconds for r in results}) == 1  # one forward
+
+
+def test_no_prefetch_of_a_prefix_the_running_batch_loads(tiny_dir: Path, tmp_path: Path) -> None:
+    """One request per forward: the first prompt loads the profile from the host tier; the next
+    one, peeked while it runs, shares that profile, so prefetching it would load it twice."""
+    engine = _engine(tiny_dir, tmp_path, "scheduler.prefetch=true", "scheduler.max_batch_tokens=0")
+    profile = _ids(300, 16)
+    _visit(engine, [torch.cat([profile, _ids(9, 17)])])
+    engine.tiers.flush()
+    engine.tiers.device_tier.clear()  # the profile lives in the host tier only
+    loaded_before = engine.tiers.host_tier.num_hit_tokens
+    results = list(_visit(engine, [torch.cat([profile, _ids(10 + i, 40 + i)]) for i in range(3)]).values())
+    loaded = engine.tiers.host_tier.num_hit_tokens - loaded_before
+    engine.close()
+    assert loaded == 288  # once
+    assert sorted(r.split.num_host_hit_tokens for r in results) == [0, 0, 288]

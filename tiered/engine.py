@@ -28,7 +28,7 @@ from tiered.hybrid.loader import DTYPES, load_model, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
 from tiered.offload.tiers import HitSplit, KVTiers, PrefixKV, Prepared
 from tiered.scheduler.jct import JCTModel, JCTSample, cache_key, load_cached, save_cached
-from tiered.scheduler.scheduler import Decision, Scheduler
+from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ class Engine:
             del self._seqs[w.request.request_id]
         if sc.prefetch:
             nxt = self.scheduler.peek()
-            if nxt is not None and nxt.split.num_host_hit_tokens > 0:
+            if nxt is not None and nxt.split.num_host_hit_tokens > 0 and not self._batch_makes(batch, nxt):
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
         if len(batch) == 1:
@@ -307,6 +307,13 @@ class Engine:
             self._release_memory()
             log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
             return [r for d, p in zip(batch, params, strict=True) for r in self._run_alone(d, p, started)]
+
+    def _batch_makes(self, batch: list[Decision], nxt: Waiting) -> bool:
+        """The next request's first host-resident block is one this batch loads or computes: it
+        will be on the device when the batch ends, so loading it now would load it twice."""
+        first_host = nxt.split.num_device_hit_tokens // self.tiers.block_tokens
+        key = nxt.request.keys[first_host]
+        return any(key in d.waiting.request.keys for d in batch)
 
     def _run_alone(self, decision: Decision, params: tuple[ScoreParams, float], started: float) -> list[Result]:
         """One request in its own forward; out of memory fails it alone (admission should prevent it)."""
