@@ -32,6 +32,14 @@ $T bench batch --model embedded:bench-m --json benchmarks/out/batch-bench-m.json
 $T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 40 \
   --systems tiered,tiered-single,tiered-fcfs,vllm,vllm-full --vllm-python "$VLLM_PY" --multiples 0.5,1,2 \
   --json benchmarks/out/visits-bench-m.json --plots benchmarks/out/visits-bench-m
+for kind in "post_recommendation --users 8 --posts 8" "revisit --users 8 --posts 4 --rounds 2"; do
+  set -- $kind
+  $T bench load --config configs/bench-m.yaml --kind $kind --scale 0.125 --multiples 0.5,1,2 \
+    --systems tiered,prefillonly,vllm --vllm-python "$VLLM_PY" --json "benchmarks/out/load-${1%%_*}-bench-m.json" \
+    --plots "benchmarks/out/load-${1%%_*}-bench-m"
+done
+$T bench load --config configs/bench-m.yaml --kind credit_verification --users 6 --scale 0.1 --multiples 0.5,1,2 \
+  --systems tiered,vllm --vllm-python "$VLLM_PY" --json benchmarks/out/load-credit-bench-m.json --plots benchmarks/out/load-credit-bench-m
 $T bench mil --model embedded:bench-m --budget 512MiB --modes vanilla,hybrid --skip-throughput --start-tokens 4096 \
   --resolution 1024 --max-tokens 32768 --json benchmarks/out/mil-bench-m-512MiB.json
 # Issue 7: a bounded soak (exit status 1 if a check fails)
