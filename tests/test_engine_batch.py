@@ -150,3 +150,17 @@ def test_no_prefetch_of_a_prefix_the_running_batch_loads(tiny_dir: Path, tmp_pat
     engine.close()
     assert loaded == 288  # once
     assert sorted(r.split.num_host_hit_tokens for r in results) == [0, 0, 288]
+
+
+def test_two_new_users_in_one_batch_each_compute_their_profile_once(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard")
+    u1, u2 = _ids(200, 18), _ids(200, 19)
+    prompts = [torch.cat([u1, _ids(5, 20)]), torch.cat([u2, _ids(6, 21)]), torch.cat([u2, _ids(7, 22)]),
+               torch.cat([u1, _ids(8, 23)])]  # fmt: skip
+    results = list(_visit(engine, prompts).values())
+    for prompt, r in zip(prompts, results, strict=True):
+        ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)
+        assert max(abs(r.logprobs[t] - float(ref[t])) for t in (11, 12)) < 1e-4
+    engine.close()
+    assert [r.batch_size for r in results] == [4] * 4
+    assert sorted(r.num_shared_tokens for r in results) == [0, 0, 200, 200]  # each follows its own user

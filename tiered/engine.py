@@ -392,7 +392,7 @@ class Engine:
         [B, V] and each request's tokens computed by its lead."""
         f = self.config.forward
         prefixes: dict[tuple[int, ...], PrefixKV | None] = {}
-        leads: dict[tuple[int, ...], int] = {}
+        leads: dict[tuple[int, ...], list[int]] = {}  # per prefix: the requests that compute all their tokens
         items: list[BatchItem] = []
         shared: list[int] = []
         for p in prepared:
@@ -400,13 +400,15 @@ class Engine:
             if blocks not in prefixes:
                 prefixes[blocks] = self.tiers.prefix_kv(p)
             new = p.request.token_ids[p.num_prefix_tokens :]
-            lead = leads.get(blocks)
-            m = 0 if lead is None else _common_prefix_len(items[lead].token_ids, new, new.numel() - 1)
+            # Follow the lead that shares the most tokens (two new users' prompts in one batch
+            # each follow their own user's first prompt).
+            m, lead = max(((_common_prefix_len(items[i].token_ids, new, new.numel() - 1), i)
+                           for i in leads.get(blocks, ())), default=(0, -1))  # fmt: skip
             sink = self.tiers.sink(p)
             if m:
                 items.append(BatchItem(new[m:], prefixes[blocks], sink, lead=lead, num_shared=m))
             else:
-                leads.setdefault(blocks, len(items))
+                leads.setdefault(blocks, []).append(len(items))
                 items.append(BatchItem(new, prefixes[blocks], sink))
             shared.append(m)
         return forward_batch(self.model, items, mode=f.mode, chunk_tokens=f.chunk_tokens), shared

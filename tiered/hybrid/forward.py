@@ -222,7 +222,7 @@ def _layer_by_layer(
             q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n])
             for g, pieces in _pieces(groups, s, e):
                 attention_(q, k, v, pieces, *prefixes.get(g))  # q[:n] now holds the attention output
-            prefixes.release_before(e)
+                prefixes.release_before(e)  # one group's prefix alive at a time
             o_proj_step_(layer, x[s:e], q[:n].view(n, -1))
             mlp_step_(layer, x[s:e], gate_buf, up_buf)
         del k, v, prefixes

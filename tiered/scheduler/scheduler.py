@@ -97,8 +97,9 @@ class Scheduler:
         w = Waiting(request, self._seq, now, split, self.jct.predict(split), priority=priority)
         self._seq += 1
         self._waiting[w.seq] = w
-        for key in request.keys:
-            self._by_key[key].add(w.seq)
+        with self._lock:  # the host tier's store thread reads the index (`_keys_changed`)
+            for key in request.keys:
+                self._by_key[key].add(w.seq)
         if self.policy != "hrrn":
             heapq.heappush(self._heap, (w.priority, self._score(w), w.seq, w.version))
         return w
@@ -111,12 +112,13 @@ class Scheduler:
         return w
 
     def _unindex(self, w: Waiting) -> None:
-        for key in w.request.keys:
-            seqs = self._by_key.get(key)
-            if seqs is not None:
-                seqs.discard(w.seq)
-                if not seqs:
-                    del self._by_key[key]
+        with self._lock:
+            for key in w.request.keys:
+                seqs = self._by_key.get(key)
+                if seqs is not None:
+                    seqs.discard(w.seq)
+                    if not seqs:
+                        del self._by_key[key]
 
     def waiting_keys(self) -> set[int]:
         """Block keys of every waiting request (what the `prefix` retention policy keeps)."""
