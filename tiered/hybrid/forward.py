@@ -204,6 +204,7 @@ def _layer_by_layer(
     q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=x.dtype, device=device)  # one chunk's queries
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=x.dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
+    chunk_pieces = [_pieces(groups, s, e) for s, e in bounds]  # the same for every layer
     rows = [seg for g in groups for seg in g.segments]  # packed rows, in packing order
     shared = [sh for g in groups for sh in g.shared]
     held: list[LayerKV] = []
@@ -217,10 +218,10 @@ def _layer_by_layer(
         else:
             _to_sinks(items, order, rows, shared, i, k, v)
         prefixes = _LayerPrefixes(groups, i)
-        for s, e in bounds:
+        for (s, e), pieces_of_chunk in zip(bounds, chunk_pieces, strict=True):
             n = e - s
             q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n])
-            for g, pieces in _pieces(groups, s, e):
+            for g, pieces in pieces_of_chunk:
                 attention_(q, k, v, pieces, *prefixes.get(g))  # q[:n] now holds the attention output
                 prefixes.release_before(e)  # one group's prefix alive at a time
             o_proj_step_(layer, x[s:e], q[:n].view(n, -1))

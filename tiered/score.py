@@ -1,0 +1,70 @@
+"""What a request asks of its one output token (`ScoreParams`) and what it gets back (`Result`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tiered.offload.tiers import HitSplit
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreParams:
+    """What to return of the last token's distribution, and how to choose the one output token.
+
+    As in vLLM (its default `raw_logprobs` mode), logprobs are those of the model's own
+    distribution; `logit_bias` and `allowed_token_ids` only change which token is chosen."""
+
+    logprob_token_ids: tuple[int, ...] = ()  # exactly these ids' logprobs (e.g. Yes / No)
+    top_logprobs: int = 0
+    allowed_token_ids: tuple[int, ...] = ()  # the chosen token is one of these (empty: any)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # added to the logits before choosing
+
+    def token_ids(self) -> list[int]:
+        """Every token id these parameters name (validated against the vocabulary)."""
+        return [*self.logprob_token_ids, *self.allowed_token_ids, *(t for t, _ in self.logit_bias)]
+
+    def choose(self, logits: Tensor) -> int:
+        if not self.allowed_token_ids and not self.logit_bias:
+            return int(torch.argmax(logits))
+        biased = logits.clone()
+        for t, b in self.logit_bias:
+            biased[t] += b
+        if self.allowed_token_ids:
+            allowed = torch.tensor(self.allowed_token_ids, dtype=torch.long)
+            return int(allowed[torch.argmax(biased[allowed])])
+        return int(torch.argmax(biased))
+
+
+@dataclass(slots=True)
+class Result:
+    request_id: str
+    num_tokens: int
+    split: HitSplit
+    token_id: int  # the argmax: the one output token
+    logprobs: dict[int, float]  # for params.logprob_token_ids
+    top_logprobs: list[tuple[int, float]]
+    queued_seconds: float
+    prefetch_wait_seconds: float
+    load_seconds: float
+    compute_seconds: float
+    predicted_seconds: float
+    decision_seconds: float
+    finished_at: float = field(default=0.0)
+    error: str | None = None  # the request failed in the engine (out of memory); the engine goes on
+    batch_size: int = 1  # requests in the forward that computed this one
+    # Tokens after the cached prefix that another request of the batch computed for this one
+    # (the same tokens: a shared profile tail, or a whole profile nothing had cached yet).
+    num_shared_tokens: int = 0
+
+    @classmethod
+    def failed(cls, request_id: str, num_tokens: int, error: str, queued_seconds: float) -> Result:
+        return cls(request_id, num_tokens, HitSplit(0, 0, num_tokens), 0, {}, [], queued_seconds, 0.0, 0.0, 0.0,
+                   0.0, 0.0, time.monotonic(), error)  # fmt: skip
+
+    @property
+    def latency_seconds(self) -> float:
+        return self.queued_seconds + self.prefetch_wait_seconds + self.load_seconds + self.compute_seconds
