@@ -37,7 +37,7 @@ def test_cuda_offload_through_pinned_side_stream_gives_the_same_logits(tiny_dir:
     try:
         ids = torch.randint(0, 1300, (500,), generator=torch.Generator().manual_seed(1))
         ref, first = forward_with_tiers(model, tiers, tiers.new_request("a", ids))
-        assert first.staged is not None and first.staged.kv.is_pinned()
+        assert first.store is not None and first.store.views[0].is_pinned()  # LMCache's pinned host memory
         tiers.flush()
         again, second = forward_with_tiers(model, tiers, tiers.new_request("b", ids))
         assert second.split.num_host_hit_tokens == 496

@@ -20,6 +20,8 @@ ForwardMode = Literal["vanilla", "chunked", "hybrid"]
 DType = Literal["float32", "bfloat16", "float16"]
 RetentionPolicy = Literal["prefix", "all", "none"]
 SuffixPolicy = Literal["offload", "discard"]
+WritePolicy = Literal["write-through", "on-evict"]
+OnClose = Literal["drain", "drop"]
 SchedulerPolicy = Literal["fcfs", "srjf", "calibrated", "lpm", "spf", "hrrn"]
 
 
@@ -72,9 +74,30 @@ class HostTierConfig:
 
     enabled: bool = True
     lmcache: dict[str, Any] = field(default_factory=lambda: {"max_local_cpu_size": 0.25})
+    # When a computed chunk that stays on the device goes to the host tier: `write-through` (right
+    # after its forward) or `on-evict` (when the device tier evicts it; never, if it is not).
+    # Chunks that do not stay on the device are stored after their forward either way.
+    write_policy: WritePolicy = "write-through"
+    # Most of one core the store thread may use (it sleeps to stay under it); 1.0 = no bound.
+    store_cpu_share: float = 0.25
+    # Store batches (one per forwarded request) queued for the store thread; beyond, a store is
+    # dropped rather than held (its chunks are recomputed if needed again).
+    max_pending_stores: int = 64
+    # At shutdown: `drain` puts the queued stores into LMCache first; `drop` frees them.
+    on_close: OnClose = "drain"
 
     def __post_init__(self) -> None:
         _require("chunk_size" not in self.lmcache, "cache.host.lmcache.chunk_size", "is set from cache.block_tokens")
+        _require(
+            0 < self.store_cpu_share <= 1,
+            "cache.host.store_cpu_share",
+            f"must be in (0, 1], got {self.store_cpu_share}",
+        )
+        _require(
+            self.max_pending_stores >= 1,
+            "cache.host.max_pending_stores",
+            f"must be >= 1, got {self.max_pending_stores}",
+        )
 
 
 @dataclass(slots=True)

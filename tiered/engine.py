@@ -302,6 +302,7 @@ class Engine:
             for p, m in zip(prepared, shared, strict=True)
         ]
         load = sum(p.load_seconds for p in prepared)
+        store = sum(p.store_seconds for p in prepared)
         predicted = self.jct.observe(splits, load + compute)
         logprobs = torch.log_softmax(logits, dim=-1)
         results = []
@@ -326,6 +327,7 @@ class Engine:
                 finished_at=time.monotonic(),
                 batch_size=len(batch),
                 num_shared_tokens=shared[i],
+                store_seconds=store,
             ))  # fmt: skip
         return results
 

@@ -59,6 +59,9 @@ class Result:
     # Tokens after the cached prefix that another request of the batch computed for this one
     # (the same tokens: a shared profile tail, or a whole profile nothing had cached yet).
     num_shared_tokens: int = 0
+    # Of the forward's time, what storing to the host tier cost it (LMCache allocation, the KV
+    # sink's copies), summed over the batch like `load_seconds`.
+    store_seconds: float = 0.0
 
     @classmethod
     def failed(cls, request_id: str, num_tokens: int, error: str, queued_seconds: float) -> Result:

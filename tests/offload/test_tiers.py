@@ -104,28 +104,29 @@ def test_asynchronous_store_becomes_visible_to_lookups(model: CausalLM, make_tie
     req = tiers.new_request("a", ids)
     forward_with_tiers(model, tiers, req)
     tiers.flush()
-    assert tiers.host_tier.lookup(ids) == 96  # full chunks only: the 4-token tail is not stored
+    assert len(_held(tiers, ids)) == 6  # full chunks only: the 4-token tail is not stored
     assert tiers.estimate(req).num_host_hit_tokens == 96  # the scheduler's view follows the store
     assert tiers.stats().host.num_stored_tokens == 96
 
 
-def test_missing_host_chunk_falls_back_to_recomputation(model: CausalLM, make_tiers, monkeypatch) -> None:
+def _held(tiers: KVTiers, ids: torch.Tensor) -> list:
+    """The leading chunks of `ids` the host tier holds (asked of LMCache, not of our index)."""
+    objs = tiers.host_tier.get(tiers.new_request("held", ids).keys)
+    tiers.host_tier.release(objs)
+    return objs
+
+
+def test_missing_host_chunk_falls_back_to_recomputation(model: CausalLM, make_tiers) -> None:
     tiers = make_tiers(retention="none")
     ids = _tokens(200, 4)
     _run(model, tiers, ids)
-    host = tiers.host_tier
-    lookup = host.lookup
-
-    def lookup_then_lose_everything(token_ids: torch.Tensor, salt: str | None = None) -> int:
-        found = lookup(token_ids, salt)
-        host._engine.clear()  # the chunks vanish between lookup and retrieval
-        return found
-
-    monkeypatch.setattr(host, "lookup", lookup_then_lose_everything)
+    tiers.host_tier._engine.clear()  # the chunks vanish behind our index's back (LMCache evicted them)
+    assert tiers.estimate(tiers.new_request("q", ids)).num_host_hit_tokens == 192  # the index still says so
     logits, split = _run(model, tiers, ids)
     assert (split.num_host_hit_tokens, split.num_miss_tokens) == (0, 200)
     _close(logits, forward(model, ids))
-    assert tiers.stats().device.num_used_blocks == 0  # the blocks reserved for the load were freed
+    assert tiers.stats().device.num_used_blocks == 0  # no block was reserved for the load
+    assert tiers.estimate(tiers.new_request("q", ids)).num_host_hit_tokens == 192  # stored again by that run
 
 
 def test_failing_host_backend_degrades_with_a_warning(model: CausalLM, make_tiers, monkeypatch, caplog) -> None:
@@ -136,14 +137,16 @@ def test_failing_host_backend_degrades_with_a_warning(model: CausalLM, make_tier
     def broken(*args: object, **kwargs: object) -> None:
         raise ConnectionError("backend unreachable")
 
-    monkeypatch.setattr(tiers.host_tier._engine, "retrieve", broken)
-    monkeypatch.setattr(tiers.host_tier._engine, "store", broken)
+    storage = tiers.host_tier._storage
+    monkeypatch.setattr(storage, "get_block_mapping", broken)
+    monkeypatch.setattr(storage, "batched_put", broken)
     with caplog.at_level(logging.WARNING, logger="tiered.offload.host_tier"):
         logits, split = _run(model, tiers, ids)
         _run(model, tiers, _tokens(100, 6))
     assert split.num_host_hit_tokens == 0
     _close(logits, forward(model, ids))
-    assert tiers.stats().host.num_failures == 2  # one retrieve, one store
+    # One retrieve; two stores: the first request's chunks again (the failed load forgot them), the second's.
+    assert tiers.stats().host.num_failures == 3 and tiers.stats().host.num_dropped_chunks == 12 + 6
     assert "host tier retrieve failed (ConnectionError: backend unreachable)" in caplog.text
 
 
@@ -154,8 +157,8 @@ def test_lmcache_size_limit_evicts_and_the_engine_keeps_working(model: CausalLM,
     for ids in requests:
         logits, _ = _run(model, tiers, ids)
         _close(logits, forward(model, ids))
-    held = [tiers.host_tier.lookup(ids) for ids in requests]
-    assert held[0] < 288 and held[-1] == 288  # the oldest was evicted, the newest is whole
+    held = [len(_held(tiers, ids)) for ids in requests]
+    assert held[0] < 18 and held[-1] == 18  # the oldest was evicted, the newest is whole
     # Our index of host-resident keys is bounded by what the tier can hold (x2 + slack), not by
     # what was ever stored: 0.0005 GiB / 8 KiB chunks = 65 chunks.
     assert tiers.host_tier.capacity_chunks == 65 and tiers.host_keys.cap == 2 * 65 + 1024

@@ -18,7 +18,7 @@ import signal
 
 import zmq
 
-from tiered.api.protocol import Cancel, Ready, ScoreRequest, ScoreResponse, decode, encode
+from tiered.api.protocol import Cancel, HostCounters, Ready, ScoreRequest, ScoreResponse, decode, encode
 from tiered.config import Config
 from tiered.engine import Engine, Result, ScoreParams
 from tiered.hybrid.forward import ForwardInputError
@@ -70,6 +70,14 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
         ctx.destroy(linger=0)
 
 
+def _host_counters(engine: Engine) -> HostCounters | None:
+    if engine.tiers.host_tier is None:
+        return None
+    h = engine.tiers.host_tier.stats()
+    return HostCounters(h.num_loaded_bytes, h.load_seconds, h.num_stored_bytes, h.store_seconds,
+                        h.store_thread_cpu_seconds, h.num_dropped_chunks, h.num_pending_stores)  # fmt: skip
+
+
 def _response(result: Result, engine: Engine) -> ScoreResponse:
     if result.error is not None:
         return ScoreResponse(request_id=result.request_id, error=result.error, error_status=500)
@@ -83,9 +91,12 @@ def _response(result: Result, engine: Engine) -> ScoreResponse:
         num_host_hit_tokens=result.split.num_host_hit_tokens,
         num_shared_tokens=result.num_shared_tokens,
         queued_seconds=result.queued_seconds,
+        load_seconds=result.load_seconds,
+        store_seconds=result.store_seconds,
         compute_seconds=result.compute_seconds,
         jct_error=engine.jct.error,
         host_failures=engine.tiers.host_tier.num_failures if engine.tiers.host_tier else 0,
+        host=_host_counters(engine),
         pinned_blocks=engine.tiers.device_tier.stats().num_pinned_blocks,
         engine_cancelled=engine.num_cancelled,
     )

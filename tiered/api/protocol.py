@@ -28,6 +28,19 @@ class Cancel:
 
 
 @dataclass(slots=True)
+class HostCounters:
+    """The host tier's counters since the engine started (HostTierStats, as sent to the API)."""
+
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    stored_bytes: int = 0
+    store_seconds: float = 0.0  # on the forward's thread: allocation and the sink's copies
+    store_thread_cpu_seconds: float = 0.0
+    dropped_chunks: int = 0
+    pending_stores: int = 0
+
+
+@dataclass(slots=True)
 class ScoreResponse:
     request_id: str
     error: str | None = None  # set when the engine refused or failed the request
@@ -40,9 +53,12 @@ class ScoreResponse:
     num_host_hit_tokens: int = 0
     num_shared_tokens: int = 0  # computed once for this request by another one of its batch
     queued_seconds: float = 0.0
+    load_seconds: float = 0.0  # host-tier loads of this request's batch
+    store_seconds: float = 0.0  # what host-tier stores cost this request's batch's forward
     compute_seconds: float = 0.0
     jct_error: float | None = None  # the engine's JCT prediction error (MAPE) after this job
     host_failures: int = 0  # host-tier operations that failed so far (each degraded to recomputation)
+    host: HostCounters | None = None  # the host tier's transfer counters so far (None: no host tier)
     pinned_blocks: int = 0  # device-tier blocks pinned after this job (0 when nothing else runs)
     engine_cancelled: int = 0  # requests the engine dropped from its queue on a Cancel, so far
 
@@ -70,6 +86,8 @@ def decode(frame: bytes) -> Any:
     if cls is ScoreResponse:
         body["logprobs"] = [tuple(p) for p in body["logprobs"]]
         body["top_logprobs"] = [tuple(p) for p in body["top_logprobs"]]
+        if body.get("host") is not None:
+            body["host"] = HostCounters(**body["host"])
     elif cls is ScoreRequest:
         body["logit_bias"] = [tuple(p) for p in body["logit_bias"]]
     return cls(**body)

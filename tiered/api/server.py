@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from tiered.api.engine_process import serve_engine
-from tiered.api.protocol import Cancel, Ready, ScoreRequest, ScoreResponse, decode, encode
+from tiered.api.protocol import Cancel, HostCounters, Ready, ScoreRequest, ScoreResponse, decode, encode
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 
@@ -264,6 +264,7 @@ class Metrics:
         self.pinned_blocks = 0
         self.engine_cancelled = 0
         self.failed = 0  # requests the engine failed (out of memory)
+        self.host: HostCounters | None = None
 
     def observe(self, out: ScoreResponse, e2e_seconds: float) -> None:
         self.requests += 1
@@ -276,6 +277,8 @@ class Metrics:
         if out.jct_error is not None:
             self.jct_error = out.jct_error
         self.host_failures = out.host_failures
+        if out.host is not None:
+            self.host = out.host
         self.pinned_blocks = out.pinned_blocks
         self.engine_cancelled = out.engine_cancelled
 
@@ -300,6 +303,22 @@ class Metrics:
              "engine (0 unless another request was running).", self.pinned_blocks),
             ("engine_restarts", "counter", "Engine processes started after one died.", client.restarts),
         ]  # fmt: skip
+        if self.host is not None:  # bandwidth = rate(..._bytes) / rate(..._seconds)
+            h = self.host
+            rows += [
+                ("host_load_bytes", "counter", "KV bytes loaded from the host tier into device blocks.",
+                 h.loaded_bytes),
+                ("host_load_seconds", "counter", "Seconds spent loading from the host tier (lookup, LMCache get, "
+                 "copies).", h.load_seconds),
+                ("host_store_bytes", "counter", "KV bytes put into the host tier.", h.stored_bytes),
+                ("host_store_seconds", "counter", "Seconds host-tier stores cost the forward (LMCache allocation, "
+                 "the KV sink's copies).", h.store_seconds),
+                ("host_store_thread_cpu_seconds", "counter", "CPU seconds of the host tier's store thread.",
+                 h.store_thread_cpu_seconds),
+                ("host_store_dropped_chunks", "counter", "Chunks not stored (queue full or no LMCache memory).",
+                 h.dropped_chunks),
+                ("host_store_pending", "gauge", "Store batches queued for the store thread.", h.pending_stores),
+            ]  # fmt: skip
         lines = []
         for name, kind, doc, value in rows:
             lines += [f"# HELP tiered:{name} {doc}", f"# TYPE tiered:{name} {kind}", f"tiered:{name} {value}"]
@@ -584,6 +603,11 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
                 "host_hit_tokens": sum(o.num_host_hit_tokens for o in outs),
                 # not cached, but computed once for several prompts of the batch (a shared profile)
                 "batch_shared_tokens": sum(o.num_shared_tokens for o in outs),
+                # seconds of the forwards that computed these prompts: host-tier loads, what
+                # host-tier stores cost them, and the forwards themselves
+                "load_seconds": max((o.load_seconds for o in outs), default=0.0),
+                "store_seconds": max((o.store_seconds for o in outs), default=0.0),
+                "compute_seconds": max((o.compute_seconds for o in outs), default=0.0),
             },
         }
 

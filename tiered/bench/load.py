@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 ENGINE_SYSTEMS: dict[str, list[str]] = {
     "tiered": ["scheduler.policy=calibrated", "cache.suffix=offload"],
     "prefillonly": ["scheduler.policy=calibrated", "cache.suffix=discard"],
+    "tiered-onevict": ["scheduler.policy=calibrated", "cache.suffix=offload", "cache.host.write_policy=on-evict"],
     "fcfs": ["scheduler.policy=fcfs", "cache.suffix=offload"],
     "lpm": ["scheduler.policy=lpm", "cache.suffix=offload"],
     "spf": ["scheduler.policy=spf", "cache.suffix=offload"],
@@ -89,6 +90,7 @@ class Summary:
     p99_latency_seconds: float
     device_hit_rate: float
     host_hit_rate: float
+    jct_error: float | None = None  # ours in-process: the JCT model's error (MAPE) at the end of the run
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -345,19 +347,19 @@ class VLLMServer:
 
 def _one_run(
     system: str, cfg: Config, trace: Trace, arrivals: list[float], label: str, vllm: VLLMServer | None, out_dir: Path
-) -> tuple[list[Record], float]:
+) -> tuple[list[Record], float, float | None]:
     if system in ENGINE_SYSTEMS:
-        results, makespan, _ = run_engine(with_overrides(cfg, ENGINE_SYSTEMS[system]), trace, arrivals, label)
-        return _engine_records(results, trace, arrivals), makespan
+        results, makespan, jct_error = run_engine(with_overrides(cfg, ENGINE_SYSTEMS[system]), trace, arrivals, label)
+        return _engine_records(results, trace, arrivals), makespan, jct_error
     if vllm is not None:
         vllm.reset()
-        return run_http(vllm.url, "model", trace_calls(trace), arrivals, label)
+        return *run_http(vllm.url, "model", trace_calls(trace), arrivals, label), None
     # ours over HTTP: a fresh server per run, so every run starts cold
     path = write_config(with_overrides(cfg, HTTP_SYSTEMS[system]), out_dir / f"{system}.yaml")
     proc, url = start_server(["--config", str(path), "--served-model-name", "model"])
     try:
         run_http(url, "model", [WARM_UP], [0.0])
-        return run_http(url, "model", trace_calls(trace), arrivals, label)
+        return *run_http(url, "model", trace_calls(trace), arrivals, label), None
     finally:
         stop_server(proc)
 
@@ -370,8 +372,10 @@ def median_summary(runs: list[Summary]) -> Summary:
     med = {k: statistics.median(getattr(r, k) for r in runs) for k in (
         "throughput_qps", "mean_latency_seconds", "p50_latency_seconds", "p99_latency_seconds", "device_hit_rate",
         "host_hit_rate")}  # fmt: skip
+    errors = [r.jct_error for r in runs if r.jct_error is not None]
     return Summary(first.system, first.multiple, first.offered_qps, first.num_requests,
-                   max(r.num_errors for r in runs), **med)  # fmt: skip
+                   max(r.num_errors for r in runs), **med,
+                   jct_error=statistics.median(errors) if errors else None)  # fmt: skip
 
 
 def kv_bytes_per_token(cfg: Config) -> int:
@@ -443,15 +447,16 @@ def run_load_bench(
                 repeats_here: list[Summary] = []
                 for rep in range(repeats):
                     label = f"{system} x{multiple:g}" + (f" #{rep + 1}" if repeats > 1 else "")
-                    records, makespan = _one_run(system, cfg, trace, arrivals, label, vllm, out_dir)
-                    s = summarize(system, multiple, qps, records, makespan)
+                    records, makespan, jct_error = _one_run(system, cfg, trace, arrivals, label, vllm, out_dir)
+                    s = replace(summarize(system, multiple, qps, records, makespan), jct_error=jct_error)
                     repeats_here.append(s)
                     runs.append({"summary": asdict(s), "repeat": rep, "records": [asdict(r) for r in records]})
                 s = median_summary(repeats_here)
                 summaries.append(s)
                 log.info("%-13s x%-4g %.2f QPS: throughput %.2f/s, latency mean %.2f s P99 %.2f s, hits device "
-                         "%.0f%% host %.0f%%%s%s", system, multiple, qps, s.throughput_qps, s.mean_latency_seconds,
-                         s.p99_latency_seconds, 100 * s.device_hit_rate, 100 * s.host_hit_rate,
+                         "%.0f%% host %.0f%%%s%s%s", system, multiple, qps, s.throughput_qps,
+                         s.mean_latency_seconds, s.p99_latency_seconds, 100 * s.device_hit_rate, 100 * s.host_hit_rate,
+                         f", JCT error {s.jct_error:.1%}" if s.jct_error is not None else "",
                          f", {s.num_errors} errors" if s.num_errors else "",
                          f" (medians of {repeats})" if repeats > 1 else "")  # fmt: skip
         finally:
@@ -490,11 +495,12 @@ def sustainable_table(
 def print_tables(summaries: list[Summary], table: dict[str, Any], slo_p99: list[float], slo_mean: list[float]) -> None:
     """Print one row per (system, load), then the sustainable-QPS tables (the first system is the reference)."""
     print(f"{'system':<14}{'x':>5}{'QPS':>7}{'thru':>7}{'mean s':>8}{'P50 s':>8}{'P99 s':>8}{'dev hit':>8}"
-          f"{'host hit':>9}{'errors':>7}")  # fmt: skip
+          f"{'host hit':>9}{'errors':>7}{'JCT err':>8}")  # fmt: skip
     for s in summaries:
+        jct = f"{100 * s.jct_error:>7.1f}%" if s.jct_error is not None else f"{'-':>8}"
         print(f"{s.system:<14}{s.multiple:>5g}{s.offered_qps:>7.2f}{s.throughput_qps:>7.2f}"
               f"{s.mean_latency_seconds:>8.2f}{s.p50_latency_seconds:>8.2f}{s.p99_latency_seconds:>8.2f}"
-              f"{100 * s.device_hit_rate:>7.0f}%{100 * s.host_hit_rate:>8.0f}%{s.num_errors:>7}")  # fmt: skip
+              f"{100 * s.device_hit_rate:>7.0f}%{100 * s.host_hit_rate:>8.0f}%{s.num_errors:>7}{jct}")  # fmt: skip
     reference = next(iter(table))
     for key, slos in (("p99", slo_p99), ("mean", slo_mean)):
         print(f"sustainable QPS at {key} latency <= SLO ('>=': met even at the top load; x: {reference} / system)")

@@ -23,6 +23,7 @@ from tiered.config import CacheConfig, HostTierConfig, SuffixPolicy
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.model import CausalLM
+from tiered.offload.host_tier import HostTierStats
 from tiered.offload.tiers import KVTiers, forward_with_tiers
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,33 @@ class LoadVsCompute:
     load_seconds_per_token: float
     compute_seconds_per_token: float
     compute_over_load: float
+
+
+@dataclass(slots=True)
+class HostStages:
+    """One prefix of `num_tokens` through the host tier, stage by stage (best of the repeats for
+    loads, one store), against `copy_` of the same bytes into memory touched before."""
+
+    num_tokens: int
+    num_bytes: int
+    copy_seconds: float
+    load_lookup_seconds: float
+    load_get_seconds: float
+    load_copy_seconds: float
+    store_allocate_seconds: float
+    store_copy_seconds: float
+    store_put_seconds: float
+    store_thread_cpu_seconds: float
+    forward_offload_seconds: float  # forward of num_tokens through the tiers, storing every chunk
+    forward_discard_seconds: float  # the same forward, storing nothing (median of the repeats)
+
+    @property
+    def load_seconds(self) -> float:
+        return self.load_lookup_seconds + self.load_get_seconds + self.load_copy_seconds
+
+    @property
+    def load_fraction_of_copy(self) -> float:
+        return self.copy_seconds / self.load_seconds
 
 
 @dataclass(slots=True)
@@ -59,28 +87,79 @@ def _kv_bytes_per_token(model: CausalLM, dtype: str) -> int:
     return 2 * a.num_layers * a.num_kv_heads * a.head_dim * DTYPES[dtype].itemsize
 
 
+def _copy_seconds(num_bytes: int, repeats: int) -> float:
+    """`copy_` of `num_bytes` between buffers touched before but not in the CPU's caches (as a
+    load finds LMCache's memory): a fresh destination would add page faults, a hot one would
+    run at cache speed."""
+    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+    dst = torch.zeros_like(src)
+    flush = torch.zeros(256 * 2**20 // 2, dtype=torch.bfloat16)  # larger than any L3 cache here
+    best = float("inf")
+    for _ in range(max(repeats, 3)):
+        flush.add_(1)
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def load_vs_compute(
     model: CausalLM, cache: CacheConfig, dtype: str, device: str, lengths: list[int], repeats: int
-) -> list[LoadVsCompute]:
-    out = []
+) -> tuple[list[LoadVsCompute], list[HostStages]]:
+    out, stages = [], []
     vocab = model.args.vocab_size
     for n in lengths:
         size = (n + cache.block_tokens) * _kv_bytes_per_token(model, dtype) * 2
-        tiers = _tiers(model, replace(cache, device_tier_bytes=size, retention="none", suffix="offload"), dtype, device)
+        cfg = replace(cache, device_tier_bytes=size, retention="none", suffix="offload")
+        tiers = _tiers(model, cfg, dtype, device)
+        host = tiers.host_tier
+        assert host is not None
         ids = torch.randint(0, vocab, (n + 1,), generator=torch.Generator().manual_seed(n))
         forward_with_tiers(model, tiers, tiers.new_request("store", ids))
         tiers.flush()
+        stored = host.stats()
         best_load = best_compute = float("inf")
+        best = (0.0, 0.0, 0.0)
         for i in range(repeats):
             tiers.device_tier.clear()
+            before = host.stats()
             prepared = tiers.prepare(tiers.new_request(f"load{i}", ids))
             assert prepared.split.num_host_hit_tokens == n, prepared.split
-            best_load = min(best_load, prepared.load_seconds)
+            after = host.stats()
+            if prepared.load_seconds < best_load:
+                best_load = prepared.load_seconds
+                best = _load_stages(before, after)
             tiers.abort(prepared)
             start = time.perf_counter()
             forward(model, ids[:n])
             best_compute = min(best_compute, time.perf_counter() - start)
         tiers.close()
+        # What storing costs a forward: the same fresh prompts through tiers that store and that do not.
+        # Tiers made once and warmed: LMCache fills its buffer when it starts (about 1 s for 4 GB).
+        suffixes: tuple[SuffixPolicy, ...] = ("offload", "discard")
+        timed: dict[str, list[float]] = {s: [] for s in suffixes}
+        both = {s: _tiers(model, replace(cfg, suffix=s), dtype, device) for s in suffixes}
+        for i in range(repeats + 1):
+            fresh = torch.randint(0, vocab, (n + 1,), generator=torch.Generator().manual_seed(n + 1 + i))
+            for suffix, t in both.items():
+                start = time.perf_counter()
+                forward_with_tiers(model, t, t.new_request(f"fresh{i}", fresh))
+                if i > 0:
+                    timed[suffix].append(time.perf_counter() - start)
+                t.flush()
+        for t in both.values():
+            t.close()
+        num_bytes = n * _kv_bytes_per_token(model, dtype)
+        stage = HostStages(
+            n, num_bytes, _copy_seconds(num_bytes, repeats), *best, stored.store_allocate_seconds,
+            stored.store_copy_seconds, stored.store_put_seconds, stored.store_thread_cpu_seconds,
+            _median(timed["offload"]), _median(timed["discard"]),
+        )  # fmt: skip
+        stages.append(stage)
         r = LoadVsCompute(n, best_load, best_compute, best_load / n, best_compute / n, best_compute / best_load)
         log.info(
             "%6d tokens: load %.1f ms (%.2f us/token), compute %.0f ms (%.1f us/token): compute/load %.1fx",
@@ -88,7 +167,43 @@ def load_vs_compute(
             1e6 * r.compute_seconds_per_token, r.compute_over_load,
         )  # fmt: skip
         out.append(r)
-    return out
+    return out, stages
+
+
+def _load_stages(before: HostTierStats, after: HostTierStats) -> tuple[float, float, float]:
+    """Seconds of the load stages (lookup, get, copy) between two snapshots of the counters."""
+    return (
+        after.load_lookup_seconds - before.load_lookup_seconds,
+        after.load_get_seconds - before.load_get_seconds,
+        after.load_copy_seconds - before.load_copy_seconds,
+    )
+
+
+def print_stages(stages: list[HostStages]) -> None:
+    gib = 2**30
+    print(f"\n{'tokens':>7} {'MiB':>6} {'stage':<34} {'ms':>8} {'GiB/s':>7} {'copy_ / stage':>13}")
+    for st in stages:
+        rows = [
+            ("copy_ of the same bytes (baseline)", st.copy_seconds),
+            ("load: which backend holds the keys", st.load_lookup_seconds),
+            ("load: LMCache batched_get", st.load_get_seconds),
+            ("load: copies into device blocks", st.load_copy_seconds),
+            ("load: total", st.load_seconds),
+            ("store: LMCache allocate (fwd thread)", st.store_allocate_seconds),
+            ("store: sink copies (fwd thread)", st.store_copy_seconds),
+            ("store: LMCache put (store thread)", st.store_put_seconds),
+            ("store: store thread CPU", st.store_thread_cpu_seconds),
+        ]
+        for name, sec in rows:
+            bw = st.num_bytes / sec / gib if sec > 0 else float("inf")
+            frac = st.copy_seconds / sec if sec > 0 else float("inf")
+            print(
+                f"{st.num_tokens:>7} {st.num_bytes / 2**20:>6.0f} {name:<34} {1e3 * sec:>8.2f} {bw:>7.1f} {frac:>12.0%}"
+            )
+        print(
+            f"{st.num_tokens:>7} forward storing every chunk {st.forward_offload_seconds:.3f} s, storing nothing "
+            f"{st.forward_discard_seconds:.3f} s: x{st.forward_offload_seconds / st.forward_discard_seconds:.3f}"
+        )
 
 
 def revisit_trace(
@@ -138,7 +253,7 @@ def run_tiers_bench(
     cache = CacheConfig(
         block_tokens=block_tokens, retention="all", host=HostTierConfig(lmcache={"max_local_cpu_size": 4.0})
     )
-    costs = load_vs_compute(model, cache, dtype, device, lengths, repeats)
+    costs, stages = load_vs_compute(model, cache, dtype, device, lengths, repeats)
     device_bytes = int(device_fraction * users * profile_tokens * _kv_bytes_per_token(model, dtype))
     cache = replace(cache, device_tier_bytes=device_bytes)
     trace = revisit_trace(model.args.vocab_size, users, profile_tokens, post_tokens, rounds, seed=0)
@@ -148,6 +263,7 @@ def run_tiers_bench(
     for c in costs:
         ms_load, ms_compute = 1e3 * c.load_seconds, 1e3 * c.compute_seconds
         print(f"{c.num_tokens:>7} {ms_load:>8.1f} {ms_compute:>10.0f} {c.compute_over_load:>11.1f}x")
+    print_stages(stages)
     print(f"\nrevisit trace: {users} users x {rounds} rounds, profile {profile_tokens} + post {post_tokens} tokens, "
           f"device tier {device_fraction:.0%} of the profiles ({runs[0].device_tier_blocks} blocks)")  # fmt: skip
     print(f"{'suffix':<8} {'seconds':>8} {'device hit':>10} {'host hit':>9} {'computed':>9}")
@@ -159,6 +275,10 @@ def run_tiers_bench(
         "model": {"path": model_dir, "dtype": dtype},
         "block_tokens": block_tokens,
         "load_vs_compute": [asdict(c) for c in costs],
+        "host_stages": [
+            {**asdict(st), "load_seconds": st.load_seconds, "load_fraction_of_copy": st.load_fraction_of_copy}
+            for st in stages
+        ],
         "trace": {
             "users": users,
             "profile_tokens": profile_tokens,

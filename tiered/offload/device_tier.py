@@ -50,9 +50,13 @@ class DeviceTierStats:
 
 
 class DeviceTier:
-    """Pool of `num_blocks` KV blocks: K and V each [layers, num_blocks, block_tokens, kv_heads, head_dim].
+    """Pool of `num_blocks` KV blocks, `kv` [num_blocks, 2, layers, block_tokens, kv_heads, head_dim].
 
-    Thread-safe: the engine loop and the prefetch thread both allocate and pin.
+    Block-major: a block is one contiguous [2, layers, block_tokens, ...] region, the layout of an
+    LMCache chunk (KV_2LTD), so moving a block to or from the host tier is one contiguous copy; a
+    layer's K of a block ([block_tokens, kv_heads, head_dim]) is contiguous too, so gathering a
+    prefix layer by layer copies whole rows. Thread-safe: the engine loop and the prefetch
+    thread both allocate and pin.
     """
 
     def __init__(
@@ -68,9 +72,8 @@ class DeviceTier:
         self.block_tokens = block_tokens
         self.bytes_per_block = 2 * num_layers * block_tokens * num_kv_heads * head_dim * dtype.itemsize
         self.num_blocks = budget_bytes // self.bytes_per_block
-        shape = (num_layers, self.num_blocks, block_tokens, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (self.num_blocks, 2, num_layers, block_tokens, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self._lock = threading.RLock()
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
         self._blocks: dict[int, _Block] = {}  # block id -> cached block
@@ -87,8 +90,11 @@ class DeviceTier:
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    def match(self, keys: Sequence[int], token_ids: Sequence[int], count: bool = True) -> list[int]:
-        """Block ids of the longest cached prefix, at most (len(token_ids) - 1) tokens long.
+    def match(
+        self, keys: Sequence[int], token_ids: Sequence[int], count: bool = True, start: int = 0, pin: bool = False
+    ) -> list[int]:
+        """Block ids of the longest cached run of blocks `start`, `start + 1`, ..., ending at most
+        (len(token_ids) - 1) tokens into the request; pinned (under the same lock) if `pin`.
 
         The cap keeps the last token computed: its logits are the request's whole output.
         O(blocks) dictionary lookups plus a token comparison per hit (rules out collisions).
@@ -96,26 +102,28 @@ class DeviceTier:
         max_blocks = min(len(keys), (len(token_ids) - 1) // self.block_tokens)
         hits: list[int] = []
         with self._lock:
-            for i in range(max_blocks):
+            for i in range(start, max_blocks):
                 block_id = self._index.get(keys[i])
                 if block_id is None:
                     break
-                start = i * self.block_tokens
-                if self._blocks[block_id].token_ids != tuple(token_ids[start : start + self.block_tokens]):
+                first = i * self.block_tokens
+                if self._blocks[block_id].token_ids != tuple(token_ids[first : first + self.block_tokens]):
                     break
                 hits.append(block_id)
+            if pin:
+                self.pin(hits)
             if count:
                 self.num_hit_tokens += len(hits) * self.block_tokens
                 self.num_queried_tokens += len(token_ids)
         return hits
 
-    def count_cached(self, keys: Sequence[int], max_blocks: int) -> int:
-        """Leading keys that are cached, by hash alone: the scheduler's cheap estimate of `match`."""
+    def count_cached(self, keys: Sequence[int], max_blocks: int, start: int = 0) -> int:
+        """Keys from `start` on that are cached, by hash alone: the scheduler's cheap estimate of `match`."""
         index = self._index
-        n = 0
+        n = start
         while n < max_blocks and keys[n] in index:
             n += 1
-        return n
+        return n - start
 
     # ---- pinning and allocation ------------------------------------------------------------
 
@@ -193,17 +201,21 @@ class DeviceTier:
 
     def layer_kv(self, layer: int, block_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
         """K, V of `block_ids` in order for one layer: each [len * block_tokens, kv_heads, head_dim]."""
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.k.device)
-        k = self.k[layer].index_select(0, idx)
-        v = self.v[layer].index_select(0, idx)
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        k = self.kv[:, 0, layer].index_select(0, idx)
+        v = self.kv[:, 1, layer].index_select(0, idx)
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def write_layer(self, layer: int, block_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Write K, V [len * block_tokens, kv_heads, head_dim] of one layer into `block_ids`."""
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.k.device)
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv.device)
         shape = (len(block_ids), self.block_tokens, *k.shape[1:])
-        self.k[layer].index_copy_(0, idx, k.reshape(shape))
-        self.v[layer].index_copy_(0, idx, v.reshape(shape))
+        self.kv[:, 0, layer].index_copy_(0, idx, k.reshape(shape))
+        self.kv[:, 1, layer].index_copy_(0, idx, v.reshape(shape))
+
+    def blocks(self, block_ids: Sequence[int]) -> list[Tensor]:
+        """Views of whole blocks, each [2, layers, block_tokens, kv_heads, head_dim]."""
+        return [self.kv[b] for b in block_ids]
 
     def stats(self) -> DeviceTierStats:
         with self._lock:

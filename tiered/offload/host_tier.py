@@ -1,109 +1,93 @@
 """The host tier: LMCache 0.5.6 used as a library. The only module that imports `lmcache`.
 
-Data flow. Store: after a forward, the KV of the request's computed full chunks sits in a host
-staging tensor [layers, 2, tokens, kv_heads, head_dim]; `store_async` hands it to LMCache on a
-background thread, whose connector copies each chunk into an LMCache memory object
-([2, layers, chunk, kv_heads*head_dim], LMCache's KV_2LTD format). Retrieve: LMCache finds the
-chunks of a token prefix and our connector copies each into a device-tier block.
+We use LMCache below its token-level API (`store`/`retrieve` hash every token and copy each chunk
+through a connector): at its storage manager, with our own chained block keys as its chunk
+hashes. A chunk is one LMCache memory object of the device tier's block layout ([2, layers,
+block_tokens, kv_heads*head_dim], LMCache's KV_2LTD), so every transfer is one contiguous copy:
 
-LMCache keys chunks by chained prefix hashes and its lookup stops at the first missing chunk,
-so the host tier only helps while it holds a contiguous prefix: we therefore store every
-computed chunk (the host tier includes what the device tier keeps), not only the evicted ones.
+- Store: `begin_store` allocates memory objects from LMCache's allocator; the forward's KV sink
+  writes each layer's K,V straight into them (the only copy a store costs the forward);
+  `submit` hands them to the store thread, whose one job is LMCache's `batched_put` (its
+  Python bookkeeping and, for disk or remote backends, their writes). That thread's CPU share is
+  bounded (`store_cpu_share`): after each put it sleeps long enough to stay under it. Its queue
+  is bounded (`max_pending_stores`): past it a store is dropped (a later request recomputes).
+  A chunk submitted but not yet put is already readable: `get` finds it in `_pending`.
+- Load: `get` returns the memory objects of the leading keys it holds (pending first, then
+  LMCache's backends); `copy_into` copies each into a device-tier block (one copy per chunk).
 
 Every LMCache call is guarded: an exception is logged once per kind, counted, and turns into a
-miss, so a failing host tier degrades to recomputation and never fails a request.
+miss (or a dropped store), so a failing host tier degrades to recomputation and never fails a
+request. Thread safety: one lock serialises LMCache calls and this class's counters; the engine,
+prefetch and store threads all call in.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from tiered.config import ConfigError, HostTierConfig
-from tiered.offload.device_tier import DeviceTier
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class StagedKV:
-    """KV of tokens [first_token, first_token + n) on the host: [layers, 2, n, kv_heads, head_dim].
-
-    `ready` (cuda only) is recorded after the last device-to-host copy was queued."""
-
-    kv: Tensor
-    first_token: int
-    ready: torch.cuda.Event | None = None
+_KEY_MASK = (1 << 64) - 1  # LMCache prints chunk hashes in hex: keep them unsigned
 
 
 @dataclass(slots=True)
-class _IntoBlocks:
-    """Retrieval target: chunk i (counting from `first_token`) goes to device block `block_ids[i]`."""
+class StoreBatch:
+    """Chunks on their way to the host tier: `views[i]` ([2, layers, block_tokens, kv_heads,
+    head_dim], an LMCache memory object) holds the chunk whose block key is `keys[i]`."""
 
-    tier: DeviceTier
-    block_ids: Sequence[int]
-    first_token: int
+    keys: list[int]
+    views: list[Tensor]
+    objs: list[Any]  # LMCache MemoryObj, in the order of keys
+    ready: torch.cuda.Event | None = None  # cuda: recorded after the last device-to-host copy
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False  # set when `done`: LMCache took the chunks
 
 
 @dataclass(slots=True)
 class HostTierStats:
-    num_hit_tokens: int
-    num_stored_tokens: int
-    num_failures: int
+    """Counters since start. Seconds are wall time of the named stage, on the thread that ran it."""
 
+    num_hit_tokens: int = 0
+    num_stored_tokens: int = 0
+    num_failures: int = 0
+    num_loads: int = 0
+    num_loaded_bytes: int = 0
+    load_lookup_seconds: float = 0.0  # which backend holds which key
+    load_get_seconds: float = 0.0  # LMCache's batched_get (a disk or remote backend reads here)
+    load_copy_seconds: float = 0.0  # memory objects into device blocks
+    num_stores: int = 0
+    num_stored_bytes: int = 0
+    store_allocate_seconds: float = 0.0  # engine thread: LMCache's allocator
+    store_copy_seconds: float = 0.0  # the forward's KV sink (measured by the caller: `count_store_copy`)
+    store_put_seconds: float = 0.0  # store thread: LMCache's batched_put
+    store_thread_cpu_seconds: float = 0.0  # CPU time the store thread used (thread_time)
+    store_throttle_seconds: float = 0.0  # sleeps that kept the store thread under its CPU share
+    num_dropped_chunks: int = 0  # not stored: queue full, no LMCache memory, or dropped at close
+    num_pending_stores: int = 0  # submitted, not yet put
 
-def _connector_class() -> type:
-    from lmcache.v1.gpu_connector import GPUConnectorInterface
+    @property
+    def load_seconds(self) -> float:
+        return self.load_lookup_seconds + self.load_get_seconds + self.load_copy_seconds
 
-    class TieredConnector(GPUConnectorInterface):  # type: ignore[misc]
-        """Copies between LMCache memory objects and our tensors (staging or device-tier blocks)."""
+    @property
+    def load_bytes_per_second(self) -> float:
+        return self.num_loaded_bytes / self.load_seconds if self.load_seconds else 0.0
 
-        def __init__(self, num_layers: int, kv_width: int) -> None:
-            self.num_layers = num_layers
-            self.kv_width = kv_width
-
-        def get_shape(self, num_tokens: int) -> torch.Size:
-            return torch.Size([2, self.num_layers, num_tokens, self.kv_width])
-
-        def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-            staged: StagedKV = kwargs["staged"]
-            s, e = start - staged.first_token, end - staged.first_token
-            src = staged.kv[:, :, s:e]  # [L, 2, n, Hkv, Dh]
-            memory_obj.tensor.copy_(src.transpose(0, 1).reshape(2, self.num_layers, e - s, self.kv_width))
-
-        def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-            target: _IntoBlocks = kwargs["target"]
-            tier = target.tier
-            block = target.block_ids[(start - target.first_token) // tier.block_tokens]
-            kv = memory_obj.tensor.to(tier.k.device, non_blocking=True)  # [2, L, n, Hkv*Dh]
-            kv = kv.view(2, self.num_layers, end - start, *tier.k.shape[3:])
-            tier.k[:, block, : end - start].copy_(kv[0])
-            tier.v[:, block, : end - start].copy_(kv[1])
-
-        def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
-            staged: StagedKV = kwargs["staged"]
-            if staged.ready is not None:
-                staged.ready.synchronize()
-            for obj, s, e in zip(memory_objs, starts, ends, strict=True):
-                self.from_gpu(obj, s, e, **kwargs)
-
-        def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
-            for obj, s, e in zip(memory_objs, starts, ends, strict=True):
-                self.to_gpu(obj, s, e, **kwargs)
-
-    return TieredConnector
-
-
-def _salted(salt: str | None) -> dict[str, str] | None:
-    """LMCache puts `lmcache.tag.*` request configs into its chunk keys: a salt isolates chunks."""
-    return None if salt is None else {"lmcache.tag.cache_salt": salt}
+    @property
+    def store_seconds(self) -> float:
+        """Seconds stores cost the forward's thread (allocation and the sink's copies)."""
+        return self.store_allocate_seconds + self.store_copy_seconds
 
 
 def _quiet_lmcache() -> None:
@@ -120,7 +104,7 @@ def lmcache_config_keys() -> set[str]:
 
 
 class HostTier:
-    """LMCache engine with our connector; lookups, retrievals into device blocks, async stores."""
+    """LMCache's storage (CPU, disk, remote backends as configured) keyed by our block keys."""
 
     def __init__(
         self,
@@ -132,8 +116,10 @@ class HostTier:
         dtype: torch.dtype,
         instance_id: str,
     ) -> None:
+        from lmcache.utils import CacheEngineKey
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_management import MemoryFormat
         from lmcache.v1.metadata import LMCacheMetadata
 
         known = lmcache_config_keys()
@@ -146,14 +132,17 @@ class HostTier:
             "save_unfull_chunk": False,
             "py_enable_gc": True,  # LMCache would otherwise disable Python's GC process-wide
         }
+        self.cfg = cfg
         self.block_tokens = block_tokens
         self.instance_id = instance_id
+        self.chunk_shape = (2, num_layers, block_tokens, num_kv_heads, head_dim)
+        self.chunk_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * dtype.itemsize
+        self._dtype = dtype
         config = LMCacheEngineConfig.from_dict(options)
-        chunk_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * dtype.itemsize
         local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)
                                                             if config.local_disk else 0.0)  # fmt: skip
         # How many chunks this tier can hold (a remote store: unknown, so a generous bound).
-        self.capacity_chunks = int(local_gb * 2**30 / chunk_bytes) if not config.remote_url else 1 << 22
+        self.capacity_chunks = int(local_gb * 2**30 / self.chunk_bytes) if not config.remote_url else 1 << 22
         metadata = LMCacheMetadata(
             model_name=instance_id,
             world_size=1,
@@ -164,19 +153,28 @@ class HostTier:
             kv_shape=(num_layers, 2, block_tokens, num_kv_heads, head_dim),
             chunk_size=block_tokens,
         )
-        connector = _connector_class()(num_layers, num_kv_heads * head_dim)
+        # We never call LMCache's token-level store/retrieve, so it needs no GPU connector.
         self._engine = LMCacheEngineBuilder.get_or_create(
-            instance_id, config, metadata, connector, lambda t, r: None, lambda o, r: o
+            instance_id, config, metadata, None, lambda t, r: None, lambda o, r: o
         )
         self._engine.post_init()
         _quiet_lmcache()
-        self._lock = threading.Lock()  # one LMCache call at a time
-        self._stores = ThreadPoolExecutor(1, thread_name_prefix="tiered-host-store")
-        self.num_hit_tokens = 0
-        self.num_stored_tokens = 0
-        self.num_failures = 0
-        self._warned: set[str] = set()
+        self._storage = self._engine.storage_manager
+        self._fmt = MemoryFormat.KV_2LTD
+        self._obj_shape = torch.Size([2, num_layers, block_tokens, num_kv_heads * head_dim])
+        self._key = lambda k: CacheEngineKey(instance_id, 1, 0, k & _KEY_MASK, dtype, None)
+        self._lock = threading.Lock()  # LMCache calls, `_pending` and the counters
+        self._pending: dict[int, tuple[StoreBatch, int]] = {}  # key -> (batch, index): not put yet
+        self._queue: deque[StoreBatch] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._last: StoreBatch | None = None  # the latest batch submitted (flush waits for it)
         self._closed = False
+        self.stats_ = HostTierStats()
+        # Called on the store thread after each batch was put (`batch.ok`) or dropped.
+        self.on_stored: Callable[[StoreBatch], None] | None = None
+        self._warned: set[str] = set()
+        self._thread = threading.Thread(target=self._store_loop, name="tiered-host-store", daemon=True)
+        self._thread.start()
         # LMCache's worker threads are not daemons: an engine left open (an exception in the
         # caller) would hang interpreter exit. This hook runs before non-daemon threads are
         # joined (the one concurrent.futures uses); Python's `atexit` runs too late for that.
@@ -184,69 +182,196 @@ class HostTier:
         if register is not None:
             register(self.close)
 
+    @property
+    def num_failures(self) -> int:
+        return self.stats_.num_failures
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self.stats_.num_hit_tokens
+
     def _failed(self, what: str, exc: BaseException) -> None:
-        self.num_failures += 1
+        self.stats_.num_failures += 1
         if what not in self._warned:
             self._warned.add(what)
             log.warning("host tier %s failed (%s: %s); recomputing instead", what, type(exc).__name__, exc)
 
-    def lookup(self, token_ids: Tensor, salt: str | None = None) -> int:
-        """Tokens of the longest prefix of `token_ids` stored as full chunks (0 on failure)."""
-        try:
-            with self._lock:
-                return int(self._engine.lookup(token_ids, request_configs=_salted(salt)))
-        except Exception as exc:  # noqa: BLE001 - any host-tier fault degrades to a miss
-            self._failed("lookup", exc)
-            return 0
+    # ---- loads -----------------------------------------------------------------------------
 
-    def retrieve_into(
-        self, token_ids: Tensor, first_block: int, tier: DeviceTier, block_ids: Sequence[int], salt: str | None = None
-    ) -> int:
-        """Load chunks first_block.. into `block_ids`; return how many leading ones arrived."""
-        if not block_ids:
-            return 0
-        bt = self.block_tokens
-        start, end = first_block * bt, (first_block + len(block_ids)) * bt
-        tokens = token_ids[:end]
-        mask = torch.zeros(end, dtype=torch.bool)
-        mask[start:] = True
-        try:
-            with self._lock:
-                got = self._engine.retrieve(
-                    tokens, mask=mask, target=_IntoBlocks(tier, block_ids, start), request_configs=_salted(salt)
-                )
-        except Exception as exc:  # noqa: BLE001
-            self._failed("retrieve", exc)
-            return 0
-        got = got[start:end]
-        num = len(block_ids) if bool(got.all()) else int(torch.argmin(got.int()).item()) // bt
-        self.num_hit_tokens += num * bt
-        return num
+    def get(self, keys: Sequence[int]) -> list[Any]:
+        """Memory objects of the leading `keys` this tier holds (pending stores included).
 
-    def store_async(self, token_ids: Tensor, staged: StagedKV, salt: str | None = None) -> Future[bool]:
-        """Store chunks of `staged` (already full chunks) in the background; never raises.
-
-        The future's result says whether the store succeeded."""
-        end = staged.first_token + staged.kv.shape[2]
-        tokens = token_ids[:end].clone()
-        mask = torch.zeros(end, dtype=torch.bool)
-        mask[staged.first_token :] = True
-
-        def run() -> bool:
+        Each returned object carries a reference: pass the list to `copy_into` (or `release`)."""
+        out: list[Any] = []
+        with self._lock:
+            start = time.perf_counter()
+            i = 0
+            while i < len(keys) and keys[i] in self._pending:  # written by a forward, not put yet
+                batch, j = self._pending[keys[i]]
+                if batch.ready is not None:
+                    batch.ready.synchronize()
+                batch.objs[j].ref_count_up()
+                out.append(batch.objs[j])
+                i += 1
+            rest = [(self._key(k), n, n + 1) for n, k in enumerate(keys[i:])]
             try:
-                with self._lock:
-                    self._engine.store(tokens, mask=mask, staged=staged, request_configs=_salted(salt))
-                self.num_stored_tokens += end - staged.first_token
-                return True
+                mapping = self._storage.get_block_mapping(rest) if rest else {}
+                lookup = time.perf_counter()
+                self.stats_.load_lookup_seconds += lookup - start
+                found: dict[int, Any] = {}
+                for location, chunks in mapping.items():
+                    objs = self._storage.batched_get([c[0] for c in chunks], location=location)
+                    found.update((c[1], obj) for c, obj in zip(chunks, objs, strict=True))
+                self.stats_.load_get_seconds += time.perf_counter() - lookup
+            except Exception as exc:  # noqa: BLE001 - any host-tier fault degrades to a miss
+                self._failed("retrieve", exc)
+                found = {}
+            n = 0
+            while n in found and found[n] is not None:
+                out.append(found.pop(n))
+                n += 1
+            for obj in found.values():  # behind a gap: not usable as a prefix
+                if obj is not None:
+                    obj.ref_count_down()
+        return out
+
+    def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor]) -> None:
+        """Copy chunk i into `blocks[i]` (a device-tier block), then release the objects."""
+        start = time.perf_counter()
+        srcs = [obj.tensor.view(self.chunk_shape) for obj in objs]
+        non_blocking = bool(blocks) and blocks[0].device.type == "cuda"
+        torch._foreach_copy_(list(blocks), srcs, non_blocking=non_blocking)
+        if non_blocking:
+            torch.cuda.current_stream(blocks[0].device).synchronize()  # the objects are released below
+        seconds = time.perf_counter() - start
+        with self._lock:
+            for obj in objs:
+                obj.ref_count_down()
+            self.stats_.num_loads += 1
+            self.stats_.num_loaded_bytes += len(objs) * self.chunk_bytes
+            self.stats_.load_copy_seconds += seconds
+            self.stats_.num_hit_tokens += len(objs) * self.block_tokens
+
+    def release(self, objs: Sequence[Any]) -> None:
+        with self._lock:
+            for obj in objs:
+                obj.ref_count_down()
+
+    # ---- stores ----------------------------------------------------------------------------
+
+    def begin_store(self, keys: list[int]) -> StoreBatch | None:
+        """LMCache memory for the chunks of `keys`, evicting its LRU chunks as needed.
+
+        Under memory pressure only a leading part of `keys` gets memory (`batch.keys` says
+        which); None when none does. One allocation per chunk: LMCache 0.5.6's batched
+        allocation evicts only in its layer-wise mode."""
+        if not keys:
+            return None
+        objs: list[Any] = []
+        with self._lock:
+            start = time.perf_counter()
+            try:
+                for _ in keys:
+                    obj = self._storage.allocate(
+                        self._obj_shape, self._dtype, self._fmt, eviction=True, busy_loop=False
+                    )
+                    if obj is None:
+                        break
+                    objs.append(obj)
             except Exception as exc:  # noqa: BLE001
                 self._failed("store", exc)
-                return False
+            self.stats_.store_allocate_seconds += time.perf_counter() - start
+            self.stats_.num_dropped_chunks += len(keys) - len(objs)
+        if not objs:
+            return None
+        return StoreBatch(keys[: len(objs)], [obj.tensor.view(self.chunk_shape) for obj in objs], objs)
 
-        return self._stores.submit(run)
+    def count_store_copy(self, seconds: float) -> None:
+        with self._lock:
+            self.stats_.store_copy_seconds += seconds
+
+    def submit(self, batch: StoreBatch) -> bool:
+        """Queue a written batch for LMCache; False (and the batch dropped) if the queue is full."""
+        with self._lock:
+            if not self._closed and len(self._queue) < self.cfg.max_pending_stores:
+                for i, k in enumerate(batch.keys):
+                    self._pending.setdefault(k, (batch, i))
+                self._queue.append(batch)
+                self._last = batch
+                self.stats_.num_pending_stores += 1
+                self._wake.notify()
+                return True
+            self._drop(batch)
+        self._finished(batch)
+        return False
+
+    def abort_store(self, batch: StoreBatch) -> None:
+        """A batch whose forward did not run: give its memory back (not counted as dropped)."""
+        with self._lock:
+            for obj in batch.objs:
+                obj.ref_count_down()
+        batch.done.set()
+
+    def _drop(self, batch: StoreBatch) -> None:
+        """Under the lock: free a batch's memory and forget its pending keys."""
+        for obj in batch.objs:
+            obj.ref_count_down()
+        for k in batch.keys:
+            if self._pending.get(k, (None, 0))[0] is batch:
+                del self._pending[k]
+        self.stats_.num_dropped_chunks += len(batch.keys)
+
+    def _finished(self, batch: StoreBatch) -> None:
+        batch.done.set()
+        if self.on_stored is not None:
+            self.on_stored(batch)
+
+    def _store_loop(self) -> None:
+        share = self.cfg.store_cpu_share
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                batch = self._queue.popleft()  # close() drops only what is still queued
+            cpu = time.thread_time()
+            if batch.ready is not None:
+                batch.ready.synchronize()
+            with self._lock:
+                start = time.perf_counter()
+                try:
+                    # LMCache takes its own reference to each object and drops ours.
+                    self._storage.batched_put([self._key(k) for k in batch.keys], batch.objs)
+                    batch.ok = True
+                    self.stats_.num_stores += 1
+                    self.stats_.num_stored_tokens += len(batch.keys) * self.block_tokens
+                    self.stats_.num_stored_bytes += len(batch.keys) * self.chunk_bytes
+                    for k in batch.keys:
+                        if self._pending.get(k, (None, 0))[0] is batch:
+                            del self._pending[k]
+                except Exception as exc:  # noqa: BLE001
+                    self._failed("store", exc)
+                    self._drop(batch)
+                self.stats_.store_put_seconds += time.perf_counter() - start
+                self.stats_.num_pending_stores -= 1
+                used = time.thread_time() - cpu
+                self.stats_.store_thread_cpu_seconds += used
+            self._finished(batch)
+            if share < 1.0 and not self._closed:  # stay under `share` of one core, measured on this thread's own clock
+                pause = used * (1.0 - share) / share
+                with self._lock:
+                    self.stats_.store_throttle_seconds += pause
+                time.sleep(pause)
 
     def flush(self) -> None:
-        """Wait for every store submitted so far."""
-        self._stores.submit(lambda: None).result()
+        """Wait until every batch submitted so far is in LMCache (or dropped)."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            last.done.wait()
+
+    # ---- the rest --------------------------------------------------------------------------
 
     def clear(self) -> None:
         """Drop everything LMCache holds (tests and benchmarks)."""
@@ -255,13 +380,25 @@ class HostTier:
             self._engine.clear()
 
     def stats(self) -> HostTierStats:
-        return HostTierStats(self.num_hit_tokens, self.num_stored_tokens, self.num_failures)
+        with self._lock:
+            return HostTierStats(**{f: getattr(self.stats_, f) for f in HostTierStats.__dataclass_fields__})
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Stop the store thread: its backlog is put first (`on_close: drain`) or dropped (`drop`)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            dropped = list(self._queue) if self.cfg.on_close == "drop" else []
+            for batch in dropped:
+                self._drop(batch)
+                self.stats_.num_pending_stores -= 1
+            if dropped:
+                self._queue.clear()
+            self._wake.notify()
+        for batch in dropped:
+            self._finished(batch)
+        self._thread.join()
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-        self._stores.shutdown(wait=True)
         LMCacheEngineBuilder.destroy(self.instance_id)

@@ -1,18 +1,20 @@
 """The two KV tiers behind one interface: hit split, loading, retention and offload.
 
-Per request: `prepare` finds the prefix in the device tier, loads the next chunks from the host
-tier into device blocks (or takes what `prefetch` already loaded), pins all of them, and plans
-which computed blocks stay on the device (retention policy). The forward then gets the prefix
-as KV and a sink that writes retained blocks into the pool and, with suffix policy `offload`,
-copies computed full chunks into a host staging tensor (on cuda: device-to-pinned-host copies
-on a side stream, layer by layer as the forward proceeds). `finish` indexes retained blocks,
-unpins, and hands the staging tensor to the host tier asynchronously: the forward never waits
-for a store.
+Per request: `prepare` walks the request's blocks in order, taking runs of device-tier blocks
+and loading runs of host-tier chunks into device blocks (or taking what `prefetch` already
+loaded), pins all of them, and plans which computed blocks stay on the device (retention
+policy) and which go to the host tier (suffix policy `offload`: the computed chunks the host
+tier lacks; with `write_policy: on-evict` not the retained ones, which go when evicted). The
+forward then gets the prefix as KV and a sink that writes retained blocks into the pool and
+copies stored chunks straight into LMCache memory (on cuda: device-to-pinned-host copies on a
+side stream, layer by layer as the forward proceeds). `finish` indexes retained blocks, unpins,
+and queues the chunks for the host tier's store thread: the forward never waits for a store.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -26,7 +28,7 @@ from tiered.config import CacheConfig, ForwardMode
 from tiered.hybrid.forward import KVSink, LayerKV, forward
 from tiered.hybrid.model import CausalLM, ModelArgs
 from tiered.offload.device_tier import DeviceTier, DeviceTierStats, block_keys
-from tiered.offload.host_tier import HostTier, HostTierStats, StagedKV
+from tiered.offload.host_tier import HostTier, HostTierStats, StoreBatch
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +71,18 @@ class Prepared:
     split: HitSplit
     prefix_blocks: list[int]
     retained_blocks: list[int]  # device blocks for computed blocks first_retained_block.. (in order)
-    staged: StagedKV | None
+    store: StoreBatch | None  # LMCache memory the sink fills, for the blocks in `stored_blocks`
     prefetch_wait_seconds: float
     load_seconds: float
     first_retained_block: int = 0  # block index of retained_blocks[0]
+    stored_blocks: list[int] = field(default_factory=list)  # block indices of store.keys
+    store_allocate_seconds: float = 0.0  # LMCache memory for the stored chunks
+    store_copy_seconds: float = 0.0  # the sink's copies into it
+
+    @property
+    def store_seconds(self) -> float:
+        """What storing cost this request's forward thread."""
+        return self.store_allocate_seconds + self.store_copy_seconds
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -137,7 +147,12 @@ class TierStats:
 
 
 class KVTiers:
-    """Device tier + (optional) host tier, with the retention and suffix policies of `CacheConfig`."""
+    """Device tier + (optional) host tier, with the retention and suffix policies of `CacheConfig`.
+
+    Threads: the engine loop calls everything; the prefetch thread loads; the host tier's store
+    thread reports finished stores (`_stored`). `host_keys` and `_storing_keys` change under
+    `_keys_lock`; the scheduler's estimate reads them without it (single membership tests).
+    """
 
     def __init__(self, cfg: CacheConfig, args: ModelArgs, dtype: torch.dtype, device: str, instance_id: str) -> None:
         self.cfg = cfg
@@ -152,6 +167,9 @@ class KVTiers:
             self.host_tier = HostTier(
                 cfg.host, cfg.block_tokens, args.num_layers, args.num_kv_heads, args.head_dim, dtype, instance_id
             )
+            self.host_tier.on_stored = self._stored
+            if cfg.host.write_policy == "on-evict":
+                self.device_tier.on_evict = self._evicted
         self._dtype = dtype
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch")
@@ -161,7 +179,8 @@ class KVTiers:
         # Bounded: LMCache evicts silently, so keys of long-gone chunks would pile up forever; the
         # oldest are dropped past twice what the tier can hold (a dropped live key costs a recompute).
         self.host_keys = BoundedKeys(2 * self.host_tier.capacity_chunks + 1024 if self.host_tier else 0)
-        self._storing_keys: set[int] = set()  # in stores still in flight: counted as host-resident
+        self._storing_keys: set[int] = set()  # queued for the store thread: readable, counted as host-resident
+        self._keys_lock = threading.Lock()
         self.on_change: Callable[[Iterable[int]], None] | None = None
         self.device_tier.on_change = lambda key: self._changed((key,))
         log.info(
@@ -169,7 +188,9 @@ class KVTiers:
             self.device_tier.num_blocks,
             cfg.block_tokens,
             cfg.device_tier_bytes / 2**20,
-            "LMCache" if self.host_tier else "off",
+            f"LMCache ({cfg.host.write_policy}, store thread <= {cfg.host.store_cpu_share:.0%} of a core)"
+            if self.host_tier
+            else "off",
             cfg.retention,
             cfg.suffix,
         )
@@ -179,19 +200,28 @@ class KVTiers:
 
     # ---- scoring (no side effects) ---------------------------------------------------------
 
+    def _in_host(self, key: int) -> bool:
+        return key in self.host_keys or key in self._storing_keys
+
     def estimate(self, req: TierRequest) -> HitSplit:
         """The hit split by hashes alone (device index, then known host keys): no I/O, no locks.
 
-        This is what the scheduler scores with before every pick; `prepare` finds the truth."""
+        Runs of device and host blocks may alternate (with `on-evict`, a prefix's first blocks
+        can leave the device before its last ones). This is what the scheduler scores with
+        before every pick; `prepare` finds the truth."""
         n = req.token_ids.numel()
         max_blocks = min(len(req.keys), (n - 1) // self.block_tokens)
-        num_device = self.device_tier.count_cached(req.keys, max_blocks)
-        num_host = 0
-        host_keys, storing = self.host_keys, self._storing_keys
-        while num_device + num_host < max_blocks and (
-            req.keys[num_device + num_host] in host_keys or req.keys[num_device + num_host] in storing
-        ):
-            num_host += 1
+        num_device = num_host = i = 0
+        while i < max_blocks:
+            run = self.device_tier.count_cached(req.keys, max_blocks, i)
+            num_device += run
+            i += run
+            start = i
+            while i < max_blocks and self._in_host(req.keys[i]):
+                i += 1
+            num_host += i - start
+            if run == 0 and i == start:
+                break
         bt = self.block_tokens
         return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host) * bt)
 
@@ -201,41 +231,66 @@ class KVTiers:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def _load_from_host(self, req: TierRequest, first_block: int) -> tuple[list[int], int]:
-        """Retrieve host chunks first_block.. into new device blocks (they end pinned and cached).
+    def _has_host_run(self, req: TierRequest, first_block: int) -> bool:
+        return first_block < len(req.keys) and self._in_host(req.keys[first_block])
 
-        Returns the loaded block ids and how many leading chunks the host tier holds. Chunks that
-        find no free device block are not loaded: they are recomputed."""
+    def _load_from_host(self, req: TierRequest, first_block: int) -> list[int]:
+        """Load the run of host chunks first_block.. into new device blocks (they end pinned and cached).
+
+        Chunks that find no free device block are not loaded: they are recomputed."""
         if self.host_tier is None:
-            return [], 0
-        n = req.token_ids.numel()
-        if first_block >= len(req.keys):
-            return [], first_block
-        if req.keys[first_block] in self._storing_keys:
-            self.host_tier.flush()  # the chunk is on its way: waiting for it beats recomputing it
-        if req.keys[first_block] not in self.host_keys:
-            # We know what this engine stored: skip LMCache's lookup (it hashes every token).
-            return [], first_block
-        found = min(self.host_tier.lookup(req.token_ids, req.salt), n - 1) // self.block_tokens
-        self._forget_host_keys(req.keys[found:])
-        if found <= first_block:
-            return [], found
-        blocks = self.device_tier.allocate(found - first_block)
-        got = self.host_tier.retrieve_into(req.token_ids, first_block, self.device_tier, blocks, req.salt)
-        if got < len(blocks):
-            self._forget_host_keys(req.keys[first_block + got : found])
-        loaded = blocks[:got]
-        self.device_tier.unpin(blocks[got:])
+            return []
+        max_blocks = min(len(req.keys), (req.token_ids.numel() - 1) // self.block_tokens)
+        end = first_block
+        while end < max_blocks and self._in_host(req.keys[end]):
+            end += 1
+        if end == first_block:
+            return []
+        keys = req.keys[first_block:end]
+        objs = self.host_tier.get(keys)
+        if len(objs) < len(keys):
+            self._forget_host_keys(keys[len(objs) :])
+        if not objs:
+            return []
+        blocks = self.device_tier.allocate(len(objs))
+        if len(blocks) < len(objs):
+            self.host_tier.release(objs[len(blocks) :])
+        if not blocks:
+            return []
+        self.host_tier.copy_into(objs[: len(blocks)], self.device_tier.blocks(blocks))
         bt = self.block_tokens
-        for i, b in enumerate(loaded):
+        for i, b in enumerate(blocks):
             j = first_block + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
-        return loaded, found
+        return blocks
+
+    def _find_prefix(self, req: TierRequest, tokens: list[int]) -> tuple[list[int], list[int], float]:
+        """Pin the request's prefix: alternate runs of device hits and host loads, in block order.
+
+        Returns (prefix blocks, those loaded from the host tier, seconds spent loading)."""
+        prefix: list[int] = []
+        loaded: list[int] = []
+        seconds = 0.0
+        try:
+            while True:
+                prefix += self.device_tier.match(req.keys, tokens, count=False, start=len(prefix), pin=True)
+                tried, start = self._has_host_run(req, len(prefix)), time.perf_counter()
+                run = self._load_from_host(req, len(prefix))
+                if tried:
+                    seconds += time.perf_counter() - start
+                if not run:
+                    return prefix, loaded, seconds
+                prefix += run
+                loaded += run
+        except BaseException:
+            self.device_tier.unpin(prefix)
+            raise
 
     def _forget_host_keys(self, keys: Sequence[int]) -> None:
-        gone = [k for k in keys if k in self.host_keys]
-        if gone:
+        with self._keys_lock:
+            gone = [k for k in keys if k in self.host_keys]
             self.host_keys.difference_update(gone)
+        if gone:
             self._changed(gone)
 
     def prefetch(self, req: TierRequest) -> None:
@@ -247,9 +302,8 @@ class KVTiers:
             return
 
         def run() -> list[int]:
-            hits = self.device_tier.match(req.keys, req.token_ids.tolist(), count=False)
-            loaded = self._load_from_host(req, len(hits))[0]
-            self.device_tier.unpin(loaded)
+            prefix, loaded, _ = self._find_prefix(req, req.token_ids.tolist())
+            self.device_tier.unpin(prefix)
             return loaded
 
         self._prefetches[req.request_id] = self._prefetcher.submit(run)
@@ -275,32 +329,26 @@ class KVTiers:
             start = time.perf_counter()
             prefetched = future.result()
             wait = time.perf_counter() - start
-        hits = self.device_tier.match(req.keys, tokens, count=False)
-        self.device_tier.pin(hits)
+        prefix, loaded, load = self._find_prefix(req, tokens)
         try:
-            return self._plan(req, tokens, hits, prefetched, wait, shared_keys, planned_keys)
+            return self._plan(req, prefix, set(prefetched) | set(loaded), wait, load, shared_keys, planned_keys)
         except BaseException:
-            self.device_tier.unpin(hits)  # what _plan pinned it released itself
+            self.device_tier.unpin(prefix)  # what _plan pinned it released itself
             raise
 
     def _plan(
         self,
         req: TierRequest,
-        tokens: list[int],
-        hits: list[int],
-        prefetched: list[int],
+        prefix: list[int],
+        from_host: set[int],
         wait: float,
+        load: float,
         shared_keys: Collection[int],
         planned_keys: set[int] | None,
     ) -> Prepared:
         bt = self.block_tokens
-        start = time.perf_counter()
-        loaded, num_host_blocks = self._load_from_host(req, len(hits))
-        load = time.perf_counter() - start
-        from_host = set(prefetched) | set(loaded)
-        prefix = hits + loaded
         num_host = sum(1 for b in prefix if b in from_host)
-        n = len(tokens)
+        n = req.token_ids.numel()
         split = HitSplit((len(prefix) - num_host) * bt, num_host * bt, n - len(prefix) * bt)
         self.device_tier.num_hit_tokens += split.num_device_hit_tokens
         self.device_tier.num_queried_tokens += n
@@ -310,24 +358,22 @@ class KVTiers:
         while planned_keys is not None and first_own < num_full and req.keys[first_own] in planned_keys:
             first_own += 1
         computed = range(first_own, num_full)
-        retain = self._retention(req, computed, shared_keys)
-        retained = self.device_tier.allocate(len(retain))
-        staged = None
-        # Stage only chunks the host tier lacks (it may hold some that found no device block).
-        first_stored = max(first_own, num_host_blocks)
-        if self.host_tier is not None and first_stored < num_full:
-            num = (num_full - first_stored) * bt
-            shape = (self.args.num_layers, 2, num, self.args.num_kv_heads, self.args.head_dim)
-            try:
-                kv = torch.empty(shape, dtype=self._dtype, pin_memory=self._copy_stream is not None)
-            except BaseException:
-                self.device_tier.unpin(loaded + retained)
-                raise
-            staged = StagedKV(kv, first_stored * bt)
+        retained = self.device_tier.allocate(len(self._retention(req, computed, shared_keys)))
+        store, stored = None, []
+        if self.host_tier is not None:
+            # Chunks the host tier lacks; with on-evict, not those staying on the device.
+            first = first_own + (len(retained) if self.cfg.host.write_policy == "on-evict" else 0)
+            stored = [j for j in range(first, num_full) if not self._in_host(req.keys[j])]
+            start = time.perf_counter()
+            store = self.host_tier.begin_store([req.keys[j] for j in stored])
+            stored = stored[: len(store.keys)] if store is not None else []
+        prepared = Prepared(req, split, prefix, retained, store, wait, load, first_own, stored)
+        if store is not None:
+            prepared.store_allocate_seconds = time.perf_counter() - start
         if planned_keys is not None:
             planned_keys.update(req.keys[first_own : first_own + len(retained)])
-            planned_keys.update(req.keys[first_stored:num_full] if staged is not None else ())
-        return Prepared(req, split, prefix, retained, staged, wait, load, first_own)
+            planned_keys.update(req.keys[j] for j in stored)
+        return prepared
 
     def _retention(self, req: TierRequest, computed: range, shared_keys: Collection[int]) -> list[int]:
         """Indices of computed blocks to keep on the device, as a contiguous run after the prefix."""
@@ -350,63 +396,91 @@ class KVTiers:
     # ---- during and after the forward ------------------------------------------------------
 
     def sink(self, prepared: Prepared) -> KVSink:
-        """The forward's KV sink: keep retained blocks on the device, stage stored chunks."""
+        """The forward's KV sink: keep retained blocks on the device, copy stored chunks into LMCache memory."""
         bt = self.block_tokens
         retained = prepared.retained_blocks
-        staged = prepared.staged
+        store = prepared.store
         stream = self._copy_stream
         first_computed = prepared.num_prefix_tokens
         first_retained = prepared.first_retained_block * bt - first_computed
+        rows = [j * bt - first_computed for j in prepared.stored_blocks]
 
         def sink(layer: int, k: Tensor, v: Tensor) -> None:
             # k, v: [new tokens, Hkv, Dh]; token 0 is the first computed one (a block boundary).
             if retained:
                 s, e = first_retained, first_retained + len(retained) * bt
                 self.device_tier.write_layer(layer, retained, k[s:e], v[s:e])
-            if staged is not None:
-                s = staged.first_token - first_computed
-                e = s + staged.kv.shape[2]
-                if stream is None:
-                    staged.kv[layer, 0].copy_(k[s:e])
-                    staged.kv[layer, 1].copy_(v[s:e])
-                else:
-                    stream.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(stream):
-                        staged.kv[layer, 0].copy_(k[s:e], non_blocking=True)
-                        staged.kv[layer, 1].copy_(v[s:e], non_blocking=True)
-                    k.record_stream(stream)  # the forward frees k, v after this call
-                    v.record_stream(stream)
+            if store is None:
+                return
+            start = time.perf_counter()
+            dst = [view[0, layer] for view in store.views] + [view[1, layer] for view in store.views]
+            src = [k[r : r + bt] for r in rows] + [v[r : r + bt] for r in rows]
+            if stream is None:
+                torch._foreach_copy_(dst, src)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    torch._foreach_copy_(dst, src, non_blocking=True)
+                k.record_stream(stream)  # the forward frees k, v after this call
+                v.record_stream(stream)
+            prepared.store_copy_seconds += time.perf_counter() - start
 
         return sink
 
     def finish(self, prepared: Prepared) -> None:
-        """Index retained blocks, release pins, and offload computed chunks asynchronously."""
+        """Index retained blocks, release pins, and queue computed chunks for the host tier."""
         req, bt = prepared.request, self.block_tokens
         first = prepared.first_retained_block
         for i, b in enumerate(prepared.retained_blocks):
             j = first + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
         self.device_tier.unpin(prepared.prefix_blocks + prepared.retained_blocks)
-        if prepared.staged is not None and self.host_tier is not None:
+        store = prepared.store
+        if store is not None and self.host_tier is not None:
             if self._copy_stream is not None:
-                prepared.staged.ready = torch.cuda.Event()
-                prepared.staged.ready.record(self._copy_stream)
-            first_key = prepared.staged.first_token // bt
-            keys = req.keys[first_key : first_key + prepared.staged.kv.shape[2] // bt]
-            self._storing_keys.update(keys)
-            future = self.host_tier.store_async(req.token_ids, prepared.staged, req.salt)
+                store.ready = torch.cuda.Event()
+                store.ready.record(self._copy_stream)
+            self.host_tier.count_store_copy(prepared.store_copy_seconds)
+            self._submit(store)
 
-            def stored(done: Future[bool]) -> None:
-                if done.result():
-                    keys.extend(self.host_keys.update(keys))  # the dropped ones changed too
-                self._storing_keys.difference_update(keys)
-                self._changed(keys)
+    def _submit(self, store: StoreBatch) -> None:
+        assert self.host_tier is not None
+        with self._keys_lock:
+            self._storing_keys.update(store.keys)
+        self.host_tier.submit(store)
 
-            future.add_done_callback(stored)
+    def _stored(self, batch: StoreBatch) -> None:
+        """On the store thread: a batch is in LMCache (or was dropped)."""
+        changed = list(batch.keys)
+        with self._keys_lock:
+            if batch.ok:
+                changed += self.host_keys.update(batch.keys)  # the dropped ones changed too
+            self._storing_keys.difference_update(batch.keys)
+        self._changed(changed)
+
+    def _evicted(self, block_id: int, key: int, token_ids: tuple[int, ...]) -> None:
+        """`on-evict`: the device tier is about to reuse a block; store it first if the host lacks it."""
+        if self.host_tier is None or self._in_host(key):
+            return
+        store = self.host_tier.begin_store([key])
+        if store is None:
+            return
+        start = time.perf_counter()
+        block = self.device_tier.kv[block_id]
+        if self._copy_stream is None:
+            store.views[0].copy_(block)
+        else:  # on the current stream: the block's next writer queues behind this copy
+            store.views[0].copy_(block, non_blocking=True)
+            store.ready = torch.cuda.Event()
+            store.ready.record(torch.cuda.current_stream(self.device))
+        self.host_tier.count_store_copy(time.perf_counter() - start)
+        self._submit(store)
 
     def abort(self, prepared: Prepared) -> None:
         """Release a prepared request that did not run (nothing retained or stored)."""
         self.device_tier.unpin(prepared.prefix_blocks + prepared.retained_blocks)
+        if prepared.store is not None and self.host_tier is not None:
+            self.host_tier.abort_store(prepared.store)
 
     def flush(self) -> None:
         if self.host_tier is not None:
@@ -417,8 +491,10 @@ class KVTiers:
         self.device_tier.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
-        self._changed(list(self.host_keys))
-        self.host_keys.clear()
+        with self._keys_lock:
+            gone = list(self.host_keys)
+            self.host_keys.clear()
+        self._changed(gone)
 
     def stats(self) -> TierStats:
         return TierStats(self.device_tier.stats(), self.host_tier.stats() if self.host_tier else None)
