@@ -17,8 +17,11 @@ block_tokens, kv_heads*head_dim], LMCache's KV_2LTD), so every transfer is one c
 
 Every LMCache call is guarded: an exception is logged once per kind, counted, and turns into a
 miss (or a dropped store), so a failing host tier degrades to recomputation and never fails a
-request. Thread safety: one lock serialises LMCache calls and this class's counters; the engine,
-prefetch and store threads all call in.
+request. Thread safety: the engine, prefetch and store threads all call in; one lock guards the
+queue, `_pending` and the counters and serialises our LMCache calls, except the store thread's
+put, which runs outside it (LMCache's backends and allocator lock themselves) so that a slow
+backend never holds up an allocation or a load. A pending chunk holds a reference of its own,
+so LMCache cannot free it while a load may still read it.
 """
 
 from __future__ import annotations
@@ -294,14 +297,15 @@ class HostTier:
         """Queue a written batch for LMCache; False (and the batch dropped) if the queue is full."""
         with self._lock:
             if not self._closed and len(self._queue) < self.cfg.max_pending_stores:
-                for i, k in enumerate(batch.keys):
+                for i, (k, obj) in enumerate(zip(batch.keys, batch.objs, strict=True)):
+                    obj.ref_count_up()  # `_pending`'s own reference: readable until LMCache has it
                     self._pending.setdefault(k, (batch, i))
                 self._queue.append(batch)
                 self._last = batch
                 self.stats_.num_pending_stores += 1
                 self._wake.notify()
                 return True
-            self._drop(batch)
+            self._release(batch, queued=False)
         self._finished(batch)
         return False
 
@@ -312,14 +316,19 @@ class HostTier:
                 obj.ref_count_down()
         batch.done.set()
 
-    def _drop(self, batch: StoreBatch) -> None:
-        """Under the lock: free a batch's memory and forget its pending keys."""
+    def _release(self, batch: StoreBatch, queued: bool) -> None:
+        """Under the lock: drop a batch not put (its memory back to LMCache, its pending keys gone)."""
         for obj in batch.objs:
             obj.ref_count_down()
+            if queued:
+                obj.ref_count_down()
+        self._forget_pending(batch)
+        self.stats_.num_dropped_chunks += len(batch.keys)
+
+    def _forget_pending(self, batch: StoreBatch) -> None:
         for k in batch.keys:
             if self._pending.get(k, (None, 0))[0] is batch:
                 del self._pending[k]
-        self.stats_.num_dropped_chunks += len(batch.keys)
 
     def _finished(self, batch: StoreBatch) -> None:
         batch.done.set()
@@ -338,27 +347,33 @@ class HostTier:
             cpu = time.thread_time()
             if batch.ready is not None:
                 batch.ready.synchronize()
+            start = time.perf_counter()
+            try:
+                # Outside our lock (LMCache's backends lock themselves): a slow backend holds up
+                # this thread only, never an allocation or a load. LMCache takes its own
+                # reference to each object and drops the one we allocated with.
+                self._storage.batched_put([self._key(k) for k in batch.keys], batch.objs)
+                batch.ok = True
+            except Exception as exc:  # noqa: BLE001 - a failed put leaves its memory to LMCache
+                with self._lock:
+                    self._failed("store", exc)
+            put = time.perf_counter() - start
             with self._lock:
-                start = time.perf_counter()
-                try:
-                    # LMCache takes its own reference to each object and drops ours.
-                    self._storage.batched_put([self._key(k) for k in batch.keys], batch.objs)
-                    batch.ok = True
+                self._forget_pending(batch)
+                for obj in batch.objs:
+                    obj.ref_count_down()  # `_pending`'s reference
+                if batch.ok:
                     self.stats_.num_stores += 1
                     self.stats_.num_stored_tokens += len(batch.keys) * self.block_tokens
                     self.stats_.num_stored_bytes += len(batch.keys) * self.chunk_bytes
-                    for k in batch.keys:
-                        if self._pending.get(k, (None, 0))[0] is batch:
-                            del self._pending[k]
-                except Exception as exc:  # noqa: BLE001
-                    self._failed("store", exc)
-                    self._drop(batch)
-                self.stats_.store_put_seconds += time.perf_counter() - start
+                else:
+                    self.stats_.num_dropped_chunks += len(batch.keys)
+                self.stats_.store_put_seconds += put
                 self.stats_.num_pending_stores -= 1
                 used = time.thread_time() - cpu
                 self.stats_.store_thread_cpu_seconds += used
             self._finished(batch)
-            if share < 1.0 and not self._closed:  # stay under `share` of one core, measured on this thread's own clock
+            if share < 1.0 and not self._closed:  # stay under `share` of one core, by this thread's clock
                 pause = used * (1.0 - share) / share
                 with self._lock:
                     self.stats_.store_throttle_seconds += pause
@@ -391,7 +406,7 @@ class HostTier:
             self._closed = True
             dropped = list(self._queue) if self.cfg.on_close == "drop" else []
             for batch in dropped:
-                self._drop(batch)
+                self._release(batch, queued=True)
                 self.stats_.num_pending_stores -= 1
             if dropped:
                 self._queue.clear()

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class HitSplit:
-    """Where a request's tokens come from, in prefix order: device hits, host hits, misses."""
+    """Where a request's tokens come from: the prefix (device hits and host hits, in runs that may
+    alternate), then the misses."""
 
     num_device_hit_tokens: int
     num_host_hit_tokens: int
