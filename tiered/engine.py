@@ -33,6 +33,11 @@ from tiered.score import Result, ScoreParams
 
 log = logging.getLogger(__name__)
 
+# Part of the JCT profile's cache key. Bump it when the forward's or the tiers' costs change: a
+# profile cached by older code would price jobs (host loads above all) at what they used to cost.
+# 2: the host tier at copy speed (issue 15).
+JCT_PROFILE_VERSION = 2
+
 
 def _out_of_memory(exc: BaseException) -> bool:
     """cuda raises torch.OutOfMemoryError; the CPU allocator a RuntimeError saying so."""
@@ -112,6 +117,7 @@ class Engine:
             "dtype": self.config.model.dtype, "device": self.device, "torch": torch.__version__,
             "mode": f.mode, "chunk": f.chunk_tokens, "block": cache.block_tokens,
             "totals": totals, "fractions": sc.profile_miss_fractions, "host": self.tiers.host_tier is not None,
+            "cost_paths": JCT_PROFILE_VERSION,
         }  # fmt: skip
         key = cache_key(parts)
         samples = load_cached(sc.profile_cache_dir, key)

@@ -336,6 +336,7 @@ class HostTier:
             self.on_stored(batch)
 
     def _store_loop(self) -> None:
+        torch.set_num_threads(1)  # per thread: no second OpenMP team beside the forward's
         share = self.cfg.store_cpu_share
         while True:
             with self._lock:

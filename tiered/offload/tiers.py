@@ -107,6 +107,12 @@ class PrefixKV(Sequence[LayerKV]):
         return self._tier.layer_kv(layer, self._blocks)
 
 
+def _one_thread() -> None:
+    """Run this thread's torch ops on one core: a second OpenMP team beside the forward's would
+    oversubscribe the cores (and its threads spin after each op), slowing every forward."""
+    torch.set_num_threads(1)
+
+
 class BoundedKeys:
     """A set of keys that forgets its oldest ones past `cap` (insertion order)."""
 
@@ -173,7 +179,7 @@ class KVTiers:
                 self.device_tier.on_evict = self._evicted
         self._dtype = dtype
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch")
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch", initializer=_one_thread)
         self._prefetches: dict[str, Future[list[int]]] = {}
         # Keys of chunks stored in the host tier, for cheap scoring. LMCache may evict behind our
         # back: a load that finds less drops the missing keys (a stale key costs one lookup).

@@ -3,9 +3,11 @@
 Output length is always 1, so a job's time follows from its input: with T tokens in total, M of
 them computed (misses) and H loaded from the host tier,
 
-    jct = c0 + c1*M + c2*M*T + c3*H + c4*(T - M)
+    jct = c0 + c1*M + c2*M*(T - M/2) + c3*H + c4*(T - M)
 
-(c1: token-wise ops; c2: attention, each computed token attends to up to T keys; c3: host load;
+(c1: token-wise ops; c2: attention: the (query, key) pairs of M computed tokens after T - M
+cached ones, M*(T - M) + M²/2; counting M*T, as before, counted a fully computed request's
+pairs twice, so one c2 could not fit both computed and cached requests; c3: host load;
 c4: handling the cached prefix, gathering its blocks per layer). A batch is one forward: c0 once,
 the other terms summed over its requests (`predict_batch`), so the fit separates the cost of a
 forward from the cost of a token once batches have been observed.
@@ -33,6 +35,11 @@ from tiered.offload.tiers import HitSplit
 log = logging.getLogger(__name__)
 
 
+def _pairs(num_miss: float, num_tokens: float) -> float:
+    """Causal (query, key) pairs of the last `num_miss` of `num_tokens` tokens."""
+    return num_miss * (num_tokens - num_miss / 2)
+
+
 @dataclass(slots=True)
 class JCTSample:
     """One measured forward: one request, or a batch with its requests' counts summed."""
@@ -41,20 +48,20 @@ class JCTSample:
     num_miss_tokens: int
     num_host_hit_tokens: int
     seconds: float
-    # Σ miss·total over the forward's requests (attention pairs); -1: one request, miss·total.
-    num_attention_pairs: int = -1
+    # Σ attention pairs M·(T − M/2) over the forward's requests; -1: one request, computed from its counts.
+    num_attention_pairs: float = -1
 
     @classmethod
     def of(cls, splits: Sequence[HitSplit], seconds: float) -> JCTSample:
         return cls(
             sum(s.num_tokens for s in splits), sum(s.num_miss_tokens for s in splits),
             sum(s.num_host_hit_tokens for s in splits), seconds,
-            sum(s.num_miss_tokens * s.num_tokens for s in splits),
+            sum(_pairs(s.num_miss_tokens, s.num_tokens) for s in splits),
         )  # fmt: skip
 
     def features(self) -> list[float]:
         m = float(self.num_miss_tokens)
-        pairs = m * self.num_tokens if self.num_attention_pairs < 0 else float(self.num_attention_pairs)
+        pairs = _pairs(m, self.num_tokens) if self.num_attention_pairs < 0 else float(self.num_attention_pairs)
         return [1.0, m, pairs, float(self.num_host_hit_tokens), float(self.num_tokens - self.num_miss_tokens)]
 
 
