@@ -44,3 +44,15 @@ $T bench mil --model embedded:bench-m --budget 512MiB --modes vanilla,hybrid --s
   --resolution 1024 --max-tokens 32768 --json benchmarks/out/mil-bench-m-512MiB.json
 # Issue 7: a bounded soak (exit status 1 if a check fails)
 $T bench soak --minutes 5 --concurrency 64 --json benchmarks/out/soak.json
+# Issue 15: the host tier, stage by stage (bench, bench-m); offload against discard under load (revisit)
+$T bench tiers --model embedded:bench --json benchmarks/out/tiers-bench.json
+$T bench tiers --model embedded:bench-m --json benchmarks/out/tiers-bench-m.json
+$T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \
+  --multiples 0.1,0.2,0.35,0.5,1 --repeats 3 --systems tiered,prefillonly,tiered-onevict \
+  --json benchmarks/out/load-revisit-offload-bench.json --plots benchmarks/out/load-revisit-offload-bench
+$T bench load --config configs/bench-m.yaml --kind revisit --users 8 --posts 4 --rounds 2 --scale 0.125 \
+  --multiples 0.25,0.5,1,2 --systems tiered,prefillonly,tiered-onevict \
+  --json benchmarks/out/load-revisit-offload-bench-m.json --plots benchmarks/out/load-revisit-offload-bench-m
+$T bench load --config configs/bench-m.yaml --kind revisit --users 8 --posts 4 --rounds 2 --scale 0.125 \
+  --multiples 0.25,0.35,0.5,1,2 --repeats 2 --systems tiered,prefillonly \
+  --json benchmarks/out/load-revisit-offload-bench-m-r2.json --plots benchmarks/out/load-revisit-offload-bench-m-r2

@@ -508,8 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure the saturation throughput of the trace (all requests at once, on the first of --systems "
         "that is in-process, else `tiered`), then replay it with Poisson arrivals at each of --multiples x that rate "
         "on every system: per request latency, queue time and hit tokens per tier; per run throughput, mean/P50/P99 "
-        "latency and hit rates; per system the highest QPS meeting the P99 and mean latency SLOs. Systems: tiered "
-        "(calibrated + offload), prefillonly (calibrated + discard), fcfs (+ offload), lpm / spf / hrrn (SGLang's "
+        "latency, hit rates and the JCT model's error; per system the highest QPS meeting the P99 and mean latency "
+        "SLOs. Systems: tiered "
+        "(calibrated + offload), prefillonly (calibrated + discard), tiered-onevict (tiered, host write policy "
+        "on-evict), fcfs (+ offload), lpm / spf / hrrn (SGLang's "
         "policies on our engine), tiered-http (tiered behind `tiered serve`), vllm / vllm-nochunk (`vllm serve` with "
         "prefix caching, chunked prefill on / off, run by --vllm-python). The device tier (and vLLM's KV cache) holds "
         "--device-fraction of the users' profiles. Use --config configs/bench.yaml for the bench model.",

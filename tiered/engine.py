@@ -177,6 +177,8 @@ class Engine:
             split = loaded.split
             samples.append(JCTSample(total, split.num_miss_tokens, split.num_host_hit_tokens, seconds))
         self.tiers.clear()
+        if self.tiers.host_tier is not None:
+            self.tiers.host_tier.reset_stats()
         return samples
 
     def _sync(self) -> None:

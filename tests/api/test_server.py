@@ -14,7 +14,7 @@ import torch
 
 from tiered.api.launch import ServerProcess, start_server, stop_server
 from tiered.hybrid.forward import forward
-from tiered.hybrid.loader import load_model
+from tiered.hybrid.loader import load_model, read_args
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +180,16 @@ def test_64_concurrent_requests_all_answered_correctly(server: str, tiny_dir: Pa
         assert abs(out.choices[0].model_extra["logprob_token_ids"]["5"] - float(ref[5])) < 1e-4
 
 
-def test_metrics_count_requests_and_cached_tokens(server: str) -> None:
+def test_metrics_count_requests_and_cached_tokens(server: str, tiny_dir: Path) -> None:
     text = httpx.get(f"{server}/metrics", headers={"Authorization": "Bearer sekret"}, timeout=5).text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
     assert values["tiered:request_success"] >= 1
+    # Host-tier transfers (an earlier test loaded a prefix): bytes are KV bytes of the hit tokens.
+    a = read_args(tiny_dir)
+    kv_bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # fp32
+    assert values["tiered:host_hit_tokens"] > 0 and values["tiered:host_load_seconds"] > 0
+    assert values["tiered:host_load_bytes"] == values["tiered:host_hit_tokens"] * kv_bytes_per_token
+    assert values["tiered:host_store_bytes"] > 0 and values["tiered:host_store_dropped_chunks"] == 0
     assert values["tiered:prefix_cache_hits"] == values["tiered:device_hit_tokens"] + values["tiered:host_hit_tokens"]
     assert 0 <= values["tiered:prefix_cache_hits"] <= values["tiered:prefix_cache_queries"]
     assert values["tiered:e2e_request_latency_seconds_count"] == values["tiered:request_success"]

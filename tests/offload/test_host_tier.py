@@ -7,44 +7,18 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tiered.config import CacheConfig, ConfigError, HostTierConfig
+from tiered.config import ConfigError, HostTierConfig
 from tiered.hybrid.forward import forward
-from tiered.hybrid.loader import load_model
 from tiered.hybrid.model import CausalLM
 from tiered.offload.tiers import KVTiers, forward_with_tiers
 
-BT = 16
+BT = 16  # the block size of conftest's make_tiers
 TOL = 1e-5  # fp32 logits, relative to the largest |logit|
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir: Path) -> CausalLM:
-    return load_model(tiny_dir, "float32")
-
-
-@pytest.fixture
-def make_tiers(model: CausalLM):
-    made: list[KVTiers] = []
-
-    def make(device_blocks: int = 64, retention: str = "none", **host: object) -> KVTiers:
-        a = model.args
-        block_bytes = 2 * a.num_layers * BT * a.num_kv_heads * a.head_dim * 4
-        cfg = CacheConfig(
-            block_tokens=BT, device_tier_bytes=device_blocks * block_bytes, retention=retention,  # type: ignore[arg-type]
-            host=HostTierConfig(lmcache={"max_local_cpu_size": 0.05}, **host),  # type: ignore[arg-type]
-        )  # fmt: skip
-        made.append(KVTiers(cfg, a, torch.float32, "cpu", f"test-host-{next(_ids)}"))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.close()
 
 
 def _tokens(n: int, seed: int) -> torch.Tensor:
@@ -92,7 +66,7 @@ def test_loaded_blocks_are_bit_equal_to_the_computed_ones(model: CausalLM, make_
 
 
 def test_a_stuck_store_thread_never_blocks_a_forward(model: CausalLM, make_tiers, monkeypatch) -> None:
-    tiers = make_tiers(max_pending_stores=2)
+    tiers = make_tiers(host_options={"max_pending_stores": 2})
     stuck = _StuckPut(tiers, monkeypatch)
     first = _tokens(200, 1)
     _run(model, tiers, first)
@@ -126,7 +100,7 @@ def test_a_chunk_already_in_the_host_tier_is_not_stored_again(model: CausalLM, m
 
 @pytest.mark.parametrize("policy", ["write-through", "on-evict"])
 def test_write_policy_decides_when_retained_blocks_are_stored(model: CausalLM, make_tiers, policy: str) -> None:
-    tiers = make_tiers(retention="all", write_policy=policy)
+    tiers = make_tiers(retention="all", host_options={"write_policy": policy})
     ids = _tokens(300, 6)
     ref = forward(model, ids)
     _run(model, tiers, ids)
@@ -142,7 +116,7 @@ def test_write_policy_decides_when_retained_blocks_are_stored(model: CausalLM, m
 
 
 def test_a_prefix_half_evicted_is_found_across_both_tiers(model: CausalLM, make_tiers) -> None:
-    tiers = make_tiers(retention="all", write_policy="on-evict")
+    tiers = make_tiers(retention="all", host_options={"write_policy": "on-evict"})
     ids = _tokens(300, 7)
     _run(model, tiers, ids)
     # The oldest blocks go first: the prefix's first 3 leave the device (stored on the way), 15 stay.
@@ -158,7 +132,7 @@ def test_a_prefix_half_evicted_is_found_across_both_tiers(model: CausalLM, make_
 
 
 def test_the_store_thread_stays_under_its_cpu_share(model: CausalLM, make_tiers, monkeypatch) -> None:
-    tiers = make_tiers(store_cpu_share=0.25)
+    tiers = make_tiers(host_options={"store_cpu_share": 0.25})
     storage = tiers.host_tier._storage
     put = storage.batched_put
 
@@ -183,7 +157,7 @@ def test_the_store_thread_stays_under_its_cpu_share(model: CausalLM, make_tiers,
 
 @pytest.mark.parametrize("on_close", ["drain", "drop"])
 def test_close_drains_or_drops_the_backlog(model: CausalLM, make_tiers, monkeypatch, on_close: str) -> None:
-    tiers = make_tiers(on_close=on_close)
+    tiers = make_tiers(host_options={"on_close": on_close})
     stuck = _StuckPut(tiers, monkeypatch)
     for seed in range(3):  # one batch in the stuck put, two queued behind it
         _run(model, tiers, _tokens(100, 30 + seed))

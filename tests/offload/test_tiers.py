@@ -5,47 +5,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tiered.config import CacheConfig, HostTierConfig
+from tiered.config import HostTierConfig
 from tiered.hybrid.forward import forward
-from tiered.hybrid.loader import load_model
 from tiered.hybrid.model import CausalLM
 from tiered.offload.tiers import KVTiers, forward_with_tiers
 
-BT = 16
+BT = 16  # the block size of conftest's make_tiers
 TOL = 1e-5  # fp32: relative to the largest |logit|
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir: Path) -> CausalLM:
-    return load_model(tiny_dir, "float32")
-
-
-def _tiers(model: CausalLM, device_blocks: int, **cache: object) -> KVTiers:
-    a = model.args
-    block_bytes = 2 * a.num_layers * BT * a.num_kv_heads * a.head_dim * 4
-    host = cache.pop("host", HostTierConfig(lmcache={"max_local_cpu_size": 0.05}))
-    cfg = CacheConfig(block_tokens=BT, device_tier_bytes=device_blocks * block_bytes, host=host, **cache)  # type: ignore[arg-type]
-    return KVTiers(cfg, a, torch.float32, "cpu", f"test-{next(_ids)}")
-
-
-@pytest.fixture
-def make_tiers(model: CausalLM) -> Iterator:
-    made: list[KVTiers] = []
-
-    def make(device_blocks: int = 64, **cache: object) -> KVTiers:
-        made.append(_tiers(model, device_blocks, **cache))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.close()
 
 
 def _tokens(n: int, seed: int) -> torch.Tensor:

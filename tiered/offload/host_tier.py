@@ -395,6 +395,12 @@ class HostTier:
         with self._lock:
             self._engine.clear()
 
+    def reset_stats(self) -> None:
+        """Zero the counters (after the engine's start-up profile, so they count served traffic)."""
+        with self._lock:
+            pending = self.stats_.num_pending_stores
+            self.stats_ = HostTierStats(num_pending_stores=pending)
+
     def stats(self) -> HostTierStats:
         with self._lock:
             return HostTierStats(**{f: getattr(self.stats_, f) for f in HostTierStats.__dataclass_fields__})
