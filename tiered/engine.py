@@ -26,7 +26,8 @@ from tiered.embedded import resolve_model_path
 from tiered.hybrid.forward import BatchItem, ForwardInputError, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
-from tiered.offload.tiers import HitSplit, KVTiers, PrefixKV, Prepared
+from tiered.offload.request import HitSplit, PrefixKV, Prepared
+from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel, JCTSample, cache_key, load_cached, save_cached
 from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
 from tiered.score import Result, ScoreParams

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tiered.offload.tiers import HitSplit
+from tiered.offload.request import HitSplit
 
 
 @dataclass(frozen=True, slots=True)

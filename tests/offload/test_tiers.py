@@ -209,7 +209,7 @@ def test_an_unreachable_remote_store_degrades_to_recomputation(model: CausalLM, 
 
 
 def test_bounded_keys_forget_the_oldest_past_the_cap() -> None:
-    from tiered.offload.tiers import BoundedKeys
+    from tiered.offload.request import BoundedKeys
 
     keys = BoundedKeys(3)
     assert keys.update([1, 2, 3]) == [] and keys.update([4]) == [1]

@@ -16,135 +16,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from tiered.config import CacheConfig, ForwardMode
-from tiered.hybrid.forward import KVSink, LayerKV, forward
+from tiered.hybrid.forward import KVSink, forward
 from tiered.hybrid.model import CausalLM, ModelArgs
-from tiered.offload.device_tier import DeviceTier, DeviceTierStats, block_keys
+from tiered.offload.device_tier import DeviceTier, DeviceTierStats
 from tiered.offload.host_tier import HostTier, HostTierStats, StoreBatch
+from tiered.offload.request import BoundedKeys, HitSplit, PrefixKV, Prepared, TierRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class HitSplit:
-    """Where a request's tokens come from: the prefix (device hits and host hits, in runs that may
-    alternate), then the misses."""
-
-    num_device_hit_tokens: int
-    num_host_hit_tokens: int
-    num_miss_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_device_hit_tokens + self.num_host_hit_tokens + self.num_miss_tokens
-
-
-@dataclass(slots=True)
-class TierRequest:
-    """What the tiers need of a request: its tokens and their block keys, computed once."""
-
-    request_id: str
-    token_ids: Tensor  # [T] int64, on the CPU
-    keys: list[int] = field(default_factory=list)
-    salt: str | None = None  # vLLM's cache_salt: shares cached KV only with the same salt
-
-    @classmethod
-    def make(
-        cls, request_id: str, token_ids: Sequence[int] | Tensor, block_tokens: int, salt: str | None = None
-    ) -> TierRequest:
-        ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
-        return cls(request_id, ids, block_keys(ids.tolist(), block_tokens, salt), salt)
-
-
-@dataclass(slots=True)
-class Prepared:
-    """A request ready to compute: its prefix (pinned blocks) and its plan for the computed part."""
-
-    request: TierRequest
-    split: HitSplit
-    prefix_blocks: list[int]
-    retained_blocks: list[int]  # device blocks for computed blocks first_retained_block.. (in order)
-    store: StoreBatch | None  # LMCache memory the sink fills, for the blocks in `stored_blocks`
-    prefetch_wait_seconds: float
-    load_seconds: float
-    first_retained_block: int = 0  # block index of retained_blocks[0]
-    stored_blocks: list[int] = field(default_factory=list)  # block indices of store.keys
-    store_allocate_seconds: float = 0.0  # LMCache memory for the stored chunks
-    store_copy_seconds: float = 0.0  # the sink's copies into it
-
-    @property
-    def store_seconds(self) -> float:
-        """What storing cost this request's forward thread."""
-        return self.store_allocate_seconds + self.store_copy_seconds
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        return self.split.num_device_hit_tokens + self.split.num_host_hit_tokens
-
-
-class PrefixKV(Sequence[LayerKV]):
-    """The prefix as the forward wants it, gathered from the pool one layer at a time."""
-
-    def __init__(self, tier: DeviceTier, block_ids: list[int], num_layers: int) -> None:
-        self._tier, self._blocks, self._num_layers = tier, block_ids, num_layers
-
-    def __len__(self) -> int:
-        return self._num_layers
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._blocks) * self._tier.block_tokens
-
-    def __getitem__(self, layer: int) -> LayerKV:  # type: ignore[override]
-        return self._tier.layer_kv(layer, self._blocks)
 
 
 def _one_thread() -> None:
     """Run this thread's torch ops on one core: a second OpenMP team beside the forward's would
     oversubscribe the cores (and its threads spin after each op), slowing every forward."""
     torch.set_num_threads(1)
-
-
-class BoundedKeys:
-    """A set of keys that forgets its oldest ones past `cap` (insertion order)."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self._keys: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._keys)
-
-    def update(self, keys: Iterable[int]) -> list[int]:
-        """Add keys; returns the ones dropped to stay within the cap."""
-        for k in keys:
-            self._keys[k] = None
-            self._keys.move_to_end(k)
-        dropped = []
-        while len(self._keys) > self.cap:
-            dropped.append(self._keys.popitem(last=False)[0])
-        return dropped
-
-    def difference_update(self, keys: Iterable[int]) -> None:
-        for k in keys:
-            self._keys.pop(k, None)
-
-    def clear(self) -> None:
-        self._keys.clear()
 
 
 @dataclass(slots=True)

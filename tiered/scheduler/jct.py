@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered.offload.tiers import HitSplit
+from tiered.offload.request import HitSplit
 
 log = logging.getLogger(__name__)
 

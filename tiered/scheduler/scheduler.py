@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tiered.config import SchedulerPolicy
-from tiered.offload.tiers import HitSplit, KVTiers, TierRequest
+from tiered.offload.request import HitSplit, TierRequest
+from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel
 
 
