@@ -56,3 +56,6 @@ $T bench load --config configs/bench-m.yaml --kind revisit --users 8 --posts 4 -
 $T bench load --config configs/bench-m.yaml --kind revisit --users 8 --posts 4 --rounds 2 --scale 0.125 \
   --multiples 0.25,0.35,0.5,1,2 --repeats 2 --systems tiered,prefillonly \
   --json benchmarks/out/load-revisit-offload-bench-m-r2.json --plots benchmarks/out/load-revisit-offload-bench-m-r2
+$T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \
+  --multiples 0.1,0.2,0.35,0.5,1 --repeats 3 --systems tiered,fcfs,prefillonly \
+  --json benchmarks/out/load-revisit-fcfs-bench.json --plots benchmarks/out/load-revisit-fcfs-bench
