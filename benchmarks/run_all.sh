@@ -59,3 +59,6 @@ $T bench load --config configs/bench-m.yaml --kind revisit --users 8 --posts 4 -
 $T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \
   --multiples 0.1,0.2,0.35,0.5,1 --repeats 3 --systems tiered,fcfs,prefillonly \
   --json benchmarks/out/load-revisit-fcfs-bench.json --plots benchmarks/out/load-revisit-fcfs-bench
+$T bench load --config configs/bench-m.yaml --kind revisit --users 8 --posts 4 --rounds 2 --scale 0.125 \
+  --multiples 0.25,0.35,0.5,1,2 --systems tiered,fcfs,prefillonly \
+  --json benchmarks/out/load-revisit-fcfs-bench-m.json --plots benchmarks/out/load-revisit-fcfs-bench-m
