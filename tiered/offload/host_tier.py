@@ -31,30 +31,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from tiered.config import ConfigError, HostTierConfig
+from tiered.offload.request import StoreBatch
 
 log = logging.getLogger(__name__)
 
 _KEY_MASK = (1 << 64) - 1  # LMCache prints chunk hashes in hex: keep them unsigned
-
-
-@dataclass(slots=True)
-class StoreBatch:
-    """Chunks on their way to the host tier: `views[i]` ([2, layers, block_tokens, kv_heads,
-    head_dim], an LMCache memory object) holds the chunk whose block key is `keys[i]`."""
-
-    keys: list[int]
-    views: list[Tensor]
-    objs: list[Any]  # LMCache MemoryObj, in the order of keys
-    ready: torch.cuda.Event | None = None  # cuda: recorded after the last device-to-host copy
-    done: threading.Event = field(default_factory=threading.Event)
-    ok: bool = False  # set when `done`: LMCache took the chunks
 
 
 @dataclass(slots=True)
@@ -403,7 +391,7 @@ class HostTier:
 
     def stats(self) -> HostTierStats:
         with self._lock:
-            return HostTierStats(**{f: getattr(self.stats_, f) for f in HostTierStats.__dataclass_fields__})
+            return replace(self.stats_)
 
     def close(self) -> None:
         """Stop the store thread: its backlog is put first (`on_close: drain`) or dropped (`drop`)."""

@@ -1,18 +1,20 @@
-"""What the tiers say about one request: its block keys, its hit split, its prepared plan, its
-prefix as the forward reads it; and the bounded set of keys the host tier is believed to hold."""
+"""What the tiers say about one request: its block keys, its hit split, its prepared plan, the
+chunks it hands the host tier, its prefix as the forward reads it; and the bounded set of keys
+the host tier is believed to hold."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from tiered.hybrid.forward import LayerKV
 from tiered.offload.device_tier import DeviceTier, block_keys
-from tiered.offload.host_tier import StoreBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,19 @@ class TierRequest:
     ) -> TierRequest:
         ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
         return cls(request_id, ids, block_keys(ids.tolist(), block_tokens, salt), salt)
+
+
+@dataclass(slots=True)
+class StoreBatch:
+    """Chunks on their way to the host tier: `views[i]` ([2, layers, block_tokens, kv_heads,
+    head_dim], an LMCache memory object) holds the chunk whose block key is `keys[i]`."""
+
+    keys: list[int]
+    views: list[Tensor]
+    objs: list[Any]  # LMCache MemoryObj, in the order of keys
+    ready: torch.cuda.Event | None = None  # cuda: recorded after the last device-to-host copy
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False  # set when `done`: LMCache took the chunks
 
 
 @dataclass(slots=True)

@@ -27,8 +27,8 @@ from tiered.config import CacheConfig, ForwardMode
 from tiered.hybrid.forward import KVSink, forward
 from tiered.hybrid.model import CausalLM, ModelArgs
 from tiered.offload.device_tier import DeviceTier, DeviceTierStats
-from tiered.offload.host_tier import HostTier, HostTierStats, StoreBatch
-from tiered.offload.request import BoundedKeys, HitSplit, PrefixKV, Prepared, TierRequest
+from tiered.offload.host_tier import HostTier, HostTierStats
+from tiered.offload.request import BoundedKeys, HitSplit, PrefixKV, Prepared, StoreBatch, TierRequest
 
 log = logging.getLogger(__name__)
 
