@@ -144,6 +144,20 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_adapter(args: argparse.Namespace) -> int:
+    from tiered.embedded import make_adapter, resolve_model_path
+
+    model_dir = resolve_model_path(args.model, args.models_dir)
+    targets = tuple(t for t in args.targets.split(",") if t)
+    try:
+        out = make_adapter(model_dir, args.out, rank=args.rank, alpha=args.alpha, targets=targets,
+                           use_rslora=args.rslora, seed=args.seed)  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(f"--targets: {exc}") from None
+    print(f"wrote a rank-{args.rank} LoRA adapter of {model_dir} ({', '.join(targets)}) to {out}")
+    return 0
+
+
 def _add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
     """--model, --models-dir, --dtype, --device: what a benchmark that loads one model takes."""
     parser.add_argument("--model", default=default_model, help="HF checkpoint folder or embedded:NAME")
@@ -318,13 +332,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tiered.api.server import build_app
 
-    overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else [])
+    overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else []) + _lora_overrides(args)
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_config(path, overrides)
     resolve_device(cfg.device)
+    _check_adapters(cfg)
     app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """vLLM's --lora-modules item: NAME=PATH, or JSON {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+            return str(item["name"]), str(item["path"])
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"'{text}' is not a JSON object with 'name' and 'path'") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"'{text}' must look like NAME=PATH")
+    return name, path
+
+
+def _lora_overrides(args: argparse.Namespace) -> list[str]:
+    """vLLM's LoRA flags as config overrides (a flag wins over the YAML)."""
+    out = []
+    if args.enable_lora:
+        out.append("lora.enabled=true")
+    for name, path in args.lora_modules or []:
+        out.append(f"lora.modules.{name}={json.dumps(path)}")
+    if args.max_loras is not None:
+        out.append(f"lora.max_loras={args.max_loras}")
+    if args.max_lora_rank is not None:
+        out.append(f"lora.max_lora_rank={args.max_lora_rank}")
+    return out
+
+
+def _check_adapters(cfg: Config) -> None:
+    """Check every adapter folder before the engine starts: a bad one stops `serve` with its message."""
+    if not cfg.lora.enabled:
+        return
+    from tiered.embedded import resolve_model_path
+    from tiered.hybrid.loader import read_args
+    from tiered.hybrid.lora import AdapterError, read_adapter
+
+    args = read_args(resolve_model_path(cfg.model.path, cfg.model.models_dir))
+    for name, folder in cfg.lora.modules.items():
+        try:
+            read_adapter(name, folder, args, cfg.lora.max_lora_rank)
+        except AdapterError as exc:
+            raise ConfigError(f"--lora-modules: {exc}") from None
 
 
 def cmd_bench_server(args: argparse.Namespace) -> int:
@@ -367,6 +426,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on all routes but /health")
     serve.add_argument("--served-model-name", default=None, help="model id in responses (default: the folder name)")
+    lora = serve.add_argument_group(
+        "LoRA adapters (vLLM's flags; lora.* in the config)",
+        "A request picks an adapter by its `model` field; the base weights stay unmerged and a batch may mix "
+        "adapters. Cached KV is shared only between requests of the same adapter. GET /v1/models lists the base "
+        "model and the adapters; an unknown model is a 404.",
+    )
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (lora.enabled)")
+    lora.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
+                      help='adapters in PEFT format (adapter_config.json + adapter_model.safetensors), as NAME=PATH '
+                      'or \'{"name": NAME, "path": PATH}\'')  # fmt: skip
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="adapters resident at once, least recently used dropped (default 8)")  # fmt: skip
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (default 16)")
     serve.set_defaults(func=cmd_serve)
 
     mk = sub.add_parser(
@@ -382,6 +454,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mk.add_argument("--out", required=True, help="output folder (created)")
     mk.set_defaults(func=cmd_make_model)
+
+    ma = sub.add_parser(
+        "make-adapter", help="write a seeded LoRA adapter (PEFT format) for a checkpoint",
+        description="Write adapter_config.json + adapter_model.safetensors, as PEFT saves them, with seeded random "
+        "A and B (PEFT starts B at zero, a no-op): for trying --enable-lora without a trained adapter.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    ma.add_argument("--model", default="embedded:tiny", help="HF checkpoint folder or embedded:NAME")
+    ma.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
+    ma.add_argument("--out", required=True, help="output folder (created)")
+    ma.add_argument("--rank", type=int, default=8, help="LoRA rank r")
+    ma.add_argument("--alpha", type=float, default=16.0, help="lora_alpha (scale alpha / r)")
+    ma.add_argument("--targets", default="q_proj,v_proj", help="comma-separated, from q_proj, k_proj, v_proj, "
+                    "o_proj, gate_proj, up_proj, down_proj")  # fmt: skip
+    ma.add_argument("--rslora", action="store_true", help="use_rslora: scale alpha / sqrt(r)")
+    ma.add_argument("--seed", type=int, default=0)
+    ma.set_defaults(func=cmd_make_adapter)
 
     bench = sub.add_parser("bench", help="benchmarks (figures for benchmarks/RESULTS.md)")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -556,7 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cache_salt). Systems: tiered (tiered serve with --config and --set), tiered-single (the same with "
         "scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the same batches, heads in arrival "
         "order), vllm (vllm serve, KV cache = our device tier's "
-        "tokens), vllm-full (KV cache for the whole working set); the vllm ones need --vllm-python. Lengths are "
+        "tokens), vllm-full (KV cache for the whole working set); tiered-loraK and vllm-loraK (K LoRA adapters of "
+        "rank 16 on all seven projections, made under --plots/adapters; user u's calls use adapter u mod K, vLLM "
+        "with --enable-lora); the vllm ones need --vllm-python. Lengths are "
         "tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use --config configs/bench.yaml "
         "for the bench model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -580,7 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tiered.bench.visits import SYSTEMS as VISIT_SYSTEMS
 
     vs.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-single"],
-                    help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}")  # fmt: skip
+                    help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}, tiered-loraK, vllm-loraK "
+                    "(K adapters, e.g. tiered-lora8)")  # fmt: skip
     vs.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.5, 1, 2],
                     help="offered loads, as multiples of the first system's saturation visits/s")  # fmt: skip
     vs.add_argument("--concurrency", type=int, default=16, help="calls in flight at most in the saturation run")

@@ -186,6 +186,31 @@ class ServerConfig:
 
 
 @dataclass(slots=True)
+class LoraConfig:
+    """LoRA adapters in PEFT's format (vLLM's --enable-lora family), one per request (`model`)."""
+
+    enabled: bool = False
+    # Adapters served from the start: name -> PEFT folder (adapter_config.json + adapter_model.safetensors).
+    modules: dict[str, str] = field(default_factory=dict)
+    # Adapters resident on the device at once (least recently used ones are dropped and read
+    # again from their folder when asked for); also the most distinct adapters in one batch.
+    max_loras: int = 8
+    # Largest rank accepted (vLLM's default, 16); an adapter above it is refused with a message.
+    max_lora_rank: int = 16
+    # Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM gates them behind
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING, which is honoured too).
+    allow_runtime_updates: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "lora.max_loras", f"must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, "lora.max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
+        _require(self.enabled or not self.modules, "lora.modules", "needs lora.enabled: true (--enable-lora)")
+        for name, path in self.modules.items():
+            _require(isinstance(name, str) and bool(name) and isinstance(path, str) and bool(path),
+                     "lora.modules", f"must map adapter names to folders, got {name!r}: {path!r}")  # fmt: skip
+
+
+@dataclass(slots=True)
 class Config:
     """The whole engine configuration."""
 
@@ -197,6 +222,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         ok = self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit())

@@ -212,3 +212,48 @@ def resolve_model_path(path: str, models_dir: str | Path) -> Path:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def make_adapter(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    use_rslora: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a seeded LoRA adapter for the checkpoint in `model_dir`, in PEFT's format
+    (adapter_config.json + adapter_model.safetensors), into folder `out`; return the folder.
+
+    A and B are both random (PEFT initialises B to zero, which would make a no-op adapter), scaled
+    so the adapter moves the logits visibly without swamping the base model."""
+    from tiered.hybrid.loader import read_args
+    from tiered.hybrid.lora import CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, _shapes
+
+    unknown = [t for t in targets if t not in TARGET_MODULES]
+    if unknown or not targets:
+        raise ValueError(f"target modules {unknown or targets} are not among {', '.join(TARGET_MODULES)}")
+    args = read_args(model_dir)
+    shapes = _shapes(args)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(args.num_layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / math.sqrt(fan_in)
+            weights[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * (0.5 / rank)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": sorted(targets),
+        "use_rslora": use_rslora, "use_dora": False, "bias": "none", "fan_in_fan_out": False,
+        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+    }  # fmt: skip
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out

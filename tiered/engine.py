@@ -21,10 +21,12 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from tiered.adapters import Adapters, UnknownAdapterError
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.forward import BatchItem, ForwardInputError, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model, resolve_device
+from tiered.hybrid.lora import AdapterError
 from tiered.hybrid.memory import measure_forward_peak
 from tiered.offload.request import HitSplit, PrefixKV, Prepared
 from tiered.offload.tiers import KVTiers
@@ -78,6 +80,8 @@ class Engine:
         self.tiers = KVTiers(
             cache, self.model.args, DTYPES[config.model.dtype], device, f"engine-{uuid.uuid4().hex[:8]}"
         )
+        lora = config.lora
+        self.adapters = Adapters(lora, self.model.args, DTYPES[config.model.dtype], device) if lora.enabled else None
         self.jct = jct_model or self._profile_jct()
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self._params: dict[int, tuple[ScoreParams, float]] = {}
@@ -195,11 +199,13 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Bad input raises ForwardInputError naming the value.
 
         `priority`: lower runs first (vLLM's field); `cache_salt`: cached KV is shared only with
-        requests of the same salt (vLLM's field), in both tiers."""
+        requests of the same salt (vLLM's field), in both tiers; `adapter`: the name of a LoRA
+        adapter to compute with (UnknownAdapterError if it is not served)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         n = ids.numel()
         if n == 0:
@@ -213,10 +219,15 @@ class Engine:
         oov = ids[(ids < 0) | (ids >= vocab)].tolist() + [i for i in params.token_ids() if not 0 <= i < vocab]
         if oov:
             raise ForwardInputError(f"token id {oov[0]} is outside the vocabulary [0, {vocab})")
+        identity = None
+        if adapter is not None:
+            if self.adapters is None:
+                raise UnknownAdapterError(f"The model `{adapter}` does not exist (LoRA is not enabled).")
+            identity = self.adapters.spec(adapter).identity
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._seqs:
             raise ForwardInputError(f"request id {request_id!r} is already waiting")
-        w = self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt), priority=priority)
+        w = self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt, identity), priority=priority)
         self._params[w.seq] = (params, w.arrival)
         self._seqs[request_id] = w.seq
         return request_id
@@ -239,7 +250,7 @@ class Engine:
     def step(self) -> list[Result]:
         """Run the next batch (one forward); its results, or [] when nothing waits."""
         sc = self.config.scheduler
-        batch = self.scheduler.pick_batch(sc.max_batch_tokens, self.max_model_len)
+        batch = self.scheduler.pick_batch(sc.max_batch_tokens, self.max_model_len, self.config.lora.max_loras)
         if not batch:
             return []
         waiting = [d.waiting for d in batch]
@@ -298,6 +309,14 @@ class Engine:
             compute_start = time.perf_counter()
             logits, shared = self._compute(prepared)
             self._sync()
+        except AdapterError as exc:  # an adapter folder changed or vanished since it was checked
+            for p in prepared:
+                self.tiers.abort(p)
+            log.error("a batch of %d requests failed: %s", len(batch), exc)
+            return [
+                Result.failed(d.waiting.request.request_id, d.waiting.request.token_ids.numel(), str(exc), started - t)
+                for d, (_, t) in zip(batch, params, strict=True)
+            ]
         except BaseException:
             for p in prepared:
                 self.tiers.abort(p)
@@ -348,26 +367,44 @@ class Engine:
         [B, V] and each request's tokens computed by its lead."""
         f = self.config.forward
         prefixes: dict[tuple[int, ...], PrefixKV | None] = {}
-        leads: dict[tuple[int, ...], list[int]] = {}  # per prefix: the requests that compute all their tokens
+        # per prefix and adapter: the requests that compute all their tokens
+        leads: dict[tuple[tuple[int, ...], str | None], list[int]] = {}
         items: list[BatchItem] = []
         shared: list[int] = []
+        lora = self.adapters.weights(p.request.adapter for p in prepared if p.request.adapter) if self.adapters else {}
         for p in prepared:
-            blocks = tuple(p.prefix_blocks)
+            blocks = tuple(p.prefix_blocks)  # block keys include the adapter: one prefix, one adapter
             if blocks not in prefixes:
                 prefixes[blocks] = self.tiers.prefix_kv(p)
+            adapter = p.request.adapter
             new = p.request.token_ids[p.num_prefix_tokens :]
             # Follow the lead that shares the most tokens (two new users' prompts in one batch
             # each follow their own user's first prompt).
             m, lead = max(((_common_prefix_len(items[i].token_ids, new, new.numel() - 1), i)
-                           for i in leads.get(blocks, ())), default=(0, -1))  # fmt: skip
+                           for i in leads.get((blocks, adapter), ())), default=(0, -1))  # fmt: skip
             sink = self.tiers.sink(p)
+            weights = lora[adapter] if adapter else None
             if m:
-                items.append(BatchItem(new[m:], prefixes[blocks], sink, lead=lead, num_shared=m))
+                items.append(BatchItem(new[m:], prefixes[blocks], sink, lead=lead, num_shared=m, adapter=weights))
             else:
-                leads.setdefault(blocks, []).append(len(items))
-                items.append(BatchItem(new, prefixes[blocks], sink))
+                leads.setdefault((blocks, adapter), []).append(len(items))
+                items.append(BatchItem(new, prefixes[blocks], sink, adapter=weights))
             shared.append(m)
         return forward_batch(self.model, items, mode=f.mode, chunk_tokens=f.chunk_tokens), shared
+
+    # ---- adapters --------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter from a PEFT folder (AdapterError names what is wrong with it)."""
+        if self.adapters is None:
+            raise ForwardInputError("LoRA is not enabled (lora.enabled / --enable-lora)")
+        self.adapters.add(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving `name` (UnknownAdapterError if it is not served); waiting requests still run."""
+        if self.adapters is None:
+            raise UnknownAdapterError(f"The lora adapter '{name}' cannot be found.")
+        self.adapters.remove(name)
 
     def run(self) -> list[Result]:
         """Run until nothing waits; results in completion order."""

@@ -104,12 +104,15 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
                                        f"scheduler.profile_cache_dir={tmp_path / 'jct'}"])  # fmt: skip
     trace = visits(VOCAB, users=3, visits=6, posts=3, profile_mean=48, profile_sd=8, profile_min=40, profile_max=64,
                    post_tokens=8)  # fmt: skip
-    doc = run_visits_bench(cfg, trace, ["tiered"], [0.5, 2.0], 4, None, None, None, 0, str(tmp_path / "v.json"),
-                           tmp_path)  # fmt: skip
+    # tiered-lora2: the same calls, user u's with LoRA adapter u mod 2 (made under tmp_path/adapters).
+    doc = run_visits_bench(cfg, trace, ["tiered", "tiered-lora2"], [0.5, 2.0], 4, None, None, None, 0,
+                           str(tmp_path / "v.json"), tmp_path)  # fmt: skip
     saved = json.loads((tmp_path / "v.json").read_text())
     assert saved["bench"] == "visits" and saved["trace"] == {"kind": "visits", "params": trace.params, "requests": 6,
                                                              "prompts": 18, "tokens": trace.num_tokens}  # fmt: skip
-    (sat,) = saved["saturation"]
+    sat, sat_lora = saved["saturation"]
+    assert sat_lora["system"] == "tiered-lora2" and sat_lora["num_errors"] == 0
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["lora0", "lora1"]
     cache, limit = sat["cache"], sat["limit"]
     assert sat["system"] == "tiered" and sat["visits_per_s"] > 0 and sat["num_errors"] == 0
     assert cache["source"] == "usage" and cache["prompt_tokens"] == trace.num_tokens
@@ -118,10 +121,12 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     assert limit["computed_tokens"] == cache["computed_tokens"] and 0 < limit["achieved_fraction"] < 1
     assert saved["saturation_visits_per_s"] == sat["visits_per_s"] and len(saved["slo_p99_seconds"]) == 3
     assert [(s["system"], s["multiple"], s["num_requests"], s["num_errors"]) for s in saved["summaries"]] == [
-        ("tiered", 0.5, 6, 0), ("tiered", 2.0, 6, 0)]  # fmt: skip
+        ("tiered", 0.5, 6, 0), ("tiered", 2.0, 6, 0), ("tiered-lora2", 0.5, 6, 0), ("tiered-lora2", 2.0, 6, 0)
+    ]  # fmt: skip
     assert set(saved["sustainable"]["tiered"]) == {"p99", "mean"}
     assert any(v["returning"] for v in saved["visits"])  # Zipf over 3 users: someone comes back
-    for records in (sat["records"], *(run["records"] for run in saved["runs"])):
+    # Each user keeps one adapter, so a returning user's visits hit its own cached profile.
+    for records in (sat["records"], sat_lora["records"], *(run["records"] for run in saved["runs"])):
         by_id = {r["request_id"]: r for r in records}
         assert set(by_id) == {v["call_id"] for v in saved["visits"]}
         answered: dict[int, float] = {}  # user -> when their first answered visit was answered

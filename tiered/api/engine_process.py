@@ -18,10 +18,21 @@ import signal
 
 import zmq
 
-from tiered.api.protocol import Cancel, HostCounters, Ready, ScoreRequest, ScoreResponse, decode, encode
+from tiered.api.protocol import (
+    AdapterCommand,
+    AdapterReply,
+    Cancel,
+    HostCounters,
+    Ready,
+    ScoreRequest,
+    ScoreResponse,
+    decode,
+    encode,
+)
 from tiered.config import Config
 from tiered.engine import Engine, Result, ScoreParams
 from tiered.hybrid.forward import ForwardInputError
+from tiered.hybrid.lora import AdapterError
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +113,29 @@ def _response(result: Result, engine: Engine) -> ScoreResponse:
     )
 
 
-def _handle(engine: Engine, message: ScoreRequest | Cancel, responses: zmq.Socket) -> None:
+def _handle(engine: Engine, message: ScoreRequest | Cancel | AdapterCommand, responses: zmq.Socket) -> None:
     if isinstance(message, Cancel):
         if engine.cancel(message.request_id):
             log.info("request %s cancelled while waiting", message.request_id)
+        return
+    if isinstance(message, AdapterCommand):
+        reply = AdapterReply(message.request_id)
+        try:
+            if message.path is None:
+                engine.remove_adapter(message.name)
+            else:
+                engine.add_adapter(message.name, message.path)
+        except (AdapterError, ForwardInputError) as exc:
+            reply.error, reply.error_status = str(exc), getattr(exc, "status", 400)
+        responses.send(encode(reply))
         return
     req = message
     params = ScoreParams(
         tuple(req.logprob_token_ids), req.top_logprobs, tuple(req.allowed_token_ids), tuple(req.logit_bias)
     )
     try:
-        engine.submit(req.token_ids, params, req.request_id, priority=req.priority, cache_salt=req.cache_salt)
+        engine.submit(req.token_ids, params, req.request_id, priority=req.priority, cache_salt=req.cache_salt,
+                      adapter=req.lora_name)  # fmt: skip
     except ForwardInputError as exc:
-        responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc))))
+        status = getattr(exc, "status", 400)  # 404: an unknown adapter
+        responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc), error_status=status)))

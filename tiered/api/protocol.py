@@ -18,6 +18,23 @@ class ScoreRequest:
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
     priority: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter to compute with (None: the base model)
+
+
+@dataclass(slots=True)
+class AdapterCommand:
+    """Load (`path` set) or unload (`path` None) a LoRA adapter; answered by an AdapterReply."""
+
+    request_id: str
+    name: str
+    path: str | None = None
+
+
+@dataclass(slots=True)
+class AdapterReply:
+    request_id: str
+    error: str | None = None
+    error_status: int = 400
 
 
 @dataclass(slots=True)
@@ -71,11 +88,15 @@ class Ready:
     vocab_size: int
 
 
-_TYPES: dict[str, type] = {"request": ScoreRequest, "response": ScoreResponse, "ready": Ready, "cancel": Cancel}
+_TYPES: dict[str, type] = {"request": ScoreRequest, "response": ScoreResponse, "ready": Ready, "cancel": Cancel,
+                           "adapter": AdapterCommand, "adapter_reply": AdapterReply}  # fmt: skip
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-def encode(message: ScoreRequest | ScoreResponse | Ready | Cancel) -> bytes:
+Message = ScoreRequest | ScoreResponse | Ready | Cancel | AdapterCommand | AdapterReply
+
+
+def encode(message: Message) -> bytes:
     return msgpack.packb({"type": _NAMES[type(message)], "body": asdict(message)})
 
 

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import multiprocessing
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from tiered.api.engine_process import serve_engine
-from tiered.api.protocol import Cancel, HostCounters, Ready, ScoreRequest, ScoreResponse, decode, encode
+from tiered.api.protocol import (
+    AdapterCommand,
+    AdapterReply,
+    Cancel,
+    HostCounters,
+    Ready,
+    ScoreRequest,
+    ScoreResponse,
+    decode,
+    encode,
+)
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 
@@ -64,7 +75,8 @@ class EngineClient:
         resp_port = self.responses.bind_to_random_port("tcp://127.0.0.1")
         self._addrs = (f"tcp://127.0.0.1:{req_port}", f"tcp://127.0.0.1:{resp_port}")
         self.process: multiprocessing.process.BaseProcess | None = None
-        self.pending: dict[str, asyncio.Future[ScoreResponse]] = {}
+        self.pending: dict[str, asyncio.Future[Any]] = {}  # ScoreResponse or AdapterReply
+        self.adapters: dict[str, str] = dict(config.lora.modules)  # served LoRA adapters: name -> folder
         self.ready: Ready | None = None
         self.restarts = 0
         self.cancelled = 0
@@ -77,8 +89,10 @@ class EngineClient:
     def _spawn(self) -> None:
         self.ready = None
         self._ready_event.clear()
+        # A restarted engine serves the adapters loaded at runtime too.
+        config = replace(self.config, lora=replace(self.config.lora, modules=dict(self.adapters)))
         self.process = multiprocessing.get_context("spawn").Process(
-            target=serve_engine, args=(self.config, *self._addrs), name="tiered-engine", daemon=True
+            target=serve_engine, args=(config, *self._addrs), name="tiered-engine", daemon=True
         )
         self.process.start()
 
@@ -180,6 +194,23 @@ class EngineClient:
                     await self.requests.send(encode(Cancel(r.request_id)))
             raise
 
+    async def adapter(self, name: str, path: str | None) -> AdapterReply:
+        """Load (`path`) or unload (None) a LoRA adapter in the engine; its reply."""
+        command = AdapterCommand(uuid.uuid4().hex, name, path)
+        future: asyncio.Future[AdapterReply] = asyncio.get_running_loop().create_future()
+        self.pending[command.request_id] = future
+        try:
+            await self.requests.send(encode(command))
+            reply = await asyncio.wait_for(future, 60)
+        finally:
+            self.pending.pop(command.request_id, None)
+        if reply.error is None:
+            if path is None:
+                self.adapters.pop(name, None)
+            else:
+                self.adapters[name] = path
+        return reply
+
     def full(self, incoming: int) -> bool:
         return len(self.pending) + incoming > self.config.scheduler.max_waiting
 
@@ -231,6 +262,25 @@ class ScoreBody(EngineFields):
     label_token_ids: list[int]
     apply_softmax: bool = True
     item_first: bool = False
+
+
+class LoadLoraRequest(BaseModel):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    lora_name: str
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
 class ChatRequest(ChoiceFields):
@@ -431,9 +481,43 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """The base model, then each LoRA adapter (vLLM's cards: `root` its folder, `parent` the base)."""
         max_len = client.ready.max_model_len if client.ready else config.model.max_model_len
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tiered", "max_model_len": max_len}
-        return {"object": "list", "data": [card]}
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tiered", "root": str(folder),
+                "parent": None, "max_model_len": max_len}  # fmt: skip
+        adapters = [{**card, "id": name, "root": path, "parent": model_name} for name, path in client.adapters.items()]
+        return {"object": "list", "data": [card, *adapters]}
+
+    def _adapter(model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for anything else."""
+        if model is None or model == model_name:
+            return None
+        if model in client.adapters:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+
+    if config.lora.enabled and (config.lora.allow_runtime_updates or _env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")):
+        log.warning("runtime LoRA updates are allowed: /v1/load_lora_adapter and /v1/unload_lora_adapter are open")
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoraRequest) -> Response:
+            if not body.lora_name or not body.lora_path:
+                raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+            if body.lora_name == model_name:
+                raise APIError(400, f"'{body.lora_name}' is the base model's name", "lora_name")
+            _serving()
+            reply = await client.adapter(body.lora_name, body.lora_path)
+            if reply.error is not None:
+                raise APIError(reply.error_status, reply.error, "lora_path")
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoraRequest) -> Response:
+            _serving()
+            reply = await client.adapter(body.lora_name, None)
+            if reply.error is not None:
+                raise APIError(reply.error_status, reply.error, "lora_name", "NotFoundError")
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -498,8 +582,9 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         _check_ids(wanted, "logprob_token_ids" if isinstance(body, ChoiceFields) else "label_token_ids")
         for ids in prompts:
             _check_prompt(ids, param)
+        adapter = _adapter(body.model)
         return [
-            ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt)
+            ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt, adapter)
             for ids in prompts
         ]
 
@@ -561,7 +646,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         if body.logprob_token_ids:
             choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": [choice], "usage": _usage([out])}  # fmt: skip
+                "model": _adapter(body.model) or model_name, "choices": [choice], "usage": _usage([out])}  # fmt: skip
 
     async def _score_items(body: ScoreBody, request: Request) -> tuple[list[list[float]], list[ScoreResponse]]:
         """One prefill-only request per item, all sent together: the query is their shared prefix."""
@@ -621,13 +706,14 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             for i, row in enumerate(scores)
         ]
         return {"id": f"genscore-{uuid.uuid4().hex}", "object": "generative_score", "created": int(time.time()),
-                "model": model_name, "results": results, "usage": _usage(outs)}  # fmt: skip
+                "model": _adapter(body.model) or model_name, "results": results, "usage": _usage(outs)}  # fmt: skip
 
     @app.post("/v1/score")
     async def sglang_score(body: ScoreBody, request: Request) -> dict[str, Any]:
         """SGLang's shape: scores[i] lists the label probabilities of item i, in label order."""
         scores, outs = await _score_items(body, request)
-        return {"object": "scoring", "model": model_name, "scores": scores, "usage": _usage(outs)}
+        model = _adapter(body.model) or model_name
+        return {"object": "scoring", "model": model, "scores": scores, "usage": _usage(outs)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
@@ -660,7 +746,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": model_name,
+            "model": _adapter(body.model) or model_name,
             "choices": choices,
             "usage": _usage(list(outs)),
         }

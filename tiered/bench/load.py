@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,7 @@ class Call:
 
     call_id: str
     prompts: list[list[int]]
+    model: str | None = None  # the `model` field of this call (a LoRA adapter); None: run_http's
 
 
 WARM_UP = Call("warm-up", [list(range(3, 67))])  # pays first-call costs before a timed run
@@ -212,7 +214,7 @@ async def _run_http_async(
             async with gate:
                 sent = loop.time()
                 prompt = call.prompts[0] if len(call.prompts) == 1 else call.prompts
-                body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+                body = {"model": call.model or model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
                 if cache_salt is not None:
                     body["cache_salt"] = cache_salt
                 error = None
@@ -279,7 +281,7 @@ class VLLMServer:
     """`vllm serve` in its own Python (vLLM pins its own torch), on a free port."""
 
     def __init__(self, python: str, model_dir: Path, dtype: str, max_model_len: int, kv_tokens: int,
-                 chunked: bool, chunk_tokens: int) -> None:  # fmt: skip
+                 chunked: bool, chunk_tokens: int, extra_args: Sequence[str] = ()) -> None:  # fmt: skip
         self.block = self.block_tokens(max_model_len)
         need = math.ceil(max_model_len / self.block) + 1  # vLLM refuses a cache that cannot hold one request
         self.num_blocks = max(math.ceil(kv_tokens / self.block), need)
@@ -293,6 +295,7 @@ class VLLMServer:
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-prefix-caching",
             "--block-size", str(self.block), "--num-gpu-blocks-override", str(self.num_blocks), "--enforce-eager",
             "--enable-prompt-tokens-details", "--served-model-name", "model", "--no-enable-log-requests", *batched,
+            *extra_args,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"http://127.0.0.1:{self.port}"

@@ -27,12 +27,16 @@ Systems: `tiered` (`tiered serve` with the config), `tiered-single` (the same wi
 same batches, their heads picked in arrival order: what the calibrated policy earns), `vllm` (`vllm serve`
 with a KV cache of as many tokens as our device tier, more only if one request needs it) and
 `vllm-full` (a KV cache that holds the whole trace's working set: nothing is ever evicted).
+`tiered-loraK` and `vllm-loraK` serve K project-made LoRA adapters (rank 16 on all seven
+projections, `make_adapter`) and bind each user to one of them (user u -> adapter u mod K):
+PreFT's personalised scoring, against the base model's `tiered` and `vllm`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -60,7 +64,7 @@ from tiered.bench.mil import forward_flops, matmul_flops_per_s
 from tiered.bench.report import write_report
 from tiered.bench.traces import BenchError, Trace, TraceRequest
 from tiered.config import Config, with_overrides, write_config
-from tiered.embedded import resolve_model_path
+from tiered.embedded import make_adapter, resolve_model_path
 from tiered.hybrid.loader import DTYPES, read_args, resolve_device
 from tiered.hybrid.model import ModelArgs
 
@@ -73,6 +77,9 @@ TIERED_SYSTEMS: dict[str, list[str]] = {
 }
 VLLM_SYSTEMS = ("vllm", "vllm-full")
 SYSTEMS = [*TIERED_SYSTEMS, *VLLM_SYSTEMS]
+LORA_SYSTEM = re.compile(r"^(tiered|vllm)-lora([1-9][0-9]*)$")  # K adapters, one per user (u mod K)
+LORA_RANK = 16
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VLLM_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 
@@ -138,6 +145,26 @@ def split_visits(trace: Trace) -> list[Visit]:
     return visits
 
 
+def num_adapters(system: str) -> int:
+    """K of a `tiered-loraK` / `vllm-loraK` system; 0 for the others."""
+    m = LORA_SYSTEM.match(system)
+    return int(m.group(2)) if m else 0
+
+
+def lora_calls(visits: list[Visit], k: int) -> list[Call]:
+    """The visits' calls, each user's with its adapter's name as `model` (none when k is 0)."""
+    return [replace(v.call, model=f"lora{v.user % k}" if k else None) for v in visits]
+
+
+def _adapters(model_dir: Path, k: int, out_dir: Path) -> dict[str, Path]:
+    """K seeded adapters of the model (made once per folder and reused)."""
+    root = out_dir / "adapters"
+    return {f"lora{i}": (root / f"lora{i}" if (root / f"lora{i}" / "adapter_config.json").exists() else
+                         make_adapter(model_dir, root / f"lora{i}", rank=LORA_RANK, alpha=2.0 * LORA_RANK,
+                                      targets=LORA_TARGETS, seed=i))
+            for i in range(k)}  # fmt: skip
+
+
 def working_set_tokens(trace: Trace, block_tokens: int) -> int:
     """KV tokens that hold every prompt of the trace at once, each profile once.
 
@@ -179,7 +206,12 @@ def physical_limit(a: ModelArgs, cache: CacheUse, num_prompts: int, num_visits: 
 def _serve(system: str, cfg: Config, vllm_python: str | None, kv_tokens: int, max_len: int,
            out_dir: Path) -> Iterator[tuple[str, VLLMServer | None]]:  # fmt: skip
     """The system's server, started and warmed up; its URL, and the vLLM handle for a vLLM system."""
-    if system in TIERED_SYSTEMS:
+    k = num_adapters(system)
+    adapters = _adapters(Path(cfg.model.path), k, out_dir)
+    if k and system.startswith("tiered"):
+        cfg = with_overrides(cfg, ["lora.enabled=true", f"lora.max_lora_rank={LORA_RANK}",
+                                   *[f"lora.modules.{name}={path}" for name, path in adapters.items()]])  # fmt: skip
+    if system in TIERED_SYSTEMS or system.startswith("tiered"):
         path = write_config(cfg, out_dir / f"{system}.yaml")
         proc, url = start_server(["--config", str(path), "--served-model-name", "model"],
                                  log_path=out_dir / f"{system}.log")  # fmt: skip
@@ -193,7 +225,9 @@ def _serve(system: str, cfg: Config, vllm_python: str | None, kv_tokens: int, ma
     # vLLM's per-step token budget is ours per batched forward (scheduler.max_batch_tokens), so
     # both batch the same number of tokens; at least a chunk, as in `tiered bench load`.
     step_tokens = max(cfg.forward.chunk_tokens, cfg.scheduler.max_batch_tokens)
-    vllm = VLLMServer(vllm_python, Path(cfg.model.path), cfg.model.dtype, max_len, kv_tokens, True, step_tokens)
+    lora = ["--enable-lora", "--max-loras", str(cfg.lora.max_loras), "--max-lora-rank", str(LORA_RANK),
+            "--lora-modules", *[f"{name}={path}" for name, path in adapters.items()]] if k else []  # fmt: skip
+    vllm = VLLMServer(vllm_python, Path(cfg.model.path), cfg.model.dtype, max_len, kv_tokens, True, step_tokens, lora)
     if vllm.enlarged:
         print(f"{system}: KV cache enlarged to {vllm.num_blocks * vllm.block} tokens (vLLM needs room for one request)")
     vllm.start(out_dir / f"{system}.log")
@@ -228,12 +262,12 @@ def run_visits_bench(
 ) -> dict[str, Any]:  # fmt: skip
     """Run the visits of `trace` on each system (see the module docstring); returns the JSON document."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in SYSTEMS and not num_adapters(s)]
     if unknown or not systems:
         raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
-    if any(s in VLLM_SYSTEMS for s in systems) and not vllm_python:
+    if any(s.startswith("vllm") for s in systems) and not vllm_python:
         raise BenchError("the vllm systems need --vllm-python (a Python with vLLM installed)")
-    if any(s in VLLM_SYSTEMS for s in systems) and cfg.engine.memory_budget_bytes:
+    if any(s.startswith("vllm") for s in systems) and cfg.engine.memory_budget_bytes:
         raise BenchError("vLLM's KV cache is sized from cache.device_tier_bytes: set engine.memory_budget_bytes=0 so "
                          "our device tier has that size too")  # fmt: skip
     if not multiples or min(multiples) <= 0 or concurrency < 1:
@@ -250,6 +284,7 @@ def run_visits_bench(
     max_len = trace.max_tokens + 16
     kv_tokens = {"vllm": cfg.cache.device_tier_bytes // kv_bytes_per_token(cfg),
                  "vllm-full": working_set_tokens(trace, VLLMServer.block_tokens(max_len))}  # fmt: skip
+    kv_tokens.update({s: kv_tokens["vllm"] for s in systems if s.startswith("vllm-lora")})
     device = resolve_device(cfg.device)
     matmul = matmul_flops_per_s(DTYPES[cfg.model.dtype], device)
     args = read_args(model_dir)
@@ -263,6 +298,10 @@ def run_visits_bench(
     runs: list[dict[str, Any]] = []  # the Poisson runs, shaped as `tiered bench load`'s (its plots read them)
     saturation_records: dict[str, list[dict[str, Any]]] = {}
     for system in systems:
+        k = num_adapters(system)
+        calls = lora_calls(visits, k)
+        if k:
+            print(f"{system}: {len({c.model for c in calls})} of its {k} adapters are used (users bound u mod {k})")
         with _serve(system, configs[system], vllm_python, kv_tokens.get(system, 0), max_len, out_dir) as (url, vllm):
             records, makespan, cache = _measure(url, vllm, calls, [0.0] * len(calls), f"{system} saturation",
                                                 "saturation", concurrency)  # fmt: skip

@@ -14,9 +14,10 @@
   K,V of the chunks before it, so every layer's K,V is kept for the whole forward. A comparison
   mode: a batch runs request by request.
 
-Every request may carry a prefix (K,V per layer of its first P tokens, e.g. cache hits); the
-forward returns the fp32 logits of each request's last token only: a prefill-only engine needs
-nothing else.
+Every request may carry a prefix (K,V per layer of its first P tokens, e.g. cache hits) and a
+LoRA adapter (`lora.py`): requests of one adapter are packed next to each other, and each
+projection adds each run's low-rank update to its rows. The forward returns the fp32 logits of
+each request's last token only: a prefill-only engine needs nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from tiered.config import ForwardMode
+from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
     CausalLM,
     Piece,
@@ -66,6 +68,8 @@ class BatchItem:
     # Its sink still receives K,V of all its tokens after the prefix, the shared ones included.
     lead: int | None = None
     num_shared: int = 0
+    # The request's LoRA adapter (None: the base model). Its prefix KV must be this adapter's.
+    adapter: LoraWeights | None = None
 
 
 def check_token_ids(token_ids: Tensor, vocab_size: int) -> None:
@@ -83,8 +87,11 @@ def _check_lead(items: Sequence[BatchItem], i: int) -> None:
     if item.lead is None:
         return
     lead = items[item.lead] if 0 <= item.lead < len(items) else None
-    if lead is None or lead.lead is not None or item.lead == i or lead.prefix_kv is not item.prefix_kv:
-        raise ForwardInputError(f"item {i}: lead {item.lead} must be another item, not a follower, on the same prefix")
+    if (lead is None or lead.lead is not None or item.lead == i or lead.prefix_kv is not item.prefix_kv
+            or lead.adapter is not item.adapter):  # fmt: skip
+        raise ForwardInputError(
+            f"item {i}: lead {item.lead} must be another item, not a follower, on the same prefix and adapter"
+        )
     if not 0 < item.num_shared <= lead.token_ids.numel():
         raise ForwardInputError(f"item {i}: num_shared {item.num_shared} must be in [1, {lead.token_ids.numel()}]")
 
@@ -117,12 +124,13 @@ def forward(
     chunk_tokens: int = 1024,
     prefix_kv: Sequence[LayerKV] | None = None,
     kv_sink: KVSink | None = None,
+    adapter: LoraWeights | None = None,
 ) -> Tensor:
     """Compute the tokens after an optional prefix; return the last token's logits [V] (fp32).
 
     `token_ids` [T] are the tokens to compute; `prefix_kv[layer]` holds K,V of the P tokens
     before them (positions 0..P-1), so the new tokens take positions P..P+T-1."""
-    item = BatchItem(token_ids, prefix_kv, kv_sink)
+    item = BatchItem(token_ids, prefix_kv, kv_sink, adapter=adapter)
     return forward_batch(model, [item], mode=mode, chunk_tokens=chunk_tokens)[0]
 
 
@@ -144,7 +152,9 @@ def forward_batch(
             if it.lead is not None:
                 ids = torch.cat([items[it.lead].token_ids[: it.num_shared], ids])
                 num_before -= it.num_shared
-            hidden.append(_chunked(model, ids.to(device), chunk_tokens, it.prefix_kv, num_before, it.kv_sink))
+            hidden.append(
+                _chunked(model, ids.to(device), chunk_tokens, it.prefix_kv, num_before, it.kv_sink, it.adapter)
+            )
         return model.last_token_logits(torch.stack(hidden))
     if mode not in ("hybrid", "vanilla"):
         raise ValueError(f"unknown forward mode '{mode}' (expected vanilla, chunked or hybrid)")
@@ -161,11 +171,16 @@ class _Group:
 
 
 def _pack(items: Sequence[BatchItem]) -> tuple[list[int], list[_Group]]:
-    """Packing order (items of one prefix adjacent, first appearance first) and the groups."""
-    by_prefix: dict[int, list[int]] = {}
+    """Packing order and the groups: items of one prefix adjacent, and groups of one adapter
+    adjacent (one run of rows per adapter), each in order of first appearance."""
+    by_prefix: dict[tuple[int, int], list[int]] = {}
     for i, it in enumerate(items):
         key = id(it.prefix_kv) if it.prefix_kv is not None else -1 - i  # no prefix: a group of its own
-        by_prefix.setdefault(key, []).append(i)
+        by_prefix.setdefault((key, id(it.adapter)), []).append(i)
+    adapter_rank: dict[int, int] = {}
+    for _, adapter in by_prefix:
+        adapter_rank.setdefault(adapter, len(adapter_rank))
+    by_prefix = dict(sorted(by_prefix.items(), key=lambda kv: adapter_rank[kv[0][1]]))  # stable
     order = [i for members in by_prefix.values() for i in members]
     first_row, start = {}, 0
     for i in order:
@@ -206,26 +221,28 @@ def _layer_by_layer(
     up_buf = torch.empty_like(gate_buf)
     chunk_pieces = [_pieces(groups, s, e) for s, e in bounds]  # the same for every layer
     rows = [seg for g in groups for seg in g.segments]  # packed rows, in packing order
+    runs = [_lora_runs(items, order, rows, s, e) for s, e in bounds]
     shared = [sh for g in groups for sh in g.shared]
     held: list[LayerKV] = []
     for i, layer in enumerate(model.layers):
         k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=x.dtype, device=device)
         v = torch.empty_like(k)
-        for s, e in bounds:
-            kv_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), k[s:e], v[s:e])
+        lora = [LoraSlice(i, r) if r else None for r in runs]
+        for (s, e), lo in zip(bounds, lora, strict=True):
+            kv_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), k[s:e], v[s:e], lo)
         if hold_kv:
             held.append((k, v))
         else:
             _to_sinks(items, order, rows, shared, i, k, v)
         prefixes = _LayerPrefixes(groups, i)
-        for (s, e), pieces_of_chunk in zip(bounds, chunk_pieces, strict=True):
+        for (s, e), pieces_of_chunk, lo in zip(bounds, chunk_pieces, lora, strict=True):
             n = e - s
-            q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n])
+            q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n], lo)
             for g, pieces in pieces_of_chunk:
                 attention_(q, k, v, pieces, *prefixes.get(g))  # q[:n] now holds the attention output
                 prefixes.release_before(e)  # one group's prefix alive at a time
-            o_proj_step_(layer, x[s:e], q[:n].view(n, -1))
-            mlp_step_(layer, x[s:e], gate_buf, up_buf)
+            o_proj_step_(layer, x[s:e], q[:n].view(n, -1), lo)
+            mlp_step_(layer, x[s:e], gate_buf, up_buf, lo)
         del k, v, prefixes
     for i, (k, v) in enumerate(held):
         _to_sinks(items, order, rows, shared, i, k, v)
@@ -233,6 +250,22 @@ def _layer_by_layer(
     for idx, (_, e) in zip(order, rows, strict=True):
         last[idx] = e - 1
     return x[last.to(device)]
+
+
+def _lora_runs(
+    items: Sequence[BatchItem], order: list[int], rows: list[tuple[int, int]], start: int, end: int
+) -> list[LoraRun]:
+    """Runs of packed rows [start, end) that share an adapter (relative to `start`; base rows left out)."""
+    runs: list[LoraRun] = []
+    for idx, (s, e) in zip(order, rows, strict=True):
+        adapter, lo, hi = items[idx].adapter, max(s, start), min(e, end)
+        if adapter is None or lo >= hi:
+            continue
+        if runs and runs[-1].weights is adapter and runs[-1].end == lo - start:
+            runs[-1] = LoraRun(runs[-1].start, hi - start, adapter)
+        else:
+            runs.append(LoraRun(lo - start, hi - start, adapter))
+    return runs
 
 
 def _pieces(groups: list[_Group], start: int, end: int) -> list[tuple[int, list[Piece]]]:
@@ -299,6 +332,7 @@ def _chunked(
     prefix_kv: Sequence[LayerKV] | None,
     num_prefix: int,
     kv_sink: KVSink | None,
+    adapter: LoraWeights | None = None,
 ) -> Tensor:
     """Sarathi-style chunked prefill: the whole model per chunk, all layers' K,V kept."""
     a = model.args
@@ -325,11 +359,12 @@ def _chunked(
         cos, sin = rope_cos_sin(model.inv_freq, torch.arange(P + s, P + e), dtype)
         for i, layer in enumerate(model.layers):
             k, v = kv[i]
-            kv_step(layer, x, cos, sin, k[P + s : P + e], v[P + s : P + e])
-            q_step(layer, x, cos, sin, q[:n])
+            lo = LoraSlice(i, [LoraRun(0, n, adapter)]) if adapter is not None else None
+            kv_step(layer, x, cos, sin, k[P + s : P + e], v[P + s : P + e], lo)
+            q_step(layer, x, cos, sin, q[:n], lo)
             attention_(q, k, v, [Piece(0, P + s, n, ((0, P + s),) if P + s else ())])  # earlier: all visible
-            o_proj_step_(layer, x, q[:n].view(n, -1))
-            mlp_step_(layer, x, gate_buf, up_buf)
+            o_proj_step_(layer, x, q[:n].view(n, -1), lo)
+            mlp_step_(layer, x, gate_buf, up_buf, lo)
         hidden_last = x[-1]
     if kv_sink is not None:
         for i, (k, v) in enumerate(kv):

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
+from tiered.hybrid.lora import LoraSlice
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -178,40 +180,57 @@ def _linear_accumulate_(acc: Tensor, x: Tensor, proj: nn.Linear) -> None:
         acc.add_(proj.bias)
 
 
-def kv_step(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_out: Tensor, v_out: Tensor) -> None:
-    """Norm, k/v projections and RoPE of keys for a slice of tokens x [n, D] into k/v [n, Hkv, Dh]."""
+def kv_step(
+    layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_out: Tensor, v_out: Tensor,
+    lora: LoraSlice | None = None,
+) -> None:  # fmt: skip
+    """Norm, k/v projections (plus each row's adapter, if any) and RoPE of keys for a slice of
+    tokens x [n, D] into k/v [n, Hkv, Dh]."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     n = x.shape[0]
-    _linear_into(k_out.view(n, -1), h, attn.k_proj)
-    _linear_into(v_out.view(n, -1), h, attn.v_proj)
+    k, v = _linear_into(k_out.view(n, -1), h, attn.k_proj), _linear_into(v_out.view(n, -1), h, attn.v_proj)
+    if lora is not None:
+        lora.add_(k, h, "k_proj")
+        lora.add_(v, h, "v_proj")
     apply_rope_(k_out, cos, sin)
 
 
-def q_step(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor) -> None:
+def q_step(
+    layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, lora: LoraSlice | None = None
+) -> None:
     """Norm, q projection and RoPE for a slice of tokens x [n, D] into q [n, H, Dh].
 
     Separate from `kv_step` so the queries of a chunk are made only when its attention runs:
     queries of all tokens never exist at once (the norm runs twice; it is cheap)."""
     h = layer.input_layernorm(x)
-    _linear_into(q_out.view(x.shape[0], -1), h, layer.self_attn.q_proj)
+    q = _linear_into(q_out.view(x.shape[0], -1), h, layer.self_attn.q_proj)
+    if lora is not None:
+        lora.add_(q, h, "q_proj")
     apply_rope_(q_out, cos, sin)
 
 
-def o_proj_step_(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> None:
+def o_proj_step_(layer: DecoderLayer, x: Tensor, attn_out: Tensor, lora: LoraSlice | None = None) -> None:
     """x[n, D] += o_proj(attention output [n, H*Dh])."""
     _linear_accumulate_(x, attn_out, layer.self_attn.o_proj)
+    if lora is not None:
+        lora.add_(x, attn_out, "o_proj")
 
 
-def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor) -> None:
+def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor, lora: LoraSlice | None = None) -> None:
     """x[n, D] += down(silu(gate(norm x)) * up(norm x)); gate/up buffers are [>= n, F] scratch."""
     mlp = layer.mlp
     n = x.shape[0]
     h = layer.post_attention_layernorm(x)
     gate = _linear_into(gate_buf[:n], h, mlp.gate_proj)
     up = _linear_into(up_buf[:n], h, mlp.up_proj)
+    if lora is not None:
+        lora.add_(gate, h, "gate_proj")
+        lora.add_(up, h, "up_proj")
     F.silu(gate, inplace=True).mul_(up)
     _linear_accumulate_(x, gate, mlp.down_proj)
+    if lora is not None:
+        lora.add_(x, gate, "down_proj")
 
 
 class Piece(NamedTuple):

@@ -19,13 +19,18 @@ from torch import Tensor
 ROOT_KEY = 0
 
 
-def block_keys(token_ids: Sequence[int], block_tokens: int, salt: str | None = None) -> list[int]:
+def block_keys(
+    token_ids: Sequence[int], block_tokens: int, salt: str | None = None, adapter: str | None = None
+) -> list[int]:
     """Chained keys of the full blocks of `token_ids` (a trailing partial block has none).
 
-    A salt (vLLM's `cache_salt`) changes every key: requests share cached blocks only with
-    requests of the same salt."""
+    A salt (vLLM's `cache_salt`) and a LoRA adapter's identity change every key: requests share
+    cached blocks only with requests of the same salt and the same adapter (an adapter changes
+    the KV of every token)."""
     keys = []
     parent = ROOT_KEY if salt is None else hash(("cache_salt", salt))
+    if adapter is not None:
+        parent = hash(("lora", adapter, parent))
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         parent = hash((parent, tuple(token_ids[start : start + block_tokens])))
         keys.append(parent)

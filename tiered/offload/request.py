@@ -39,13 +39,19 @@ class TierRequest:
     token_ids: Tensor  # [T] int64, on the CPU
     keys: list[int] = field(default_factory=list)
     salt: str | None = None  # vLLM's cache_salt: shares cached KV only with the same salt
+    adapter: str | None = None  # a LoRA adapter's identity: shares cached KV only with the same adapter
 
     @classmethod
     def make(
-        cls, request_id: str, token_ids: Sequence[int] | Tensor, block_tokens: int, salt: str | None = None
+        cls,
+        request_id: str,
+        token_ids: Sequence[int] | Tensor,
+        block_tokens: int,
+        salt: str | None = None,
+        adapter: str | None = None,
     ) -> TierRequest:
         ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
-        return cls(request_id, ids, block_keys(ids.tolist(), block_tokens, salt), salt)
+        return cls(request_id, ids, block_keys(ids.tolist(), block_tokens, salt, adapter), salt, adapter)
 
 
 @dataclass(slots=True)

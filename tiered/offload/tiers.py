@@ -94,8 +94,10 @@ class KVTiers:
             cfg.suffix,
         )
 
-    def new_request(self, request_id: str, token_ids: Sequence[int] | Tensor, salt: str | None = None) -> TierRequest:
-        return TierRequest.make(request_id, token_ids, self.block_tokens, salt)
+    def new_request(
+        self, request_id: str, token_ids: Sequence[int] | Tensor, salt: str | None = None, adapter: str | None = None
+    ) -> TierRequest:
+        return TierRequest.make(request_id, token_ids, self.block_tokens, salt, adapter)
 
     # ---- scoring (no side effects) ---------------------------------------------------------
 

@@ -14,12 +14,14 @@ Policies (lower score runs first; ties by arrival):
 
 Batches (DESIGN.md idea 5). `pick_batch` takes the policy's pick as the batch's head, then fills
 the batch up to a budget of computed tokens: first with waiting requests that share the head's
-first block (prefix-homogeneous: they read one copy of the prefix), then with the others in the
-policy's order. Only requests of the head's priority join it, so a batch never carries a request
-past a higher-priority one; the head was chosen with λ, so fairness holds for the head, and a
-filler only rides along. Blocks that another request of the batch computes (a new user's
-profile, shared by all the prompts of the visit) are computed once by the forward, so they do
-not count against the budget twice. Every policy batches this way, so policies still compare.
+first block (prefix-homogeneous: they read one copy of the prefix), then with those of the head's
+LoRA adapter, then with the others, in the policy's order, at most `lora.max_loras` adapters in
+a batch (Feather's homogeneity, one step further). Only requests of the head's priority join
+it, so a batch never carries a request past a higher-priority one; the head was chosen with λ,
+so fairness holds for the head, and a filler only rides along. Blocks that another request of
+the batch computes (a new user's profile, shared by all the prompts of the visit) are computed
+once by the forward, so they do not count against the budget twice. Every policy batches this
+way, so policies still compare.
 
 Cost. `jct − λ·(now − arrival)` orders requests like `jct + λ·arrival`, which does not change
 with time, so calibrated, srjf, lpm, spf and fcfs keep a lazy heap. A request is re-scored only
@@ -196,13 +198,14 @@ class Scheduler:
         self._unindex(w)
         return Decision(w, w.jct, time.perf_counter() - start, rescored, depth)
 
-    def pick_batch(self, max_batch_tokens: int, max_total_tokens: int) -> list[Decision]:
+    def pick_batch(self, max_batch_tokens: int, max_total_tokens: int, max_adapters: int = 0) -> list[Decision]:
         """The head (`pick`) plus waiting requests that fit, in the order they were chosen.
 
         `max_batch_tokens`: computed (miss) tokens in the batch; 0 runs one request per forward,
         and a head over the budget runs alone. `max_total_tokens`: computed tokens plus the
         longest cached prefix, which bounds the forward's memory (the start-up profile run
-        proved `max_model_len` tokens fit)."""
+        proved `max_model_len` tokens fit). `max_adapters`: most distinct LoRA adapters in the
+        batch (0: no bound)."""
         head = self.pick()
         if head is None:
             return []
@@ -213,7 +216,10 @@ class Scheduler:
         start = time.perf_counter()
         computing = set(self._miss_keys(head.waiting))
         longest_prefix = head.waiting.split.num_tokens - miss
+        adapters = {head.waiting.request.adapter}
         for w in self._fill_candidates(head.waiting):
+            if max_adapters and w.request.adapter not in adapters and len(adapters - {None}) >= max_adapters:
+                continue
             own = self._miss_keys(w)
             num_shared = next((i for i, key in enumerate(own) if key not in computing), len(own))
             m = w.split.num_miss_tokens - num_shared * self.tiers.block_tokens
@@ -226,6 +232,7 @@ class Scheduler:
             miss += m
             longest_prefix = max(longest_prefix, prefix)
             computing.update(own)
+            adapters.add(w.request.adapter)
             if miss >= max_batch_tokens:
                 break
         head.decision_seconds += time.perf_counter() - start
@@ -236,14 +243,18 @@ class Scheduler:
         return w.request.keys[(w.split.num_tokens - w.split.num_miss_tokens) // self.tiers.block_tokens :]
 
     def _fill_candidates(self, head: Waiting, limit: int = 256) -> list[Waiting]:
-        """Same-priority waiting requests: those sharing the head's first block, then the rest
-        in policy order (at most `limit` of them: the cost of a pick stays bounded)."""
+        """Same-priority waiting requests: those sharing the head's first block, then those of
+        the head's LoRA adapter (a batch of one adapter runs one low-rank update per
+        projection), then the rest, each in policy order (at most `limit` of the last two: the
+        cost of a pick stays bounded)."""
         keys = head.request.keys
         sharing = [self._waiting[q] for q in self._by_key.get(keys[0], ())] if keys else []
         sharing.sort(key=lambda w: (self._order(w), w.seq))
         seen = {w.seq for w in sharing}
-        out = sharing + [w for w in self._in_policy_order(limit) if w.seq not in seen]
-        return [w for w in out if w.priority == head.priority]
+        rest = [w for w in self._in_policy_order(limit) if w.seq not in seen]
+        same = [w for w in rest if w.request.adapter == head.request.adapter]
+        other = [w for w in rest if w.request.adapter != head.request.adapter]
+        return [w for w in sharing + same + other if w.priority == head.priority]
 
     def _in_policy_order(self, limit: int) -> list[Waiting]:
         """The first `limit` waiting requests in policy order, left in the queue."""

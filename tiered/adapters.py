@@ -1,0 +1,114 @@
+"""The LoRA adapters an engine serves: checked folders by name, weights resident up to `max_loras`.
+
+Names map to checked specs (`hybrid/lora.py`); a request is bound to its adapter's identity (a
+hash of its files) when it is submitted, so unloading or replacing a name never changes what a
+waiting request computes, nor lets two different adapters share cached KV. Weights are read onto
+the device when a batch needs them; beyond `max_loras`, the least recently used adapter not in
+that batch is dropped (and read again from its folder when next asked for).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiered.config import LoraConfig
+from tiered.hybrid.forward import ForwardInputError
+from tiered.hybrid.lora import AdapterError, AdapterSpec, LoraWeights, load_adapter, read_adapter
+from tiered.hybrid.model import ModelArgs
+
+log = logging.getLogger(__name__)
+
+
+class UnknownAdapterError(ForwardInputError):
+    """A request or command named an adapter the engine does not serve (HTTP 404)."""
+
+    status = 404
+
+
+@dataclass(slots=True)
+class AdapterStats:
+    num_adapters: int = 0  # names served now
+    num_resident: int = 0  # adapters whose weights are on the device
+    num_loads: int = 0  # weight reads from a folder (first use, or again after an eviction)
+    num_evictions: int = 0
+    load_seconds: float = 0.0
+
+
+class Adapters:
+    """Not thread-safe: the engine's loop is its one caller."""
+
+    def __init__(self, config: LoraConfig, args: ModelArgs, dtype: torch.dtype, device: str) -> None:
+        self.args, self.dtype, self.device = args, dtype, device
+        self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
+        self._by_name: dict[str, AdapterSpec] = {}
+        self._by_identity: dict[str, AdapterSpec] = {}  # every adapter ever added (waiting requests use them)
+        self._resident: OrderedDict[str, LoraWeights] = OrderedDict()  # by identity, least recent first
+        self._stats = AdapterStats()
+        for name, path in config.modules.items():
+            self.add(name, path)
+
+    def add(self, name: str, path: str | Path) -> AdapterSpec:
+        """Check and register an adapter folder (weights are read on first use)."""
+        if name in self._by_name:
+            raise AdapterError(f"The lora adapter '{name}' has already been loaded.")
+        spec = read_adapter(name, path, self.args, self.max_rank)
+        self._by_name[name] = spec
+        self._by_identity.setdefault(spec.identity, spec)
+        log.info("LoRA adapter '%s' from %s: rank %d on %s", name, spec.path, spec.rank, ", ".join(spec.target_modules))
+        return spec
+
+    def remove(self, name: str) -> AdapterSpec:
+        """Stop serving `name`; requests already waiting for it still run."""
+        spec = self._by_name.pop(name, None)
+        if spec is None:
+            raise UnknownAdapterError(f"The lora adapter '{name}' cannot be found.")
+        if spec.identity not in {s.identity for s in self._by_name.values()}:
+            self._resident.pop(spec.identity, None)
+        log.info("LoRA adapter '%s' unloaded", name)
+        return spec
+
+    def spec(self, name: str) -> AdapterSpec:
+        spec = self._by_name.get(name)
+        if spec is None:
+            raise UnknownAdapterError(f"The model `{name}` does not exist.")
+        return spec
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def weights(self, identities: Iterable[str]) -> dict[str, LoraWeights]:
+        """The weights of these adapters, on the device (read now if not resident)."""
+        wanted = list(dict.fromkeys(identities))
+        if len(wanted) > self.max_loras:
+            raise ValueError(f"a batch needs {len(wanted)} adapters; lora.max_loras is {self.max_loras}")
+        out = {}
+        for identity in wanted:
+            if identity in self._resident:
+                self._resident.move_to_end(identity)
+            else:
+                start = time.perf_counter()
+                self._resident[identity] = load_adapter(
+                    self._by_identity[identity], self.args.num_layers, self.dtype, self.device
+                )
+                self._stats.num_loads += 1
+                self._stats.load_seconds += time.perf_counter() - start
+            out[identity] = self._resident[identity]
+        for identity in list(self._resident):
+            if len(self._resident) <= self.max_loras:
+                break
+            if identity not in out:
+                del self._resident[identity]
+                self._stats.num_evictions += 1
+        return out
+
+    def stats(self) -> AdapterStats:
+        s = self._stats
+        return AdapterStats(len(self._by_name), len(self._resident), s.num_loads, s.num_evictions, s.load_seconds)
