@@ -62,3 +62,7 @@ $T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --
 $T bench load --config configs/bench-m.yaml --kind revisit --users 8 --posts 4 --rounds 2 --scale 0.125 \
   --multiples 0.25,0.35,0.5,1,2 --systems tiered,fcfs,prefillonly \
   --json benchmarks/out/load-revisit-fcfs-bench-m.json --plots benchmarks/out/load-revisit-fcfs-bench-m
+# Issue 13: LoRA adapters on the visit workload (bench-m): K = 1, 8, 64 adapters against the base model, ours and vLLM's
+$T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 64 --visits 64 \
+  --systems tiered,tiered-lora1,tiered-lora8,tiered-lora64,vllm,vllm-lora1,vllm-lora8,vllm-lora64 --vllm-python "$VLLM_PY" \
+  --multiples 0.5 --json benchmarks/out/visits-lora-bench-m.json --plots benchmarks/out/visits-lora-bench-m

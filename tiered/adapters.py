@@ -1,10 +1,12 @@
 """The LoRA adapters an engine serves: checked folders by name, weights resident up to `max_loras`.
 
 Names map to checked specs (`hybrid/lora.py`); a request is bound to its adapter's identity (a
-hash of its files) when it is submitted, so unloading or replacing a name never changes what a
-waiting request computes, nor lets two different adapters share cached KV. Weights are read onto
-the device when a batch needs them; beyond `max_loras`, the least recently used adapter not in
-that batch is dropped (and read again from its folder when next asked for).
+hash of its files) when it is submitted, so unloading or replacing a name does not change what a
+waiting request computes (it still runs with the adapter it asked for), and two different
+adapters never share cached KV. Weights are read onto the device when a batch needs them, and
+the files are hashed again as they are read: a folder changed since it was checked fails its
+requests instead of serving other weights under the old identity. Beyond `max_loras`, the least
+recently used adapter not in the batch is dropped (and read again when next asked for).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Adapters:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded.")
         spec = read_adapter(name, path, self.args, self.max_rank)
         self._by_name[name] = spec
-        self._by_identity.setdefault(spec.identity, spec)
+        self._by_identity[spec.identity] = spec  # the newest folder with these files
         log.info("LoRA adapter '%s' from %s: rank %d on %s", name, spec.path, spec.rank, ", ".join(spec.target_modules))
         return spec
 
@@ -85,7 +87,8 @@ class Adapters:
         return list(self._by_name)
 
     def weights(self, identities: Iterable[str]) -> dict[str, LoraWeights]:
-        """The weights of these adapters, on the device (read now if not resident)."""
+        """The weights of these adapters, on the device (read now if not resident); AdapterError
+        (with `identity` set to the failing one) if a folder can no longer be read as checked."""
         wanted = list(dict.fromkeys(identities))
         if len(wanted) > self.max_loras:
             raise ValueError(f"a batch needs {len(wanted)} adapters; lora.max_loras is {self.max_loras}")
@@ -95,9 +98,12 @@ class Adapters:
                 self._resident.move_to_end(identity)
             else:
                 start = time.perf_counter()
-                self._resident[identity] = load_adapter(
-                    self._by_identity[identity], self.args.num_layers, self.dtype, self.device
-                )
+                try:
+                    weights = load_adapter(self._by_identity[identity], self.args.num_layers, self.dtype, self.device)
+                except AdapterError as exc:
+                    exc.identity = identity  # type: ignore[attr-defined]
+                    raise
+                self._resident[identity] = weights
                 self._stats.num_loads += 1
                 self._stats.load_seconds += time.perf_counter() - start
             out[identity] = self._resident[identity]

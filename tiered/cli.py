@@ -361,8 +361,8 @@ def _lora_overrides(args: argparse.Namespace) -> list[str]:
     out = []
     if args.enable_lora:
         out.append("lora.enabled=true")
-    for name, path in args.lora_modules or []:
-        out.append(f"lora.modules.{name}={json.dumps(path)}")
+    if args.lora_modules:  # all at once (a name may hold a dot); they replace the YAML's lora.modules
+        out.append(f"lora.modules={json.dumps(dict(args.lora_modules))}")
     if args.max_loras is not None:
         out.append(f"lora.max_loras={args.max_loras}")
     if args.max_lora_rank is not None:

@@ -262,16 +262,49 @@ class Engine:
             if nxt is not None and nxt.split.num_host_hit_tokens > 0 and not self._batch_makes(batch, nxt):
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
+        failed = self._load_adapters(batch, params, started)
+        if failed:
+            gone = {r.request_id for r in failed}
+            kept = [i for i, d in enumerate(batch) if d.waiting.request.request_id not in gone]
+            batch, params = [batch[i] for i in kept], [params[i] for i in kept]
+            if not batch:
+                return failed
         if len(batch) == 1:
-            return self._run_alone(batch[0], params[0], started)
+            return failed + self._run_alone(batch[0], params[0], started)
         try:
-            return self._run_batch(batch, params, started)
+            return failed + self._run_batch(batch, params, started)
         except BaseException as exc:
             if not _out_of_memory(exc):
                 raise
             self._release_memory()
             log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
-            return [r for d, p in zip(batch, params, strict=True) for r in self._run_alone(d, p, started)]
+            return failed + [r for d, p in zip(batch, params, strict=True) for r in self._run_alone(d, p, started)]
+
+    def _load_adapters(
+        self, batch: list[Decision], params: list[tuple[ScoreParams, float]], started: float
+    ) -> list[Result]:
+        """Make the batch's adapters resident; fail (only) the requests whose adapter folder can no
+        longer be read as it was checked (changed or deleted since)."""
+        identities = {a for d in batch if (a := d.waiting.request.adapter) is not None}
+        if self.adapters is None or not identities:
+            return []
+        bad: dict[str, str] = {}
+        while identities:
+            try:
+                self.adapters.weights(identities)
+                break
+            except AdapterError as exc:
+                identity = getattr(exc, "identity", None)
+                if identity is None or identity not in identities:
+                    raise
+                log.error("%s: its requests fail", exc)
+                bad[identity] = str(exc)
+                identities.discard(identity)
+        return [
+            Result.failed(d.waiting.request.request_id, d.waiting.request.token_ids.numel(),
+                          bad[a], started - arrival)
+            for d, (_, arrival) in zip(batch, params, strict=True) if (a := d.waiting.request.adapter) in bad
+        ]  # fmt: skip
 
     def _batch_makes(self, batch: list[Decision], nxt: Waiting) -> bool:
         """The next request's first host-resident block is one this batch loads or computes: it
@@ -309,14 +342,6 @@ class Engine:
             compute_start = time.perf_counter()
             logits, shared = self._compute(prepared)
             self._sync()
-        except AdapterError as exc:  # an adapter folder changed or vanished since it was checked
-            for p in prepared:
-                self.tiers.abort(p)
-            log.error("a batch of %d requests failed: %s", len(batch), exc)
-            return [
-                Result.failed(d.waiting.request.request_id, d.waiting.request.token_ids.numel(), str(exc), started - t)
-                for d, (_, t) in zip(batch, params, strict=True)
-            ]
         except BaseException:
             for p in prepared:
                 self.tiers.abort(p)

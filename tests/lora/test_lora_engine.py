@@ -3,10 +3,12 @@ adapters equal to the single runs, runtime load/unload, and the scheduler's adap
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tiered.adapters import UnknownAdapterError
 from tiered.config import load_config
@@ -92,6 +94,24 @@ def test_a_mixed_batch_equals_single_runs_and_adapters_stay_within_max_loras(
     for (ids, adapter), r in zip(prompts, results, strict=True):
         ref = _reference(engine, two.get(adapter or ""), ids)
         assert abs(r.logprobs[11] - float(ref[11])) < 1e-4 and abs(r.logprobs[12] - float(ref[12])) < 1e-4
+    engine.close()
+
+
+def test_an_adapter_folder_changed_on_disk_fails_only_its_requests(
+    tiny_dir: Path, tmp_path: Path, two: dict[str, Path]
+) -> None:
+    folders = {name: Path(shutil.copytree(path, tmp_path / name)) for name, path in two.items()}
+    engine = _engine(tiny_dir, tmp_path, folders)
+    changed = folders["wide"] / "adapter_model.safetensors"
+    save_file({k: v * 2 for k, v in load_file(str(changed)).items()}, str(changed))
+    prompts = [(_ids(30, 40 + i), [None, "small", "wide"][i % 3]) for i in range(6)]
+    results = _run(engine, prompts)
+    for (ids, adapter), r in zip(prompts, results, strict=True):
+        if adapter == "wide":
+            assert r.error is not None and "changed since it was checked" in r.error
+        else:
+            assert r.error is None
+            assert abs(r.logprobs[11] - float(_reference(engine, two.get(adapter or ""), ids)[11])) < 1e-4
     engine.close()
 
 

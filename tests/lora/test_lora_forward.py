@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import load_model
-from tiered.hybrid.lora import AdapterError, LoraWeights, load_adapter, read_adapter
+from tiered.hybrid.lora import AdapterError, AdapterNotFoundError, LoraWeights, load_adapter, read_adapter
 
 # Max |logit error| relative to max |reference logit| in fp32: the merged weight W + s·BA and our
 # unmerged W x + s·B(A x) differ only by rounding.
@@ -121,6 +121,10 @@ def _edit_weights(folder: Path, rename: tuple[str, str] | None = None, drop: str
         (lambda f: _edit_config(f, bias="all"), "field 'bias' is 'all'"),
         (lambda f: _edit_weights(f, rename=("q_proj", "lm_head")), "tensor '.*lm_head.*' is not a LoRA A/B weight"),
         (lambda f: _edit_weights(f, drop="v_proj.lora_B"), "v_proj has no lora_B weight"),
+        (lambda f: _edit_config(f, rank_pattern=["q_proj"]), "field 'rank_pattern' must map module names"),
+        (lambda f: _edit_config(f, alpha_pattern={"(q": 2}), "field 'alpha_pattern' key '\\(q' is not a regular"),
+        (lambda f: _edit_config(f, rank_pattern={"q_proj": 0}), "'rank_pattern' value for 'q_proj' must be a positive"),
+        (lambda f: _edit_config(f, rank_pattern={"q_proj": 2}), r"q_proj has lora_A \[4, 64\] .* with r=2"),
     ],
 )
 def test_a_malformed_adapter_folder_names_the_file_and_field(
@@ -131,6 +135,37 @@ def test_a_malformed_adapter_folder_names_the_file_and_field(
     model = load_model(model_dirs["tiny"], "float32")
     with pytest.raises(AdapterError, match=message):
         read_adapter("bad", folder, model.args, max_rank=64)
+
+
+def test_pattern_ranks_and_alphas_scale_like_peft(
+    model_dirs: dict[str, Path], adapter_dirs: dict[tuple[str, str], Path], tmp_path: Path
+) -> None:
+    """alpha_pattern gives v_proj its own alpha (rank_pattern must then match the tensors)."""
+    folder = _copy(adapter_dirs[("tiny", "small")], tmp_path)
+    _edit_config(folder, alpha_pattern={"v_proj": 64}, rank_pattern={"q_proj": 4})
+    ours = load_model(model_dirs["tiny"], "float32")
+    spec = read_adapter("p", folder, ours.args, max_rank=64)
+    assert spec.scales["0.v_proj"] == 16.0 and spec.scales["0.q_proj"] == 2.0
+    base_ref = AutoModelForCausalLM.from_pretrained(str(model_dirs["tiny"]), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base_ref, str(folder)).merge_and_unload().eval()
+    ids = _ids(200, 3)
+    with torch.no_grad():
+        expected = merged(ids[None]).logits[0, -1].float()
+    assert _error(forward(ours, ids, adapter=_weights(folder, ours)), expected) <= TOLERANCE
+
+
+def test_a_missing_folder_is_not_found_and_a_changed_one_is_refused_on_load(
+    model_dirs: dict[str, Path], adapter_dirs: dict[tuple[str, str], Path], tmp_path: Path
+) -> None:
+    model = load_model(model_dirs["tiny"], "float32")
+    with pytest.raises(AdapterNotFoundError, match="adapter_config.json does not exist"):
+        read_adapter("gone", tmp_path / "nowhere", model.args, max_rank=64)
+    folder = _copy(adapter_dirs[("tiny", "small")], tmp_path)
+    spec = read_adapter("a", folder, model.args, max_rank=64)
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    save_file({k: v * 2 for k, v in state.items()}, str(folder / "adapter_model.safetensors"))  # same shapes
+    with pytest.raises(AdapterError, match="changed since it was checked"):
+        load_adapter(spec, model.args.num_layers, torch.float32, "cpu")
 
 
 def test_a_rank_above_max_lora_rank_is_refused(

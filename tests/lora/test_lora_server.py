@@ -90,6 +90,14 @@ def test_adapters_load_and_unload_at_runtime(
         client.completions.create(model="wide", prompt=prompt, max_tokens=1)
     gone = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "wide"})
     assert gone.status_code == 404 and "cannot be found" in gone.json()["error"]["message"]
+    empty = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": ""})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "lora_name"
+    missing = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "no")})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+    # A path the engine cannot even resolve is a clear 400, and the engine keeps serving.
+    odd = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": "~nosuchuser/x"})
+    assert odd.status_code == 400 and "cannot be read" in odd.json()["error"]["message"]
+    assert _logprob(client, "small", prompt)[1] == "small"
 
 
 def test_serve_refuses_a_bad_adapter_folder_before_starting(

@@ -127,6 +127,9 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel | AdapterCommand, res
                 engine.add_adapter(message.name, message.path)
         except (AdapterError, ForwardInputError) as exc:
             reply.error, reply.error_status = str(exc), getattr(exc, "status", 400)
+        except Exception as exc:  # noqa: BLE001 - a command must never take the engine down
+            log.exception("adapter command for '%s' failed", message.name)
+            reply.error, reply.error_status = f"internal error: {type(exc).__name__}: {exc}", 500
         responses.send(encode(reply))
         return
     req = message

@@ -44,6 +44,8 @@ from tiered.api.protocol import (
 )
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
+from tiered.hybrid.loader import read_args
+from tiered.hybrid.lora import AdapterError, read_adapter
 
 log = logging.getLogger(__name__)
 ENGINE_START_TIMEOUT_S = 900
@@ -77,6 +79,7 @@ class EngineClient:
         self.process: multiprocessing.process.BaseProcess | None = None
         self.pending: dict[str, asyncio.Future[Any]] = {}  # ScoreResponse or AdapterReply
         self.adapters: dict[str, str] = dict(config.lora.modules)  # served LoRA adapters: name -> folder
+        self._commands: dict[str, AdapterCommand] = {}  # adapter commands sent, by id, until answered
         self.ready: Ready | None = None
         self.restarts = 0
         self.cancelled = 0
@@ -89,7 +92,9 @@ class EngineClient:
     def _spawn(self) -> None:
         self.ready = None
         self._ready_event.clear()
-        # A restarted engine serves the adapters loaded at runtime too.
+        # A restarted engine serves the adapters loaded at runtime too (those still readable).
+        if self.restarts:
+            self._drop_unreadable_adapters()
         config = replace(self.config, lora=replace(self.config.lora, modules=dict(self.adapters)))
         self.process = multiprocessing.get_context("spawn").Process(
             target=serve_engine, args=(config, *self._addrs), name="tiered-engine", daemon=True
@@ -139,6 +144,16 @@ class EngineClient:
                 log.error("the new engine process did not start (%s); not serving", exc)
                 return
 
+    def _drop_unreadable_adapters(self) -> None:
+        """Adapters whose folder fails its check now would stop the new engine from starting."""
+        args = read_args(self.config.model.path)
+        for name, path in list(self.adapters.items()):
+            try:
+                read_adapter(name, path, args, self.config.lora.max_lora_rank)
+            except AdapterError as exc:
+                log.error("not serving adapter '%s' after the restart: %s", name, exc)
+                del self.adapters[name]
+
     async def _read(self) -> None:
         while True:
             message = decode(await self.responses.recv())
@@ -146,6 +161,13 @@ class EngineClient:
                 self.ready = message
                 self._ready_event.set()
                 continue
+            if isinstance(message, AdapterReply):  # the engine's state, even if the caller gave up waiting
+                command = self._commands.pop(message.request_id, None)
+                if command is not None and message.error is None:
+                    if command.path is None:
+                        self.adapters.pop(command.name, None)
+                    else:
+                        self.adapters[command.name] = command.path
             future = self.pending.pop(message.request_id, None)
             if future is not None and not future.done():
                 future.set_result(message)
@@ -199,17 +221,15 @@ class EngineClient:
         command = AdapterCommand(uuid.uuid4().hex, name, path)
         future: asyncio.Future[AdapterReply] = asyncio.get_running_loop().create_future()
         self.pending[command.request_id] = future
+        self._commands[command.request_id] = command
         try:
             await self.requests.send(encode(command))
-            reply = await asyncio.wait_for(future, 60)
+            return await asyncio.wait_for(future, 60)
+        except TimeoutError:
+            raise APIError(504, f"the engine did not answer the adapter command for '{name}' in 60 s",
+                           type_="timeout") from None  # fmt: skip
         finally:
             self.pending.pop(command.request_id, None)
-        if reply.error is None:
-            if path is None:
-                self.adapters.pop(name, None)
-            else:
-                self.adapters[name] = path
-        return reply
 
     def full(self, incoming: int) -> bool:
         return len(self.pending) + incoming > self.config.scheduler.max_waiting
@@ -508,11 +528,14 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             _serving()
             reply = await client.adapter(body.lora_name, body.lora_path)
             if reply.error is not None:
-                raise APIError(reply.error_status, reply.error, "lora_path")
+                type_ = "NotFoundError" if reply.error_status == 404 else "invalid_request_error"
+                raise APIError(reply.error_status, reply.error, "lora_path", type_)
             return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: UnloadLoraRequest) -> Response:
+            if not body.lora_name:
+                raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
             _serving()
             reply = await client.adapter(body.lora_name, None)
             if reply.error is not None:
@@ -562,6 +585,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         prompts: list[list[int]], body: EngineFields, param: str, wanted: list[int], top: int = 0
     ) -> list[ScoreRequest]:
         """Validate the prompts and the choice fields; one engine request per prompt."""
+        adapter = _adapter(body.model)  # an unknown model is a 404 before anything else, as in vLLM
         if body.cache_salt is not None and not body.cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string when given", "cache_salt")
         allowed: list[int] = []
@@ -582,7 +606,6 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         _check_ids(wanted, "logprob_token_ids" if isinstance(body, ChoiceFields) else "label_token_ids")
         for ids in prompts:
             _check_prompt(ids, param)
-        adapter = _adapter(body.model)
         return [
             ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt, adapter)
             for ids in prompts
@@ -646,7 +669,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         if body.logprob_token_ids:
             choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": _adapter(body.model) or model_name, "choices": [choice], "usage": _usage([out])}  # fmt: skip
+                "model": body.model or model_name, "choices": [choice], "usage": _usage([out])}  # fmt: skip
 
     async def _score_items(body: ScoreBody, request: Request) -> tuple[list[list[float]], list[ScoreResponse]]:
         """One prefill-only request per item, all sent together: the query is their shared prefix."""
@@ -706,13 +729,13 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             for i, row in enumerate(scores)
         ]
         return {"id": f"genscore-{uuid.uuid4().hex}", "object": "generative_score", "created": int(time.time()),
-                "model": _adapter(body.model) or model_name, "results": results, "usage": _usage(outs)}  # fmt: skip
+                "model": body.model or model_name, "results": results, "usage": _usage(outs)}  # fmt: skip
 
     @app.post("/v1/score")
     async def sglang_score(body: ScoreBody, request: Request) -> dict[str, Any]:
         """SGLang's shape: scores[i] lists the label probabilities of item i, in label order."""
         scores, outs = await _score_items(body, request)
-        model = _adapter(body.model) or model_name
+        model = body.model or model_name
         return {"object": "scoring", "model": model, "scores": scores, "usage": _usage(outs)}
 
     @app.post("/v1/completions")
@@ -746,7 +769,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": _adapter(body.model) or model_name,
+            "model": body.model or model_name,
             "choices": choices,
             "usage": _usage(list(outs)),
         }

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load as safetensors_load
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -42,6 +42,14 @@ _REFUSED = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False}
 
 class AdapterError(ValueError):
     """An adapter folder cannot be served; the message names the file and the field or tensor."""
+
+    status = 400
+
+
+class AdapterNotFoundError(AdapterError):
+    """The adapter folder or one of its two files does not exist (vLLM answers 404)."""
+
+    status = 404
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,14 +115,43 @@ def _pattern_value(patterns: dict[str, Any], module_path: str, default: Any) -> 
     return default
 
 
+def _patterns(cfg: dict[str, Any], field: str, kind: type | tuple[type, ...], what: str, bad: Any) -> dict[str, Any]:
+    """A rank_pattern / alpha_pattern: module-path regexes to positive values of `kind`."""
+    patterns = cfg.get(field) or {}
+    if not isinstance(patterns, dict):
+        raise bad(field, f"must map module names to values, got {patterns!r}")
+    for key, value in patterns.items():
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise bad(field, f"key {key!r} is not a regular expression ({exc})") from None
+        if not isinstance(value, kind) or isinstance(value, bool) or value <= 0:  # type: ignore[operator]
+            raise bad(field, f"value for {key!r} must be a positive {what}, got {value!r}")
+    return patterns
+
+
+def _digest(cfg_bytes: bytes, weights_bytes: bytes) -> str:
+    """The adapter's identity: its files' contents."""
+    return hashlib.sha256(cfg_bytes + b"\0" + weights_bytes).hexdigest()[:32]
+
+
 def read_adapter(name: str, folder: str | Path, args: ModelArgs, max_rank: int) -> AdapterSpec:
     """Check an adapter folder against the model; AdapterError names what is wrong."""
-    folder = Path(folder).expanduser()
-    cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    for path in (cfg_path, weights_path):
-        if not path.is_file():
-            raise AdapterError(f"adapter '{name}': {path} does not exist (a PEFT LoRA folder holds "
-                               f"{CONFIG_FILE} and {WEIGHTS_FILE})")  # fmt: skip
+    try:
+        folder = Path(folder).expanduser()
+        cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+        for path in (cfg_path, weights_path):
+            if not path.is_file():
+                raise AdapterNotFoundError(f"adapter '{name}': {path} does not exist (a PEFT LoRA folder holds "
+                                           f"{CONFIG_FILE} and {WEIGHTS_FILE})")  # fmt: skip
+        return _read_adapter(name, folder, cfg_path, weights_path, args, max_rank)
+    except (OSError, RuntimeError) as exc:  # unreadable, or `~user` that does not exist
+        raise AdapterError(f"adapter '{name}': {folder} cannot be read ({exc})") from None
+
+
+def _read_adapter(
+    name: str, folder: Path, cfg_path: Path, weights_path: Path, args: ModelArgs, max_rank: int
+) -> AdapterSpec:
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as exc:
@@ -139,7 +176,8 @@ def read_adapter(name: str, folder: str | Path, args: ModelArgs, max_rank: int) 
         raise bad("bias", f"is {cfg['bias']!r}; only 'none' is supported")
     if cfg.get("modules_to_save"):
         raise bad("modules_to_save", "is set; adapters that replace whole modules are not supported")
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    rank_pattern = _patterns(cfg, "rank_pattern", int, "integer", bad)
+    alpha_pattern = _patterns(cfg, "alpha_pattern", (int, float), "number", bad)
     rslora = bool(cfg.get("use_rslora", False))
 
     try:
@@ -182,18 +220,19 @@ def read_adapter(name: str, folder: str | Path, args: ModelArgs, max_rank: int) 
     if rank > max_rank:
         raise AdapterError(f"adapter '{name}': {cfg_path}: field 'r' is {rank}, above lora.max_lora_rank "
                            f"(--max-lora-rank) {max_rank}")  # fmt: skip
-    digest = hashlib.sha256(cfg_path.read_bytes())
-    with open(weights_path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
+    identity = _digest(cfg_path.read_bytes(), weights_path.read_bytes())
     targets = tuple(m for m in TARGET_MODULES if any(mod == m for _, mod in found))
-    return AdapterSpec(name, folder, rank, targets, digest.hexdigest()[:32], scales)
+    return AdapterSpec(name, folder, rank, targets, identity, scales)
 
 
 def load_adapter(spec: AdapterSpec, num_layers: int, dtype: torch.dtype, device: str | torch.device) -> LoraWeights:
-    """Read a checked adapter's weights onto the device, in the model's dtype."""
+    """Read a checked adapter's weights onto the device, in the model's dtype. Files that changed
+    since `read_adapter` checked them are refused (their identity, in cached KV keys, would lie)."""
     try:
-        state = load_file(str(spec.path / WEIGHTS_FILE), device="cpu")
+        weights_bytes = (spec.path / WEIGHTS_FILE).read_bytes()
+        if _digest((spec.path / CONFIG_FILE).read_bytes(), weights_bytes) != spec.identity:
+            raise AdapterError(f"adapter '{spec.name}': {spec.path} changed since it was checked; load it again")
+        state = safetensors_load(weights_bytes)
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"adapter '{spec.name}': {spec.path / WEIGHTS_FILE} cannot be read ({exc})") from None
     parts: dict[str, dict[str, Tensor]] = {}
@@ -201,8 +240,6 @@ def load_adapter(spec: AdapterSpec, num_layers: int, dtype: torch.dtype, device:
         m = _KEY.match(key)
         if m is not None:
             parts.setdefault(f"{m.group(1)}.{m.group(2)}", {})[m.group(3)] = tensor
-    if set(parts) != set(spec.scales):
-        raise AdapterError(f"adapter '{spec.name}': {spec.path / WEIGHTS_FILE} changed since it was checked")
     layers: list[dict[str, tuple[Tensor, Tensor, float]]] = [{} for _ in range(num_layers)]
     for where, ab in parts.items():
         layer, module = where.split(".")

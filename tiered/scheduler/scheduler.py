@@ -218,7 +218,9 @@ class Scheduler:
         longest_prefix = head.waiting.split.num_tokens - miss
         adapters = {head.waiting.request.adapter}
         for w in self._fill_candidates(head.waiting):
-            if max_adapters and w.request.adapter not in adapters and len(adapters - {None}) >= max_adapters:
+            adapter = w.request.adapter  # the base model (None) takes no adapter slot
+            full = max_adapters and len(adapters - {None}) >= max_adapters
+            if full and adapter is not None and adapter not in adapters:
                 continue
             own = self._miss_keys(w)
             num_shared = next((i for i, key in enumerate(own) if key not in computing), len(own))
