@@ -1,10 +1,14 @@
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tiered.cli import main, parse_bytes
+from tiered import __version__
+from tiered.api.args import api_key, chat_template, serve_overrides
+from tiered.cli import build_parser, main, parse_bytes
+from tiered.config import ConfigError, load_config
 
 
 def test_run_scores_every_example_post(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -40,3 +44,52 @@ def test_make_model_cli(tmp_path: Path) -> None:
 )
 def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_vllms_serving_flags_map_onto_the_config() -> None:
+    args = _serve_args("embedded:bench", "--max-model-len", "2048", "--dtype", "half", "--block-size", "64",
+                       "--kv-offloading-size", "1.5", "--no-enable-prefix-caching", "--enable-lora",
+                       "--lora-modules", "a.b=/x", '{"name": "c", "path": "/y"}', "--max-loras", "2",
+                       "--max-lora-rank", "32")  # fmt: skip
+    cfg = load_config(None, ["model.max_model_len=9", "cache.block_tokens=8", *serve_overrides(args)])
+    assert cfg.model.path == "embedded:bench" and cfg.model.max_model_len == 2048 and cfg.model.dtype == "float16"
+    assert cfg.cache.block_tokens == 64 and cfg.cache.host.lmcache["max_local_cpu_size"] == 1.5
+    assert (cfg.cache.retention, cfg.cache.suffix, cfg.cache.host.enabled) == ("none", "discard", False)
+    assert cfg.lora.enabled and cfg.lora.modules == {"a.b": "/x", "c": "/y"}
+    assert (cfg.lora.max_loras, cfg.lora.max_lora_rank) == (2, 32)
+    assert serve_overrides(_serve_args()) == []  # no flag: the YAML as it is
+    with pytest.raises(SystemExit):
+        _serve_args("--dtype", "fp8")
+
+
+def test_the_api_key_comes_from_the_flag_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERED_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_key(_serve_args()) is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert api_key(_serve_args()) == "from-vllm"
+    monkeypatch.setenv("TIERED_API_KEY", "from-tiered")
+    assert api_key(_serve_args()) == "from-tiered"
+    assert api_key(_serve_args("--api-key", "flag")) == "flag"
+
+
+def test_chat_template_is_a_file_or_inline(tmp_path: Path) -> None:
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0]['content'] }}"
+    assert chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}").startswith("{% for")
+    with pytest.raises(ConfigError, match="--chat-template 'nope.jinja' is neither a file nor a Jinja template"):
+        chat_template("nope.jinja")
+
+
+def test_help_and_version_do_not_import_torch() -> None:
+    code = ("import sys; from tiered.cli import main\n"
+            "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    version = subprocess.run([sys.executable, "-m", "tiered", "--version"], capture_output=True, text=True)
+    assert version.stdout.strip() == f"tiered {__version__}"

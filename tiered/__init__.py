@@ -1,6 +1,15 @@
 """tiered: a prefill-only LLM inference engine with a tiered prefix KV cache."""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"  # the one source of the version (pyproject.toml reads it)
+__all__ = ["Engine", "Result", "ScoreParams", "__version__"]
+
+if TYPE_CHECKING:  # what type checkers see; at run time `import tiered` stays free of torch
+    from tiered.engine import Engine
+    from tiered.score import Result, ScoreParams
 
 
 def __getattr__(name: str) -> object:

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tiered import __version__
+from tiered.api.args import add_serve_args
 from tiered.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiered")
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # in the package (configs/ links it)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -330,60 +332,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server: the API process here, the engine in a child process."""
     import uvicorn
 
+    from tiered import logs
+    from tiered.api.args import api_key, chat_template, check_adapters, serve_overrides
     from tiered.api.server import build_app
 
-    overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else []) + _lora_overrides(args)
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
     resolve_device(cfg.device)
-    _check_adapters(cfg)
-    app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    check_adapters(cfg)
+    app = build_app(cfg, api_key=api_key(args), served_model_name=args.served_model_name,
+                    chat_template=chat_template(args.chat_template))  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                log_config=logs.uvicorn_config(args.uvicorn_log_level))  # fmt: skip
     return 0
-
-
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """vLLM's --lora-modules item: NAME=PATH, or JSON {"name": ..., "path": ...}."""
-    if text.lstrip().startswith("{"):
-        try:
-            item = json.loads(text)
-            return str(item["name"]), str(item["path"])
-        except (ValueError, KeyError, TypeError):
-            raise argparse.ArgumentTypeError(f"'{text}' is not a JSON object with 'name' and 'path'") from None
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"'{text}' must look like NAME=PATH")
-    return name, path
-
-
-def _lora_overrides(args: argparse.Namespace) -> list[str]:
-    """vLLM's LoRA flags as config overrides (a flag wins over the YAML)."""
-    out = []
-    if args.enable_lora:
-        out.append("lora.enabled=true")
-    if args.lora_modules:  # all at once (a name may hold a dot); they replace the YAML's lora.modules
-        out.append(f"lora.modules={json.dumps(dict(args.lora_modules))}")
-    if args.max_loras is not None:
-        out.append(f"lora.max_loras={args.max_loras}")
-    if args.max_lora_rank is not None:
-        out.append(f"lora.max_lora_rank={args.max_lora_rank}")
-    return out
-
-
-def _check_adapters(cfg: Config) -> None:
-    """Check every adapter folder before the engine starts: a bad one stops `serve` with its message."""
-    if not cfg.lora.enabled:
-        return
-    from tiered.embedded import resolve_model_path
-    from tiered.hybrid.loader import read_args
-    from tiered.hybrid.lora import AdapterError, read_adapter
-
-    args = read_args(resolve_model_path(cfg.model.path, cfg.model.models_dir))
-    for name, folder in cfg.lora.modules.items():
-        try:
-            read_adapter(name, folder, args, cfg.lora.max_lora_rank)
-        except AdapterError as exc:
-            raise ConfigError(f"--lora-modules: {exc}") from None
 
 
 def cmd_bench_server(args: argparse.Namespace) -> int:
@@ -398,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="tiered", description="A prefill-only LLM inference engine with tiered KV.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"tiered {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
@@ -413,32 +375,19 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="OpenAI-compatible HTTP server (completions, chat, vLLM and SGLang scoring)",
         description="Start the API process (FastAPI + uvicorn: tokenizes and validates) and the engine process "
         "(ZMQ + msgpack). Routes: POST /v1/completions, /v1/chat/completions, /generative_scoring "
-        "(= /v1/generative-scores, vLLM's shape), /v1/score (SGLang's shape); GET /v1/models, /health (200 once "
-        "the engine serves, 503 while it starts or restarts), /metrics (Prometheus, tiered: prefix). max_tokens must "
-        "be 1 (prefill-only). vLLM's extras are honoured: logprob_token_ids, allowed_token_ids, logit_bias, "
-        "priority (lower runs first), cache_salt (KV shared only within a salt). Errors use OpenAI's envelope. "
+        "(= /v1/generative-scores, vLLM's shape), /v1/score (SGLang's shape), /tokenize, /detokenize; GET "
+        "/v1/models, /version, /health (200 once the engine serves, 503 while it starts or restarts), /metrics "
+        "(Prometheus, tiered: prefix; open without the API key unless server.metrics_require_key). max_tokens must "
+        "be 1 (prefill-only); stream=true is refused with a 400 (one token, one response). vLLM's extras are "
+        "honoured: logprob_token_ids, allowed_token_ids, logit_bias, priority (lower runs first), cache_salt (KV "
+        "shared only within a salt), add_special_tokens; an X-Request-Id header is echoed and names the response. "
+        "An unknown model is a 404. Errors use OpenAI's envelope. "
         "Limits: server.request_timeout_s (504), server.max_body_bytes (413), scheduler.max_waiting (429); a dead "
         "engine process is restarted (server.restart_engine). SIGINT/SIGTERM stop both processes.",
     )  # fmt: skip
     serve.add_argument("model", nargs="?", help="HF checkpoint folder or embedded:NAME (default: the config's)")
     _add_config_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on all routes but /health")
-    serve.add_argument("--served-model-name", default=None, help="model id in responses (default: the folder name)")
-    lora = serve.add_argument_group(
-        "LoRA adapters (vLLM's flags; lora.* in the config)",
-        "A request picks an adapter by its `model` field; the base weights stay unmerged and a batch may mix "
-        "adapters. Cached KV is shared only between requests of the same adapter. GET /v1/models lists the base "
-        "model and the adapters; an unknown model is a 404.",
-    )
-    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (lora.enabled)")
-    lora.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
-                      help='adapters in PEFT format (adapter_config.json + adapter_model.safetensors), as NAME=PATH '
-                      'or \'{"name": NAME, "path": PATH}\'')  # fmt: skip
-    lora.add_argument("--max-loras", type=int, default=None,
-                      help="adapters resident at once, least recently used dropped (default 8)")  # fmt: skip
-    lora.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (default 16)")
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     mk = sub.add_parser(
@@ -590,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", required=True, help="trace file to write (JSON)")
     tr.set_defaults(func=cmd_bench_trace)
 
-    from tiered.bench.load import SYSTEMS
+    from tiered.bench.systems import SYSTEMS
 
     ld = bsub.add_parser(
         "load", help="Poisson load sweep of a trace on our engine variants and vLLM; JSON + PNG plots",
@@ -668,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     vg.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%)")
     vg.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf (0: uniform)")
     vg.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
-    from tiered.bench.visits import SYSTEMS as VISIT_SYSTEMS
+    from tiered.bench.systems import VISIT_SYSTEMS
 
     vs.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-single"],
                     help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}, tiered-loraK, vllm-loraK "
@@ -735,11 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    from tiered import logs
+
+    logs.setup(logging.DEBUG if args.verbose else logging.INFO)
     from tiered.bench.traces import BenchError
     from tiered.hybrid.forward import ForwardInputError
     from tiered.hybrid.loader import ModelLoadError

@@ -70,10 +70,12 @@ class ForwardConfig:
 class HostTierConfig:
     """The host tier (LMCache). `lmcache` holds LMCache's own config keys, passed through as is
     (e.g. max_local_cpu_size in GB, local_disk, max_local_disk_size, remote_url); `chunk_size`
-    is always `cache.block_tokens` and is set by us."""
+    is always `cache.block_tokens` and is set by us. They win over LMCache's own sources
+    (LMCACHE_CONFIG_FILE, then LMCACHE_* variables); max_local_cpu_size is 0.25 unless one of
+    them sets it."""
 
     enabled: bool = True
-    lmcache: dict[str, Any] = field(default_factory=lambda: {"max_local_cpu_size": 0.25})
+    lmcache: dict[str, Any] = field(default_factory=dict)
     # When a computed chunk that stays on the device goes to the host tier: `write-through` (right
     # after its forward) or `on-evict` (when the device tier evicts it; never, if it is not).
     # Chunks that do not stay on the device are stored after their forward either way.
@@ -179,6 +181,8 @@ class ServerConfig:
     max_body_bytes: int = 16 * 2**20
     # Start a new engine process when the engine process dies (requests in flight get 503).
     restart_engine: bool = True
+    # GET /metrics is open, as in vLLM; true puts it behind the API key like every other route.
+    metrics_require_key: bool = False
 
     def __post_init__(self) -> None:
         _require(self.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0")

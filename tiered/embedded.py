@@ -16,9 +16,10 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:  # torch is imported where weights are made: `tiered --help` lists SHAPES without it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ def _hf_config(shape: Shape) -> dict[str, object]:
 
 def _weights(shape: Shape) -> dict[str, torch.Tensor]:
     """Seeded weights scaled so every layer visibly changes the output (std 1/sqrt(fan_in))."""
+    import torch
+
     g = torch.Generator().manual_seed(shape.seed)
     head_dim = shape.hidden_size // shape.num_heads
     d, f = shape.hidden_size, shape.intermediate_size
@@ -178,6 +181,8 @@ def make_model(name: str, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _save_tokenizer(out)
+    from safetensors.torch import save_file
+
     save_file(_weights(shape), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / STAMP).write_text(json.dumps({"name": name, "shape": asdict(shape)}, indent=2) + "\n")
     # config.json last: its presence marks a complete folder.
@@ -229,6 +234,9 @@ def make_adapter(
 
     A and B are both random (PEFT initialises B to zero, which would make a no-op adapter), scaled
     so the adapter moves the logits visibly without swamping the base model."""
+    import torch
+    from safetensors.torch import save_file
+
     from tiered.hybrid.loader import read_args
     from tiered.hybrid.lora import CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, _shapes
 

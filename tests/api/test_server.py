@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tiered.api.launch import ServerProcess, start_server, stop_server
+from tiered.api.metrics import parse
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model, read_args
 
@@ -86,7 +87,8 @@ def test_bad_requests_get_an_openai_400_and_the_server_keeps_serving(
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
 
 
-def test_api_key_is_required_except_for_health(server: str) -> None:
+def test_api_key_is_required_except_for_health_and_metrics(server: str) -> None:
+    assert httpx.get(f"{server}/metrics", timeout=5).status_code == 200  # open, as vLLM's
     r = httpx.get(f"{server}/v1/models", timeout=5)
     assert r.status_code == 401 and r.json()["error"]["message"] == "Incorrect API key provided."
     ok = httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=5)
@@ -180,20 +182,30 @@ def test_64_concurrent_requests_all_answered_correctly(server: str, tiny_dir: Pa
         assert abs(out.choices[0].model_extra["logprob_token_ids"]["5"] - float(ref[5])) < 1e-4
 
 
-def test_metrics_count_requests_and_cached_tokens(server: str, tiny_dir: Path) -> None:
-    text = httpx.get(f"{server}/metrics", headers={"Authorization": "Bearer sekret"}, timeout=5).text
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
-    assert values["tiered:request_success"] >= 1
+def test_metrics_in_vllms_names_with_buckets_labels_and_tiers(server: str, tiny_dir: Path) -> None:
+    r = httpx.get(f"{server}/metrics", timeout=5)
+    values = parse(r.text)
+    ok = values["vllm:request_success_total"]
+    assert ok >= 1 and values['vllm:request_success_total{finished_reason=length,model_name=tiny}'] == ok
     # Host-tier transfers (an earlier test loaded a prefix): bytes are KV bytes of the hit tokens.
     a = read_args(tiny_dir)
     kv_bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # fp32
-    assert values["tiered:host_hit_tokens"] > 0 and values["tiered:host_load_seconds"] > 0
-    assert values["tiered:host_load_bytes"] == values["tiered:host_hit_tokens"] * kv_bytes_per_token
-    assert values["tiered:host_store_bytes"] > 0 and values["tiered:host_store_dropped_chunks"] == 0
-    assert values["tiered:prefix_cache_hits"] == values["tiered:device_hit_tokens"] + values["tiered:host_hit_tokens"]
-    assert 0 <= values["tiered:prefix_cache_hits"] <= values["tiered:prefix_cache_queries"]
-    assert values["tiered:e2e_request_latency_seconds_count"] == values["tiered:request_success"]
-    assert "tiered:jct_prediction_error" in values and values["tiered:num_requests_waiting"] == 0
+    device = values["tiered:prefix_cache_hits_total{model_name=tiny,tier=device}"]
+    host = values["tiered:prefix_cache_hits_total{model_name=tiny,tier=host}"]
+    assert host > 0 and values["tiered:host_load_seconds_total"] > 0
+    assert values["tiered:host_load_bytes_total"] == host * kv_bytes_per_token
+    assert values["tiered:host_store_bytes_total"] > 0 and values["tiered:host_store_dropped_chunks_total"] == 0
+    assert values["vllm:prefix_cache_hits_total"] == device + host
+    assert 0 <= values["vllm:prefix_cache_hits_total"] <= values["vllm:prefix_cache_queries_total"]
+    assert values["vllm:prompt_tokens_total"] == values["vllm:prefix_cache_queries_total"]
+    # Histograms with buckets (histogram_quantile works): every answer is in the +Inf bucket.
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_prompt_tokens"):  # fmt: skip
+        assert values[f"vllm:{name}_count"] == ok
+        assert values[f'vllm:{name}_bucket{{le=+Inf,model_name=tiny}}'] == ok
+    assert values["vllm:e2e_request_latency_seconds_bucket{le=0.3,model_name=tiny}"] <= ok
+    assert "tiered:jct_prediction_error" in values and values["vllm:num_requests_waiting"] == 0
+    assert any(name.startswith("lmcache:") for name in values), "LMCache's own metrics are exposed too"
 
 
 def test_vllm_extras_choose_the_token_and_salt_the_cache(client: openai.OpenAI, tiny_dir: Path) -> None:
@@ -286,8 +298,7 @@ def _engine_pid(server_pid: int) -> int:
 
 
 def _metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    return parse(httpx.get(f"{url}/metrics", timeout=5).text)
 
 
 @pytest.fixture()
@@ -323,9 +334,9 @@ def test_timeouts_and_disconnects_cancel_waiting_requests(faulty: tuple[ServerPr
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=30)
     assert ok.status_code == 200
     m = _metrics(url)
-    assert m["tiered:request_timeout"] == codes.count(504) and m["tiered:request_cancelled"] == 1
-    assert m["tiered:engine_cancelled_requests"] >= 5  # dropped while waiting: never computed
-    assert m["tiered:device_tier_pinned_blocks"] == 0 and m["tiered:num_requests_waiting"] == 0
+    assert m["tiered:request_timeout_total"] == codes.count(504) and m["tiered:request_cancelled_total"] == 1
+    assert m["tiered:engine_cancelled_requests_total"] >= 5  # dropped while waiting: never computed
+    assert m["tiered:device_tier_pinned_blocks"] == 0 and m["vllm:num_requests_waiting"] == 0
 
 
 def test_a_dead_engine_answers_503_and_is_restarted(faulty: tuple[ServerProcess, str]) -> None:
@@ -342,7 +353,7 @@ def test_a_dead_engine_answers_503_and_is_restarted(faulty: tuple[ServerProcess,
         assert time.monotonic() < deadline, "the engine was not restarted"
         time.sleep(0.5)
     assert httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=30).status_code == 200
-    assert _metrics(url)["tiered:engine_restarts"] == 1
+    assert _metrics(url)["tiered:engine_restarts_total"] == 1
 
 
 def test_sigterm_stops_both_processes_cleanly(faulty: tuple[ServerProcess, str]) -> None:
@@ -358,3 +369,52 @@ def test_sigterm_stops_both_processes_cleanly(faulty: tuple[ServerProcess, str])
     engine.wait(10)  # raises if the engine process outlives the server
     err = proc.log_tail(100_000)
     assert "stopping the engine process" in err and "engine: SIGTERM: stopping" in err and "Traceback" not in err
+
+
+KEY = {"Authorization": "Bearer sekret"}
+
+
+def test_version_tokenize_and_detokenize_in_vllms_shapes(server: str, tiny_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tiered import __version__
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    assert httpx.get(f"{server}/version", headers=KEY).json() == {"version": __version__}
+    text = "Post: five easy bread recipes"
+    r = httpx.post(f"{server}/tokenize", headers=KEY, json={"model": "tiny", "prompt": text}).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    plain = httpx.post(f"{server}/tokenize", headers=KEY, json={"prompt": text, "add_special_tokens": False,
+                                                                  "return_token_strs": True}).json()  # fmt: skip
+    assert plain["tokens"] == tok.encode(text, add_special_tokens=False) and plain["count"] == r["count"] - 1
+    assert plain["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
+    chat = httpx.post(f"{server}/tokenize", headers=KEY, json={"messages": [{"role": "user", "content": "hi"}]})
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat.json()["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    back = httpx.post(f"{server}/detokenize", headers=KEY, json={"tokens": plain["tokens"]}).json()
+    assert back == {"prompt": tok.decode(plain["tokens"])}
+    bad = httpx.post(f"{server}/detokenize", headers=KEY, json={"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    unknown = httpx.post(f"{server}/tokenize", headers=KEY, json={"model": "nope", "prompt": "x"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "The model `nope` does not exist."
+
+
+def test_x_request_id_is_echoed_and_names_the_response(server: str) -> None:
+    r = httpx.post(f"{server}/v1/completions", headers={**KEY, "X-Request-Id": "abc-123"},
+                   json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1})  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+    refused = httpx.post(f"{server}/v1/completions", headers={**KEY, "X-Request-Id": "bad-1"}, json={"prompt": []})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
+
+
+def test_streaming_is_a_clear_400_and_add_special_tokens_is_honoured(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="stream=true is not supported"):
+        client.completions.create(model="tiny", prompt="hello", max_tokens=1, stream=True)
+    with pytest.raises(openai.BadRequestError, match="stream=true is not supported"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True)
+    with_bos = client.completions.create(model="tiny", prompt="hello there", max_tokens=1)
+    without = client.completions.create(model="tiny", prompt="hello there", max_tokens=1,
+                                        extra_body={"add_special_tokens": False})  # fmt: skip
+    assert without.usage.prompt_tokens == with_bos.usage.prompt_tokens - 1
+    with pytest.raises(openai.NotFoundError, match="The model `other` does not exist."):
+        client.completions.create(model="other", prompt="hello", max_tokens=1)

@@ -182,3 +182,32 @@ def test_host_tier_settings_are_checked() -> None:
         HostTierConfig(store_cpu_share=0)
     with pytest.raises(ConfigError, match="max_pending_stores"):
         HostTierConfig(max_pending_stores=0)
+
+
+def _local_gb(tiers: KVTiers) -> float:
+    return float(tiers.host_tier._engine.config.max_local_cpu_size)  # type: ignore[union-attr]
+
+
+def test_lmcaches_own_config_sources_are_honoured_below_the_yaml(
+    make_tiers, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.delenv("LMCACHE_MAX_LOCAL_CPU_SIZE", raising=False)
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    assert _local_gb(make_tiers(host=HostTierConfig())) == 0.25  # our default
+    monkeypatch.setenv("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.03")
+    assert _local_gb(make_tiers(host=HostTierConfig())) == 0.03  # LMCache's variable
+    assert _local_gb(make_tiers(host=HostTierConfig(lmcache={"max_local_cpu_size": 0.02}))) == 0.02  # the YAML wins
+    monkeypatch.delenv("LMCACHE_MAX_LOCAL_CPU_SIZE")
+    (tmp_path / "lmcache.yaml").write_text("max_local_cpu_size: 0.04\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(tmp_path / "lmcache.yaml"))
+    assert _local_gb(make_tiers(host=HostTierConfig())) == 0.04  # LMCache's file
+
+
+def test_lmcache_is_quiet_untracked_and_logs_through_our_handlers(make_tiers) -> None:
+    import logging
+    import os
+
+    make_tiers()
+    assert os.environ["LMCACHE_TRACK_USAGE"] == "false"  # set before LMCache's import, unless the user set it
+    loggers = [logging.getLogger(n) for n in logging.root.manager.loggerDict if n.startswith("lmcache")]
+    assert loggers and all(lg.propagate and not lg.handlers and lg.level >= logging.WARNING for lg in loggers)

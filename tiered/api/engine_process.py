@@ -15,13 +15,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 import zmq
 
+from tiered import logs
 from tiered.api.protocol import (
     AdapterCommand,
     AdapterReply,
     Cancel,
+    EngineStats,
     HostCounters,
     Ready,
     ScoreRequest,
@@ -35,6 +38,7 @@ from tiered.hybrid.forward import ForwardInputError
 from tiered.hybrid.lora import AdapterError
 
 log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.5
 
 
 class _Stop(Exception):
@@ -47,7 +51,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
     """Run until SIGTERM or until the parent process is gone."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s", datefmt="%H:%M:%S")
+    logs.setup()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     parent = os.getppid()
@@ -61,6 +65,7 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
             responses.send(encode(Ready(engine.max_model_len, engine.model.args.vocab_size)))
             poller = zmq.Poller()
             poller.register(requests, zmq.POLLIN)
+            reported = 0.0  # when EngineStats were last sent
             while True:
                 busy = engine.num_waiting > 0
                 if dict(poller.poll(0 if busy else 100)):
@@ -73,8 +78,17 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
                 elif not busy and os.getppid() != parent:
                     log.warning("the API process is gone; stopping")
                     break
-                for result in engine.step():
-                    responses.send(encode(_response(result, engine)))
+                results = engine.step()
+                now = time.monotonic()
+                # Statistics a few times a second while busy, and once when the queue empties; before
+                # the answers, so a client that reads /metrics after its answer sees them.
+                if (results and (now - reported >= STATS_INTERVAL_S or engine.num_waiting == 0)) or (
+                    not busy and now - reported >= 10 * STATS_INTERVAL_S
+                ):
+                    responses.send(encode(_stats(engine)))
+                    reported = now
+                for result in results:
+                    responses.send(encode(_response(result)))
     except _Stop:
         log.info("SIGTERM: stopping")
     finally:
@@ -89,7 +103,24 @@ def _host_counters(engine: Engine) -> HostCounters | None:
                         h.store_thread_cpu_seconds, h.num_dropped_chunks, h.num_pending_stores)  # fmt: skip
 
 
-def _response(result: Result, engine: Engine) -> ScoreResponse:
+def _stats(engine: Engine) -> EngineStats:
+    from tiered.api.metrics import lmcache_metrics
+
+    host = engine.tiers.host_tier
+    adapters = engine.adapters.stats() if engine.adapters is not None else None
+    return EngineStats(
+        jct_error=engine.jct.error,
+        host_failures=host.num_failures if host is not None else 0,
+        host=_host_counters(engine),
+        pinned_blocks=engine.tiers.device_tier.stats().num_pinned_blocks,
+        engine_cancelled=engine.num_cancelled,
+        num_waiting=engine.num_waiting,
+        adapters=(adapters.num_resident, adapters.num_loads) if adapters is not None else None,
+        lmcache_metrics=lmcache_metrics() if host is not None else "",
+    )
+
+
+def _response(result: Result) -> ScoreResponse:
     if result.error is not None:
         return ScoreResponse(request_id=result.request_id, error=result.error, error_status=500)
     return ScoreResponse(
@@ -105,11 +136,6 @@ def _response(result: Result, engine: Engine) -> ScoreResponse:
         load_seconds=result.load_seconds,
         store_seconds=result.store_seconds,
         compute_seconds=result.compute_seconds,
-        jct_error=engine.jct.error,
-        host_failures=engine.tiers.host_tier.num_failures if engine.tiers.host_tier else 0,
-        host=_host_counters(engine),
-        pinned_blocks=engine.tiers.device_tier.stats().num_pinned_blocks,
-        engine_cancelled=engine.num_cancelled,
     )
 
 

@@ -73,11 +73,21 @@ class ScoreResponse:
     load_seconds: float = 0.0  # host-tier loads of this request's batch
     store_seconds: float = 0.0  # what host-tier stores cost this request's batch's forward
     compute_seconds: float = 0.0
-    jct_error: float | None = None  # the engine's JCT prediction error (MAPE) after this job
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Engine-wide statistics, sent in their own message at most a few times a second (and when
+    the engine's queue empties), not with every response."""
+
+    jct_error: float | None = None  # the JCT model's prediction error (MAPE) so far
     host_failures: int = 0  # host-tier operations that failed so far (each degraded to recomputation)
     host: HostCounters | None = None  # the host tier's transfer counters so far (None: no host tier)
-    pinned_blocks: int = 0  # device-tier blocks pinned after this job (0 when nothing else runs)
+    pinned_blocks: int = 0  # device-tier blocks pinned now (0 when nothing runs)
     engine_cancelled: int = 0  # requests the engine dropped from its queue on a Cancel, so far
+    num_waiting: int = 0  # requests in the engine's queue now
+    adapters: tuple[int, int] | None = None  # LoRA: (resident, weight loads so far); None: LoRA off
+    lmcache_metrics: str = ""  # LMCache's own Prometheus metrics in the engine process, rendered
 
 
 @dataclass(slots=True)
@@ -89,11 +99,11 @@ class Ready:
 
 
 _TYPES: dict[str, type] = {"request": ScoreRequest, "response": ScoreResponse, "ready": Ready, "cancel": Cancel,
-                           "adapter": AdapterCommand, "adapter_reply": AdapterReply}  # fmt: skip
+                           "adapter": AdapterCommand, "adapter_reply": AdapterReply, "stats": EngineStats}  # fmt: skip
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-Message = ScoreRequest | ScoreResponse | Ready | Cancel | AdapterCommand | AdapterReply
+Message = ScoreRequest | ScoreResponse | Ready | Cancel | AdapterCommand | AdapterReply | EngineStats
 
 
 def encode(message: Message) -> bytes:
@@ -107,8 +117,11 @@ def decode(frame: bytes) -> Any:
     if cls is ScoreResponse:
         body["logprobs"] = [tuple(p) for p in body["logprobs"]]
         body["top_logprobs"] = [tuple(p) for p in body["top_logprobs"]]
+    elif cls is EngineStats:
         if body.get("host") is not None:
             body["host"] = HostCounters(**body["host"])
+        if body.get("adapters") is not None:
+            body["adapters"] = tuple(body["adapters"])
     elif cls is ScoreRequest:
         body["logit_bias"] = [tuple(p) for p in body["logit_bias"]]
     return cls(**body)

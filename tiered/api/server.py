@@ -30,12 +30,15 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
+from tiered import __version__
 from tiered.api.engine_process import serve_engine
+from tiered.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tiered.api.metrics import Metrics
 from tiered.api.protocol import (
     AdapterCommand,
     AdapterReply,
     Cancel,
-    HostCounters,
+    EngineStats,
     Ready,
     ScoreRequest,
     ScoreResponse,
@@ -81,6 +84,7 @@ class EngineClient:
         self.adapters: dict[str, str] = dict(config.lora.modules)  # served LoRA adapters: name -> folder
         self._commands: dict[str, AdapterCommand] = {}  # adapter commands sent, by id, until answered
         self.ready: Ready | None = None
+        self.stats: EngineStats | None = None  # the engine's statistics as it last reported them
         self.restarts = 0
         self.cancelled = 0
         self.timed_out = 0
@@ -160,6 +164,9 @@ class EngineClient:
             if isinstance(message, Ready):
                 self.ready = message
                 self._ready_event.set()
+                continue
+            if isinstance(message, EngineStats):
+                self.stats = message
                 continue
             if isinstance(message, AdapterReply):  # the engine's state, even if the caller gave up waiting
                 command = self._commands.pop(message.request_id, None)
@@ -272,6 +279,28 @@ class CompletionRequest(ChoiceFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 1
     logprobs: int | None = None
+    stream: bool | None = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a text prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class ScoreBody(EngineFields):
@@ -305,6 +334,8 @@ def _env_flag(name: str) -> bool:
 
 class ChatRequest(ChoiceFields):
     messages: list[dict[str, Any]]
+    stream: bool | None = False
+    add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -318,101 +349,28 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-class Metrics:
-    """Prometheus counters, named after vLLM's under a `tiered:` prefix."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.device_hit_tokens = 0
-        self.host_hit_tokens = 0
-        self.queue_seconds = 0.0
-        self.e2e_seconds = 0.0
-        self.jct_error: float | None = None
-        self.host_failures = 0
-        self.pinned_blocks = 0
-        self.engine_cancelled = 0
-        self.failed = 0  # requests the engine failed (out of memory)
-        self.host: HostCounters | None = None
-
-    def observe(self, out: ScoreResponse, e2e_seconds: float) -> None:
-        self.requests += 1
-        self.prompt_tokens += out.num_tokens
-        self.device_hit_tokens += out.num_device_hit_tokens
-        self.host_hit_tokens += out.num_host_hit_tokens
-        self.cached_tokens += out.num_device_hit_tokens + out.num_host_hit_tokens
-        self.queue_seconds += out.queued_seconds
-        self.e2e_seconds += e2e_seconds
-        if out.jct_error is not None:
-            self.jct_error = out.jct_error
-        self.host_failures = out.host_failures
-        if out.host is not None:
-            self.host = out.host
-        self.pinned_blocks = out.pinned_blocks
-        self.engine_cancelled = out.engine_cancelled
-
-    def render(self, waiting: int, client: EngineClient) -> str:
-        rows = [
-            ("prefix_cache_queries", "counter", "Prompt tokens looked up in the KV tiers.", self.prompt_tokens),
-            ("prefix_cache_hits", "counter", "Prompt tokens found in the KV tiers.", self.cached_tokens),
-            ("device_hit_tokens", "counter", "Prompt tokens found in the device tier.", self.device_hit_tokens),
-            ("host_hit_tokens", "counter", "Prompt tokens loaded from the host tier.", self.host_hit_tokens),
-            ("request_success", "counter", "Requests answered.", self.requests),
-            ("num_requests_waiting", "gauge", "Requests sent to the engine and not answered yet.", waiting),
-            ("jct_prediction_error", "gauge", "Mean absolute percentage error of the JCT model (fraction).",
-             self.jct_error if self.jct_error is not None else float("nan")),
-            ("host_tier_failures", "counter", "Host-tier operations that failed and fell back to recomputation "
-             "(this engine process).", self.host_failures),
-            ("request_failure", "counter", "Requests the engine failed (out of memory).", self.failed),
-            ("request_timeout", "counter", "Requests cancelled past server.request_timeout_s.", client.timed_out),
-            ("request_cancelled", "counter", "Requests cancelled because the client disconnected.", client.cancelled),
-            ("engine_cancelled_requests", "counter", "Cancelled requests the engine dropped while they waited "
-             "(this engine process).", self.engine_cancelled),
-            ("device_tier_pinned_blocks", "gauge", "Device-tier blocks pinned when the last answer left the "
-             "engine (0 unless another request was running).", self.pinned_blocks),
-            ("engine_restarts", "counter", "Engine processes started after one died.", client.restarts),
-        ]  # fmt: skip
-        if self.host is not None:  # bandwidth = rate(..._bytes) / rate(..._seconds)
-            h = self.host
-            rows += [
-                ("host_load_bytes", "counter", "KV bytes loaded from the host tier into device blocks.",
-                 h.loaded_bytes),
-                ("host_load_seconds", "counter", "Seconds spent loading from the host tier (lookup, LMCache get, "
-                 "copies).", h.load_seconds),
-                ("host_store_bytes", "counter", "KV bytes put into the host tier.", h.stored_bytes),
-                ("host_store_seconds", "counter", "Seconds host-tier stores cost the forward (LMCache allocation, "
-                 "the KV sink's copies).", h.store_seconds),
-                ("host_store_thread_cpu_seconds", "counter", "CPU seconds of the host tier's store thread.",
-                 h.store_thread_cpu_seconds),
-                ("host_store_dropped_chunks", "counter", "Chunks not stored (queue full or no LMCache memory).",
-                 h.dropped_chunks),
-                ("host_store_pending", "gauge", "Store batches queued for the store thread.", h.pending_stores),
-            ]  # fmt: skip
-        lines = []
-        for name, kind, doc, value in rows:
-            lines += [f"# HELP tiered:{name} {doc}", f"# TYPE tiered:{name} {kind}", f"tiered:{name} {value}"]
-        for name, doc, total in (
-            ("request_queue_time_seconds", "Time in the engine's queue.", self.queue_seconds),
-            ("e2e_request_latency_seconds", "Time from the API receiving a request to its answer.", self.e2e_seconds),
-        ):
-            lines += [f"# HELP tiered:{name} {doc}", f"# TYPE tiered:{name} summary",
-                      f"tiered:{name}_sum {total}", f"tiered:{name}_count {self.requests}"]  # fmt: skip
-        return "\n".join(lines) + "\n"
-
-
 class _Guard:
     """Pure ASGI middleware (cheaper than BaseHTTPMiddleware, and leaves disconnects visible):
-    the API key on every route but /health (401) and the body size limit (413)."""
+    the API key on every route but the open ones (401), the body size limit (413), and the
+    client's X-Request-Id echoed on the response (as vLLM does)."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, open_paths: tuple[str, ...]) -> None:
+        self.app, self.api_key, self.max_body, self.open_paths = app, api_key, max_body_bytes, open_paths
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"] != "/health":
+        request_id = headers.get(b"x-request-id")
+        if request_id is not None:
+            inner_send = send
+
+            async def send(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+                await inner_send(message)
+
+        if self.api_key and scope["path"] not in self.open_paths:
             if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
                 return await _reply(send, 401, "Incorrect API key provided.", "invalid_request_error")
         length = headers.get(b"content-length")
@@ -444,14 +402,32 @@ async def _reply(send: Any, status: int, message: str, type_: str) -> None:
     await send({"type": "http.response.body", "body": body})  # fmt: skip
 
 
-def build_app(config: Config, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+def _refuse_stream(stream: bool | None) -> None:
+    """Streaming is refused, not faked: an answer is one token, computed in one forward."""
+    if stream:
+        raise APIError(400, "stream=true is not supported: this engine serves prefill-only requests, whose one "
+                       "output token comes in one response; send stream=false", "stream")  # fmt: skip
+
+
+def _response_id(prefix: str, request: Request) -> str:
+    """The response's id: the client's X-Request-Id when it sent one (as vLLM does), else a fresh one."""
+    return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+
+
+def build_app(
+    config: Config, api_key: str | None = None, served_model_name: str | None = None, chat_template: str | None = None
+) -> FastAPI:
     folder = resolve_model_path(config.model.path, config.model.models_dir)
     config = replace(config, model=replace(config.model, path=str(folder)))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model_name = served_model_name or Path(folder).name
     client = EngineClient(config)
-    metrics = Metrics()
-    if tokenizer.chat_template is None:
+    counters = lambda: {"waiting": len(client.pending), "timed_out": client.timed_out,  # noqa: E731
+                        "cancelled": client.cancelled, "restarts": client.restarts}  # fmt: skip
+    metrics = Metrics(config.model.max_model_len, counters, lambda: client.stats)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    elif tokenizer.chat_template is None:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
 
     @asynccontextmanager
@@ -463,7 +439,8 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
         client.stop()
 
     app = FastAPI(title="tiered", lifespan=lifespan)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes)
+    open_paths = ("/health",) if config.server.metrics_require_key else ("/health", "/metrics")
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes, open_paths=open_paths)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -542,14 +519,55 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
                 raise APIError(reply.error_status, reply.error, "lora_name", "NotFoundError")
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
-    def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    def _prompts(prompt: str | list[str] | list[int] | list[list[int]], special: bool = True) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [tokenizer.encode(prompt)]
+            return [tokenizer.encode(prompt, add_special_tokens=special)]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+        return [
+            tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
+            for p in prompt
+        ]
+
+    def _render(messages: list[dict[str, Any]], special: bool, generation_prompt: bool = True) -> list[int]:
+        """Chat messages through the chat template, tokenized; a malformed message is the client's 400."""
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+            return list(tokenizer.encode(text, add_special_tokens=special))
+        except Exception as exc:  # noqa: BLE001 - a malformed message is the client's error
+            raise APIError(400, f"messages could not be rendered: {exc}", "messages") from None
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's shape: count, max_model_len, tokens (and token_strs when asked)."""
+        _adapter(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = _render(body.messages, bool(body.add_special_tokens), body.add_generation_prompt)
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = _prompts(body.prompt, special)[0] if body.prompt else []
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        max_len = client.ready.max_model_len if client.ready else config.model.max_model_len
+        return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        _adapter(body.model)
+        vocab = client.ready.vocab_size if client.ready else len(tokenizer)
+        for t in body.tokens:
+            if not 0 <= t < vocab:
+                raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab}) (in tokens)", "tokens")
+        return {"prompt": str(tokenizer.decode(body.tokens))}
 
     def _check_ids(ids: list[int], param: str) -> None:
         assert client.ready is not None
@@ -618,11 +636,12 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
                            type_="rate_limit_exceeded")  # fmt: skip
         start = time.monotonic()
         outs = await client.run(reqs, request.is_disconnected)
+        label = reqs[0].lora_name or model_name  # the base model or the adapter (metrics' model_name)
         for out in outs:
             if out.error is None:
-                metrics.observe(out, time.monotonic() - start)
+                metrics.observe(label, out, time.monotonic() - start)
             elif out.error_status >= 500:
-                metrics.failed += 1
+                metrics.failed.labels(label).inc()
         for out in outs:
             if out.error:
                 type_ = "server_error" if out.error_status >= 500 else "invalid_request_error"
@@ -631,7 +650,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(len(client.pending), client), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> dict[str, Any]:
@@ -641,14 +660,9 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             raise APIError(400, f"{param} must be 1: this engine serves prefill-only requests (got {limit})", param)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be between 0 and 20 (got {body.top_logprobs})", "top_logprobs")
-        if not body.messages:
-            raise APIError(400, "messages must not be empty", "messages")
+        _refuse_stream(body.stream)
+        ids = _render(body.messages, body.add_special_tokens)
         _serving()
-        try:
-            text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes its own BOS
-        except Exception as exc:  # noqa: BLE001 - a malformed message is the client's error
-            raise APIError(400, f"messages could not be rendered: {exc}", "messages") from None
         top = max(1, body.top_logprobs or 0) if body.logprobs else 0
         (out,) = await _run(_requests([ids], body, "messages", list(body.logprob_token_ids or []), top), request,
                             "messages")  # fmt: skip
@@ -668,7 +682,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
                                   "logprobs": logprobs, "finish_reason": "length"}  # fmt: skip
         if body.logprob_token_ids:
             choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        return {"id": _response_id("chatcmpl", request), "object": "chat.completion", "created": int(time.time()),
                 "model": body.model or model_name, "choices": [choice], "usage": _usage([out])}  # fmt: skip
 
     async def _score_items(body: ScoreBody, request: Request) -> tuple[list[list[float]], list[ScoreResponse]]:
@@ -728,7 +742,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             {"index": i, "token_probs": {str(t): p for t, p in zip(body.label_token_ids, row, strict=True)}}
             for i, row in enumerate(scores)
         ]
-        return {"id": f"genscore-{uuid.uuid4().hex}", "object": "generative_score", "created": int(time.time()),
+        return {"id": _response_id("genscore", request), "object": "generative_score", "created": int(time.time()),
                 "model": body.model or model_name, "results": results, "usage": _usage(outs)}  # fmt: skip
 
     @app.post("/v1/score")
@@ -745,10 +759,12 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
             raise APIError(400, message, "max_tokens")
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise APIError(400, f"logprobs must be between 0 and 20 (got {body.logprobs})", "logprobs")
+        _refuse_stream(body.stream)
         _serving()
         wanted = list(body.logprob_token_ids or [])
         top = 0 if body.logprobs is None else max(1, body.logprobs)  # the chosen token is the top-1
-        outs = await _run(_requests(_prompts(body.prompt), body, "prompt", wanted, top), request, "prompt")
+        outs = await _run(_requests(_prompts(body.prompt, body.add_special_tokens), body, "prompt", wanted, top),
+                          request, "prompt")  # fmt: skip
         choices = []
         for i, out in enumerate(outs):
             text = tokenizer.decode([out.token_id])
@@ -766,7 +782,7 @@ def build_app(config: Config, api_key: str | None = None, served_model_name: str
                 choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
             choices.append(choice)
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
+            "id": _response_id("cmpl", request),
             "object": "text_completion",
             "created": int(time.time()),
             "model": body.model or model_name,

@@ -41,6 +41,7 @@ import torch
 
 from tiered.api.launch import free_port, start_server, stop_server
 from tiered.bench.report import write_report
+from tiered.bench.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS
 from tiered.bench.traces import BenchError, Trace
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
@@ -50,18 +51,6 @@ from tiered.hybrid.loader import resolve_device
 log = logging.getLogger(__name__)
 
 # ours in-process: config overrides on top of the given config
-ENGINE_SYSTEMS: dict[str, list[str]] = {
-    "tiered": ["scheduler.policy=calibrated", "cache.suffix=offload"],
-    "prefillonly": ["scheduler.policy=calibrated", "cache.suffix=discard"],
-    "tiered-onevict": ["scheduler.policy=calibrated", "cache.suffix=offload", "cache.host.write_policy=on-evict"],
-    "fcfs": ["scheduler.policy=fcfs", "cache.suffix=offload"],
-    "lpm": ["scheduler.policy=lpm", "cache.suffix=offload"],
-    "spf": ["scheduler.policy=spf", "cache.suffix=offload"],
-    "hrrn": ["scheduler.policy=hrrn", "cache.suffix=offload"],
-}
-HTTP_SYSTEMS = {"tiered-http": ["scheduler.policy=calibrated", "cache.suffix=offload"]}
-VLLM_SYSTEMS = {"vllm": True, "vllm-nochunk": False}  # chunked prefill on / off
-SYSTEMS = [*ENGINE_SYSTEMS, *HTTP_SYSTEMS, *VLLM_SYSTEMS]
 SLO_FACTORS = (2.5, 5.0, 10.0)
 
 

@@ -9,7 +9,7 @@ computed) and match the in-process forward.
 
 Reported and checked:
 - every valid request answered exactly once: the client's count of 200s equals both the valid
-  requests sent and the server's `tiered:request_success` increase (nothing lost, nothing twice);
+  requests sent and the server's `vllm:request_success_total` increase (nothing lost, nothing twice);
 - every invalid request got a 4xx naming its problem; no 5xx at all;
 - RSS of the API and engine processes: after warm-up, after the first fifth of the run (the host
   tier's buffer is touched by then), and at the end; growth over the last four fifths must stay
@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from tiered.api.launch import start_server, stop_server
+from tiered.api.metrics import parse
 from tiered.bench.report import write_report
 from tiered.bench.traces import ordinary_token_ids
 from tiered.config import Config, write_config
@@ -61,8 +62,7 @@ def _rss(pids: list[int]) -> int:
 
 
 def _metrics(http: httpx.Client, url: str) -> dict[str, float]:
-    text = http.get(f"{url}/metrics", timeout=30).text
-    return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    return parse(http.get(f"{url}/metrics", timeout=30).text)
 
 
 def run_soak(
@@ -107,7 +107,7 @@ def run_soak(
 
     ref = torch.log_softmax(forward(load_model(folder, cfg.model.dtype), torch.tensor(probe)), dim=-1)
     probe_diff = max(abs(lp[str(t)] - float(ref[t])) for lp in stats["probe_logprobs"] for t in labels)
-    answered = after["tiered:request_success"] - before["tiered:request_success"]
+    answered = after["vllm:request_success_total"] - before["vllm:request_success_total"]
     report = {
         "minutes": minutes, "concurrency": concurrency, "invalid_fraction": invalid_fraction, "users": users,
         "profile_tokens": profile_tokens, "valid_sent": stats["valid_sent"], "ok_200": stats["ok"],
@@ -116,8 +116,8 @@ def run_soak(
         "probe_answers": len(stats["probe_logprobs"]), "probe_max_abs_diff_vs_forward": probe_diff,
         "rss_bytes": rss, "rss_samples": stats["rss_samples"],
         "idle_pinned_blocks": after["tiered:device_tier_pinned_blocks"],
-        "idle_waiting": after["tiered:num_requests_waiting"], "engine_restarts": after["tiered:engine_restarts"],
-        "host_tier_failures": after["tiered:host_tier_failures"], "engine_alive": engine_alive,
+        "idle_waiting": after["vllm:num_requests_waiting"], "engine_restarts": after["tiered:engine_restarts_total"],
+        "host_tier_failures": after["tiered:host_tier_failures_total"], "engine_alive": engine_alive,
         "latency_p50_seconds": statistics.median(stats["latency"]) if stats["latency"] else None,
     }  # fmt: skip
     report["exactly_once"] = stats["ok"] == stats["valid_sent"] + 1 == answered
@@ -139,8 +139,8 @@ def run_soak(
         f"end {rss['end'] / 2**20:.0f} MiB (growth over the last 4/5: {growth / 2**20:+.1f} MiB)"
     )
     print(f"idle: pinned blocks {after['tiered:device_tier_pinned_blocks']:.0f}, "
-          f"waiting {after['tiered:num_requests_waiting']:.0f}; "
-          f"engine restarts {after['tiered:engine_restarts']:.0f}")  # fmt: skip
+          f"waiting {after['vllm:num_requests_waiting']:.0f}; "
+          f"engine restarts {after['tiered:engine_restarts_total']:.0f}")  # fmt: skip
     return write_report(json_path, "soak", cfg.device, report)
 
 

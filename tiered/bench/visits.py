@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -62,6 +61,9 @@ from tiered.bench.load import (
 )  # fmt: skip
 from tiered.bench.mil import forward_flops, matmul_flops_per_s
 from tiered.bench.report import write_report
+from tiered.bench.systems import LORA_SYSTEM
+from tiered.bench.systems import VISIT_SYSTEMS as SYSTEMS
+from tiered.bench.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from tiered.bench.traces import BenchError, Trace, TraceRequest
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import make_adapter, resolve_model_path
@@ -70,14 +72,6 @@ from tiered.hybrid.model import ModelArgs
 
 log = logging.getLogger(__name__)
 
-TIERED_SYSTEMS: dict[str, list[str]] = {
-    "tiered": [],
-    "tiered-single": ["scheduler.max_batch_tokens=0"],
-    "tiered-fcfs": ["scheduler.policy=fcfs"],  # the same batches, heads in arrival order
-}
-VLLM_SYSTEMS = ("vllm", "vllm-full")
-SYSTEMS = [*TIERED_SYSTEMS, *VLLM_SYSTEMS]
-LORA_SYSTEM = re.compile(r"^(tiered|vllm)-lora([1-9][0-9]*)$")  # K adapters, one per user (u mod K)
 LORA_RANK = 16
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VLLM_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")

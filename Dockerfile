@@ -1,0 +1,24 @@
+# tiered on the CPU: `docker build -t tiered .` then `docker run -p 8000:8000 tiered`
+# (deploy/compose.yaml adds Prometheus scraping /metrics). For a GPU image, start from a CUDA
+# base and install torch==2.13.0's CUDA build instead of the CPU one.
+FROM python:3.11-slim
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1 \
+    LMCACHE_TRACK_USAGE=false
+WORKDIR /app
+
+# torch's CPU build first (PyPI's default torch is the CUDA one, several GB).
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY tiered ./tiered
+RUN pip install . && tiered --version
+
+# Embedded models are made on first use under /models; mount a volume there to keep them, or a
+# real checkpoint folder and pass its path as the model.
+VOLUME ["/models", "/root/.cache"]
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=300s \
+    CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health').status != 200)"
+ENTRYPOINT ["tiered", "serve", "--host", "0.0.0.0", "--port", "8000", "--set", "model.models_dir=/models"]
+CMD []

@@ -1,0 +1,191 @@
+"""`GET /metrics`: Prometheus metrics through prometheus_client, in vLLM's names where vLLM has one.
+
+- Per request, observed as each answer leaves (counters `_total`, histograms with vLLM's
+  buckets, a `model_name` label: the base model or the LoRA adapter): `vllm:request_success`,
+  `vllm:prompt_tokens`, `vllm:generation_tokens`, `vllm:prefix_cache_queries` / `_hits`,
+  `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`,
+  `vllm:request_prefill_time_seconds`, `vllm:request_prompt_tokens`; ours: hits split by tier
+  (`tiered:prefix_cache_hits{tier="device"|"host"}`) and tokens a batch computed once for
+  several requests.
+- The engine's statistics (JCT error, host-tier counters, pinned blocks, ...) come from the
+  engine process in their own message (`EngineStats`), at most a few times a second, and are
+  exposed as they were last reported; LMCache's own metrics (`lmcache:`, kept in the engine
+  process's registry) travel in the same message and are appended as LMCache rendered them.
+- The API process's own counters: timeouts, disconnects, engine restarts, requests waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tiered.api.protocol import EngineStats, ScoreResponse
+
+# vLLM's buckets for request latencies (seconds).
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def buckets_1_2_5(limit: int) -> list[float]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > limit:
+                return out
+            out.append(float(value))
+        exponent += 1
+
+
+class Metrics:
+    """One registry per app: several apps in one process (tests) never share a collector."""
+
+    def __init__(
+        self,
+        max_model_len: int,
+        client_counters: Callable[[], dict[str, int]],
+        engine_stats: Callable[[], EngineStats | None],
+    ) -> None:
+        r = self.registry = CollectorRegistry()
+        m = ["model_name"]
+        self.success = Counter("vllm:request_success", "Requests answered.", [*m, "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of answered requests.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated (one per request).", m,
+                                         registry=r)  # fmt: skip
+        self.queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the KV tiers.", m, registry=r)
+        self.hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in either KV tier.", m, registry=r)
+        self.tier_hits = Counter("tiered:prefix_cache_hits", "Prompt tokens found, by KV tier.", [*m, "tier"],
+                                 registry=r)  # fmt: skip
+        self.shared = Counter("tiered:batch_shared_tokens", "Prompt tokens not cached but computed once for several "
+                              "requests of a batch.", m, registry=r)  # fmt: skip
+        self.failed = Counter("tiered:request_failure", "Requests the engine failed (out of memory, an adapter "
+                              "folder that changed).", m, registry=r)  # fmt: skip
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "From the API receiving a request to its answer.",
+                             m, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time in the engine's queue.", m,
+                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Host-tier loads plus the forward of the "
+                                 "request's batch.", m, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_hist = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
+                                     buckets=buckets_1_2_5(max_model_len), registry=r)  # fmt: skip
+        self.engine_stats = engine_stats
+        r.register(_Reported(client_counters, engine_stats))
+
+    def observe(self, model: str, out: ScoreResponse, e2e_seconds: float) -> None:
+        self.success.labels(model, "length").inc()
+        self.prompt_tokens.labels(model).inc(out.num_tokens)
+        self.generation_tokens.labels(model).inc()
+        self.queries.labels(model).inc(out.num_tokens)
+        self.hits.labels(model).inc(out.num_device_hit_tokens + out.num_host_hit_tokens)
+        self.tier_hits.labels(model, "device").inc(out.num_device_hit_tokens)
+        self.tier_hits.labels(model, "host").inc(out.num_host_hit_tokens)
+        self.shared.labels(model).inc(out.num_shared_tokens)
+        self.e2e.labels(model).observe(e2e_seconds)
+        self.queue.labels(model).observe(out.queued_seconds)
+        self.prefill.labels(model).observe(out.load_seconds + out.compute_seconds)
+        self.prompt_hist.labels(model).observe(out.num_tokens)
+
+    def render(self) -> bytes:
+        text = generate_latest(self.registry)
+        stats = self.engine_stats()
+        if stats is not None and stats.lmcache_metrics:
+            text += stats.lmcache_metrics.encode()
+        return text
+
+
+class _Reported:
+    """Values reported by others, exposed as they were last reported: the engine's statistics
+    (from its EngineStats messages) and the API process's own counters."""
+
+    def __init__(
+        self, client_counters: Callable[[], dict[str, int]], engine_stats: Callable[[], EngineStats | None]
+    ) -> None:
+        self.client_counters, self.engine_stats = client_counters, engine_stats
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.client_counters()
+        yield _gauge("vllm:num_requests_waiting", "Requests sent to the engine and not answered yet.", c["waiting"])
+        yield _counter("tiered:request_timeout", "Requests cancelled past server.request_timeout_s.", c["timed_out"])
+        yield _counter("tiered:request_cancelled", "Requests cancelled because the client disconnected.",
+                       c["cancelled"])  # fmt: skip
+        yield _counter("tiered:engine_restarts", "Engine processes started after one died.", c["restarts"])
+        e = self.engine_stats()
+        if e is None:
+            return
+        yield _gauge("tiered:jct_prediction_error", "Mean absolute percentage error of the JCT model (fraction).",
+                     e.jct_error if e.jct_error is not None else float("nan"))  # fmt: skip
+        yield _counter("tiered:host_tier_failures", "Host-tier operations that failed and fell back to "
+                       "recomputation (this engine process).", e.host_failures)  # fmt: skip
+        yield _counter("tiered:engine_cancelled_requests", "Cancelled requests the engine dropped while they "
+                       "waited (this engine process).", e.engine_cancelled)  # fmt: skip
+        yield _gauge("tiered:device_tier_pinned_blocks", "Device-tier blocks pinned when the engine last reported "
+                     "(0 when nothing runs).", e.pinned_blocks)  # fmt: skip
+        yield _gauge("tiered:engine_waiting_requests", "Requests in the engine's queue when it last reported.",
+                     e.num_waiting)  # fmt: skip
+        if e.host is not None:  # bandwidth = rate(..._bytes_total) / rate(..._seconds_total)
+            h = e.host
+            for name, doc, value in (
+                ("host_load_bytes", "KV bytes loaded from the host tier into device blocks.", h.loaded_bytes),
+                ("host_load_seconds", "Seconds spent loading from the host tier (lookup, LMCache get, copies).",
+                 h.load_seconds),
+                ("host_store_bytes", "KV bytes put into the host tier.", h.stored_bytes),
+                ("host_store_seconds", "Seconds host-tier stores cost the forward (LMCache allocation, the KV "
+                 "sink's copies).", h.store_seconds),
+                ("host_store_thread_cpu_seconds", "CPU seconds of the host tier's store thread.",
+                 h.store_thread_cpu_seconds),
+                ("host_store_dropped_chunks", "Chunks not stored (queue full or no LMCache memory).",
+                 h.dropped_chunks),
+            ):  # fmt: skip
+                yield _counter(f"tiered:{name}", doc, value)
+            yield _gauge("tiered:host_store_pending", "Store batches queued for the store thread.", h.pending_stores)
+        if e.adapters is not None:
+            yield _gauge("tiered:lora_resident_adapters", "LoRA adapters whose weights are on the device.",
+                         e.adapters[0])  # fmt: skip
+            yield _counter("tiered:lora_adapter_loads", "LoRA adapter weight reads (first use, or after an eviction).",
+                           e.adapters[1])  # fmt: skip
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def lmcache_metrics() -> str:
+    """LMCache's own metrics in this (the engine) process, rendered (empty if it registered none)."""
+    from prometheus_client import REGISTRY
+
+    families = [m for m in REGISTRY.collect() if m.name.startswith("lmcache:")]
+    if not families:
+        return ""
+
+    class _Only:
+        def collect(self) -> list[Any]:
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Only())  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+def parse(text: str) -> dict[str, float]:
+    """Exposition text -> {sample name: sum over its label sets} plus {"name{k=v,...}": value} for
+    each labelled sample (tests, the soak, benchmarks)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            if sample.labels:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out

@@ -1,0 +1,32 @@
+"""The systems the load benchmarks compare, by name: config overrides of ours, and vLLM's variants.
+
+Apart from the benchmark modules so that `tiered --help` can list them without importing torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+# `tiered bench load`: our engine in-process (config overrides), over HTTP, and vLLM.
+ENGINE_SYSTEMS: dict[str, list[str]] = {
+    "tiered": ["scheduler.policy=calibrated", "cache.suffix=offload"],
+    "prefillonly": ["scheduler.policy=calibrated", "cache.suffix=discard"],
+    "tiered-onevict": ["scheduler.policy=calibrated", "cache.suffix=offload", "cache.host.write_policy=on-evict"],
+    "fcfs": ["scheduler.policy=fcfs", "cache.suffix=offload"],
+    "lpm": ["scheduler.policy=lpm", "cache.suffix=offload"],
+    "spf": ["scheduler.policy=spf", "cache.suffix=offload"],
+    "hrrn": ["scheduler.policy=hrrn", "cache.suffix=offload"],
+}
+HTTP_SYSTEMS = {"tiered-http": ["scheduler.policy=calibrated", "cache.suffix=offload"]}
+VLLM_SYSTEMS = {"vllm": True, "vllm-nochunk": False}  # chunked prefill on / off
+SYSTEMS = [*ENGINE_SYSTEMS, *HTTP_SYSTEMS, *VLLM_SYSTEMS]
+
+# `tiered bench visits`: `tiered serve` variants and `vllm serve` over HTTP.
+VISIT_TIERED_SYSTEMS: dict[str, list[str]] = {
+    "tiered": [],
+    "tiered-single": ["scheduler.max_batch_tokens=0"],
+    "tiered-fcfs": ["scheduler.policy=fcfs"],  # the same batches, heads in arrival order
+}
+VISIT_VLLM_SYSTEMS = ("vllm", "vllm-full")
+VISIT_SYSTEMS = [*VISIT_TIERED_SYSTEMS, *VISIT_VLLM_SYSTEMS]
+LORA_SYSTEM = re.compile(r"^(tiered|vllm)-lora([1-9][0-9]*)$")  # K adapters, one per user (u mod K)
