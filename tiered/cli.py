@@ -333,8 +333,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tiered import logs
+    from tiered.api.app import build_app
     from tiered.api.args import api_key, chat_template, check_adapters, serve_overrides
-    from tiered.api.server import build_app
 
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set

@@ -33,6 +33,7 @@ from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel, JCTSample, cache_key, load_cached, save_cached
 from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
 from tiered.score import Result, ScoreParams
+from tiered.validation import InputError, check_prompt, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -207,18 +208,12 @@ class Engine:
         requests of the same salt (vLLM's field), in both tiers; `adapter`: the name of a LoRA
         adapter to compute with (UnknownAdapterError if it is not served)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
-        n = ids.numel()
-        if n == 0:
-            raise ForwardInputError("the prompt is empty: a request needs at least one token")
-        if n > self.max_model_len:
-            raise ForwardInputError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {n} tokens."
-            )
         vocab = self.model.args.vocab_size
-        oov = ids[(ids < 0) | (ids >= vocab)].tolist() + [i for i in params.token_ids() if not 0 <= i < vocab]
-        if oov:
-            raise ForwardInputError(f"token id {oov[0]} is outside the vocabulary [0, {vocab})")
+        try:  # the API process already checked; an in-process caller is checked by the same rule here
+            check_prompt(ids.tolist(), vocab, self.max_model_len)
+            check_token_ids(params.token_ids(), vocab)
+        except InputError as exc:
+            raise ForwardInputError(str(exc)) from None
         identity = None
         if adapter is not None:
             if self.adapters is None:

@@ -13,7 +13,7 @@ DATE_FORMAT = "%H:%M:%S"
 
 
 def setup(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format=FORMAT, datefmt=DATE_FORMAT, force=True)
+    logging.basicConfig(level=level, format=FORMAT, datefmt=DATE_FORMAT)
 
 
 def uvicorn_config(level: str) -> dict[str, Any]:

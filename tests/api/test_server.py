@@ -186,7 +186,7 @@ def test_metrics_in_vllms_names_with_buckets_labels_and_tiers(server: str, tiny_
     r = httpx.get(f"{server}/metrics", timeout=5)
     values = parse(r.text)
     ok = values["vllm:request_success_total"]
-    assert ok >= 1 and values['vllm:request_success_total{finished_reason=length,model_name=tiny}'] == ok
+    assert ok >= 1 and values["vllm:request_success_total{finished_reason=length,model_name=tiny}"] == ok
     # Host-tier transfers (an earlier test loaded a prefix): bytes are KV bytes of the hit tokens.
     a = read_args(tiny_dir)
     kv_bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # fp32
@@ -202,7 +202,7 @@ def test_metrics_in_vllms_names_with_buckets_labels_and_tiers(server: str, tiny_
     for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_prompt_tokens"):  # fmt: skip
         assert values[f"vllm:{name}_count"] == ok
-        assert values[f'vllm:{name}_bucket{{le=+Inf,model_name=tiny}}'] == ok
+        assert values[f"vllm:{name}_bucket{{le=+Inf,model_name=tiny}}"] == ok
     assert values["vllm:e2e_request_latency_seconds_bucket{le=0.3,model_name=tiny}"] <= ok
     assert "tiered:jct_prediction_error" in values and values["vllm:num_requests_waiting"] == 0
     assert any(name.startswith("lmcache:") for name in values), "LMCache's own metrics are exposed too"
@@ -368,7 +368,8 @@ def test_sigterm_stops_both_processes_cleanly(faulty: tuple[ServerProcess, str])
     assert proc.wait(60) in (0, -signal.SIGTERM)
     engine.wait(10)  # raises if the engine process outlives the server
     err = proc.log_tail(100_000)
-    assert "stopping the engine process" in err and "engine: SIGTERM: stopping" in err and "Traceback" not in err
+    assert "stopping the engine process" in err and "tiered-engine tiered.api.engine_process: SIGTERM: stopping" in err
+    assert "Traceback" not in err and "\x1b[" not in err  # one plain format: no ANSI colours
 
 
 KEY = {"Authorization": "Bearer sekret"}

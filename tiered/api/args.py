@@ -62,9 +62,13 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                    help="tokens per KV block = LMCache chunk (cache.block_tokens)")  # fmt: skip
     g.add_argument("--kv-offloading-size", type=_positive_float, default=None, metavar="GIB",
                    help="host tier size in GiB (cache.host.lmcache.max_local_cpu_size)")  # fmt: skip
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="cache prefix KV (on by default); --no-enable-prefix-caching keeps nothing on the device "
-                   "(cache.retention=none) and has no host tier (cache.suffix=discard, cache.host.enabled=false)")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cache prefix KV (on by default); --no-enable-prefix-caching keeps nothing on the device "
+        "(cache.retention=none) and has no host tier (cache.suffix=discard, cache.host.enabled=false)",
+    )
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, as a file or inline (default: the tokenizer's, else a documented "
                    "role-tagged one)")  # fmt: skip
@@ -79,8 +83,12 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     lora.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
                       help='adapters in PEFT format (adapter_config.json + adapter_model.safetensors), as NAME=PATH '
                       'or \'{"name": NAME, "path": PATH}\'; they replace lora.modules of the YAML')  # fmt: skip
-    lora.add_argument("--max-loras", type=int, default=None,
-                      help="adapters resident at once, least recently used dropped (lora.max_loras, default 8)")
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapters resident at once, least recently used dropped (lora.max_loras, default 8)",
+    )
     lora.add_argument("--max-lora-rank", type=int, default=None,
                       help="largest adapter rank accepted (lora.max_lora_rank, default 16)")  # fmt: skip
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tiered import validation
 from tiered.config import ForwardMode
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
@@ -40,6 +41,7 @@ from tiered.hybrid.model import (
     q_step,
     rope_cos_sin,
 )
+from tiered.validation import InputError
 
 LayerKV = tuple[Tensor, Tensor]
 """K and V of one layer, each [tokens, kv_heads, head_dim]."""
@@ -49,7 +51,7 @@ KVSink = Callable[[int, Tensor, Tensor], None]
 The tensors are views into buffers the forward reuses or frees: copy what you keep."""
 
 
-class ForwardInputError(ValueError):
+class ForwardInputError(InputError):
     """The request cannot be computed by this model (empty, out-of-vocabulary, too long)."""
 
 
@@ -73,13 +75,14 @@ class BatchItem:
 
 
 def check_token_ids(token_ids: Tensor, vocab_size: int) -> None:
-    """A non-empty 1-D tensor of ids inside the vocabulary, or ForwardInputError naming the bad value."""
+    """A non-empty 1-D tensor of ids inside the vocabulary, or ForwardInputError naming the bad value
+    (`validation.check_token_ids` on its smallest and largest id: the same rule, in O(1) Python)."""
     if token_ids.ndim != 1 or token_ids.numel() == 0:
         raise ForwardInputError(f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}")
-    lo, hi = int(token_ids.min()), int(token_ids.max())
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ForwardInputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    try:
+        validation.check_token_ids([int(token_ids.min()), int(token_ids.max())], vocab_size)
+    except InputError as exc:
+        raise ForwardInputError(str(exc)) from None
 
 
 def _check_lead(items: Sequence[BatchItem], i: int) -> None:

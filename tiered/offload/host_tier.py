@@ -128,7 +128,7 @@ def _lmcache_config(options: dict[str, Any]) -> Any:
     import yaml
     from lmcache.v1.config import load_engine_config_with_overrides
 
-    from_env = {k[len("LMCACHE_"):].lower() for k in os.environ if k.startswith("LMCACHE_")}
+    from_env = {k[len("LMCACHE_") :].lower() for k in os.environ if k.startswith("LMCACHE_")}
     path = os.environ.get("LMCACHE_CONFIG_FILE")
     try:
         from_file = set(yaml.safe_load(Path(path).read_text()) or {}) if path else set()

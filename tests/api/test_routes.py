@@ -1,0 +1,158 @@
+"""The routes and their validation against a fake engine client: no engine process is spawned.
+
+The fake answers each request from its token ids (token = last id, logprob of id t = -t/100), so
+every figure a route returns can be checked exactly; it records what reached it, so a test can
+say that invalid input never did."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tiered.api.app import build_app
+from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse
+from tiered.config import load_config
+from tiered.validation import InputError, check_prompt
+
+MAX_LEN = 64
+
+
+class FakeEngine:
+    def __init__(self, vocab_size: int) -> None:
+        self.ready: Ready | None = Ready(MAX_LEN, vocab_size)
+        self.stats: EngineStats | None = EngineStats(jct_error=0.05)
+        self.adapters: dict[str, str] = {"ad1": "/adapters/ad1"}
+        self.pending: dict[str, Any] = {}
+        self.timed_out = self.cancelled = self.restarts = 0
+        self.received: list[ScoreRequest] = []
+        self.alive_ = True
+        self.is_full = False
+        self.error: tuple[str, int] | None = None  # (message, status) to answer every request with
+
+    @property
+    def alive(self) -> bool:
+        return self.alive_
+
+    async def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def full(self, incoming: int) -> bool:
+        return self.is_full
+
+    async def run(self, reqs: list[ScoreRequest], disconnected: Any = None) -> list[ScoreResponse]:
+        self.received += reqs
+        if self.error is not None:
+            return [ScoreResponse(r.request_id, error=self.error[0], error_status=self.error[1]) for r in reqs]
+        return [
+            ScoreResponse(r.request_id, token_id=r.token_ids[-1], logprobs=[(t, -t / 100) for t in r.logprob_token_ids],
+                          top_logprobs=[(r.token_ids[-1], -0.01)], num_tokens=len(r.token_ids),
+                          num_device_hit_tokens=len(r.token_ids) // 2, compute_seconds=0.5)
+            for r in reqs
+        ]  # fmt: skip
+
+    async def adapter(self, name: str, path: str | None) -> AdapterReply:
+        return AdapterReply("x")
+
+
+@pytest.fixture()
+def api(tiny_dir: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
+    cfg = load_config(None, [f"model.path={tiny_dir}", f"model.max_model_len={MAX_LEN}", "scheduler.max_waiting=8"])
+    fake = FakeEngine(vocab_size=2048)
+    with TestClient(build_app(cfg, served_model_name="base", client=fake)) as client:
+        yield client, fake
+
+
+def _error(r: Any) -> dict[str, Any]:
+    return r.json()["error"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"prompt": [1] * (MAX_LEN + 1)}, "prompt", f"This model's maximum context length is {MAX_LEN} tokens."),
+        ({"prompt": [1, 5000]}, "prompt", "token id 5000 is outside the vocabulary [0, 2048) (in prompt)"),
+        ({"prompt": [[1, 2], []]}, "prompt", "prompt is empty: it must contain at least one token"),
+        ({"prompt": [1], "max_tokens": 2}, "max_tokens", "max_tokens must be 1"),
+        ({"prompt": [1], "stream": True}, "stream", "stream=true is not supported"),
+        ({"prompt": [1], "logprob_token_ids": [-1]}, "logprob_token_ids", "token id -1 is outside"),
+        ({"prompt": [1], "logit_bias": {"7": 101}}, "logit_bias", "logit_bias values must be in [-100, 100]"),
+        ({"prompt": [1], "cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string"),
+        ({"prompt": "x", "model": "nope"}, "model", "The model `nope` does not exist."),
+        ({"prompt": 5}, "prompt", "prompt:"),
+    ],
+)
+def test_invalid_completions_are_refused_before_the_engine(api, body: dict, param: str, message: str) -> None:
+    client, fake = api
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == (404 if param == "model" else 400)
+    assert _error(r)["param"] == param and message in _error(r)["message"]
+    assert fake.received == []
+
+
+def test_a_completion_names_its_adapter_and_echoes_the_request_id(api) -> None:
+    client, fake = api
+    r = client.post("/v1/completions", headers={"X-Request-Id": "r-1"},
+                    json={"model": "ad1", "prompt": [[3, 4, 5], [6, 7]], "logprob_token_ids": [10, 20]})  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-request-id"] == "r-1"
+    data = r.json()
+    assert data["id"] == "cmpl-r-1" and data["model"] == "ad1"
+    assert [q.lora_name for q in fake.received] == ["ad1", "ad1"] and [q.token_ids for q in fake.received] == [
+        [3, 4, 5], [6, 7]]  # fmt: skip
+    assert [c["logprob_token_ids"] for c in data["choices"]] == [{"10": -0.1, "20": -0.2}] * 2
+    u = data["usage"]
+    assert (u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]) == (5, 2, 2)
+    assert u["tiered"]["compute_seconds"] == 0.5
+
+
+def test_scoring_turns_label_logprobs_into_probabilities(api) -> None:
+    client, _ = api
+    body = {"query": [1, 2, 3], "items": [[4], [5, 6]], "label_token_ids": [10, 30]}
+    scores = client.post("/v1/score", json=body).json()["scores"]
+    p10, p30 = math.exp(-0.1), math.exp(-0.3)
+    assert scores == [pytest.approx([p10 / (p10 + p30), p30 / (p10 + p30)])] * 2
+    raw = client.post("/generative_scoring", json={**body, "apply_softmax": False}).json()["results"]
+    assert raw[1]["token_probs"] == pytest.approx({"10": p10, "30": p30})
+
+
+def test_engine_failures_and_limits_use_the_envelope(api) -> None:
+    client, fake = api
+    fake.error = ("out of memory computing 3 tokens", 500)
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+    assert r.status_code == 500 and _error(r)["type"] == "server_error" and _error(r)["param"] is None
+    fake.error, fake.is_full = None, True
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+    assert r.status_code == 429 and _error(r)["type"] == "rate_limit_exceeded"
+    fake.is_full, fake.alive_ = False, False
+    assert client.post("/v1/completions", json={"prompt": [1]}).status_code == 503
+    assert client.get("/health").status_code == 503
+
+
+def test_models_tokenize_and_metrics(api, tiny_dir: Path) -> None:
+    client, fake = api
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["base", "ad1"]
+    assert client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False}).json()["count"] >= 1
+    r = client.post("/detokenize", json={"tokens": [1, 9999]})
+    assert r.status_code == 400 and _error(r)["param"] == "tokens"
+    client.post("/v1/completions", json={"model": "ad1", "prompt": [1, 2]})
+    text = client.get("/metrics").text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="ad1"} 1.0' in text
+    assert "tiered:jct_prediction_error 0.05" in text  # the engine's statistics as last reported
+
+
+def test_the_shared_validation_rules() -> None:
+    check_prompt([0, 1, 2], vocab_size=3, max_model_len=3)
+    with pytest.raises(InputError, match=r"^prompt is empty: it must contain at least one token$"):
+        check_prompt([], 3, 3, "prompt")
+    with pytest.raises(InputError, match=r"However, you requested 4 tokens"):
+        check_prompt([0] * 4, 3, 3)
+    with pytest.raises(InputError, match=r"token id 3 is outside the vocabulary \[0, 3\) \(in items\)") as info:
+        check_prompt([3], 3, 3, "items")
+    assert info.value.param == "items"

@@ -1,0 +1,75 @@
+"""The API process's app factory: it only wires things together (vLLM's `build_app`).
+
+Tokenizer, engine client, metrics and the serving layer are made here and put on
+`app.state.serving`; the routes live in `routes/`, one module per family; errors are rendered by
+`errors.install_handlers`; the API key, body limit and X-Request-Id by `middleware.Guard`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from fastapi import FastAPI
+from transformers import AutoTokenizer
+
+from tiered import __version__
+from tiered.api.engine_client import EngineClient
+from tiered.api.errors import install_handlers
+from tiered.api.metrics import Metrics
+from tiered.api.middleware import Guard
+from tiered.api.routes import completions, lora, metadata, scoring
+from tiered.api.schemas import DEFAULT_CHAT_TEMPLATE
+from tiered.api.serving import Client, Serving
+from tiered.config import Config
+from tiered.embedded import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+def build_app(
+    config: Config,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    chat_template: str | None = None,
+    client: Client | None = None,
+) -> FastAPI:
+    """The app for `config`; `client` replaces the engine process (unit tests pass a fake one)."""
+    folder = resolve_model_path(config.model.path, config.model.models_dir)
+    config = replace(config, model=replace(config.model, path=str(folder)))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    elif tokenizer.chat_template is None:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    model_name = served_model_name or Path(folder).name
+    engine: Client = client if client is not None else EngineClient(config)
+
+    def counters() -> dict[str, int]:
+        return {"waiting": len(engine.pending), "timed_out": engine.timed_out, "cancelled": engine.cancelled,
+                "restarts": engine.restarts}  # fmt: skip
+
+    metrics = Metrics(config.model.max_model_len, counters, lambda: engine.stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        log.info("serving %s (max_model_len %d)", model_name, engine.ready.max_model_len if engine.ready else 0)
+        yield
+        log.info("shutting down: stopping the engine process")
+        engine.stop()
+
+    app = FastAPI(title="tiered", version=__version__, lifespan=lifespan)
+    app.state.serving = Serving(config, tokenizer, engine, metrics, model_name)
+    open_paths = ("/health",) if config.server.metrics_require_key else ("/health", "/metrics")
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes, open_paths=open_paths)
+    install_handlers(app)
+    for router in (metadata.router, completions.router, scoring.router):
+        app.include_router(router)
+    if lora.allowed(config):
+        log.warning("runtime LoRA updates are allowed: /v1/load_lora_adapter and /v1/unload_lora_adapter are open")
+        app.include_router(lora.router)
+    return app

@@ -1,0 +1,225 @@
+"""The API process's side of the engine: it runs the engine process (restarting it if it dies),
+sends requests and commands over ZMQ (msgpack frames) and matches the answers to them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import multiprocessing
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tiered.api.engine_process import serve_engine
+from tiered.api.errors import APIError, ClientGone
+from tiered.api.protocol import (
+    AdapterCommand,
+    AdapterReply,
+    Cancel,
+    EngineStats,
+    Ready,
+    ScoreRequest,
+    ScoreResponse,
+    decode,
+    encode,
+)
+from tiered.config import Config
+from tiered.hybrid.loader import read_args
+from tiered.hybrid.lora import AdapterError, read_adapter
+
+log = logging.getLogger(__name__)
+ENGINE_START_TIMEOUT_S = 900
+
+
+class EngineClient:
+    """Runs the engine process (restarting it if it dies) and matches its responses to requests."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.ctx = zmq.asyncio.Context()
+        self.requests = self.ctx.socket(zmq.PUSH)
+        self.responses = self.ctx.socket(zmq.PULL)
+        req_port = self.requests.bind_to_random_port("tcp://127.0.0.1")
+        resp_port = self.responses.bind_to_random_port("tcp://127.0.0.1")
+        self._addrs = (f"tcp://127.0.0.1:{req_port}", f"tcp://127.0.0.1:{resp_port}")
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.pending: dict[str, asyncio.Future[Any]] = {}  # ScoreResponse or AdapterReply
+        self.adapters: dict[str, str] = dict(config.lora.modules)  # served LoRA adapters: name -> folder
+        self._commands: dict[str, AdapterCommand] = {}  # adapter commands sent, by id, until answered
+        self.ready: Ready | None = None
+        self.stats: EngineStats | None = None  # the engine's statistics as it last reported them
+        self.restarts = 0
+        self.cancelled = 0
+        self.timed_out = 0
+        self._ready_event = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def _spawn(self) -> None:
+        self.ready = None
+        self._ready_event.clear()
+        # A restarted engine serves the adapters loaded at runtime too (those still readable).
+        if self.restarts:
+            self._drop_unreadable_adapters()
+        config = replace(self.config, lora=replace(self.config.lora, modules=dict(self.adapters)))
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=serve_engine, args=(config, *self._addrs), name="tiered-engine", daemon=True
+        )
+        self.process.start()
+
+    async def _wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while not self._ready_event.is_set():
+            if not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up (code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the engine process did not become ready in time")
+            try:
+                await asyncio.wait_for(self._ready_event.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+    async def start(self) -> None:
+        self._reader = asyncio.create_task(self._read())
+        self._spawn()
+        await self._wait_ready()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """A dead engine process fails its waiting requests with 503, then is replaced."""
+        while not self._stopping:
+            await asyncio.sleep(0.2)
+            if self.process is None or self.process.is_alive():
+                continue
+            log.error("the engine process exited (code %s)", self.process.exitcode)
+            self.ready = None
+            for future in self.pending.values():
+                if not future.done():
+                    future.set_exception(APIError(503, "the engine process exited", type_="service_unavailable"))
+            self.pending.clear()
+            if not self.config.server.restart_engine:
+                return
+            self.restarts += 1
+            log.warning("starting a new engine process (restart %d)", self.restarts)
+            try:
+                self._spawn()
+                await self._wait_ready()
+                log.info("the engine process serves again")
+            except RuntimeError as exc:
+                log.error("the new engine process did not start (%s); not serving", exc)
+                return
+
+    def _drop_unreadable_adapters(self) -> None:
+        """Adapters whose folder fails its check now would stop the new engine from starting."""
+        args = read_args(self.config.model.path)
+        for name, path in list(self.adapters.items()):
+            try:
+                read_adapter(name, path, args, self.config.lora.max_lora_rank)
+            except AdapterError as exc:
+                log.error("not serving adapter '%s' after the restart: %s", name, exc)
+                del self.adapters[name]
+
+    async def _read(self) -> None:
+        while True:
+            message = decode(await self.responses.recv())
+            if isinstance(message, Ready):
+                self.ready = message
+                self._ready_event.set()
+                continue
+            if isinstance(message, EngineStats):
+                self.stats = message
+                continue
+            if isinstance(message, AdapterReply):  # the engine's state, even if the caller gave up waiting
+                command = self._commands.pop(message.request_id, None)
+                if command is not None and message.error is None:
+                    if command.path is None:
+                        self.adapters.pop(command.name, None)
+                    else:
+                        self.adapters[command.name] = command.path
+            future = self.pending.pop(message.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    @property
+    def alive(self) -> bool:
+        return self.ready is not None and self.process is not None and self.process.is_alive()
+
+    async def run(
+        self, reqs: list[ScoreRequest], disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> list[ScoreResponse]:
+        """Send requests together and wait for all their answers.
+
+        Past `server.request_timeout_s` (504) or when the client disconnects, the requests that
+        have no answer yet are cancelled in the engine (they leave its queue; one already
+        computing finishes and its answer is dropped)."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for r in reqs:
+            future: asyncio.Future[ScoreResponse] = loop.create_future()
+            self.pending[r.request_id] = future
+            futures.append(future)
+        gathered = asyncio.gather(*futures)
+        try:
+            for r in reqs:
+                await self.requests.send(encode(r))
+            timeout = self.config.server.request_timeout_s
+            deadline = time.monotonic() + timeout if timeout else math.inf
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+                if done:
+                    return list(gathered.result())
+                if disconnected is not None and await disconnected():
+                    self.cancelled += len(reqs)
+                    raise ClientGone
+                if time.monotonic() >= deadline:
+                    self.timed_out += len(reqs)
+                    raise APIError(504, f"the request did not finish within server.request_timeout_s={timeout:g} s; "
+                                   "it was cancelled", type_="timeout")  # fmt: skip
+        except BaseException:
+            gathered.cancel()
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()  # retrieved: an engine death already answered them
+            for r in reqs:
+                if self.pending.pop(r.request_id, None) is not None and self.alive:
+                    await self.requests.send(encode(Cancel(r.request_id)))
+            raise
+
+    async def adapter(self, name: str, path: str | None) -> AdapterReply:
+        """Load (`path`) or unload (None) a LoRA adapter in the engine; its reply."""
+        command = AdapterCommand(uuid.uuid4().hex, name, path)
+        future: asyncio.Future[AdapterReply] = asyncio.get_running_loop().create_future()
+        self.pending[command.request_id] = future
+        self._commands[command.request_id] = command
+        try:
+            await self.requests.send(encode(command))
+            return await asyncio.wait_for(future, 60)
+        except TimeoutError:
+            raise APIError(504, f"the engine did not answer the adapter command for '{name}' in 60 s",
+                           type_="timeout") from None  # fmt: skip
+        finally:
+            self.pending.pop(command.request_id, None)
+
+    def full(self, incoming: int) -> bool:
+        return len(self.pending) + incoming > self.config.scheduler.max_waiting
+
+    def stop(self) -> None:
+        self._stopping = True
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()  # SIGTERM: the engine closes its tiers and exits
+            self.process.join(30)
+            if self.process.is_alive():
+                log.warning("the engine process did not stop in 30 s; killing it")
+                self.process.kill()
+                self.process.join(5)
+        self.ctx.destroy(linger=0)

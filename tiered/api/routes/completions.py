@@ -1,0 +1,80 @@
+"""OpenAI's completions and chat completions, prefill-only: `max_tokens` must be 1."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from tiered.api.errors import APIError
+from tiered.api.routes import ServingDep
+from tiered.api.schemas import ChatRequest, CompletionRequest
+from tiered.api.serving import refuse_stream, response_id, usage
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, s: ServingDep) -> dict[str, Any]:
+    if body.max_tokens is not None and body.max_tokens != 1:
+        message = f"max_tokens must be 1: this engine serves prefill-only requests (got {body.max_tokens})"
+        raise APIError(400, message, "max_tokens")
+    if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+        raise APIError(400, f"logprobs must be between 0 and 20 (got {body.logprobs})", "logprobs")
+    refuse_stream(body.stream)
+    s.check_serving()
+    wanted = list(body.logprob_token_ids or [])
+    top = 0 if body.logprobs is None else max(1, body.logprobs)  # the chosen token is the top-1
+    reqs = s.requests(s.prompts(body.prompt, body.add_special_tokens), body, "prompt", wanted, top)
+    outs = await s.run(reqs, request, "prompt")
+    decode = s.tokenizer.decode
+    choices = []
+    for i, out in enumerate(outs):
+        text = decode([out.token_id])
+        choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": "length", "logprobs": None}
+        if body.logprobs is not None:
+            chosen = dict(out.top_logprobs).get(out.token_id)
+            shown = out.top_logprobs[: body.logprobs]
+            top_lps = [{decode([t]): lp for t, lp in shown}]
+            choice["logprobs"] = {"tokens": [text], "token_logprobs": [chosen], "top_logprobs": top_lps,
+                                  "text_offset": [0]}  # fmt: skip
+        if wanted:
+            choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
+        choices.append(choice)
+    return {"id": response_id("cmpl", request), "object": "text_completion", "created": int(time.time()),
+            "model": body.model or s.model_name, "choices": choices, "usage": usage(list(outs))}  # fmt: skip
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request, s: ServingDep) -> dict[str, Any]:
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if limit is not None and limit != 1:
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise APIError(400, f"{param} must be 1: this engine serves prefill-only requests (got {limit})", param)
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs must be between 0 and 20 (got {body.top_logprobs})", "top_logprobs")
+    refuse_stream(body.stream)
+    ids = s.render(body.messages, body.add_special_tokens)
+    s.check_serving()
+    top = max(1, body.top_logprobs or 0) if body.logprobs else 0
+    reqs = s.requests([ids], body, "messages", list(body.logprob_token_ids or []), top)
+    (out,) = await s.run(reqs, request, "messages")
+    text = s.tokenizer.decode([out.token_id])
+    logprobs = None
+    if body.logprobs:
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            tok = str(s.tokenizer.decode([t]))
+            return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+        chosen = dict(out.top_logprobs).get(out.token_id)
+        first = entry(out.token_id, chosen if chosen is not None else float("nan"))
+        first["top_logprobs"] = [entry(t, lp) for t, lp in out.top_logprobs[: body.top_logprobs or 0]]
+        logprobs = {"content": [first]}
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                              "logprobs": logprobs, "finish_reason": "length"}  # fmt: skip
+    if body.logprob_token_ids:
+        choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
+    return {"id": response_id("chatcmpl", request), "object": "chat.completion", "created": int(time.time()),
+            "model": body.model or s.model_name, "choices": [choice], "usage": usage([out])}  # fmt: skip

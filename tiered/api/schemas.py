@@ -1,0 +1,97 @@
+"""Request bodies of the HTTP routes (pydantic: strict types, other engines' fields accepted and
+ignored), and the default chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class EngineFields(BaseModel):
+    """Fields every route takes. Fields of other engines are accepted and ignored (extra=allow);
+    types are strict (a token id given as the string "5" is a 400, as the schema says)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    priority: int = 0  # vLLM's: lower runs first (always honoured here)
+    cache_salt: str | None = None  # vLLM's: cached KV is shared only with the same salt
+
+
+class ChoiceFields(EngineFields):
+    """How the one output token is chosen (vLLM's and OpenAI's fields)."""
+
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    logprob_token_ids: list[int] | None = None  # vLLM's: return exactly these ids' logprobs
+
+
+class CompletionRequest(ChoiceFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 1
+    logprobs: int | None = None
+    stream: bool | None = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a text prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class ScoreBody(EngineFields):
+    """vLLM's /generative_scoring and SGLang's /v1/score take the same fields."""
+
+    query: str | list[int]
+    items: list[str] | list[list[int]]
+    label_token_ids: list[int]
+    apply_softmax: bool = True
+    item_first: bool = False
+
+
+class LoadLoraRequest(BaseModel):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    lora_name: str
+
+
+class ChatRequest(ChoiceFields):
+    messages: list[dict[str, Any]]
+    stream: bool | None = False
+    add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# For a tokenizer without a chat template: role-tagged turns, then the assistant's turn opens.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)

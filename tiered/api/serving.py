@@ -1,0 +1,219 @@
+"""The serving layer of the API (vLLM's `OpenAIServing`): tokenize, validate once, send to the
+engine, read its answers back. The routes (`routes/`) only parse bodies and shape responses.
+
+Validation uses `tiered.validation`, the rules the engine itself applies: nothing too long,
+empty or out of vocabulary reaches the engine, and the 400 names the field.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Protocol
+
+from fastapi import Request
+
+from tiered.api.errors import APIError
+from tiered.api.metrics import Metrics
+from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse
+from tiered.api.schemas import ChoiceFields, EngineFields, ScoreBody
+from tiered.config import Config
+from tiered.validation import InputError, check_prompt, check_token_ids
+
+
+class Client(Protocol):
+    """What the serving layer needs of the engine (`EngineClient`; a fake one in unit tests)."""
+
+    ready: Ready | None
+    stats: EngineStats | None
+    adapters: dict[str, str]
+    pending: dict[str, Any]
+    timed_out: int
+    cancelled: int
+    restarts: int
+
+    @property
+    def alive(self) -> bool: ...
+    async def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def full(self, incoming: int) -> bool: ...
+    async def run(self, reqs: list[ScoreRequest], disconnected: Any = None) -> list[ScoreResponse]: ...
+    async def adapter(self, name: str, path: str | None) -> AdapterReply: ...
+
+
+def refuse_stream(stream: bool | None) -> None:
+    """Streaming is refused, not faked: an answer is one token, computed in one forward."""
+    if stream:
+        raise APIError(400, "stream=true is not supported: this engine serves prefill-only requests, whose one "
+                       "output token comes in one response; send stream=false", "stream")  # fmt: skip
+
+
+def response_id(prefix: str, request: Request) -> str:
+    """The response's id: the client's X-Request-Id when it sent one (as vLLM does), else a fresh one."""
+    return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+
+
+class Serving:
+    def __init__(self, config: Config, tokenizer: Any, client: Client, metrics: Metrics, model_name: str) -> None:
+        self.config, self.tokenizer, self.client = config, tokenizer, client
+        self.metrics, self.model_name = metrics, model_name
+
+    # ---- what the request names --------------------------------------------------------------
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for anything else."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.client.adapters:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+
+    @property
+    def max_model_len(self) -> int:
+        ready = self.client.ready
+        return ready.max_model_len if ready else self.config.model.max_model_len
+
+    def check_serving(self) -> None:
+        if not self.client.alive:
+            raise APIError(503, "the engine is not serving (starting or restarting); retry shortly",
+                           type_="service_unavailable")  # fmt: skip
+
+    # ---- tokenizing ------------------------------------------------------------------------
+
+    def prompts(self, prompt: str | list[str] | list[int] | list[list[int]], special: bool = True) -> list[list[int]]:
+        """A completion's `prompt` (a string, strings, ids or lists of ids) as lists of ids."""
+        encode = self.tokenizer.encode
+        if isinstance(prompt, str):
+            return [encode(prompt, add_special_tokens=special)]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return [encode(p, add_special_tokens=special) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+
+    def render(self, messages: list[dict[str, Any]], special: bool, generation_prompt: bool = True) -> list[int]:
+        """Chat messages through the chat template, tokenized; a malformed message is the client's 400."""
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                      tokenize=False)  # fmt: skip
+            return list(self.tokenizer.encode(text, add_special_tokens=special))
+        except Exception as exc:  # noqa: BLE001 - a malformed message is the client's error
+            raise APIError(400, f"messages could not be rendered: {exc}", "messages") from None
+
+    # ---- validating ------------------------------------------------------------------------
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        try:
+            check_token_ids(ids, self.vocab_size, param)
+        except InputError as exc:
+            raise APIError(400, str(exc), param) from None
+
+    @property
+    def vocab_size(self) -> int:
+        ready = self.client.ready
+        return ready.vocab_size if ready else len(self.tokenizer)
+
+    def requests(
+        self, prompts: list[list[int]], body: EngineFields, param: str, wanted: list[int], top: int = 0
+    ) -> list[ScoreRequest]:
+        """Validate the prompts and the choice fields; one engine request per prompt."""
+        adapter = self.adapter(body.model)  # an unknown model is a 404 before anything else, as in vLLM
+        if body.cache_salt is not None and not body.cache_salt:
+            raise APIError(400, "cache_salt must be a non-empty string when given", "cache_salt")
+        allowed: list[int] = []
+        bias: list[tuple[int, float]] = []
+        if isinstance(body, ChoiceFields):
+            if body.allowed_token_ids is not None:
+                if not body.allowed_token_ids:
+                    raise APIError(400, "allowed_token_ids must not be empty when given", "allowed_token_ids")
+                allowed = list(body.allowed_token_ids)
+                self.check_ids(allowed, "allowed_token_ids")
+            for key, value in (body.logit_bias or {}).items():
+                if not key.lstrip("-").isdigit():
+                    raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+                if not -100 <= value <= 100 or math.isnan(value):
+                    raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+                bias.append((int(key), value))
+            self.check_ids([t for t, _ in bias], "logit_bias")
+        self.check_ids(wanted, "logprob_token_ids" if isinstance(body, ChoiceFields) else "label_token_ids")
+        for ids in prompts:
+            try:
+                check_prompt(ids, self.vocab_size, self.max_model_len, param)
+            except InputError as exc:
+                raise APIError(400, str(exc), param) from None
+        return [
+            ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt, adapter)
+            for ids in prompts
+        ]
+
+    # ---- running ---------------------------------------------------------------------------
+
+    async def run(self, reqs: list[ScoreRequest], request: Request, param: str) -> list[ScoreResponse]:
+        """Send requests together (the scheduler sees them all); refuse them all if the queue is full."""
+        if self.client.full(len(reqs)):
+            raise APIError(429, f"the queue is full ({self.config.scheduler.max_waiting} requests); retry later",
+                           type_="rate_limit_exceeded")  # fmt: skip
+        start = time.monotonic()
+        outs = await self.client.run(reqs, request.is_disconnected)
+        label = reqs[0].lora_name or self.model_name  # the base model or the adapter (metrics' model_name)
+        for out in outs:
+            if out.error is None:
+                self.metrics.observe(label, out, time.monotonic() - start)
+            elif out.error_status >= 500:
+                self.metrics.failed.labels(label).inc()
+        for out in outs:
+            if out.error:
+                type_ = "server_error" if out.error_status >= 500 else "invalid_request_error"
+                raise APIError(out.error_status, out.error, param if out.error_status < 500 else None, type_)
+        return outs
+
+    async def score_items(self, body: ScoreBody, request: Request) -> tuple[list[list[float]], list[ScoreResponse]]:
+        """One prefill-only request per item, all sent together: the query is their shared prefix."""
+        self.check_serving()
+        if not body.items:
+            raise APIError(400, "items must not be empty", "items")
+        if not body.label_token_ids:
+            raise APIError(400, "label_token_ids must not be empty", "label_token_ids")
+
+        def ids(part: str | list[int], first: bool) -> list[int]:
+            return self.tokenizer.encode(part, add_special_tokens=first) if isinstance(part, str) else list(part)
+
+        prompts = [
+            ids(item, True) + ids(body.query, False) if body.item_first else ids(body.query, True) + ids(item, False)
+            for item in body.items
+        ]
+        outs = await self.run(self.requests(prompts, body, "items", list(body.label_token_ids)), request, "items")
+        scores = []
+        for out in outs:
+            lps = dict(out.logprobs)
+            values = [math.exp(lps[t]) for t in body.label_token_ids]
+            if body.apply_softmax:  # over the label tokens only
+                total = sum(values)
+                values = [v / total for v in values]
+            scores.append(values)
+        return scores, list(outs)
+
+
+def usage(outs: list[ScoreResponse]) -> dict[str, Any]:
+    """OpenAI's `usage`, with our `tiered` split of where the prompt tokens came from."""
+    prompt_tokens = sum(o.num_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(outs),
+        "total_tokens": prompt_tokens + len(outs),
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_device_hit_tokens + o.num_host_hit_tokens for o in outs)},
+        "tiered": {  # our extension: where the cached tokens came from
+            "device_hit_tokens": sum(o.num_device_hit_tokens for o in outs),
+            "host_hit_tokens": sum(o.num_host_hit_tokens for o in outs),
+            # not cached, but computed once for several prompts of the batch (a shared profile)
+            "batch_shared_tokens": sum(o.num_shared_tokens for o in outs),
+            # seconds of the forwards that computed these prompts: host-tier loads, what host-tier
+            # stores cost them, and the forwards themselves
+            "load_seconds": max((o.load_seconds for o in outs), default=0.0),
+            "store_seconds": max((o.store_seconds for o in outs), default=0.0),
+            "compute_seconds": max((o.compute_seconds for o in outs), default=0.0),
+        },
+    }

@@ -1,0 +1,40 @@
+"""What a prompt must be, checked in one place for the API process and the engine.
+
+Torch-free: the API process checks lists of ids before anything reaches the engine; the engine
+checks again what it is given in process (`Engine.submit`), and the forward checks a tensor's
+smallest and largest id through the same function. The messages are vLLM's where vLLM has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class InputError(ValueError):
+    """A request the model cannot compute (empty, too long, an id outside the vocabulary).
+    `param` names the request field when the caller knows it (the API's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str | None = None) -> None:
+    """Every id inside [0, vocab_size), or InputError naming the first one outside."""
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            where = f" (in {param})" if param else ""
+            raise InputError(f"token id {t} is outside the vocabulary [0, {vocab_size}){where}", param)
+
+
+def check_prompt(ids: Sequence[int], vocab_size: int, max_model_len: int, param: str | None = None) -> None:
+    """A prompt the engine accepts: at least one token, at most max_model_len, all in the vocabulary."""
+    if len(ids) == 0:
+        raise InputError(f"{param or 'the prompt'} is empty: it must contain at least one token", param)
+    if len(ids) > max_model_len:
+        raise InputError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {len(ids)} "
+            "tokens in the prompt. Please reduce the length of the prompt.",
+            param,
+        )
+    check_token_ids(ids, vocab_size, param)
