@@ -190,7 +190,8 @@ async def _drive(
         async def sampler() -> None:
             while loop.time() < end:
                 await asyncio.sleep(5)
-                stats["rss_samples"].append((round(loop.time() - start, 1), _rss(pids)))
+                # (seconds, API + engine, API alone, engine alone): which process grows
+                stats["rss_samples"].append((round(loop.time() - start, 1), _rss(pids), _rss(pids[:1]), _rss(pids[1:])))
                 if "fifth" not in rss and loop.time() - start >= 12 * minutes:
                     rss["fifth"] = _rss(pids)
 
