@@ -101,7 +101,7 @@ class _NotOurConcern(logging.Filter):
     MARKS = ("PYTHONHASHSEED", "Could not load 'builtin'", "Controller message sender is not initialized")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = str(record.msg)
+        message = record.getMessage()
         return not any(mark in message for mark in self.MARKS)
 
 
