@@ -86,34 +86,38 @@ class Adapters:
     def names(self) -> list[str]:
         return list(self._by_name)
 
-    def weights(self, identities: Iterable[str]) -> dict[str, LoraWeights]:
-        """The weights of these adapters, on the device (read now if not resident); AdapterError
-        (with `identity` set to the failing one) if a folder can no longer be read as checked."""
+    def load(self, identities: Iterable[str]) -> dict[str, str]:
+        """Make these adapters resident (read now if not); returns {identity: why} for those whose
+        folder can no longer be read as it was checked (changed or deleted since)."""
         wanted = list(dict.fromkeys(identities))
         if len(wanted) > self.max_loras:
             raise ValueError(f"a batch needs {len(wanted)} adapters; lora.max_loras is {self.max_loras}")
-        out = {}
+        failed = {}
         for identity in wanted:
             if identity in self._resident:
                 self._resident.move_to_end(identity)
-            else:
-                start = time.perf_counter()
-                try:
-                    weights = load_adapter(self._by_identity[identity], self.args.num_layers, self.dtype, self.device)
-                except AdapterError as exc:
-                    exc.identity = identity  # type: ignore[attr-defined]
-                    raise
-                self._resident[identity] = weights
-                self._stats.num_loads += 1
-                self._stats.load_seconds += time.perf_counter() - start
-            out[identity] = self._resident[identity]
+                continue
+            start = time.perf_counter()
+            try:
+                self._resident[identity] = load_adapter(
+                    self._by_identity[identity], self.args.num_layers, self.dtype, self.device
+                )
+            except AdapterError as exc:
+                failed[identity] = str(exc)
+                continue
+            self._stats.num_loads += 1
+            self._stats.load_seconds += time.perf_counter() - start
         for identity in list(self._resident):
             if len(self._resident) <= self.max_loras:
                 break
-            if identity not in out:
+            if identity not in wanted:
                 del self._resident[identity]
                 self._stats.num_evictions += 1
-        return out
+        return failed
+
+    def weights(self, identity: str) -> LoraWeights:
+        """A resident adapter's weights (`load` made it resident)."""
+        return self._resident[identity]
 
     def stats(self) -> AdapterStats:
         s = self._stats

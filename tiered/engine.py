@@ -24,23 +24,18 @@ from torch import Tensor
 from tiered.adapters import Adapters, UnknownAdapterError
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
-from tiered.hybrid.forward import BatchItem, ForwardInputError, forward, forward_batch
+from tiered.hybrid.forward import BatchItem, ForwardInputError, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model, resolve_device
-from tiered.hybrid.lora import AdapterError
 from tiered.hybrid.memory import measure_forward_peak
 from tiered.offload.request import HitSplit, PrefixKV, Prepared
 from tiered.offload.tiers import KVTiers
-from tiered.scheduler.jct import JCTModel, JCTSample, cache_key, load_cached, save_cached
+from tiered.scheduler.jct import JCTModel
+from tiered.scheduler.profile import profile_jct
 from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
 from tiered.score import Result, ScoreParams
 from tiered.validation import InputError, check_prompt, check_token_ids
 
 log = logging.getLogger(__name__)
-
-# Part of the JCT profile's cache key. Bump it when the forward's or the tiers' costs change: a
-# profile cached by older code would price jobs (host loads above all) at what they used to cost.
-# 2: the host tier at copy speed (issue 15).
-JCT_PROFILE_VERSION = 2
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -83,7 +78,7 @@ class Engine:
         )
         lora = config.lora
         self.adapters = Adapters(lora, self.model.args, DTYPES[config.model.dtype], device) if lora.enabled else None
-        self.jct = jct_model or self._profile_jct()
+        self.jct = jct_model or profile_jct(self)
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self._params: dict[int, tuple[ScoreParams, float]] = {}
         self._seqs: dict[str, int] = {}  # request id -> scheduler seq, while waiting
@@ -111,81 +106,6 @@ class Engine:
                 "lower max_model_len or raise the budget"
             )
         return left
-
-    def _profile_jct(self) -> JCTModel:
-        """Fit the JCT model on a measured grid, or reuse the fit cached for this exact setup."""
-        sc, f, cache = self.config.scheduler, self.config.forward, self.config.cache
-        totals = sorted({min(t, self.max_model_len) for t in sc.profile_tokens})
-        parts = {
-            "model": (self.model_dir / "config.json").read_text(),
-            "weights_bytes": (self.model_dir / "model.safetensors").stat().st_size
-            if (self.model_dir / "model.safetensors").exists() else 0,
-            "dtype": self.config.model.dtype, "device": self.device, "torch": torch.__version__,
-            "mode": f.mode, "chunk": f.chunk_tokens, "block": cache.block_tokens,
-            "totals": totals, "fractions": sc.profile_miss_fractions, "host": self.tiers.host_tier is not None,
-            "cost_paths": JCT_PROFILE_VERSION,
-        }  # fmt: skip
-        key = cache_key(parts)
-        samples = load_cached(sc.profile_cache_dir, key)
-        if samples is None:
-            start = time.perf_counter()
-            samples = self._measure_jct_grid(totals, sc.profile_miss_fractions)
-            path = save_cached(sc.profile_cache_dir, key, samples, parts)
-            log.info("JCT profile: %d samples in %.1f s, cached in %s", len(samples), time.perf_counter() - start, path)
-        model = JCTModel.fit(samples)
-        log.info("JCT model: %s", ", ".join(f"{c:.3g}" for c in model.coefficients))
-        return model
-
-    def _measure_jct_grid(self, totals: list[int], fractions: list[float]) -> list[JCTSample]:
-        a = self.model.args
-        bt = self.tiers.block_tokens
-        dtype = DTYPES[self.config.model.dtype]
-        g = torch.Generator().manual_seed(0)
-        f = self.config.forward
-        forward(self.model, torch.arange(1, 65), mode=f.mode, chunk_tokens=f.chunk_tokens)  # warm-up
-        samples = []
-        for total in totals:
-            ids = torch.randint(0, a.vocab_size, (total,), generator=g)
-            for fraction in fractions:
-                miss = max(1, int(total * fraction))
-                prefix = total - miss
-                kv = [
-                    (torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=self.device),
-                     torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=self.device))
-                    for _ in range(a.num_layers)
-                ] if prefix else None  # fmt: skip
-                start = time.perf_counter()
-                forward(self.model, ids[prefix:], mode=f.mode, chunk_tokens=f.chunk_tokens, prefix_kv=kv)
-                self._sync()
-                samples.append(JCTSample(total, miss, 0, time.perf_counter() - start))
-        if self.tiers.host_tier is not None:
-            samples += self._measure_host_loads(totals, g, bt)
-        return samples
-
-    def _measure_host_loads(self, totals: list[int], g: torch.Generator, bt: int) -> list[JCTSample]:
-        """Jobs whose prefix all comes from the host tier: real LMCache stores and retrievals."""
-        samples = []
-        for total in totals:
-            if total <= bt:
-                continue
-            ids = torch.randint(0, self.model.args.vocab_size, (total,), generator=g)
-            stored = self.tiers.prepare(self.tiers.new_request(f"profile-store-{total}", ids))
-            self._compute([stored])
-            self.tiers.finish(stored)
-            self.tiers.flush()
-            self.tiers.device_tier.clear()
-            start = time.perf_counter()
-            loaded = self.tiers.prepare(self.tiers.new_request(f"profile-load-{total}", ids))
-            self._compute([loaded])
-            self._sync()
-            seconds = time.perf_counter() - start
-            self.tiers.abort(loaded)
-            split = loaded.split
-            samples.append(JCTSample(total, split.num_miss_tokens, split.num_host_hit_tokens, seconds))
-        self.tiers.clear()
-        if self.tiers.host_tier is not None:
-            self.tiers.host_tier.reset_stats()
-        return samples
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -280,21 +200,12 @@ class Engine:
     ) -> list[Result]:
         """Make the batch's adapters resident; fail (only) the requests whose adapter folder can no
         longer be read as it was checked (changed or deleted since)."""
-        identities = {a for d in batch if (a := d.waiting.request.adapter) is not None}
+        identities = [a for d in batch if (a := d.waiting.request.adapter) is not None]
         if self.adapters is None or not identities:
             return []
-        bad: dict[str, str] = {}
-        while identities:
-            try:
-                self.adapters.weights(identities)
-                break
-            except AdapterError as exc:
-                identity = getattr(exc, "identity", None)
-                if identity is None or identity not in identities:
-                    raise
-                log.error("%s: its requests fail", exc)
-                bad[identity] = str(exc)
-                identities.discard(identity)
+        bad = self.adapters.load(identities)
+        for why in bad.values():
+            log.error("%s: its requests fail", why)
         return [
             Result.failed(d.waiting.request.request_id, d.waiting.request.token_ids.numel(),
                           bad[a], started - arrival)
@@ -391,7 +302,6 @@ class Engine:
         leads: dict[tuple[tuple[int, ...], str | None], list[int]] = {}
         items: list[BatchItem] = []
         shared: list[int] = []
-        lora = self.adapters.weights(p.request.adapter for p in prepared if p.request.adapter) if self.adapters else {}
         for p in prepared:
             blocks = tuple(p.prefix_blocks)  # block keys include the adapter: one prefix, one adapter
             if blocks not in prefixes:
@@ -403,7 +313,7 @@ class Engine:
             m, lead = max(((_common_prefix_len(items[i].token_ids, new, new.numel() - 1), i)
                            for i in leads.get((blocks, adapter), ())), default=(0, -1))  # fmt: skip
             sink = self.tiers.sink(p)
-            weights = lora[adapter] if adapter else None
+            weights = self.adapters.weights(adapter) if adapter and self.adapters else None
             if m:
                 items.append(BatchItem(new[m:], prefixes[blocks], sink, lead=lead, num_shared=m, adapter=weights))
             else:

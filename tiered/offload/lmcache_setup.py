@@ -1,0 +1,74 @@
+"""LMCache's own conventions, kept for the host tier: set up before LMCache is first imported.
+
+- `LMCACHE_CONFIG_FILE` and `LMCACHE_*` variables are read as LMCache reads them (its loader:
+  file, then environment), below `cache.host.lmcache` (explicit overrides); our default host-tier
+  size applies only where none of them sets it.
+- Its usage telemetry is off unless `LMCACHE_TRACK_USAGE` says otherwise.
+- It logs at WARNING unless `LMCACHE_LOG_LEVEL` says otherwise, through our handlers (one plain
+  format, no ANSI colours), without its warnings about parts we do not use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from tiered.config import ConfigError
+
+# Set before LMCache is first imported (it reads them at import): a user's own values win.
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+# Our default host-tier size, unless the YAML, LMCACHE_MAX_LOCAL_CPU_SIZE or LMCACHE_CONFIG_FILE sets one.
+DEFAULT_LMCACHE = {"max_local_cpu_size": 0.25}
+
+
+class _NotOurConcern(logging.Filter):
+    """LMCache warnings about parts we do not use: its token hashing (we pass our own chunk keys,
+    so neither its hash function nor PYTHONHASHSEED matters to it) and its cache controller."""
+
+    MARKS = ("PYTHONHASHSEED", "Could not load 'builtin'", "Controller message sender is not initialized")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(mark in message for mark in self.MARKS)
+
+
+_NOT_OUR_CONCERN = _NotOurConcern()
+
+
+def quiet_lmcache() -> None:
+    """LMCache's loggers each carry their own coloured handler and do not propagate: route them
+    through ours (one format for every process, no ANSI codes) at LMCACHE_LOG_LEVEL."""
+    level = getattr(logging, os.environ.get("LMCACHE_LOG_LEVEL", "WARNING").upper(), logging.WARNING)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("lmcache"):
+            logger = logging.getLogger(name)
+            logger.handlers.clear()
+            logger.propagate = True
+            logger.setLevel(level)
+            if _NOT_OUR_CONCERN not in logger.filters:
+                logger.addFilter(_NOT_OUR_CONCERN)
+
+
+def lmcache_config(options: dict[str, Any]) -> Any:
+    """LMCache's config as LMCache builds it (LMCACHE_CONFIG_FILE, then LMCACHE_* variables),
+    then `options` on top; our defaults only for keys none of those set."""
+    import yaml
+    from lmcache.v1.config import load_engine_config_with_overrides
+
+    from_env = {k[len("LMCACHE_") :].lower() for k in os.environ if k.startswith("LMCACHE_")}
+    path = os.environ.get("LMCACHE_CONFIG_FILE")
+    try:
+        from_file = set(yaml.safe_load(Path(path).read_text()) or {}) if path else set()
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"LMCACHE_CONFIG_FILE '{path}' cannot be read as YAML: {exc}") from None
+    defaults = {k: v for k, v in DEFAULT_LMCACHE.items() if k not in from_env | from_file}
+    return load_engine_config_with_overrides(overrides={**defaults, **options})
+
+
+def lmcache_config_keys() -> set[str]:
+    from lmcache.v1 import config as lmcache_config
+
+    return set(lmcache_config._CONFIG_DEFINITIONS)

@@ -1,0 +1,102 @@
+"""The JCT model's start-up profile: forwards measured on a grid of lengths and cached fractions
+(plus real host-tier loads when there is a host tier), fitted, and cached per exact setup."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiered.hybrid.forward import forward
+from tiered.hybrid.loader import DTYPES
+from tiered.scheduler.jct import JCTModel, JCTSample, cache_key, load_cached, save_cached
+
+if TYPE_CHECKING:
+    from tiered.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Part of the JCT profile's cache key. Bump it when the forward's or the tiers' costs change: a
+# profile cached by older code would price jobs (host loads above all) at what they used to cost.
+# 2: the host tier at copy speed (issue 15).
+JCT_PROFILE_VERSION = 2
+
+
+def profile_jct(engine: Engine) -> JCTModel:
+    """Fit the JCT model on a measured grid, or reuse the fit cached for this exact setup."""
+    sc, f, cache = engine.config.scheduler, engine.config.forward, engine.config.cache
+    totals = sorted({min(t, engine.max_model_len) for t in sc.profile_tokens})
+    parts = {
+        "model": (engine.model_dir / "config.json").read_text(),
+        "weights_bytes": (engine.model_dir / "model.safetensors").stat().st_size
+        if (engine.model_dir / "model.safetensors").exists() else 0,
+        "dtype": engine.config.model.dtype, "device": engine.device, "torch": torch.__version__,
+        "mode": f.mode, "chunk": f.chunk_tokens, "block": cache.block_tokens,
+        "totals": totals, "fractions": sc.profile_miss_fractions, "host": engine.tiers.host_tier is not None,
+        "cost_paths": JCT_PROFILE_VERSION,
+    }  # fmt: skip
+    key = cache_key(parts)
+    samples = load_cached(sc.profile_cache_dir, key)
+    if samples is None:
+        start = time.perf_counter()
+        samples = _measure_grid(engine, totals, sc.profile_miss_fractions)
+        path = save_cached(sc.profile_cache_dir, key, samples, parts)
+        log.info("JCT profile: %d samples in %.1f s, cached in %s", len(samples), time.perf_counter() - start, path)
+    model = JCTModel.fit(samples)
+    log.info("JCT model: %s", ", ".join(f"{c:.3g}" for c in model.coefficients))
+    return model
+
+
+def _measure_grid(engine: Engine, totals: list[int], fractions: list[float]) -> list[JCTSample]:
+    a = engine.model.args
+    bt = engine.tiers.block_tokens
+    dtype = DTYPES[engine.config.model.dtype]
+    g = torch.Generator().manual_seed(0)
+    f = engine.config.forward
+    forward(engine.model, torch.arange(1, 65), mode=f.mode, chunk_tokens=f.chunk_tokens)  # warm-up
+    samples = []
+    for total in totals:
+        ids = torch.randint(0, a.vocab_size, (total,), generator=g)
+        for fraction in fractions:
+            miss = max(1, int(total * fraction))
+            prefix = total - miss
+            kv = [
+                (torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=engine.device),
+                 torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=engine.device))
+                for _ in range(a.num_layers)
+            ] if prefix else None  # fmt: skip
+            start = time.perf_counter()
+            forward(engine.model, ids[prefix:], mode=f.mode, chunk_tokens=f.chunk_tokens, prefix_kv=kv)
+            engine._sync()
+            samples.append(JCTSample(total, miss, 0, time.perf_counter() - start))
+    if engine.tiers.host_tier is not None:
+        samples += _measure_host_loads(engine, totals, g, bt)
+    return samples
+
+
+def _measure_host_loads(engine: Engine, totals: list[int], g: torch.Generator, bt: int) -> list[JCTSample]:
+    """Jobs whose prefix all comes from the host tier: real LMCache stores and retrievals."""
+    samples = []
+    for total in totals:
+        if total <= bt:
+            continue
+        ids = torch.randint(0, engine.model.args.vocab_size, (total,), generator=g)
+        stored = engine.tiers.prepare(engine.tiers.new_request(f"profile-store-{total}", ids))
+        engine._compute([stored])
+        engine.tiers.finish(stored)
+        engine.tiers.flush()
+        engine.tiers.device_tier.clear()
+        start = time.perf_counter()
+        loaded = engine.tiers.prepare(engine.tiers.new_request(f"profile-load-{total}", ids))
+        engine._compute([loaded])
+        engine._sync()
+        seconds = time.perf_counter() - start
+        engine.tiers.abort(loaded)
+        split = loaded.split
+        samples.append(JCTSample(total, split.num_miss_tokens, split.num_host_hit_tokens, seconds))
+    engine.tiers.clear()
+    if engine.tiers.host_tier is not None:
+        engine.tiers.host_tier.reset_stats()
+    return samples
