@@ -177,6 +177,26 @@ def test_close_drains_or_drops_the_backlog(model: CausalLM, make_tiers, monkeypa
     assert stats.num_pending_stores == 0
 
 
+def test_lmcaches_chunk_reuse_record_stays_bounded(model: CausalLM, make_tiers, monkeypatch) -> None:
+    """LMCache's LRU policy records every new chunk for a statistic, up to 12.5 M entries (the
+    engine's RSS creep in the soak); ours bounds it by the tier's size."""
+    from tiered.offload import lmcache_setup
+
+    monkeypatch.setattr(lmcache_setup, "REUSE_RECORD_MIN", 8)
+    monkeypatch.setattr(lmcache_setup, "REUSE_RECORD_MAX", 8)  # so the bound is 8 (not 2 x the tier's chunks)
+    tiers = make_tiers(device_blocks=0)
+    host = tiers.host_tier
+    assert host is not None
+    record = host._storage.local_cpu_backend.cache_policy.chunk_hash_to_init_timestamp
+    sizes = []
+    for seed in range(12):
+        _run(model, tiers, _tokens(64, 100 + seed))  # 4 new chunks each: 48 in all
+        tiers.flush()
+        sizes.append(len(record))
+    assert tiers.stats().host.num_stored_tokens == 48 * BT
+    assert max(sizes) <= 8 and sizes[-1] > 0
+
+
 def test_host_tier_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="store_cpu_share"):
         HostTierConfig(store_cpu_share=0)

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # The RSS of both processes may grow by at most this much after the first fifth of a soak (by then
 # LMCache's buffer and the allocator pools are warm): more means something accumulates.
-RSS_GROWTH_BOUND = 32 * 2**20
+RSS_GROWTH_BOUND = 16 * 2**20
 
 INVALID = {
     "out_of_vocabulary": lambda ids, n: {"prompt": [*ids[:10], 10**7], "max_tokens": 1},

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from tiered.config import ConfigError, HostTierConfig
-from tiered.offload.lmcache_setup import lmcache_config, lmcache_config_keys, quiet_lmcache
+from tiered.offload.lmcache_setup import bound_reuse_record, lmcache_config, lmcache_config_keys, quiet_lmcache
 from tiered.offload.request import StoreBatch
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ class HostTier:
         self._engine.post_init()
         quiet_lmcache()
         self._storage = self._engine.storage_manager
+        bound_reuse_record(self._storage, self.capacity_chunks)
         self._fmt = MemoryFormat.KV_2LTD
         self._obj_shape = torch.Size([2, num_layers, block_tokens, num_kv_heads * head_dim])
         self._key = lambda k: CacheEngineKey(instance_id, 1, 0, k & _KEY_MASK, dtype, None)

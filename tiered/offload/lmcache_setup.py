@@ -6,6 +6,9 @@
 - Its usage telemetry is off unless `LMCACHE_TRACK_USAGE` says otherwise.
 - It logs at WARNING unless `LMCACHE_LOG_LEVEL` says otherwise, through our handlers (one plain
   format, no ANSI colours), without its warnings about parts we do not use.
+- Its LRU policy's record of when each chunk was first stored (for its chunk-reuse statistic)
+  is bounded by the tier's size, not by LMCache's 12.5 M entries (~1 GiB: it grew ~100 bytes per
+  new chunk, the engine's RSS creep in the soak).
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ DEFAULT_LMCACHE = {"max_local_cpu_size": 0.25}
 
 class _NotOurConcern(logging.Filter):
     """LMCache warnings about parts we do not use: its token hashing (we pass our own chunk keys,
-    so neither its hash function nor PYTHONHASHSEED matters to it) and its cache controller."""
+    so neither its hash function nor PYTHONHASHSEED matters to it) and its cache controller; and its
+    allocator's warning, on every store into a full tier, that it must evict first (a full tier is
+    the steady state, and LMCache then evicts as designed)."""
 
-    MARKS = ("PYTHONHASHSEED", "Could not load 'builtin'", "Controller message sender is not initialized")
+    MARKS = ("PYTHONHASHSEED", "Could not load 'builtin'", "Controller message sender is not initialized",
+             "because no memory is available")
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -72,3 +78,20 @@ def lmcache_config_keys() -> set[str]:
     from lmcache.v1 import config as lmcache_config
 
     return set(lmcache_config._CONFIG_DEFINITIONS)
+
+
+# Entries of LMCache's chunk-reuse record per chunk the tier can hold, and the most in any case:
+# a record of a chunk long evicted only feeds a statistic. LMCache clears the record when full.
+REUSE_RECORD_PER_CHUNK = 2
+REUSE_RECORD_MIN = 1024
+REUSE_RECORD_MAX = 1 << 18  # ~26 MiB at ~100 bytes an entry
+
+
+def bound_reuse_record(storage_manager: Any, capacity_chunks: int) -> int:
+    """Bound the chunk-reuse record of every LMCache backend policy that keeps one; returns the bound."""
+    bound = max(REUSE_RECORD_MIN, min(REUSE_RECORD_PER_CHUNK * capacity_chunks, REUSE_RECORD_MAX))
+    for backend in getattr(storage_manager, "storage_backends", {}).values():
+        policy = getattr(backend, "cache_policy", None)
+        if policy is not None and hasattr(policy, "max_num_chunk_hash"):
+            policy.max_num_chunk_hash = bound
+    return bound
