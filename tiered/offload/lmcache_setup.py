@@ -33,8 +33,12 @@ class _NotOurConcern(logging.Filter):
     allocator's warning, on every store into a full tier, that it must evict first (a full tier is
     the steady state, and LMCache then evicts as designed)."""
 
-    MARKS = ("PYTHONHASHSEED", "Could not load 'builtin'", "Controller message sender is not initialized",
-             "because no memory is available")
+    MARKS = (
+        "PYTHONHASHSEED",
+        "Could not load 'builtin'",
+        "Controller message sender is not initialized",
+        "because no memory is available",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
