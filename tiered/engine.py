@@ -25,9 +25,9 @@ from tiered.adapters import Adapters, UnknownAdapterError
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.forward import BatchItem, ForwardInputError, forward_batch
-from tiered.hybrid.loader import DTYPES, load_model, resolve_device
+from tiered.hybrid.loader import DTYPES, load_model, model_identity, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
-from tiered.offload.request import HitSplit, PrefixKV, Prepared
+from tiered.offload.request import PrefixKV, Prepared
 from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.profile import profile_jct
@@ -73,9 +73,9 @@ class Engine:
         cache = config.cache
         if config.engine.memory_budget_bytes:
             cache = replace(cache, device_tier_bytes=self._split_memory(config.engine.memory_budget_bytes))
-        self.tiers = KVTiers(
-            cache, self.model.args, DTYPES[config.model.dtype], device, f"engine-{uuid.uuid4().hex[:8]}"
-        )
+        self.model_identity = model_identity(folder, config.model.dtype, cache.block_tokens)
+        self.tiers = KVTiers(cache, self.model.args, DTYPES[config.model.dtype], device,
+                             f"engine-{uuid.uuid4().hex[:8]}", self.model_identity)  # fmt: skip
         lora = config.lora
         self.adapters = Adapters(lora, self.model.args, DTYPES[config.model.dtype], device) if lora.enabled else None
         self.jct = jct_model or profile_jct(self)
@@ -257,7 +257,11 @@ class Engine:
             self.tiers.finish(p)
         # For the cost model, tokens computed by another request cost what a cached prefix does.
         splits = [
-            HitSplit(p.split.num_device_hit_tokens + m, p.split.num_host_hit_tokens, p.split.num_miss_tokens - m)
+            replace(
+                p.split,
+                num_device_hit_tokens=p.split.num_device_hit_tokens + m,
+                num_miss_tokens=p.split.num_miss_tokens - m,
+            )
             for p, m in zip(prepared, shared, strict=True)
         ]
         load = sum(p.load_seconds for p in prepared)

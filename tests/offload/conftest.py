@@ -25,16 +25,22 @@ def model(tiny_dir: Path) -> CausalLM:
 
 @pytest.fixture
 def make_tiers(model: CausalLM) -> Iterator:
-    """make(device_blocks, host_options, **CacheConfig fields): tiers of `device_blocks` blocks of
-    BT tokens; unless `host` is given, a 50 MB LMCache CPU tier with `host_options` (HostTierConfig)."""
+    """make(device_blocks, host_options, model_identity, **CacheConfig fields): tiers of
+    `device_blocks` blocks of BT tokens, `model_identity` in the host tier's keys; unless `host`
+    is given, a 50 MB LMCache CPU tier with `host_options` (HostTierConfig)."""
     made: list[KVTiers] = []
 
-    def make(device_blocks: int = 64, host_options: dict[str, object] | None = None, **cache: object) -> KVTiers:
+    def make(
+        device_blocks: int = 64,
+        host_options: dict[str, object] | None = None,
+        model_identity: str | None = None,
+        **cache: object,
+    ) -> KVTiers:
         a = model.args
         block_bytes = 2 * a.num_layers * BT * a.num_kv_heads * a.head_dim * 4
         host = cache.pop("host", None) or HostTierConfig(lmcache={"max_local_cpu_size": 0.05}, **(host_options or {}))
         cfg = CacheConfig(block_tokens=BT, device_tier_bytes=device_blocks * block_bytes, host=host, **cache)  # type: ignore[arg-type]
-        made.append(KVTiers(cfg, a, torch.float32, "cpu", f"test-{next(_ids)}"))
+        made.append(KVTiers(cfg, a, torch.float32, "cpu", f"test-{next(_ids)}", model_identity))
         return made[-1]
 
     yield make

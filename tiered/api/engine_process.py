@@ -131,6 +131,7 @@ def _response(result: Result) -> ScoreResponse:
         num_tokens=result.num_tokens,
         num_device_hit_tokens=result.split.num_device_hit_tokens,
         num_host_hit_tokens=result.split.num_host_hit_tokens,
+        num_remote_hit_tokens=result.split.num_remote_hit_tokens,
         num_shared_tokens=result.num_shared_tokens,
         queued_seconds=result.queued_seconds,
         load_seconds=result.load_seconds,

@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from tiered.api.protocol import EngineStats, ScoreResponse
+from tiered.api.protocol import EngineStats, ScoreResponse, cached_tokens
 
 # vLLM's buckets for request latencies (seconds).
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
@@ -82,9 +82,10 @@ class Metrics:
         self.prompt_tokens.labels(model).inc(out.num_tokens)
         self.generation_tokens.labels(model).inc()
         self.queries.labels(model).inc(out.num_tokens)
-        self.hits.labels(model).inc(out.num_device_hit_tokens + out.num_host_hit_tokens)
+        self.hits.labels(model).inc(cached_tokens(out))
         self.tier_hits.labels(model, "device").inc(out.num_device_hit_tokens)
         self.tier_hits.labels(model, "host").inc(out.num_host_hit_tokens)
+        self.tier_hits.labels(model, "remote").inc(out.num_remote_hit_tokens)
         self.shared.labels(model).inc(out.num_shared_tokens)
         self.e2e.labels(model).observe(e2e_seconds)
         self.queue.labels(model).observe(out.queued_seconds)

@@ -68,11 +68,17 @@ class ScoreResponse:
     num_tokens: int = 0
     num_device_hit_tokens: int = 0
     num_host_hit_tokens: int = 0
+    num_remote_hit_tokens: int = 0
     num_shared_tokens: int = 0  # computed once for this request by another one of its batch
     queued_seconds: float = 0.0
     load_seconds: float = 0.0  # host-tier loads of this request's batch
     store_seconds: float = 0.0  # what host-tier stores cost this request's batch's forward
     compute_seconds: float = 0.0
+
+
+def cached_tokens(out: ScoreResponse) -> int:
+    """A response's prompt tokens that came from a cache tier (vLLM's `cached_tokens`)."""
+    return out.num_device_hit_tokens + out.num_host_hit_tokens + out.num_remote_hit_tokens
 
 
 @dataclass(slots=True)

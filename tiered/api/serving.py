@@ -16,7 +16,7 @@ from fastapi import Request
 
 from tiered.api.errors import APIError
 from tiered.api.metrics import Metrics
-from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse
+from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse, cached_tokens
 from tiered.api.schemas import ChoiceFields, EngineFields, ScoreBody
 from tiered.config import Config
 from tiered.validation import InputError, check_prompt, check_token_ids
@@ -204,10 +204,11 @@ def usage(outs: list[ScoreResponse]) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": len(outs),
         "total_tokens": prompt_tokens + len(outs),
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_device_hit_tokens + o.num_host_hit_tokens for o in outs)},
+        "prompt_tokens_details": {"cached_tokens": sum(cached_tokens(o) for o in outs)},
         "tiered": {  # our extension: where the cached tokens came from
             "device_hit_tokens": sum(o.num_device_hit_tokens for o in outs),
             "host_hit_tokens": sum(o.num_host_hit_tokens for o in outs),
+            "remote_hit_tokens": sum(o.num_remote_hit_tokens for o in outs),  # a shared remote tier's
             # not cached, but computed once for several prompts of the batch (a shared profile)
             "batch_shared_tokens": sum(o.num_shared_tokens for o in outs),
             # seconds of the forwards that computed these prompts: host-tier loads, what host-tier

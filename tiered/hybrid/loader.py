@@ -106,6 +106,36 @@ def read_args(folder: str | Path) -> ModelArgs:
     return args_from_hf_config(json.loads(config_path.read_text()))
 
 
+# What `model_identity` reads of each weight file beyond its header: this many evenly spaced slices.
+IDENTITY_SLICES = 64
+IDENTITY_SLICE_BYTES = 64 * 1024
+
+
+def model_identity(folder: str | Path, dtype: str, block_tokens: int) -> str:
+    """A name for this model's KV, equal on every machine that loads the same checkpoint in the
+    same dtype and block size (never a random id): the host tier's keys carry it, so engines that
+    share a remote store share chunks exactly when their KV is interchangeable.
+
+    It hashes config.json and, of each weight file, its size, its safetensors header (names,
+    shapes, dtypes, offsets) and IDENTITY_SLICES slices spread over its data from the first byte
+    to the last (a fine-tune changes nearly every byte), rather than every byte: start-up stays
+    fast for large checkpoints."""
+    import hashlib
+
+    folder = Path(folder)
+    h = hashlib.sha256(f"tiered-kv/1 {dtype} {block_tokens}\n".encode())
+    h.update((folder / "config.json").read_bytes())
+    for path in _weight_files(folder):
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            h.update(size.to_bytes(8, "little") + f.read(min(header, size)))
+            for i in range(IDENTITY_SLICES):
+                f.seek(8 + header + i * max(0, size - 8 - header - IDENTITY_SLICE_BYTES) // (IDENTITY_SLICES - 1))
+                h.update(f.read(IDENTITY_SLICE_BYTES))
+    return f"tiered-{h.hexdigest()[:20]}"
+
+
 def load_model(folder: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> CausalLM:
     """Build the model for `folder` and load its weights in `dtype` on `device`."""
     if dtype not in DTYPES:

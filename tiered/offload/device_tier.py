@@ -8,6 +8,7 @@ also compares the stored token ids to rule those out. Blocks in use by a request
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -19,6 +20,12 @@ from torch import Tensor
 ROOT_KEY = 0
 
 
+def _stable(kind: str, text: str) -> int:
+    """A string as a 64-bit int, the same in every process (Python's str hash is salted per process)."""
+    digest = hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 def block_keys(
     token_ids: Sequence[int], block_tokens: int, salt: str | None = None, adapter: str | None = None
 ) -> list[int]:
@@ -26,11 +33,13 @@ def block_keys(
 
     A salt (vLLM's `cache_salt`) and a LoRA adapter's identity change every key: requests share
     cached blocks only with requests of the same salt and the same adapter (an adapter changes
-    the KV of every token)."""
+    the KV of every token). Keys are equal in every process of the same Python (a remote tier
+    shares chunks across engines by them): they hash only ints and tuples of ints, whose hashes
+    PYTHONHASHSEED does not change; strings enter through `_stable`."""
     keys = []
-    parent = ROOT_KEY if salt is None else hash(("cache_salt", salt))
+    parent = ROOT_KEY if salt is None else hash((_stable("cache_salt", salt),))
     if adapter is not None:
-        parent = hash(("lora", adapter, parent))
+        parent = hash((_stable("lora", adapter), parent))
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         parent = hash((parent, tuple(token_ids[start : start + block_tokens])))
         keys.append(parent)

@@ -41,7 +41,13 @@ import torch
 from torch import Tensor
 
 from tiered.config import ConfigError, HostTierConfig
-from tiered.offload.lmcache_setup import bound_reuse_record, lmcache_config, lmcache_config_keys, quiet_lmcache
+from tiered.offload.lmcache_setup import (
+    bound_reuse_record,
+    fix_remote_close,
+    lmcache_config,
+    lmcache_config_keys,
+    quiet_lmcache,
+)
 from tiered.offload.request import StoreBatch
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,7 @@ class HostTierStats:
     """Counters since start. Seconds are wall time of the named stage, on the thread that ran it."""
 
     num_hit_tokens: int = 0
+    num_remote_hit_tokens: int = 0  # of those, found in the remote store (`remote_url`) only
     num_stored_tokens: int = 0
     num_failures: int = 0
     num_loads: int = 0
@@ -97,7 +104,11 @@ class HostTier:
         head_dim: int,
         dtype: torch.dtype,
         instance_id: str,
+        model_name: str | None = None,
     ) -> None:
+        """`instance_id` names this tier's LMCache engine in the process; `model_name` (default:
+        the instance id) is LMCache's model name, part of every chunk key: engines that share a
+        remote store (`remote_url`) share chunks when they give the same name (the model's identity)."""
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.memory_management import MemoryFormat
@@ -117,6 +128,7 @@ class HostTier:
         self.cfg = cfg
         self.block_tokens = block_tokens
         self.instance_id = instance_id
+        self.model_name = model_name = model_name or instance_id
         self.chunk_shape = (2, num_layers, block_tokens, num_kv_heads, head_dim)
         self.chunk_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * dtype.itemsize
         self._dtype = dtype
@@ -125,8 +137,9 @@ class HostTier:
                                                             if config.local_disk else 0.0)  # fmt: skip
         # How many chunks this tier can hold (a remote store: unknown, so a generous bound).
         self.capacity_chunks = int(local_gb * 2**30 / self.chunk_bytes) if not config.remote_url else 1 << 22
+        self.remote = bool(config.remote_url)
         metadata = LMCacheMetadata(
-            model_name=instance_id,
+            model_name=model_name,
             world_size=1,
             local_world_size=1,
             worker_id=0,
@@ -143,9 +156,10 @@ class HostTier:
         quiet_lmcache()
         self._storage = self._engine.storage_manager
         bound_reuse_record(self._storage, self.capacity_chunks)
+        fix_remote_close(self._storage)
         self._fmt = MemoryFormat.KV_2LTD
         self._obj_shape = torch.Size([2, num_layers, block_tokens, num_kv_heads * head_dim])
-        self._key = lambda k: CacheEngineKey(instance_id, 1, 0, k & _KEY_MASK, dtype, None)
+        self._key = lambda k: CacheEngineKey(model_name, 1, 0, k & _KEY_MASK, dtype, None)
         self._lock = threading.Lock()  # LMCache calls, `_pending` and the counters
         self._pending: dict[int, tuple[StoreBatch, int]] = {}  # key -> (batch, index): not put yet
         self._queue: deque[StoreBatch] = deque()
@@ -181,11 +195,14 @@ class HostTier:
 
     # ---- loads -----------------------------------------------------------------------------
 
-    def get(self, keys: Sequence[int]) -> list[Any]:
-        """Memory objects of the leading `keys` this tier holds (pending stores included).
+    def get(self, keys: Sequence[int]) -> tuple[list[Any], int]:
+        """Memory objects of the leading `keys` this tier holds (pending stores included), and how
+        many of them (the last ones: LMCache looks in its local backends first) came from the
+        remote store.
 
         Each returned object carries a reference: pass the list to `copy_into` (or `release`)."""
         out: list[Any] = []
+        remote: set[int] = set()
         with self._lock:
             start = time.perf_counter()
             i = 0
@@ -205,6 +222,8 @@ class HostTier:
                 for location, chunks in mapping.items():
                     objs = self._storage.batched_get([c[0] for c in chunks], location=location)
                     found.update((c[1], obj) for c, obj in zip(chunks, objs, strict=True))
+                    if location == "RemoteBackend":
+                        remote.update(c[1] for c in chunks)
                 self.stats_.load_get_seconds += time.perf_counter() - lookup
             except Exception as exc:  # noqa: BLE001 - any host-tier fault degrades to a miss
                 self._failed("retrieve", exc)
@@ -216,7 +235,9 @@ class HostTier:
             for obj in found.values():  # behind a gap: not usable as a prefix
                 if obj is not None:
                     obj.ref_count_down()
-        return out
+            num_remote = sum(1 for r in remote if r < n)
+            self.stats_.num_remote_hit_tokens += num_remote * self.block_tokens
+        return out, num_remote
 
     def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor]) -> None:
         """Copy chunk i into `blocks[i]` (a device-tier block), then release the objects."""

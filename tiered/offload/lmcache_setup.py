@@ -6,6 +6,7 @@
 - Its usage telemetry is off unless `LMCACHE_TRACK_USAGE` says otherwise.
 - It logs at WARNING unless `LMCACHE_LOG_LEVEL` says otherwise, through our handlers (one plain
   format, no ANSI colours), without its warnings about parts we do not use.
+- Closing its Redis and RESP connectors deadlocks in 0.5.6: `fix_remote_close` works around it.
 - Its LRU policy's record of when each chunk was first stored (for its chunk-reuse statistic)
   is bounded by the tier's size, not by LMCache's 12.5 M entries (~1 GiB: it grew ~100 bytes per
   new chunk, the engine's RSS creep in the soak).
@@ -99,3 +100,29 @@ def bound_reuse_record(storage_manager: Any, capacity_chunks: int) -> int:
         if policy is not None and hasattr(policy, "max_num_chunk_hash"):
             policy.max_num_chunk_hash = bound
     return bound
+
+
+def fix_remote_close(storage_manager: Any) -> int:
+    """Work around LMCache 0.5.6's deadlock when closing its Redis (and RESP) connectors.
+
+    Their `close` coroutine, run on LMCache's event loop, calls the job executor's blocking
+    `shutdown`, which waits for a coroutine scheduled on that same loop: `LMCacheEngineBuilder.destroy`
+    never returns. Each such connector gets a `close` that awaits the executor's own
+    `shutdown_async` instead (what the blocking one schedules), then closes its connection pool.
+    Returns how many connectors were fixed."""
+    fixed = 0
+    for backend in getattr(storage_manager, "storage_backends", {}).values():
+        connector: Any = getattr(backend, "connection", None)
+        while hasattr(connector, "getWrappedConnector"):  # LMCache's instrumenting wrappers
+            connector = connector.getWrappedConnector()
+        executor = getattr(connector, "pq_executor", None)
+        if executor is None or not hasattr(executor, "shutdown_async") or not hasattr(connector, "connection"):
+            continue
+
+        async def close(connector: Any = connector, executor: Any = executor) -> None:
+            await executor.shutdown_async(wait=True)
+            await connector.connection.aclose()
+
+        connector.close = close
+        fixed += 1
+    return fixed

@@ -19,16 +19,22 @@ from tiered.offload.device_tier import DeviceTier, block_keys
 
 @dataclass(frozen=True, slots=True)
 class HitSplit:
-    """Where a request's tokens come from: the prefix (device hits and host hits, in runs that may
-    alternate), then the misses."""
+    """Where a request's tokens come from: the prefix (device hits, host hits and remote hits, in
+    runs that may alternate), then the misses. Remote hits: chunks found in a shared remote store
+    (`cache.host.lmcache.remote_url`) that this engine's own host tier did not hold."""
 
     num_device_hit_tokens: int
     num_host_hit_tokens: int
     num_miss_tokens: int
+    num_remote_hit_tokens: int = 0
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self.num_device_hit_tokens + self.num_host_hit_tokens + self.num_remote_hit_tokens
 
     @property
     def num_tokens(self) -> int:
-        return self.num_device_hit_tokens + self.num_host_hit_tokens + self.num_miss_tokens
+        return self.num_hit_tokens + self.num_miss_tokens
 
 
 @dataclass(slots=True)
@@ -90,7 +96,7 @@ class Prepared:
 
     @property
     def num_prefix_tokens(self) -> int:
-        return self.split.num_device_hit_tokens + self.split.num_host_hit_tokens
+        return self.split.num_hit_tokens
 
 
 class PrefixKV(Sequence[LayerKV]):

@@ -53,7 +53,17 @@ class KVTiers:
     `_keys_lock`; the scheduler's estimate reads them without it (single membership tests).
     """
 
-    def __init__(self, cfg: CacheConfig, args: ModelArgs, dtype: torch.dtype, device: str, instance_id: str) -> None:
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        args: ModelArgs,
+        dtype: torch.dtype,
+        device: str,
+        instance_id: str,
+        model_identity: str | None = None,
+    ) -> None:
+        """`model_identity` names the model in the host tier's keys (LMCache's model name): engines
+        that share a remote store share chunks when they give the same one. Default: `instance_id`."""
         self.cfg = cfg
         self.args = args
         self.device = torch.device(device)
@@ -64,15 +74,16 @@ class KVTiers:
         self.host_tier: HostTier | None = None
         if cfg.suffix == "offload":
             self.host_tier = HostTier(
-                cfg.host, cfg.block_tokens, args.num_layers, args.num_kv_heads, args.head_dim, dtype, instance_id
-            )
+                cfg.host, cfg.block_tokens, args.num_layers, args.num_kv_heads, args.head_dim, dtype, instance_id,
+                model_identity,
+            )  # fmt: skip
             self.host_tier.on_stored = self._stored
             if cfg.host.write_policy == "on-evict":
                 self.device_tier.on_evict = self._evicted
         self._dtype = dtype
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch", initializer=_one_thread)
-        self._prefetches: dict[str, Future[list[int]]] = {}
+        self._prefetches: dict[str, Future[tuple[list[int], set[int]]]] = {}
         # Keys of chunks stored in the host tier, for cheap scoring. LMCache may evict behind our
         # back: a load that finds less drops the missing keys (a stale key costs one lookup).
         # Bounded: LMCache evicts silently, so keys of long-gone chunks would pile up forever; the
@@ -87,12 +98,18 @@ class KVTiers:
             self.device_tier.num_blocks,
             cfg.block_tokens,
             cfg.device_tier_bytes / 2**20,
-            f"LMCache ({cfg.host.write_policy}, store thread <= {cfg.host.store_cpu_share:.0%} of a core)"
-            if self.host_tier
-            else "off",
+            self._describe_host() if self.host_tier else "off",
             cfg.retention,
             cfg.suffix,
         )
+
+    def _describe_host(self) -> str:
+        host = self.host_tier
+        assert host is not None
+        text = f"LMCache ({self.cfg.host.write_policy}, store thread <= {self.cfg.host.store_cpu_share:.0%} of a core"
+        if host.remote:  # keys hash ints only: equal in every engine whatever its PYTHONHASHSEED
+            text += f"; shared remote store {host._engine.config.remote_url}, keys of model {host.model_name}"
+        return text + ")"
 
     def new_request(
         self, request_id: str, token_ids: Sequence[int] | Tensor, salt: str | None = None, adapter: str | None = None
@@ -111,7 +128,7 @@ class KVTiers:
         can leave the device before its last ones). This is what the scheduler scores with
         before every pick; `prepare` finds the truth."""
         n = req.token_ids.numel()
-        max_blocks = min(len(req.keys), (n - 1) // self.block_tokens)
+        max_blocks = self._max_blocks(req)
         num_device = num_host = i = 0
         while i < max_blocks:
             run = self.device_tier.count_cached(req.keys, max_blocks, i)
@@ -132,57 +149,71 @@ class KVTiers:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def _has_host_run(self, req: TierRequest, first_block: int) -> bool:
-        return first_block < len(req.keys) and self._in_host(req.keys[first_block])
+    def _max_blocks(self, req: TierRequest) -> int:
+        return min(len(req.keys), (req.token_ids.numel() - 1) // self.block_tokens)
 
-    def _load_from_host(self, req: TierRequest, first_block: int) -> list[int]:
-        """Load the run of host chunks first_block.. into new device blocks (they end pinned and cached).
-
-        Chunks that find no free device block are not loaded: they are recomputed."""
-        if self.host_tier is None:
-            return []
-        max_blocks = min(len(req.keys), (req.token_ids.numel() - 1) // self.block_tokens)
+    def _host_run_end(self, req: TierRequest, first_block: int) -> int:
+        """Where the run of host chunks from `first_block` may end: the known keys' run, or (with
+        a shared remote store, which other engines fill) the prompt's end, for LMCache to look up."""
+        max_blocks = self._max_blocks(req)
+        if self.host_tier is not None and self.host_tier.remote:
+            return max(first_block, max_blocks)
         end = first_block
         while end < max_blocks and self._in_host(req.keys[end]):
             end += 1
-        if end == first_block:
-            return []
+        return end
+
+    def _load_from_host(self, req: TierRequest, first_block: int) -> tuple[list[int], int]:
+        """Load the run of host chunks first_block.. into new device blocks (they end pinned and
+        cached); returns them and how many of them (the last ones) came from the remote store.
+
+        Chunks that find no free device block are not loaded: they are recomputed."""
+        end = self._host_run_end(req, first_block)
+        if self.host_tier is None or end == first_block:
+            return [], 0
         keys = req.keys[first_block:end]
-        objs = self.host_tier.get(keys)
+        objs, num_remote = self.host_tier.get(keys)
         if len(objs) < len(keys):
             self._forget_host_keys(keys[len(objs) :])
         if not objs:
-            return []
+            return [], 0
         blocks = self.device_tier.allocate(len(objs))
         if len(blocks) < len(objs):
             self.host_tier.release(objs[len(blocks) :])
         if not blocks:
-            return []
+            return [], 0
         self.host_tier.copy_into(objs[: len(blocks)], self.device_tier.blocks(blocks))
         bt = self.block_tokens
         for i, b in enumerate(blocks):
             j = first_block + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
-        return blocks
+        num_remote = max(0, num_remote - (len(objs) - len(blocks)))
+        if num_remote:  # in the host tier's reach now: the scheduler's estimate counts them as host hits
+            with self._keys_lock:
+                self.host_keys.update(keys[len(blocks) - num_remote : len(blocks)])
+        return blocks, num_remote
 
-    def _find_prefix(self, req: TierRequest, tokens: list[int]) -> tuple[list[int], list[int], float]:
+    def _find_prefix(self, req: TierRequest, tokens: list[int]) -> tuple[list[int], list[int], set[int], float]:
         """Pin the request's prefix: alternate runs of device hits and host loads, in block order.
 
-        Returns (prefix blocks, those loaded from the host tier, seconds spent loading)."""
+        Returns (prefix blocks, those loaded from the host tier, those of them that came from the
+        remote store, seconds spent loading)."""
         prefix: list[int] = []
         loaded: list[int] = []
+        remote: set[int] = set()
         seconds = 0.0
         try:
             while True:
                 prefix += self.device_tier.match(req.keys, tokens, count=False, start=len(prefix), pin=True)
-                tried, start = self._has_host_run(req, len(prefix)), time.perf_counter()
-                run = self._load_from_host(req, len(prefix))
+                tried, start = self._host_run_end(req, len(prefix)) > len(prefix), time.perf_counter()
+                run, num_remote = self._load_from_host(req, len(prefix))
                 if tried:
                     seconds += time.perf_counter() - start
                 if not run:
-                    return prefix, loaded, seconds
+                    return prefix, loaded, remote, seconds
                 prefix += run
                 loaded += run
+                remote.update(run[len(run) - num_remote :])
         except BaseException:
             self.device_tier.unpin(prefix)
             raise
@@ -202,10 +233,10 @@ class KVTiers:
         if self.host_tier is None or req.request_id in self._prefetches:
             return
 
-        def run() -> list[int]:
-            prefix, loaded, _ = self._find_prefix(req, req.token_ids.tolist())
+        def run() -> tuple[list[int], set[int]]:
+            prefix, loaded, remote, _ = self._find_prefix(req, req.token_ids.tolist())
             self.device_tier.unpin(prefix)
-            return loaded
+            return loaded, remote
 
         self._prefetches[req.request_id] = self._prefetcher.submit(run)
 
@@ -224,15 +255,17 @@ class KVTiers:
         blocks among them are neither kept nor stored again. Its own plan is added to the set."""
         tokens = req.token_ids.tolist()
         prefetched: list[int] = []
+        from_remote: set[int] = set()
         wait = 0.0
         future = self._prefetches.pop(req.request_id, None)
         if future is not None:
             start = time.perf_counter()
-            prefetched = future.result()
+            prefetched, from_remote = future.result()
             wait = time.perf_counter() - start
-        prefix, loaded, load = self._find_prefix(req, tokens)
+        prefix, loaded, remote, load = self._find_prefix(req, tokens)
         try:
-            return self._plan(req, prefix, set(prefetched) | set(loaded), wait, load, shared_keys, planned_keys)
+            from_host = set(prefetched) | set(loaded)
+            return self._plan(req, prefix, from_host, from_remote | remote, wait, load, shared_keys, planned_keys)
         except BaseException:
             self.device_tier.unpin(prefix)  # what _plan pinned it released itself
             raise
@@ -242,6 +275,7 @@ class KVTiers:
         req: TierRequest,
         prefix: list[int],
         from_host: set[int],
+        from_remote: set[int],
         wait: float,
         load: float,
         shared_keys: Collection[int],
@@ -249,8 +283,11 @@ class KVTiers:
     ) -> Prepared:
         bt = self.block_tokens
         num_host = sum(1 for b in prefix if b in from_host)
+        num_remote = sum(1 for b in prefix if b in from_remote)
         n = req.token_ids.numel()
-        split = HitSplit((len(prefix) - num_host) * bt, num_host * bt, n - len(prefix) * bt)
+        split = HitSplit(
+            (len(prefix) - num_host) * bt, (num_host - num_remote) * bt, n - len(prefix) * bt, num_remote * bt
+        )
         self.device_tier.num_hit_tokens += split.num_device_hit_tokens
         self.device_tier.num_queried_tokens += n
 

@@ -1,16 +1,17 @@
 """Job completion time (JCT) model: predicted seconds of one request from its hit split.
 
 Output length is always 1, so a job's time follows from its input: with T tokens in total, M of
-them computed (misses) and H loaded from the host tier,
+them computed (misses), H loaded from the host tier and R from a shared remote tier,
 
-    jct = c0 + c1*M + c2*M*(T - M/2) + c3*H + c4*(T - M)
+    jct = c0 + c1*M + c2*M*(T - M/2) + c3*H + c4*(T - M) + c5*R
 
 (c1: token-wise ops; c2: attention: the (query, key) pairs of M computed tokens after T - M
 cached ones, M*(T - M) + M²/2; counting M*T, as before, counted a fully computed request's
 pairs twice, so one c2 could not fit both computed and cached requests; c3: host load;
-c4: handling the cached prefix, gathering its blocks per layer). A batch is one forward: c0 once,
-the other terms summed over its requests (`predict_batch`), so the fit separates the cost of a
-forward from the cost of a token once batches have been observed.
+c4: handling the cached prefix, gathering its blocks per layer; c5: a remote load, over the
+network, on top of c4 — learnt online from observed jobs, as the start-up grid has none). A
+batch is one forward: c0 once, the other terms summed over its requests (`predict_batch`), so
+the fit separates the cost of a forward from the cost of a token once batches have been observed.
 The coefficients come from a least-squares fit on a profile grid measured at start (cached on
 disk, keyed by model, device and config). Online, every finished job joins the fit (the last
 256 of them beside the profile grid) and the model is refitted, so it follows what
@@ -33,6 +34,7 @@ import numpy as np
 from tiered.offload.request import HitSplit
 
 log = logging.getLogger(__name__)
+NUM_FEATURES = 6
 
 
 def _pairs(num_miss: float, num_tokens: float) -> float:
@@ -50,27 +52,32 @@ class JCTSample:
     seconds: float
     # Σ attention pairs M·(T − M/2) over the forward's requests; -1: one request, computed from its counts.
     num_attention_pairs: float = -1
+    num_remote_hit_tokens: int = 0
 
     @classmethod
     def of(cls, splits: Sequence[HitSplit], seconds: float) -> JCTSample:
         return cls(
             sum(s.num_tokens for s in splits), sum(s.num_miss_tokens for s in splits),
             sum(s.num_host_hit_tokens for s in splits), seconds,
-            sum(_pairs(s.num_miss_tokens, s.num_tokens) for s in splits),
+            sum(_pairs(s.num_miss_tokens, s.num_tokens) for s in splits), sum(s.num_remote_hit_tokens for s in splits),
         )  # fmt: skip
 
     def features(self) -> list[float]:
         m = float(self.num_miss_tokens)
         pairs = _pairs(m, self.num_tokens) if self.num_attention_pairs < 0 else float(self.num_attention_pairs)
-        return [1.0, m, pairs, float(self.num_host_hit_tokens), float(self.num_tokens - self.num_miss_tokens)]
+        cached = float(self.num_tokens - self.num_miss_tokens)
+        return [1.0, m, pairs, float(self.num_host_hit_tokens), cached, float(self.num_remote_hit_tokens)]
 
 
 @dataclass(slots=True)
 class JCTModel:
-    coefficients: list[float]  # c0..c4 as in the module docstring
+    coefficients: list[float]  # c0..c5 as in the module docstring (missing trailing ones: 0)
     profile: list[JCTSample] = field(default_factory=list)
     _observed: deque[JCTSample] = field(default_factory=lambda: deque(maxlen=256))
     _errors: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+
+    def __post_init__(self) -> None:
+        self.coefficients = [*self.coefficients, *[0.0] * (NUM_FEATURES - len(self.coefficients))]
 
     @classmethod
     def fit(cls, samples: list[JCTSample]) -> JCTModel:

@@ -143,7 +143,7 @@ class Scheduler:
         if p in ("srjf", "calibrated"):
             return w.jct + (self.fairness * w.arrival if p == "calibrated" else 0.0)
         if p == "lpm":
-            return -float(w.split.num_device_hit_tokens + w.split.num_host_hit_tokens)
+            return -float(w.split.num_hit_tokens)
         if p == "spf":
             return float(w.split.num_miss_tokens)
         raise ValueError(f"policy {p} has no static score")
