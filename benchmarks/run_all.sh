@@ -66,3 +66,11 @@ $T bench load --config configs/bench-m.yaml --kind revisit --users 8 --posts 4 -
 $T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 64 --visits 64 \
   --systems tiered,tiered-lora1,tiered-lora8,tiered-lora64,vllm,vllm-lora1,vllm-lora8,vllm-lora64 --vllm-python "$VLLM_PY" \
   --multiples 0.5 --json benchmarks/out/visits-lora-bench-m.json --plots benchmarks/out/visits-lora-bench-m
+# Issue 14: replicas sharing one Redis tier behind vllm-router (one replica on 2 cores; two on one core each,
+# consistent_hash on x-user-id against round_robin), then users moved to the other replica
+.venv/bin/python benchmarks/replicas.py --config configs/bench.yaml --users 32 --visits 48 \
+  --json benchmarks/out/replicas-bench.json
+.venv/bin/python benchmarks/replicas.py --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 \
+  --set cache.host.lmcache.max_local_cpu_size=0.125 --users 32 --visits 48 --json benchmarks/out/replicas-bench-m.json
+.venv/bin/python benchmarks/replicas.py --config configs/bench.yaml --set cache.device_tier_bytes=50331648 \
+  --set cache.host.lmcache.max_local_cpu_size=0.02 --users 32 --visits 48 --json benchmarks/out/replicas-bench-tight.json

@@ -4,7 +4,6 @@ another replica finds its profile's KV in the remote tier."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -13,10 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tiered.api.launch import ServerProcess, free_port, start_server, stop_server
+from tiered.api.launch import ServerProcess, start_router, start_server, stop_server
 from tiered.api.metrics import parse
-
-ROUTER = Path(sys.executable).parent / "vllm-router"
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +36,9 @@ def replicas(tiny_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFa
 
 @pytest.fixture(scope="module")
 def router(replicas: list[str]) -> Iterator[str]:
-    if not ROUTER.exists():
+    if not (Path(sys.executable).parent / "vllm-router").exists():
         pytest.skip("vllm-router (dev extra) is not installed")
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(ROUTER), "--worker-urls", *replicas, "--policy", "consistent_hash", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, "vllm-router did not start"
-        time.sleep(0.2)
+    proc, url = start_router(replicas, "consistent_hash")
     yield url
     proc.terminate()
     proc.wait(10)

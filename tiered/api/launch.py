@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -43,18 +44,44 @@ def start_server(
         )
     proc.log_path = Path(log_path)
     url = f"http://127.0.0.1:{port}"
+    _wait_healthy(proc, url, timeout_s, "tiered serve", f"log: {log_path}", proc.log_tail)
+    return proc, url
+
+
+def start_router(worker_urls: list[str], policy: str, timeout_s: float = 60) -> tuple[subprocess.Popen[bytes], str]:
+    """vLLM's router (`vllm-router`, the dev extra) in front of `worker_urls` with `--policy`;
+    returns the process and its base URL once /health is 200."""
+    router = Path(sys.executable).parent / "vllm-router"
+    if not router.exists():
+        raise RuntimeError(f"{router} does not exist: install vllm-router (pip install vllm-router==0.1.17)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(router), "--worker-urls", *worker_urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(proc, url, timeout_s, "vllm-router")
+    return proc, url
+
+
+def _wait_healthy(
+    proc: subprocess.Popen[bytes], url: str, timeout_s: float, what: str, where: str = "",
+    tail: Callable[[int], str] = lambda n: "",
+) -> None:  # fmt: skip
+    """Until `url`/health answers 200; RuntimeError if `proc` exits or time runs out (it is killed)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tiered serve exited with code {proc.returncode}:\n{proc.log_tail(2000)}")
+            raise RuntimeError(f"{what} exited with code {proc.returncode}:\n{tail(2000)}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.TransportError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"tiered serve did not become healthy within {timeout_s:.0f} s; log: {log_path}")
+    raise RuntimeError(f"{what} did not become healthy within {timeout_s:.0f} s; {where}")
 
 
 def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:

@@ -65,6 +65,7 @@ class Record:
     host_hit_tokens: int
     error: str | None = None
     shared_tokens: int = 0  # ours: computed once for several prompts of the batch (not cached)
+    remote_hit_tokens: int = 0  # ours: from a remote tier shared by engines
 
 
 @dataclass(slots=True)
@@ -176,6 +177,7 @@ class Call:
     call_id: str
     prompts: list[list[int]]
     model: str | None = None  # the `model` field of this call (a LoRA adapter); None: run_http's
+    user: str | None = None  # sent as `x-user-id` (a router's affinity key)
 
 
 WARM_UP = Call("warm-up", [list(range(3, 67))])  # pays first-call costs before a timed run
@@ -207,9 +209,10 @@ async def _run_http_async(
                 if cache_salt is not None:
                     body["cache_salt"] = cache_salt
                 error = None
-                device = host = shared = 0
+                device = host = shared = remote = 0
+                headers = {"x-user-id": call.user} if call.user is not None else None
                 try:
-                    r = await client.post(f"{url}/v1/completions", json=body)
+                    r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
                     data = r.json()
                     if r.status_code != 200:
                         error = f"{r.status_code}: {data.get('error', data)}"
@@ -219,12 +222,14 @@ async def _run_http_async(
                         split = usage.get("tiered")
                         device, host = (split["device_hit_tokens"], split["host_hit_tokens"]) if split else (cached, 0)
                         shared = split.get("batch_shared_tokens", 0) if split else 0
+                        remote = split.get("remote_hit_tokens", 0) if split else 0
                 except httpx.HTTPError as exc:
                     error = f"{type(exc).__name__}: {exc}"
                 done = loop.time()
             progress.step()
             num_tokens = sum(len(p) for p in call.prompts)
-            return Record(call.call_id, num_tokens, sent - start, done - sent, None, device, host, error, shared)
+            latency = done - sent
+            return Record(call.call_id, num_tokens, sent - start, latency, None, device, host, error, shared, remote)
 
         return list(await asyncio.gather(*(one(i) for i in range(len(calls)))))
 
