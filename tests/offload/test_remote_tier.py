@@ -66,8 +66,9 @@ def test_a_second_engine_loads_what_the_first_stored(model: CausalLM, make_tiers
     assert prepared.split.num_remote_hit_tokens == 0 and prepared.split.num_miss_tokens == 200
 
 
-def test_closing_a_tier_with_a_redis_backend_returns(make_tiers, redis_url: str) -> None:
+def test_closing_a_tier_with_a_redis_backend_returns(model: CausalLM, make_tiers, redis_url: str) -> None:
     tiers = make_tiers(host=_remote(redis_url), model_identity="m-close")
+    _run(model, tiers, _tokens(400, 3), "puts")  # 25 chunks: LMCache's remote puts still in flight at close
     done = threading.Event()
     thread = threading.Thread(target=lambda: (tiers.close(), done.set()), daemon=True)
     thread.start()
@@ -149,3 +150,4 @@ def test_two_engines_share_one_redis_with_salted_prompts(tiny_dir, tmp_path, red
 def _in_redis_salted(engine, ids: torch.Tensor, want: int) -> None:
     req = engine.tiers.new_request("w", ids, "tenant-a")
     _in_redis(engine.tiers, ids, want, req.keys)
+

@@ -43,6 +43,7 @@ from torch import Tensor
 from tiered.config import ConfigError, HostTierConfig
 from tiered.offload.lmcache_setup import (
     bound_reuse_record,
+    drain_remote_puts,
     fix_remote_close,
     lmcache_config,
     lmcache_config_keys,
@@ -135,8 +136,9 @@ class HostTier:
         config = lmcache_config(options)
         local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)
                                                             if config.local_disk else 0.0)  # fmt: skip
-        # How many chunks this tier can hold (a remote store: unknown, so a generous bound).
-        self.capacity_chunks = int(local_gb * 2**30 / self.chunk_bytes) if not config.remote_url else 1 << 22
+        # How many chunks this tier's local backends hold (a remote store's size is unknown: keys we
+        # learn of it are bounded with the local ones, and a forgotten one costs only a lookup).
+        self.capacity_chunks = int(local_gb * 2**30 / self.chunk_bytes)
         self.remote = bool(config.remote_url)
         metadata = LMCacheMetadata(
             model_name=model_name,
@@ -236,11 +238,11 @@ class HostTier:
                 if obj is not None:
                     obj.ref_count_down()
             num_remote = sum(1 for r in remote if r < n)
-            self.stats_.num_remote_hit_tokens += num_remote * self.block_tokens
         return out, num_remote
 
-    def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor]) -> None:
-        """Copy chunk i into `blocks[i]` (a device-tier block), then release the objects."""
+    def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor], num_remote: int = 0) -> None:
+        """Copy chunk i into `blocks[i]` (a device-tier block), then release the objects; the
+        last `num_remote` of them came from the remote store."""
         start = time.perf_counter()
         srcs = [obj.tensor.view(self.chunk_shape) for obj in objs]
         non_blocking = bool(blocks) and blocks[0].device.type == "cuda"
@@ -255,6 +257,7 @@ class HostTier:
             self.stats_.num_loaded_bytes += len(objs) * self.chunk_bytes
             self.stats_.load_copy_seconds += seconds
             self.stats_.num_hit_tokens += len(objs) * self.block_tokens
+            self.stats_.num_remote_hit_tokens += num_remote * self.block_tokens
 
     def release(self, objs: Sequence[Any]) -> None:
         with self._lock:
@@ -423,5 +426,9 @@ class HostTier:
             self._finished(batch)
         self._thread.join()
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        left = drain_remote_puts(self._storage)
+        if left:
+            log.warning("closing the host tier with %d remote puts still in flight", left)
 
         LMCacheEngineBuilder.destroy(self.instance_id)

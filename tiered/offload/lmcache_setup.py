@@ -6,7 +6,7 @@
 - Its usage telemetry is off unless `LMCACHE_TRACK_USAGE` says otherwise.
 - It logs at WARNING unless `LMCACHE_LOG_LEVEL` says otherwise, through our handlers (one plain
   format, no ANSI colours), without its warnings about parts we do not use.
-- Closing its Redis and RESP connectors deadlocks in 0.5.6: `fix_remote_close` works around it.
+- Closing its Redis connector deadlocks in 0.5.6: `fix_remote_close` works around it.
 - Its LRU policy's record of when each chunk was first stored (for its chunk-reuse statistic)
   is bounded by the tier's size, not by LMCache's 12.5 M entries (~1 GiB: it grew ~100 bytes per
   new chunk, the engine's RSS creep in the soak).
@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,27 +104,59 @@ def bound_reuse_record(storage_manager: Any, capacity_chunks: int) -> int:
     return bound
 
 
-def fix_remote_close(storage_manager: Any) -> int:
-    """Work around LMCache 0.5.6's deadlock when closing its Redis (and RESP) connectors.
+# Seconds LMCache's remote job executor may take to drain at close (puts still in flight).
+REMOTE_CLOSE_TIMEOUT_S = 10.0
 
-    Their `close` coroutine, run on LMCache's event loop, calls the job executor's blocking
-    `shutdown`, which waits for a coroutine scheduled on that same loop: `LMCacheEngineBuilder.destroy`
-    never returns. Each such connector gets a `close` that awaits the executor's own
-    `shutdown_async` instead (what the blocking one schedules), then closes its connection pool.
-    Returns how many connectors were fixed."""
-    fixed = 0
+
+def _redis_connectors(storage_manager: Any) -> list[tuple[Any, Any]]:
+    """(connector, its job executor) of each of LMCache's Redis connectors, unwrapped."""
+    out = []
     for backend in getattr(storage_manager, "storage_backends", {}).values():
         connector: Any = getattr(backend, "connection", None)
         while hasattr(connector, "getWrappedConnector"):  # LMCache's instrumenting wrappers
             connector = connector.getWrappedConnector()
         executor = getattr(connector, "pq_executor", None)
-        if executor is None or not hasattr(executor, "shutdown_async") or not hasattr(connector, "connection"):
-            continue
+        if executor is not None and hasattr(executor, "shutdown_async") and hasattr(connector, "connection"):
+            out.append((connector, executor))
+    return out
+
+
+def fix_remote_close(storage_manager: Any) -> int:
+    """Work around LMCache 0.5.6's deadlock when closing its Redis connectors.
+
+    Their `close` coroutine, run on LMCache's event loop, calls the job executor's blocking
+    `shutdown`, which waits for a coroutine scheduled on that same loop: `LMCacheEngineBuilder.destroy`
+    never returns. Each such connector gets a `close` that awaits the executor's own
+    `shutdown_async` instead (what the blocking one schedules; bounded by REMOTE_CLOSE_TIMEOUT_S,
+    as a worker cancelled mid-put can keep it from returning), then closes its connection pool.
+    Returns how many connectors were fixed. (RESP's connector, which keeps a `client` and no
+    `connection`, is not covered.)"""
+    connectors = _redis_connectors(storage_manager)
+    for connector, executor in connectors:
 
         async def close(connector: Any = connector, executor: Any = executor) -> None:
-            await executor.shutdown_async(wait=True)
+            try:
+                await asyncio.wait_for(executor.shutdown_async(wait=True), REMOTE_CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                logging.getLogger(__name__).warning(
+                    "LMCache's remote store did not drain within %.0f s; closing it anyway", REMOTE_CLOSE_TIMEOUT_S
+                )
             await connector.connection.aclose()
 
         connector.close = close
-        fixed += 1
-    return fixed
+    return len(connectors)
+
+
+def drain_remote_puts(storage_manager: Any, timeout_s: float = REMOTE_CLOSE_TIMEOUT_S) -> int:
+    """Wait until LMCache's Redis connectors have no job queued or running: their puts send from
+    LMCache memory, which closing frees (a put still sending would read freed memory, a crash).
+    LMCache tracks batched puts nowhere else. Returns how many jobs were left at the deadline."""
+    executors = [e for _, e in _redis_connectors(storage_manager)]
+    deadline = time.monotonic() + timeout_s
+    idle = 0
+    while True:
+        left = sum(getattr(e._queue, "_unfinished_tasks", 0) for e in executors)
+        idle = idle + 1 if not left else 0
+        if idle >= 5 or time.monotonic() > deadline:  # idle five polls running: no put between submit and queue
+            return left
+        time.sleep(0.01)

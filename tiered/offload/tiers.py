@@ -152,46 +152,52 @@ class KVTiers:
     def _max_blocks(self, req: TierRequest) -> int:
         return min(len(req.keys), (req.token_ids.numel() - 1) // self.block_tokens)
 
-    def _host_run_end(self, req: TierRequest, first_block: int) -> int:
-        """Where the run of host chunks from `first_block` may end: the known keys' run, or (with
-        a shared remote store, which other engines fill) the prompt's end, for LMCache to look up."""
+    def _host_run_end(self, req: TierRequest, first_block: int, use_remote: bool) -> tuple[int, int]:
+        """Where the run of host chunks from `first_block` ends by our key index, and where it may
+        end: with a shared remote store (which other engines fill), up to the next block on the
+        device or the prompt's end, for LMCache to look up."""
         max_blocks = self._max_blocks(req)
-        if self.host_tier is not None and self.host_tier.remote:
-            return max(first_block, max_blocks)
-        end = first_block
-        while end < max_blocks and self._in_host(req.keys[end]):
+        known = first_block
+        while known < max_blocks and self._in_host(req.keys[known]):
+            known += 1
+        if not (use_remote and self.host_tier is not None and self.host_tier.remote):
+            return known, known
+        end = known
+        while end < max_blocks and not self.device_tier.count_cached(req.keys, end + 1, end):
             end += 1
-        return end
+        return known, end
 
-    def _load_from_host(self, req: TierRequest, first_block: int) -> tuple[list[int], int]:
+    def _load_from_host(self, req: TierRequest, first_block: int, use_remote: bool) -> tuple[list[int], int, bool]:
         """Load the run of host chunks first_block.. into new device blocks (they end pinned and
-        cached); returns them and how many of them (the last ones) came from the remote store.
+        cached); returns them, how many of them (the last ones) came from the remote store, and
+        whether LMCache had fewer chunks than asked for (no use asking the remote store again).
 
         Chunks that find no free device block are not loaded: they are recomputed."""
-        end = self._host_run_end(req, first_block)
+        known, end = self._host_run_end(req, first_block, use_remote)
         if self.host_tier is None or end == first_block:
-            return [], 0
+            return [], 0, False
         keys = req.keys[first_block:end]
         objs, num_remote = self.host_tier.get(keys)
-        if len(objs) < len(keys):
-            self._forget_host_keys(keys[len(objs) :])
+        short = len(objs) < len(keys)
+        if len(objs) < known - first_block:  # keys we believed held, and LMCache lacks (evicted)
+            self._forget_host_keys(keys[len(objs) : known - first_block])
         if not objs:
-            return [], 0
+            return [], 0, short
         blocks = self.device_tier.allocate(len(objs))
         if len(blocks) < len(objs):
             self.host_tier.release(objs[len(blocks) :])
         if not blocks:
-            return [], 0
-        self.host_tier.copy_into(objs[: len(blocks)], self.device_tier.blocks(blocks))
+            return [], 0, short
+        num_remote = max(0, num_remote - (len(objs) - len(blocks)))
+        self.host_tier.copy_into(objs[: len(blocks)], self.device_tier.blocks(blocks), num_remote)
         bt = self.block_tokens
         for i, b in enumerate(blocks):
             j = first_block + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
-        num_remote = max(0, num_remote - (len(objs) - len(blocks)))
         if num_remote:  # in the host tier's reach now: the scheduler's estimate counts them as host hits
             with self._keys_lock:
                 self.host_keys.update(keys[len(blocks) - num_remote : len(blocks)])
-        return blocks, num_remote
+        return blocks, num_remote, short
 
     def _find_prefix(self, req: TierRequest, tokens: list[int]) -> tuple[list[int], list[int], set[int], float]:
         """Pin the request's prefix: alternate runs of device hits and host loads, in block order.
@@ -202,11 +208,13 @@ class KVTiers:
         loaded: list[int] = []
         remote: set[int] = set()
         seconds = 0.0
+        use_remote = True  # until the remote store has had fewer chunks than asked for
         try:
             while True:
                 prefix += self.device_tier.match(req.keys, tokens, count=False, start=len(prefix), pin=True)
-                tried, start = self._host_run_end(req, len(prefix)) > len(prefix), time.perf_counter()
-                run, num_remote = self._load_from_host(req, len(prefix))
+                tried, start = self._host_run_end(req, len(prefix), use_remote)[1] > len(prefix), time.perf_counter()
+                run, num_remote, short = self._load_from_host(req, len(prefix), use_remote)
+                use_remote = use_remote and not short
                 if tried:
                     seconds += time.perf_counter() - start
                 if not run:
