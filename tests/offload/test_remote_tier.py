@@ -151,3 +151,29 @@ def _in_redis_salted(engine, ids: torch.Tensor, want: int) -> None:
     req = engine.tiers.new_request("w", ids, "tenant-a")
     _in_redis(engine.tiers, ids, want, req.keys)
 
+
+def test_the_remote_lookup_stops_at_the_next_device_block(
+    model: CausalLM, make_tiers, redis_url: str, monkeypatch
+) -> None:
+    """Blocks 0-2 and 4-9 on the device, block 3 evicted: LMCache is asked for block 3 alone (not
+    for 3-9, which would load blocks the device holds a second time)."""
+    tiers = make_tiers(host=_remote(redis_url), model_identity="m-gap", retention="all")
+    ids = _tokens(168, 30)  # 10 full blocks and a partial one
+    _run(model, tiers, ids, "first")
+    tiers.flush()
+    keys = tiers.new_request("k", ids).keys
+    dt = tiers.device_tier
+    evicted = dt._index[keys[3]]
+    dt._lru.move_to_end(evicted, last=False)
+    assert dt._evict_one()
+    host = tiers.host_tier
+    assert host is not None
+    asked: list[list[int]] = []
+    get = host.get
+    monkeypatch.setattr(host, "get", lambda ks: (asked.append(list(ks)), get(ks))[1])
+    logits, prepared = _run(model, tiers, ids, "again")
+    assert asked == [[keys[3]]]
+    split = prepared.split
+    assert (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_remote_hit_tokens) == (144, 16, 0)
+    ref = forward(model, ids)
+    assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()

@@ -216,11 +216,11 @@ class HostTier:
                 out.append(batch.objs[j])
                 i += 1
             rest = [(self._key(k), n, n + 1) for n, k in enumerate(keys[i:])]
+            found: dict[int, Any] = {}
             try:
                 mapping = self._storage.get_block_mapping(rest) if rest else {}
                 lookup = time.perf_counter()
                 self.stats_.load_lookup_seconds += lookup - start
-                found: dict[int, Any] = {}
                 for location, chunks in mapping.items():
                     objs = self._storage.batched_get([c[0] for c in chunks], location=location)
                     found.update((c[1], obj) for c, obj in zip(chunks, objs, strict=True))
@@ -229,6 +229,9 @@ class HostTier:
                 self.stats_.load_get_seconds += time.perf_counter() - lookup
             except Exception as exc:  # noqa: BLE001 - any host-tier fault degrades to a miss
                 self._failed("retrieve", exc)
+                for obj in found.values():  # fetched from a backend before another failed
+                    if obj is not None:
+                        obj.ref_count_down()
                 found = {}
             n = 0
             while n in found and found[n] is not None:

@@ -154,16 +154,21 @@ class KVTiers:
 
     def _host_run_end(self, req: TierRequest, first_block: int, use_remote: bool) -> tuple[int, int]:
         """Where the run of host chunks from `first_block` ends by our key index, and where it may
-        end: with a shared remote store (which other engines fill), up to the next block on the
-        device or the prompt's end, for LMCache to look up."""
+        end: with a shared remote store (which other engines fill), the prompt's end, for LMCache to
+        look up. Either way the run stops before the next block the device holds (loading it
+        again would only duplicate it)."""
         max_blocks = self._max_blocks(req)
+
+        def on_device(j: int) -> bool:
+            return j > first_block and self.device_tier.count_cached(req.keys, j + 1, j) > 0
+
         known = first_block
-        while known < max_blocks and self._in_host(req.keys[known]):
+        while known < max_blocks and self._in_host(req.keys[known]) and not on_device(known):
             known += 1
         if not (use_remote and self.host_tier is not None and self.host_tier.remote):
             return known, known
         end = known
-        while end < max_blocks and not self.device_tier.count_cached(req.keys, end + 1, end):
+        while end < max_blocks and not on_device(end):
             end += 1
         return known, end
 
