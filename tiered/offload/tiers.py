@@ -172,13 +172,13 @@ class KVTiers:
             end += 1
         return known, end
 
-    def _load_from_host(self, req: TierRequest, first_block: int, use_remote: bool) -> tuple[list[int], int, bool]:
-        """Load the run of host chunks first_block.. into new device blocks (they end pinned and
-        cached); returns them, how many of them (the last ones) came from the remote store, and
-        whether LMCache had fewer chunks than asked for (no use asking the remote store again).
+    def _load_from_host(self, req: TierRequest, first_block: int, known: int, end: int) -> tuple[list[int], int, bool]:
+        """Load the run of host chunks first_block..end (`_host_run_end`) into new device blocks
+        (they end pinned and cached); returns them, how many of them (the last ones) came from the
+        remote store, and whether LMCache had fewer chunks than asked for (no use asking the
+        remote store again).
 
         Chunks that find no free device block are not loaded: they are recomputed."""
-        known, end = self._host_run_end(req, first_block, use_remote)
         if self.host_tier is None or end == first_block:
             return [], 0, False
         keys = req.keys[first_block:end]
@@ -217,10 +217,11 @@ class KVTiers:
         try:
             while True:
                 prefix += self.device_tier.match(req.keys, tokens, count=False, start=len(prefix), pin=True)
-                tried, start = self._host_run_end(req, len(prefix), use_remote)[1] > len(prefix), time.perf_counter()
-                run, num_remote, short = self._load_from_host(req, len(prefix), use_remote)
+                known, end = self._host_run_end(req, len(prefix), use_remote)
+                start = time.perf_counter()
+                run, num_remote, short = self._load_from_host(req, len(prefix), known, end)
                 use_remote = use_remote and not short
-                if tried:
+                if end > len(prefix):
                     seconds += time.perf_counter() - start
                 if not run:
                     return prefix, loaded, remote, seconds
