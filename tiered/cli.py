@@ -9,7 +9,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tiered import __version__
 from tiered.api.args import add_serve_args
@@ -160,6 +160,19 @@ def cmd_make_adapter(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_replicas(cfg: Config, args: argparse.Namespace, app_kwargs: dict[str, Any]) -> int:
+    """`tiered serve --replicas N`: the app on Ray Serve (tiered.cluster.deploy)."""
+    from tiered import logs
+
+    try:
+        from tiered.cluster.deploy import serve_until_stopped
+    except ImportError as exc:
+        raise ConfigError(f"--replicas needs Ray Serve: pip install 'tiered[ray]' ({exc})") from None
+    logs.setup()
+    serve_until_stopped(cfg, args.host, args.port, app_kwargs)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server: the API process here, the engine in a child process."""
     import uvicorn
@@ -172,8 +185,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
     resolve_device(cfg.device)
     check_adapters(cfg)
-    app = build_app(cfg, api_key=api_key(args), served_model_name=args.served_model_name,
-                    chat_template=chat_template(args.chat_template))  # fmt: skip
+    app_kwargs = {"api_key": api_key(args), "served_model_name": args.served_model_name,
+                  "chat_template": chat_template(args.chat_template)}  # fmt: skip
+    if cfg.cluster.replicas > 1 or cfg.cluster.address:
+        return serve_replicas(cfg, args, app_kwargs)
+    app = build_app(cfg, **app_kwargs)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 log_config=logs.uvicorn_config(args.uvicorn_log_level))  # fmt: skip
     return 0

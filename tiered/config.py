@@ -166,9 +166,12 @@ class EngineConfig:
     # Bytes for weights + one forward + the device tier. 0: use cache.device_tier_bytes as is.
     # Otherwise a profile run forwards max_model_len tokens and the device tier gets the rest.
     memory_budget_bytes: int = 0
+    # torch threads of the engine process's forward. 0: torch's default (one per core).
+    threads: int = 0
 
     def __post_init__(self) -> None:
         _require(self.memory_budget_bytes >= 0, "engine.memory_budget_bytes", "must be >= 0")
+        _require(self.threads >= 0, "engine.threads", f"must be >= 0, got {self.threads}")
 
 
 @dataclass(slots=True)
@@ -215,6 +218,43 @@ class LoraConfig:
 
 
 @dataclass(slots=True)
+class ClusterConfig:
+    """`tiered serve --replicas N`: N engine replicas and one ingress on Ray Serve (tiered.cluster)."""
+
+    # Engine replicas (--replicas). 1 with no address: plain `tiered serve`, no Ray.
+    replicas: int = 1
+    # Ray cluster to join (--ray-address): "auto" (one running on this machine), "ray://HOST:PORT",
+    # or null: start a local one.
+    address: str | None = None
+    # CPUs Ray reserves for each replica; its engine computes with that many torch threads
+    # (rounded down, at least 1) unless engine.threads says otherwise.
+    cpus_per_replica: float = 1.0
+    # GPUs Ray reserves for each replica; null: 1 when device is cuda, else 0.
+    gpus_per_replica: float | None = None
+    # How the ingress picks a replica: `affinity` (a consistent-hash ring on x-user-id, else on the
+    # prompt's first blocks, with a bounded load) or `round_robin`.
+    routing: Literal["affinity", "round_robin"] = "affinity"
+    # Bounded load (epsilon): a replica whose queued tokens would exceed (1 + epsilon) x its share
+    # of all queued tokens is passed over for the next one on the ring.
+    load_factor: float = 0.25
+    # Tokens at the start of a prompt that pick its replica (whole blocks; x-user-id overrides).
+    affinity_tokens: int = 256
+    # Ray's health check of each replica: every period, failed after timeout; a failed replica is replaced.
+    health_check_period_s: float = 5.0
+    health_check_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(self.replicas >= 1, "cluster.replicas", f"must be >= 1, got {self.replicas}")
+        _require(self.cpus_per_replica > 0, "cluster.cpus_per_replica", f"must be > 0, got {self.cpus_per_replica}")
+        _require(self.gpus_per_replica is None or self.gpus_per_replica >= 0, "cluster.gpus_per_replica",
+                 f"must be >= 0, got {self.gpus_per_replica}")  # fmt: skip
+        _require(self.load_factor > 0, "cluster.load_factor", f"must be > 0, got {self.load_factor}")
+        _require(self.affinity_tokens >= 1, "cluster.affinity_tokens", f"must be >= 1, got {self.affinity_tokens}")
+        _require(self.health_check_period_s > 0 and self.health_check_timeout_s > 0, "cluster.health_check_period_s",
+                 "the health check's period and timeout must be > 0")  # fmt: skip
+
+
+@dataclass(slots=True)
 class Config:
     """The whole engine configuration."""
 
@@ -227,6 +267,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         ok = self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit())

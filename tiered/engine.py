@@ -64,6 +64,8 @@ class Engine:
 
     def __init__(self, config: Config, jct_model: JCTModel | None = None) -> None:
         self.config = config
+        if config.engine.threads:
+            torch.set_num_threads(config.engine.threads)
         device = resolve_device(config.device)
         self.device = device
         folder = resolve_model_path(config.model.path, config.model.models_dir)

@@ -16,6 +16,18 @@ def setup(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=FORMAT, datefmt=DATE_FORMAT)
 
 
+def setup_ours(level: int = logging.INFO) -> None:
+    """Our loggers only (`tiered.*`), in a process whose logging another framework set up (a Ray
+    Serve replica: Ray's own loggers keep their handlers)."""
+    logger = logging.getLogger("tiered")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = False
+
+
 def uvicorn_config(level: str) -> dict[str, Any]:
     """uvicorn's `log_config`: its error and access logs in our format, at `level`."""
     formatter = {"format": FORMAT, "datefmt": DATE_FORMAT}

@@ -91,6 +91,21 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     )
     lora.add_argument("--max-lora-rank", type=int, default=None,
                       help="largest adapter rank accepted (lora.max_lora_rank, default 16)")  # fmt: skip
+    cluster = serve.add_argument_group(
+        "replicas on Ray Serve (cluster.* in the config; needs the `ray` extra)",
+        "N engine replicas behind one ingress with the same routes, errors and metrics; a call's prompts go "
+        "together to one replica, chosen by a consistent-hash ring on x-user-id (else on the prompt's first "
+        "blocks) with a bounded load (cluster.routing, cluster.load_factor); the response names it in "
+        "x-tiered-replica. Share a remote tier (cache.host.lmcache.remote_url: redis://...) so a user who moves "
+        "finds their KV. Ray binds the machine's address: on a machine that must stay on loopback, run this "
+        "inside a network namespace (README).",
+    )
+    cluster.add_argument("--replicas", type=int, default=None, metavar="N",
+                         help="engine replicas on Ray Serve (cluster.replicas; 1 without --ray-address: "
+                         "no Ray)")  # fmt: skip
+    cluster.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                         help="Ray cluster to deploy to: auto, ray://HOST:PORT (cluster.address; default: start a "
+                         "local one)")  # fmt: skip
 
 
 def serve_overrides(args: argparse.Namespace) -> list[str]:
@@ -114,6 +129,10 @@ def serve_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"lora.max_loras={args.max_loras}")
     if args.max_lora_rank is not None:
         out.append(f"lora.max_lora_rank={args.max_lora_rank}")
+    if args.replicas is not None:
+        out.append(f"cluster.replicas={args.replicas}")
+    if args.ray_address is not None:
+        out.append(f"cluster.address={json.dumps(args.ray_address)}")
     return out
 
 

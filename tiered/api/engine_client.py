@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -35,6 +35,34 @@ from tiered.hybrid.lora import AdapterError, read_adapter
 
 log = logging.getLogger(__name__)
 ENGINE_START_TIMEOUT_S = 900
+T = TypeVar("T")
+
+
+class Counts(Protocol):
+    config: Config
+    cancelled: int
+    timed_out: int
+
+
+async def wait_answers(
+    client: Counts, answers: asyncio.Future[T], n: int, disconnected: Callable[[], Awaitable[bool]] | None
+) -> T:
+    """`answers`' result, unless the client disconnects first (ClientGone) or
+    `server.request_timeout_s` runs out (504); either is counted on `client` for its `n` requests.
+    The caller cancels what was sent."""
+    timeout = client.config.server.request_timeout_s
+    deadline = time.monotonic() + timeout if timeout else math.inf
+    while True:
+        done, _ = await asyncio.wait({answers}, timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+        if done:
+            return answers.result()
+        if disconnected is not None and await disconnected():
+            client.cancelled += n
+            raise ClientGone
+        if time.monotonic() >= deadline:
+            client.timed_out += n
+            raise APIError(504, f"the request did not finish within server.request_timeout_s={timeout:g} s; "
+                           "it was cancelled", type_="timeout")  # fmt: skip
 
 
 class EngineClient:
@@ -149,6 +177,11 @@ class EngineClient:
                 future.set_result(message)
 
     @property
+    def gave_up(self) -> bool:
+        """The engine process died and will not be replaced (restarts off, or the new one failed)."""
+        return self._watchdog is not None and self._watchdog.done() and not self.alive
+
+    @property
     def alive(self) -> bool:
         return self.ready is not None and self.process is not None and self.process.is_alive()
 
@@ -166,23 +199,11 @@ class EngineClient:
             future: asyncio.Future[ScoreResponse] = loop.create_future()
             self.pending[r.request_id] = future
             futures.append(future)
-        gathered = asyncio.gather(*futures)
+        gathered: asyncio.Future[list[ScoreResponse]] = asyncio.gather(*futures)
         try:
             for r in reqs:
                 await self.requests.send(encode(r))
-            timeout = self.config.server.request_timeout_s
-            deadline = time.monotonic() + timeout if timeout else math.inf
-            while True:
-                done, _ = await asyncio.wait({gathered}, timeout=min(0.25, max(0.0, deadline - time.monotonic())))
-                if done:
-                    return list(gathered.result())
-                if disconnected is not None and await disconnected():
-                    self.cancelled += len(reqs)
-                    raise ClientGone
-                if time.monotonic() >= deadline:
-                    self.timed_out += len(reqs)
-                    raise APIError(504, f"the request did not finish within server.request_timeout_s={timeout:g} s; "
-                                   "it was cancelled", type_="timeout")  # fmt: skip
+            return await wait_answers(self, gathered, len(reqs), disconnected)
         except BaseException:
             gathered.cancel()
             if gathered.done() and not gathered.cancelled():

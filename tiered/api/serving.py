@@ -26,13 +26,15 @@ class Client(Protocol):
     """What the serving layer needs of the engine (`EngineClient`; a fake one in unit tests)."""
 
     ready: Ready | None
-    stats: EngineStats | None
     adapters: dict[str, str]
     pending: dict[str, Any]
     timed_out: int
     cancelled: int
-    restarts: int
 
+    @property
+    def stats(self) -> EngineStats | None: ...
+    @property
+    def restarts(self) -> int: ...
     @property
     def alive(self) -> bool: ...
     async def start(self) -> None: ...
