@@ -10,7 +10,15 @@ Every replica has the same Redis as remote tier. Then "moved users": for each of
 one visit on replica 0, then another visit of the same user on replica 1: the share of the
 second visit's profile tokens served from Redis.
 
+With `--ray` (issue 14's Ray Serve path, `tiered serve --replicas N`; run it inside a loopback-only
+network namespace, `scripts/loopback`), the same measurement on Ray Serve deployments, each
+started afresh: `ray-one` (one replica, 2 CPUs), `ray-affinity` (two replicas, one core each:
+engine.threads=1 and each engine process pinned to its core; the consistent-hash ring with the
+bounded load) and `ray-roundrobin` (the same two, round robin). `--no-redis` runs every system
+without the remote tier, so a replica has only its own tiers.
+
     .venv/bin/python benchmarks/replicas.py --config configs/bench.yaml --users 32 --visits 48
+    scripts/loopback .venv/bin/python benchmarks/replicas.py --ray --config configs/bench.yaml
 """
 
 from __future__ import annotations
@@ -22,15 +30,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 
-from tiered.api.launch import start_redis, start_router, start_server, stop_server
+from tiered.api.launch import free_port, start_redis, start_router, start_server, stop_server
 from tiered.bench.load import Call, run_http
 from tiered.bench.traces import ordinary_token_ids, visits
 from tiered.bench.visits import split_visits
-from tiered.config import load_config, with_overrides, write_config
+from tiered.config import Config, load_config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 
 
@@ -64,12 +73,15 @@ def main() -> None:
     ap.add_argument("--posts", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--moved", type=int, default=12)
+    ap.add_argument("--ray", action="store_true", help="the Ray Serve deployments instead of vllm-router's")
+    ap.add_argument("--no-redis", action="store_true", help="no shared remote tier")
     ap.add_argument("--json", default="benchmarks/out/replicas.json")
     a = ap.parse_args()
     out = Path(a.json).parent
     out.mkdir(parents=True, exist_ok=True)
     redis_proc, redis_url = start_redis(tempfile.mkdtemp(), maxmemory="4gb")
-    cfg = with_overrides(load_config(a.config, a.set), [f"cache.host.lmcache.remote_url={redis_url}"])
+    remote = [] if a.no_redis else [f"cache.host.lmcache.remote_url={redis_url}"]
+    cfg = with_overrides(load_config(a.config, a.set), remote)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     trace = visits(ordinary_token_ids(folder), a.users, a.visits, a.posts, seed=0)
     vs = split_visits(trace)
@@ -78,6 +90,13 @@ def main() -> None:
     path = write_config(cfg, out / "replicas.yaml")
     serve = ["--config", str(path), "--served-model-name", "model"]
     results: dict[str, dict[str, float]] = {}
+    if a.ray:
+        try:
+            results = on_ray(cfg, calls, a.concurrency)
+        finally:
+            redis_proc.terminate()
+        report(results, ["ray-one", "ray-affinity", "ray-roundrobin"], a.json, trace.describe())
+        return
     try:
         one, url = start_server(serve, log_path=out / "replicas-one.log")
         try:
@@ -103,17 +122,46 @@ def main() -> None:
                 stop_server(proc)
     finally:
         redis_proc.terminate()
-    base = results["one"]["visits_per_s"]
-    for name in ("one", "two-affinity", "two-roundrobin"):
+    report(results, ["one", "two-affinity", "two-roundrobin"], a.json, trace.describe())
+    m = results["moved"]
+    print(f"moved users: {m['users']:.0f}, profile tokens served from Redis on the new replica: "
+          f"{m['remote_of_profile']:.1%}")  # fmt: skip
+
+
+def report(results: dict[str, dict[str, float]], names: list[str], path: str, trace: str) -> None:
+    base = results[names[0]]["visits_per_s"]
+    for name in names:
         r = results[name]
         print(f"{name:15s} {r['visits_per_s']:.3f} visits/s ({r['visits_per_s'] / base:.2f}x one), "
               f"P50 {r['p50_s']:.2f} s P99 {r['p99_s']:.2f} s; tokens from device {r['device_share']:.0%} "
               f"host {r['host_share']:.0%} remote {r['remote_share']:.0%} batch-shared {r['shared_share']:.0%}; "
               f"errors {r['errors']:.0f}")  # fmt: skip
-    m = results["moved"]
-    print(f"moved users: {m['users']:.0f}, profile tokens served from Redis on the new replica: "
-          f"{m['remote_of_profile']:.1%}")  # fmt: skip
-    Path(a.json).write_text(json.dumps({"command": " ".join(sys.argv), "trace": trace.describe(), **results}, indent=1))
+    Path(path).write_text(json.dumps({"command": " ".join(sys.argv), "trace": trace, **results}, indent=1))
+
+
+def on_ray(cfg: Config, calls: list[Call], concurrency: int) -> dict[str, dict[str, float]]:
+    """Each Ray Serve deployment in turn, each on a fresh local Ray."""
+    from ray import serve
+
+    from tiered.cluster import deploy
+
+    results = {}
+    for name, replicas, routing in (("ray-one", 1, "affinity"), ("ray-affinity", 2, "affinity"),
+                                    ("ray-roundrobin", 2, "round_robin")):  # fmt: skip
+        c = replace(cfg.cluster, replicas=replicas, cpus_per_replica=2.0 / replicas, routing=routing)
+        url = deploy.deploy(replace(cfg, cluster=c), port=free_port(), app_kwargs={"served_model_name": "model"})
+        try:
+            if replicas > 1:
+                handle = serve.get_deployment_handle("EngineReplica", app_name=deploy.APP_NAME)
+                engines: set[int] = set()
+                while len(engines) < replicas:
+                    engines.add(handle.info.remote().result(timeout_s=60)["engine_pid"])
+                for core, pid in enumerate(sorted(engines)):
+                    pin(pid, str(core))
+            results[name] = measure(url, calls, name, concurrency)
+        finally:
+            deploy.shutdown()
+    return results
 
 
 def moved(urls: list[str], vs: list, n: int) -> dict[str, float]:

@@ -36,16 +36,24 @@ def test_the_bounded_load_keeps_every_replica_within_its_share() -> None:
     loads: dict[str, float] = {}
     hot = 42  # one user sends everything: without the bound, one replica would take it all
     for _ in range(400):
-        member = bounded_choice(list(ring.walk(hot)), loads, 100.0, 0.25)
+        member = bounded_choice(ring, hot, loads, 100.0, 0.25)
         loads[member] = loads.get(member, 0.0) + 100.0
     total = sum(loads.values())
     assert max(loads.values()) <= 1.25 * total / 4 + 100
     assert set(loads) == set(ring.members)
-    # Below the bound, the owner takes its key's requests.
-    assert bounded_choice(list(ring.walk(hot)), {}, 100.0, 0.25) == ring.owner(hot)
+    # An idle owner takes its key's requests. With four replicas, one request queued on the owner
+    # while the others idle is already past (1.25 x 2/4 -> one whole request): the next one takes it.
+    for key in range(0, 2**64, 2**58):
+        owner = ring.owner(key)
+        assert bounded_choice(ring, key, {}, 100.0, 0.25) == owner
+        assert bounded_choice(ring, key, {owner: 100.0}, 100.0, 0.25) == next(m for m in ring.walk(key) if m != owner)
+        two = Ring(["a", "b"])
+        assert bounded_choice(two, key, {two.owner(key): 100.0}, 100.0, 0.25) == two.owner(key)  # 1.25 -> 2
+        assert bounded_choice(two, key, {two.owner(key): 200.0}, 100.0, 0.25) != two.owner(key)  # 1.875 -> 2
     order = list(ring.walk(hot))
     busy = {order[0]: 1000.0}  # the owner is far above its share: the next one on the ring
-    assert bounded_choice(order, busy, 100.0, 0.25) == order[1]
+    assert bounded_choice(ring, hot, busy, 100.0, 0.25) == order[1]
+    assert bounded_choice(ring, hot, busy, 100.0, 0.25, total=1000.0) == order[1]
 
 
 def test_the_route_key_is_the_user_else_the_first_blocks() -> None:

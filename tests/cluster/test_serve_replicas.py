@@ -161,6 +161,20 @@ def _alive(pid: int | None) -> bool:
     return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
 
 
+def test_a_replicas_engine_process_that_dies_is_restarted_inside_it(cluster: str) -> None:
+    replicas = _replicas()
+    rid, info = next(iter(replicas.items()))
+    os.kill(info["engine_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while parse(httpx.get(f"{cluster}/metrics", timeout=10).text).get("tiered:engine_restarts_total", 0) < 1:
+        assert time.monotonic() < deadline, "the engine restart did not reach the ingress's /metrics"
+        time.sleep(0.5)
+    assert rid in _replicas()  # the same replica (its health check held), with a new engine process
+    for user in range(USERS):
+        r = _call(cluster, user, 40, n=1)
+        assert r.status_code == 200, r.text
+
+
 def test_shutdown_completes_and_stops_the_engines(cluster: str) -> None:
     engines = [info["engine_pid"] for info in _replicas().values()]
     start = time.monotonic()

@@ -53,8 +53,9 @@ class AffinityRouter(RequestRouter):
             order = ids[turn:] + ids[:turn]
             chosen = order[0]
         else:
-            order = list(self.ring(list(by_id)).walk(int(key)))
-            chosen = bounded_choice(order, self.queued, float(tokens), self.load_factor)
+            ring = self.ring(list(by_id))
+            chosen = bounded_choice(ring, int(key), self.queued, float(tokens), self.load_factor)
+            order = list(ring.walk(int(key)))
         assert pending_request is not None
         self._record(pending_request.metadata.internal_request_id, chosen, float(tokens))
         # The chosen replica first; should it refuse (full), the others in ring order.
