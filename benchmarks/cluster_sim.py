@@ -105,6 +105,10 @@ def load(path: str) -> tuple[Costs, int, dict]:
     )
 
 
+def bandwidth(a: argparse.Namespace) -> float | None:
+    return a.remote_gbps * 1e9 if a.remote_gbps else None
+
+
 def project(a: argparse.Namespace) -> None:
     costs, local_tokens, raw = load(a.costs)
     local_tokens = a.local_tokens or local_tokens
@@ -113,7 +117,7 @@ def project(a: argparse.Namespace) -> None:
         sizes = profiles(a.users_per_replica * n, seed=a.seed)
         visits = max(a.min_visits, a.visits_per_replica * n)
         for routing in ("affinity", "round_robin"):
-            cluster = Cluster(n, local_tokens, a.remote_tokens, routing, a.load_factor)
+            cluster = Cluster(n, local_tokens, a.remote_tokens, bandwidth(a), routing, a.load_factor)
             qps, out = max_qps(cluster, costs, sizes, a.slo, a.zipf, visits, a.seed, POSTS)
             rows.append({"replicas": n, "routing": routing, "max_qps": qps, "per_replica": qps / n, **asdict(out)})
             print(f"{n:4d} {routing:11s} {qps:9.1f} visits/s within P99 {a.slo:g} s ({qps / n:.2f}/replica); P99 "
@@ -153,11 +157,16 @@ def size(a: argparse.Namespace) -> None:
     sizes = profiles(a.users, seed=a.seed)
     n, out = 1, Outcome(0, 0, 0, 0, float("inf"), 0, 0, 0, 0, 0, 0)
     while True:
-        cluster = Cluster(n, local_tokens, a.remote_tokens, "affinity", a.load_factor)
+        cluster = Cluster(n, local_tokens, a.remote_tokens, bandwidth(a), "affinity", a.load_factor)
         out = simulate(cluster, costs, sizes, arrivals(a.qps, max(a.min_visits, 40 * n), a.users, a.zipf, a.seed))
         if out.p99 <= a.slo and out.throughput >= 0.95 * a.qps:
             break
-        n = n * 2 if n < 4096 else n + 4096
+        if n >= a.max_replicas:
+            print(f"{a.qps:g} visits/s of {a.users} users (Zipf {a.zipf}) within P99 {a.slo:g} s: not with up to "
+                  f"{n} replicas (P99 {out.p99:.1f} s; Redis read {out.redis_read_bps / 1e9:.2f} GB/s, write "
+                  f"{out.redis_write_bps / 1e9:.2f} GB/s: more than the link carries?)")  # fmt: skip
+            return
+        n *= 2
     low, high = n // 2, n  # the fewest between the last failing and this one
     while high - low > max(1, high // 32):
         mid = (low + high) // 2
@@ -190,6 +199,8 @@ def main() -> None:
         p.add_argument("--load-factor", type=float, default=0.25)
         p.add_argument("--local-tokens", type=int, default=0, help="a replica's tiers in tokens (0: from the costs)")
         p.add_argument("--remote-tokens", type=int, default=None, help="Redis's size in tokens (default: unbounded)")
+        p.add_argument("--remote-gbps", type=float, default=0.0,
+                       help="Redis's bandwidth, GB/s, shared by every replica (0: unlimited)")  # fmt: skip
         p.add_argument("--min-visits", type=int, default=4000)
         p.add_argument("--seed", type=int, default=0)
         p.set_defaults(func=func)
@@ -202,6 +213,7 @@ def main() -> None:
         else:
             p.add_argument("--qps", type=float, required=True)
             p.add_argument("--users", type=int, default=100_000)
+            p.add_argument("--max-replicas", type=int, default=4096)
     a = ap.parse_args()
     a.func(a)
 

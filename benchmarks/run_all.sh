@@ -74,3 +74,24 @@ $T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=1216
   --set cache.host.lmcache.max_local_cpu_size=0.125 --users 32 --visits 48 --json benchmarks/out/replicas-bench-m.json
 .venv/bin/python benchmarks/replicas.py --config configs/bench.yaml --set cache.device_tier_bytes=50331648 \
   --set cache.host.lmcache.max_local_cpu_size=0.02 --users 32 --visits 48 --json benchmarks/out/replicas-bench-tight.json
+# Issue 14: the same on Ray Serve (`tiered serve --replicas N`), in a loopback-only network namespace
+scripts/loopback .venv/bin/python benchmarks/replicas.py --ray --config configs/bench.yaml --users 32 --visits 48 \
+  --json benchmarks/out/ray-replicas-bench.json
+for r in "" "--no-redis"; do  # a working set larger than one replica's tiers, with and without the shared Redis
+  scripts/loopback .venv/bin/python benchmarks/replicas.py --ray $r --config configs/bench.yaml \
+    --set cache.device_tier_bytes=25165824 --set cache.host.lmcache.max_local_cpu_size=0.02 --users 64 --visits 144 \
+    --json "benchmarks/out/ray-replicas-bench-ws${r:+-noredis}.json"
+done
+# Issue 14: per-visit costs on this machine, then the cluster simulation for 8, 64, 512 replicas and sizing
+.venv/bin/python benchmarks/cluster_sim.py measure --config configs/bench-m.yaml --json benchmarks/out/costs-bench-m.json
+.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json \
+  --json benchmarks/out/cluster-sim-z1.1.json --plot benchmarks/cluster-sim.png
+.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --zipf 0.8 \
+  --json benchmarks/out/cluster-sim-z0.8.json
+.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --remote-gbps 1.25 \
+  --json benchmarks/out/cluster-sim-z1.1-link.json --plot benchmarks/cluster-sim-link.png
+for q in 10 100 1000; do
+  .venv/bin/python benchmarks/cluster_sim.py size --costs benchmarks/out/costs-bench-m.json --qps $q --users 100000 \
+    --remote-gbps 1.25
+done
+.venv/bin/python benchmarks/cluster_sim.py size --costs benchmarks/out/costs-bench-m.json --qps 1000 --users 100000

@@ -3,8 +3,8 @@
 It runs in the ingress replica, inside its handle to the engine replicas. A request sent with
 `route=(key, tokens)` (the ingress computes both, `tiered.cluster.ring.route_key`) goes to the
 replica that owns `key` on a consistent-hash ring of the running replicas, unless that replica's
-queued tokens would go past (1 + load_factor) x an even share; then to the next replica on the
-ring that has room. Queued tokens are counted here, from what this router sent and what has
+queued tokens would go past (1 + load_factor) x an even share, rounded up to whole requests; then
+to the next replica on the ring that has room. Queued tokens are counted here, from what this router sent and what has
 come back (exact with one ingress replica, which is what `deploy` starts). With
 `policy="round_robin"` it cycles through the replicas instead (the baseline of the benchmarks).
 
