@@ -42,14 +42,16 @@ def test_the_bounded_load_keeps_every_replica_within_its_share() -> None:
     assert max(loads.values()) <= 1.25 * total / 4 + 100
     assert set(loads) == set(ring.members)
     # An idle owner takes its key's requests. With four replicas, one request queued on the owner
-    # while the others idle is already past (1.25 x 2/4 -> one whole request): the next one takes it.
+    # while the others idle is already past 1.25 x 2/4 + 1 requests: the next one takes it.
     for key in range(0, 2**64, 2**58):
         owner = ring.owner(key)
         assert bounded_choice(ring, key, {}, 100.0, 0.25) == owner
         assert bounded_choice(ring, key, {owner: 100.0}, 100.0, 0.25) == next(m for m in ring.walk(key) if m != owner)
         two = Ring(["a", "b"])
-        assert bounded_choice(two, key, {two.owner(key): 100.0}, 100.0, 0.25) == two.owner(key)  # 1.25 -> 2
-        assert bounded_choice(two, key, {two.owner(key): 200.0}, 100.0, 0.25) != two.owner(key)  # 1.875 -> 2
+        assert bounded_choice(two, key, {two.owner(key): 100.0}, 100.0, 0.25) == two.owner(key)  # 200 <= 225
+        assert bounded_choice(two, key, {two.owner(key): 200.0}, 100.0, 0.25) != two.owner(key)  # 300 > 287.5
+        # A request far larger than what is queued still goes to its owner: the bound adds the request.
+        assert bounded_choice(two, key, {"a": 100.0, "b": 100.0}, 1000.0, 0.25) == two.owner(key)
     order = list(ring.walk(hot))
     busy = {order[0]: 1000.0}  # the owner is far above its share: the next one on the ring
     assert bounded_choice(ring, hot, busy, 100.0, 0.25) == order[1]

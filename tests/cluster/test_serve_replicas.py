@@ -93,6 +93,7 @@ def test_the_ingress_answers_like_tiered_serve(cluster: str, tiny_dir: Path) -> 
         assert time.monotonic() < deadline, "no engine statistics reached the ingress's /metrics"
         time.sleep(0.5)
     assert m["vllm:request_success_total"] >= 3 and m["tiered:engine_restarts_total"] == 0
+    assert m["tiered:replicas"] == 2
 
 
 def test_each_user_stays_on_one_replica(cluster: str) -> None:
@@ -117,7 +118,8 @@ def test_a_replica_killed_mid_load_loses_no_request_and_its_successor_finds_the_
     calls = [(u, 20 + k) for k in range(10) for u in range(USERS)]
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(_call, cluster, u, post) for u, post in calls]
-        time.sleep(0.3)
+        while sum(f.done() for f in futures) < 4:  # the load is flowing through both replicas
+            time.sleep(0.01)
         os.kill(before[victim]["pid"], signal.SIGKILL)
         killed = sum(not f.done() for f in futures)
         answers = [f.result() for f in futures]

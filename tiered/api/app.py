@@ -49,8 +49,12 @@ def build_app(
     engine: Client = client if client is not None else EngineClient(config)
 
     def counters() -> dict[str, int]:
-        return {"waiting": len(engine.pending), "timed_out": engine.timed_out, "cancelled": engine.cancelled,
-                "restarts": engine.restarts}  # fmt: skip
+        c = {"waiting": len(engine.pending), "timed_out": engine.timed_out, "cancelled": engine.cancelled,
+             "restarts": engine.restarts}  # fmt: skip
+        replicas = getattr(engine, "num_replicas", None)  # replicas on Ray Serve (tiered.cluster)
+        if replicas is not None:
+            c["replicas"] = replicas
+        return c
 
     metrics = Metrics(config.model.max_model_len, counters, lambda: engine.stats)
 

@@ -116,6 +116,9 @@ class _Reported:
         yield _counter("tiered:request_cancelled", "Requests cancelled because the client disconnected.",
                        c["cancelled"])  # fmt: skip
         yield _counter("tiered:engine_restarts", "Engine processes started after one died.", c["restarts"])
+        if "replicas" in c:
+            yield _gauge("tiered:replicas", "Engine replicas the ingress routes to (tiered serve --replicas).",
+                         c["replicas"])  # fmt: skip
         e = self.engine_stats()
         if e is None:
             return

@@ -17,7 +17,9 @@ The model (RESULTS.md, "Projecting past one machine", says it in words):
   bounded load on queued tokens, or round robin.
 - Redis bandwidth is what crosses the network: profiles read on remote hits and written after
   misses, at the model's KV bytes per token. With `remote_bandwidth` set, reads and writes queue
-  for it: a remote hit waits for the transfers ahead of it, then costs what it cost here.
+  on one link of that bandwidth: a remote hit costs what it cost here plus the time its own bytes
+  and those queued ahead of them take on the link (conservative: the measured cost already
+  includes a loopback transfer).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from contextvars import ContextVar
 from dataclasses import fields
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 # Per HTTP request: the client's x-user-id, and the replica that answered (x-tiered-replica).
 ROUTE: ContextVar[dict[str, str | None] | None] = ContextVar("tiered_route", default=None)
 READY_TIMEOUT_S = 900
+ROUTER_SYNC_TIMEOUT_S = 60
 # This process's request routers (`tiered.cluster.router.AffinityRouter` registers itself).
 ROUTERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -116,10 +118,23 @@ class ReplicaClient:
     def alive(self) -> bool:
         return self.ready is not None
 
+    @property
+    def num_replicas(self) -> int:
+        """Engine replicas this ingress routes to now."""
+        return sum(len(router.curr_replicas) for router in list(ROUTERS))
+
     async def start(self) -> None:
-        """Until a replica answers (Ray Serve starts the ingress once the engines are up)."""
+        """Until a replica answers, then until the router knows all `cluster.replicas` of them (Ray
+        tells each handle of new replicas a little after they start), so /health's 200 means
+        every replica takes calls."""
         info = await asyncio.wait_for(self.handle.info.remote(), READY_TIMEOUT_S)
         self.ready = Ready(info["max_model_len"], info["vocab_size"])
+        deadline = time.monotonic() + ROUTER_SYNC_TIMEOUT_S
+        while self.num_replicas < self.config.cluster.replicas:
+            if time.monotonic() > deadline:
+                log.warning("serving with %d of %d replicas", self.num_replicas, self.config.cluster.replicas)
+                break
+            await asyncio.sleep(0.1)
 
     def stop(self) -> None:
         pass  # Ray Serve stops the replicas
@@ -143,7 +158,7 @@ class ReplicaClient:
                 answer = asyncio.ensure_future(_result(call))
                 try:
                     reply = await wait_answers(self, answer, len(reqs), disconnected)
-                except (RayActorError, ActorUnavailableError) as exc:
+                except RayActorError as exc:  # the replica died (ActorDiedError): nothing runs there any more
                     if attempt == 2:
                         raise APIError(503, "the engine replica serving this request died, and so did the one it was "
                                        "retried on; retry shortly", type_="service_unavailable") from None  # fmt: skip
@@ -151,6 +166,10 @@ class ReplicaClient:
                     log.warning("an engine replica died holding %d request(s) (%s); retrying them on another",
                                 len(reqs), type(exc).__name__)  # fmt: skip
                     continue
+                except ActorUnavailableError:  # unreachable for now, maybe still computing: not retried
+                    call.cancel()
+                    raise APIError(503, "the engine replica serving this request is unreachable; retry shortly",
+                                   type_="service_unavailable") from None  # fmt: skip
                 except BaseException:
                     call.cancel()  # Ray Serve cancels it in the replica, which cancels it in its engine
                     answer.cancel()

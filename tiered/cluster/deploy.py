@@ -155,6 +155,9 @@ def deploy(config: Config, host: str = "127.0.0.1", port: int = 8000, app_kwargs
 
 
 def shutdown() -> None:
+    """Take the app, Serve and Ray (if this process started or joined it) down; a no-op once done."""
+    if not ray.is_initialized():
+        return
     serve.shutdown()
     ray.shutdown()
 

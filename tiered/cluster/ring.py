@@ -2,8 +2,8 @@
 
 A request's key (the user's id, else its prompt's first blocks) picks a point on the ring; the
 request goes to the first replica clockwise whose queued tokens, with this request's, stay within
-(1 + epsilon) x an even share of all queued tokens, rounded up to whole requests ("consistent
-hashing with bounded loads", Mirrokni, Thorup and Zadimoghaddam, 2018). So a user's requests go
+(1 + epsilon) x an even share of all queued tokens plus the request itself ("consistent hashing
+with bounded loads", Mirrokni, Thorup and Zadimoghaddam, 2018). So a user's requests go
 where the user's KV is cached while that replica keeps up, and spill to the next replica on the
 ring (the same one every time, where the remote tier makes the move cheap) when it does not.
 Adding or losing a replica moves only the keys whose arc it owned. The Ray Serve router
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 VNODES = 64  # points per replica on the ring: keys spread within a few percent of even
@@ -58,18 +57,18 @@ def bounded_choice(
     ring: Ring, key: int, loads: Mapping[str, float], cost: float, epsilon: float, total: float | None = None
 ) -> str:  # fmt: skip
     """The first replica on `key`'s ring walk that can take `cost` more and stay within its
-    capacity: (1 + epsilon) x the mean load once this request is placed, rounded up to a whole
-    number of requests of this size (the paper's ceiling, with loads in tokens), so an idle
-    replica always has room. One always has room: the least loaded is at most the mean.
+    capacity: (1 + epsilon) x the mean load once this request is placed, plus this request (the
+    paper's ceiling, for loads in tokens rather than unit requests). So an idle replica always has
+    room, and so does the least loaded one (it is at most the mean), whatever the request's size.
     `total`: the members' summed load, when the caller keeps it (else summed here)."""
     if total is None:
         total = sum(loads.get(m, 0.0) for m in ring.members)
-    share = (1 + epsilon) * (total + cost) / len(ring.members)
-    cap = math.ceil(share / cost - 1e-9) * cost if cost > 0 else share
+    cap = (1 + epsilon) * (total + cost) / len(ring.members) + cost
     for member in ring.walk(key):
         if loads.get(member, 0.0) + cost <= cap:
             return member
-    return min(ring.members, key=lambda m: loads.get(m, 0.0))  # only when rounding bites
+    # Only floating-point rounding gets here: the least loaded, the first such in ring order.
+    return min(ring.walk(key), key=lambda m: loads.get(m, 0.0))
 
 
 def route_key(

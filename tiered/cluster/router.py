@@ -2,11 +2,18 @@
 
 It runs in the ingress replica, inside its handle to the engine replicas. A request sent with
 `route=(key, tokens)` (the ingress computes both, `tiered.cluster.ring.route_key`) goes to the
-replica that owns `key` on a consistent-hash ring of the running replicas, unless that replica's
-queued tokens would go past (1 + load_factor) x an even share, rounded up to whole requests; then
-to the next replica on the ring that has room. Queued tokens are counted here, from what this router sent and what has
-come back (exact with one ingress replica, which is what `deploy` starts). With
-`policy="round_robin"` it cycles through the replicas instead (the baseline of the benchmarks).
+replica that owns `key` on a consistent-hash ring of the running replicas, unless that
+replica's queued tokens would go past (1 + load_factor) x an even share plus the request; then
+to the next replica on the ring that has room (`tiered.cluster.ring.bounded_choice`).
+
+Queued tokens are counted here, from what this router chose and what has come back (exact with
+one ingress replica, which is what `deploy` starts). Should the chosen replica refuse the call
+(it already holds `max_ongoing_requests` calls) or be gone, Ray sends the call to the least busy
+of the others; its tokens stay counted against the chosen one until the call ends. A call whose
+routing was cancelled (a timeout, a client gone) before it reached a replica never gets Ray's
+completion callback: such records are dropped here. With `policy="round_robin"` it cycles
+through the replicas instead (the baseline of the benchmarks). Calls without a route (`info`)
+go to any replica.
 
 Ray pickles this module by value into the ingress (a custom router's module is), so it keeps no
 state of its own at module level: each router registers in `tiered.cluster.client.ROUTERS`, where
@@ -16,20 +23,26 @@ the ingress's /metrics reads what the replicas last reported through Ray's routi
 from __future__ import annotations
 
 import itertools
+import random
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from tiered.cluster.ring import Ring, bounded_choice
 
+PRUNE_PERIOD_S = 1.0
+
 
 class AffinityRouter(RequestRouter):
     def initialize_state(self, policy: str = "affinity", load_factor: float = 0.25, **_: Any) -> None:
         self.policy, self.load_factor = policy, load_factor
         self.queued: dict[str, float] = {}  # replica id -> tokens routed there and not answered yet
-        self.routed: dict[str, tuple[str, float]] = {}  # internal request id -> (replica id, tokens)
+        # internal request id -> (replica id, tokens, the pending request while it is being routed)
+        self.routed: dict[str, tuple[str, float, PendingRequest]] = {}
         self._ring: Ring | None = None
         self._turn = itertools.count()
+        self._pruned = time.monotonic()
         from tiered.cluster import client  # imported, not pickled with this module: the ingress's own
 
         client.ROUTERS.add(self)
@@ -42,10 +55,14 @@ class AffinityRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Every replica is in the ranks below: when none has room, wait before asking again.
+            pending_request.routing_context.should_backoff = True
         route = pending_request.kwargs.get("route") if pending_request is not None else None
-        if route is None or not candidate_replicas:  # a request that is not a score (health, info)
-            return [candidate_replicas]
-        key, tokens = route
+        if route is None or pending_request is None or not candidate_replicas:  # not a score: any replica
+            return [random.sample(candidate_replicas, len(candidate_replicas))]
+        self._prune()
+        key, tokens = int(route[0]), float(route[1])
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if self.policy == "round_robin":
             ids = sorted(by_id)
@@ -54,23 +71,33 @@ class AffinityRouter(RequestRouter):
             chosen = order[0]
         else:
             ring = self.ring(list(by_id))
-            chosen = bounded_choice(ring, int(key), self.queued, float(tokens), self.load_factor)
-            order = list(ring.walk(int(key)))
-        assert pending_request is not None
-        self._record(pending_request.metadata.internal_request_id, chosen, float(tokens))
-        # The chosen replica first; should it refuse (full), the others in ring order.
+            chosen = bounded_choice(ring, key, self.queued, tokens, self.load_factor)
+            order = list(ring.walk(key))
+        self._record(pending_request, chosen, tokens)
+        # The chosen replica; should it refuse the call or be gone, any other (Ray takes the least busy).
         return [[by_id[chosen]], [by_id[r] for r in order if r != chosen]]
 
-    def _record(self, request_id: str, replica: str, tokens: float) -> None:
+    def _record(self, pending: PendingRequest, replica: str, tokens: float) -> None:
+        request_id = pending.metadata.internal_request_id
         self._forget(request_id)  # routed again (its first replica refused it or died)
-        self.routed[request_id] = (replica, tokens)
+        self.routed[request_id] = (replica, tokens, pending)
         self.queued[replica] = self.queued.get(replica, 0.0) + tokens
 
     def _forget(self, request_id: str) -> None:
         previous = self.routed.pop(request_id, None)
         if previous is not None:
-            replica, tokens = previous
+            replica, tokens, _ = previous
             self.queued[replica] = max(0.0, self.queued.get(replica, 0.0) - tokens)
+
+    def _prune(self) -> None:
+        """Drop the records of calls cancelled while they were being routed (no completion comes)."""
+        now = time.monotonic()
+        if now - self._pruned < PRUNE_PERIOD_S:
+            return
+        self._pruned = now
+        for request_id, (_, _, pending) in list(self.routed.items()):
+            if pending.future.cancelled():
+                self._forget(request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._forget(internal_request_id)
