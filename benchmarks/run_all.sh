@@ -95,3 +95,11 @@ for q in 10 100 1000; do
     --remote-gbps 1.25
 done
 .venv/bin/python benchmarks/cluster_sim.py size --costs benchmarks/out/costs-bench-m.json --qps 1000 --users 100000
+for lf in 0.05 0.1; do  # the bound's epsilon
+  .venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --load-factor $lf \
+    --json benchmarks/out/cluster-sim-z1.1-lf$lf.json
+done
+.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
+  --remote-gbps 1.25 --replicas 512 --json benchmarks/out/cluster-sim-z1.1-lf0.05-link.json
+.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
+  --zipf 0.8 --json benchmarks/out/cluster-sim-z0.8-lf0.05.json

@@ -154,7 +154,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "latency, hit rates and the JCT model's error; per system the highest QPS meeting the P99 and mean latency "
         "SLOs. Systems: tiered "
         "(calibrated + offload), prefillonly (calibrated + discard), tiered-onevict (tiered, host write policy "
-        "on-evict), fcfs (+ offload), lpm / spf / hrrn (SGLang's "
+        "on-evict), fcfs (+ offload), fcfs-discard, lpm / spf / hrrn (SGLang's "
         "policies on our engine), tiered-http (tiered behind `tiered serve`), vllm / vllm-nochunk (`vllm serve` with "
         "prefix caching, chunked prefill on / off, run by --vllm-python). The device tier (and vLLM's KV cache) holds "
         "--device-fraction of the users' profiles. Use --config configs/bench.yaml for the bench model.",

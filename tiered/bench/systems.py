@@ -13,6 +13,7 @@ ENGINE_SYSTEMS: dict[str, list[str]] = {
     "prefillonly": ["scheduler.policy=calibrated", "cache.suffix=discard"],
     "tiered-onevict": ["scheduler.policy=calibrated", "cache.suffix=offload", "cache.host.write_policy=on-evict"],
     "fcfs": ["scheduler.policy=fcfs", "cache.suffix=offload"],
+    "fcfs-discard": ["scheduler.policy=fcfs", "cache.suffix=discard"],  # fcfs's baseline under the same policy
     "lpm": ["scheduler.policy=lpm", "cache.suffix=offload"],
     "spf": ["scheduler.policy=spf", "cache.suffix=offload"],
     "hrrn": ["scheduler.policy=hrrn", "cache.suffix=offload"],
