@@ -103,3 +103,10 @@ done
   --remote-gbps 1.25 --replicas 512 --json benchmarks/out/cluster-sim-z1.1-lf0.05-link.json
 .venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
   --zipf 0.8 --json benchmarks/out/cluster-sim-z0.8-lf0.05.json
+# Issue 15: offload against discard under one policy (FCFS, calibrated at lambda 0.5 and 4)
+$T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \
+  --multiples 0.1,0.2,0.35,0.5,1 --repeats 2 --systems fcfs,fcfs-discard,tiered,prefillonly \
+  --json benchmarks/out/load-revisit-policies-bench.json --plots benchmarks/out/load-revisit-policies-bench
+$T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \
+  --multiples 0.1,0.2,0.35,0.5,1 --repeats 2 --systems tiered,prefillonly --set scheduler.fairness=4 \
+  --json benchmarks/out/load-revisit-lambda4-bench.json --plots benchmarks/out/load-revisit-lambda4-bench
