@@ -156,7 +156,8 @@ class Serving:
     async def run(self, reqs: list[ScoreRequest], request: Request, param: str) -> list[ScoreResponse]:
         """Send requests together (the scheduler sees them all); refuse them all if the queue is full."""
         if self.client.full(len(reqs)):
-            raise APIError(429, f"the queue is full ({self.config.scheduler.max_waiting} requests); retry later",
+            limit = self.config.scheduler.max_waiting * self.config.cluster.replicas  # per engine, summed
+            raise APIError(429, f"the queue is full ({limit} requests); retry later",
                            type_="rate_limit_exceeded")  # fmt: skip
         start = time.monotonic()
         outs = await self.client.run(reqs, request.is_disconnected)
