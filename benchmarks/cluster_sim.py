@@ -155,12 +155,14 @@ def size(a: argparse.Namespace) -> None:
     costs, local_tokens, _ = load(a.costs)
     local_tokens = a.local_tokens or local_tokens
     sizes = profiles(a.users, seed=a.seed)
-    n, out = 1, Outcome(0, 0, 0, 0, float("inf"), 0, 0, 0, 0, 0, 0)
-    while True:
-        cluster = Cluster(n, local_tokens, a.remote_tokens, bandwidth(a), "affinity", a.load_factor)
-        out = simulate(cluster, costs, sizes, arrivals(a.qps, max(a.min_visits, 40 * n), a.users, a.zipf, a.seed))
-        if out.p99 <= a.slo and out.throughput >= 0.95 * a.qps:
-            break
+    cluster = Cluster(1, local_tokens, a.remote_tokens, bandwidth(a), "affinity", a.load_factor)
+
+    def run(n: int) -> Outcome:
+        visits = arrivals(a.qps, max(a.min_visits, 40 * n), a.users, a.zipf, a.seed)
+        return simulate(replace(cluster, replicas=n), costs, sizes, visits)
+
+    n = 1
+    while not (out := run(n)).meets(a.slo, a.qps):
         if n >= a.max_replicas:
             print(f"{a.qps:g} visits/s of {a.users} users (Zipf {a.zipf}) within P99 {a.slo:g} s: not with up to "
                   f"{n} replicas (P99 {out.p99:.1f} s; Redis read {out.redis_read_bps / 1e9:.2f} GB/s, write "
@@ -170,9 +172,7 @@ def size(a: argparse.Namespace) -> None:
     low, high = n // 2, n  # the fewest between the last failing and this one
     while high - low > max(1, high // 32):
         mid = (low + high) // 2
-        trial = simulate(replace(cluster, replicas=mid), costs, sizes,
-                         arrivals(a.qps, max(a.min_visits, 40 * mid), a.users, a.zipf, a.seed))  # fmt: skip
-        if trial.p99 <= a.slo and trial.throughput >= 0.95 * a.qps:
+        if (trial := run(mid)).meets(a.slo, a.qps):
             high, out = mid, trial
         else:
             low = mid

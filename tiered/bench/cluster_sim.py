@@ -30,7 +30,7 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from tiered.cluster.ring import Ring, bounded_choice, stable_hash
+from tiered.cluster.ring import Ring, bounded_choice, user_key
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,10 @@ class Outcome:
     redis_read_bps: float  # bytes/s
     redis_write_bps: float
     busiest: float  # the busiest replica's share of busy time over the span (1.0: never idle)
+
+    def meets(self, slo_p99: float, qps: float) -> bool:
+        """P99 within `slo_p99`, and `qps` (the rate asked for) served: a queue that grows fails."""
+        return self.p99 <= slo_p99 and self.throughput >= 0.95 * qps
 
 
 class _LRU:
@@ -178,7 +182,7 @@ def simulate(
             user = visits[visit][1]
             tokens = float(sizes[user] + posts * post_tokens)
             if ring is not None:
-                name = bounded_choice(ring, stable_hash(f"user\0{user}"), loads, tokens, cluster.load_factor,
+                name = bounded_choice(ring, user_key(str(user)), loads, tokens, cluster.load_factor,
                                       total_load)  # fmt: skip
                 r = int(name[1:])
             else:
@@ -226,7 +230,7 @@ def max_qps(
     for _ in range(14):
         mid = (low + high) / 2
         out = simulate(cluster, costs, sizes, arrivals(mid, visits, len(sizes), zipf, seed), posts)
-        if out.p99 <= slo_p99 and out.throughput >= 0.95 * mid:
+        if out.meets(slo_p99, mid):
             low, best = mid, out
         else:
             high = mid

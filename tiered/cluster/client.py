@@ -104,7 +104,7 @@ class ReplicaClient:
         self.ready: Ready | None = None
         self.adapters: dict[str, str] = dict(config.lora.modules)
         self.pending: dict[str, Any] = {}
-        self.timed_out = self.cancelled = self.retried = 0
+        self.timed_out = self.cancelled = 0
 
     @property
     def stats(self) -> EngineStats | None:
@@ -155,14 +155,13 @@ class ReplicaClient:
         try:
             for attempt in (1, 2):
                 call = self.handle.run.remote(frames, route=(key, tokens))
-                answer = asyncio.ensure_future(_result(call))
+                answer = asyncio.ensure_future(call)  # a DeploymentResponse is awaitable
                 try:
                     reply = await wait_answers(self, answer, len(reqs), disconnected)
                 except RayActorError as exc:  # the replica died (ActorDiedError): nothing runs there any more
                     if attempt == 2:
                         raise APIError(503, "the engine replica serving this request died, and so did the one it was "
                                        "retried on; retry shortly", type_="service_unavailable") from None  # fmt: skip
-                    self.retried += 1
                     log.warning("an engine replica died holding %d request(s) (%s); retrying them on another",
                                 len(reqs), type(exc).__name__)  # fmt: skip
                     continue
@@ -188,7 +187,3 @@ class ReplicaClient:
     async def adapter(self, name: str, path: str | None) -> AdapterReply:
         raise APIError(501, "runtime LoRA updates are not available with replicas: list the adapters in "
                        "lora.modules (--lora-modules)", type_="not_implemented")  # fmt: skip
-
-
-async def _result(call: Any) -> Any:
-    return await call

@@ -70,8 +70,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         stats = self.client.stats
-        return {"stats": encode(stats) if stats is not None else None, "restarts": self.client.restarts,
-                "waiting": len(self.client.pending)}  # fmt: skip
+        return {"stats": encode(stats) if stats is not None else None, "restarts": self.client.restarts}
 
     def __del__(self) -> None:  # Ray Serve's graceful shutdown of a replica
         client = getattr(self, "client", None)

@@ -71,6 +71,11 @@ def bounded_choice(
     return min(ring.walk(key), key=lambda m: loads.get(m, 0.0))
 
 
+def user_key(user: str) -> int:
+    """Where a user (`x-user-id`) lands on the ring."""
+    return stable_hash(f"user\0{user}")
+
+
 def route_key(
     token_ids: Sequence[int], block_tokens: int, affinity_tokens: int, user: str | None = None,
     salt: str | None = None, adapter: str | None = None,
@@ -82,7 +87,7 @@ def route_key(
     from tiered.offload.device_tier import block_keys
 
     if user:
-        return stable_hash(f"user\0{user}")
+        return user_key(user)
     head = list(token_ids[: max(block_tokens, affinity_tokens // block_tokens * block_tokens)])
     keys = block_keys(head, block_tokens, salt, adapter)
     return keys[-1] % 2**64 if keys else stable_hash(f"prompt\0{head}\0{salt}\0{adapter}")

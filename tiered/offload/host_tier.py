@@ -139,7 +139,7 @@ class HostTier:
         # How many chunks this tier's local backends hold (a remote store's size is unknown: keys we
         # learn of it are bounded with the local ones, and a forgotten one costs only a lookup).
         self.capacity_chunks = int(local_gb * 2**30 / self.chunk_bytes)
-        self.remote = bool(config.remote_url)
+        self.remote_url: str | None = config.remote_url or None
         metadata = LMCacheMetadata(
             model_name=model_name,
             world_size=1,

@@ -107,8 +107,8 @@ class KVTiers:
         host = self.host_tier
         assert host is not None
         text = f"LMCache ({self.cfg.host.write_policy}, store thread <= {self.cfg.host.store_cpu_share:.0%} of a core"
-        if host.remote:  # keys hash ints only: equal in every engine whatever its PYTHONHASHSEED
-            text += f"; shared remote store {host._engine.config.remote_url}, keys of model {host.model_name}"
+        if host.remote_url:  # keys hash ints only: equal in every engine whatever its PYTHONHASHSEED
+            text += f"; shared remote store {host.remote_url}, keys of model {host.model_name}"
         return text + ")"
 
     def new_request(
@@ -165,7 +165,7 @@ class KVTiers:
         known = first_block
         while known < max_blocks and self._in_host(req.keys[known]) and not on_device(known):
             known += 1
-        if not (use_remote and self.host_tier is not None and self.host_tier.remote):
+        if not (use_remote and self.host_tier is not None and self.host_tier.remote_url):
             return known, known
         end = known
         while end < max_blocks and not on_device(end):
