@@ -62,6 +62,11 @@ def test_vllms_serving_flags_map_onto_the_config() -> None:
     assert cfg.lora.enabled and cfg.lora.modules == {"a.b": "/x", "c": "/y"}
     assert (cfg.lora.max_loras, cfg.lora.max_lora_rank) == (2, 32)
     assert serve_overrides(_serve_args()) == []  # no flag: the YAML as it is
+    # An explicit --dtype auto asks for the per-machine choice even where the YAML forces a dtype.
+    cfg = load_config(
+        None, ["model.dtype=bfloat16", *serve_overrides(_serve_args("--dtype", "auto", "--kv-cache-dtype", "float32"))]
+    )
+    assert (cfg.model.dtype, cfg.cache.kv_dtype) == ("auto", "float32")
     with pytest.raises(SystemExit):
         _serve_args("--dtype", "fp8")
 

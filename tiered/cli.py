@@ -91,6 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from tiered.embedded import resolve_model_path
     from tiered.hybrid.loader import DTYPES, load_model
+    from tiered.hybrid.precision import precision_for
     from tiered.offload.tiers import KVTiers, forward_with_tiers
 
     cfg = _load(args)
@@ -99,14 +100,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     example = json.loads(
         (Path(args.prompts) if args.prompts else Path(__file__).parent / "data" / "examples.json").read_text()
     )
-    model = load_model(folder, cfg.model.dtype, device)
+    precision = precision_for(cfg.model.dtype, cfg.cache.kv_dtype, folder, device)
+    model = load_model(folder, precision.compute, device)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     label_ids = [tokenizer.encode(label, add_special_tokens=False)[0] for label in example["labels"]]
     log.info(
-        "model %s (%s, %s on %s), forward %s, chunk %d tokens",
-        folder, model.args.architecture, cfg.model.dtype, device, cfg.forward.mode, cfg.forward.chunk_tokens,
+        "model %s (%s on %s; %s), forward %s, chunk %d tokens",
+        folder, model.args.architecture, device, precision.describe(), cfg.forward.mode, cfg.forward.chunk_tokens,
     )  # fmt: skip
-    tiers = KVTiers(cfg.cache, model.args, DTYPES[cfg.model.dtype], device, instance_id="tiered-run")
+    tiers = KVTiers(cfg.cache, model.args, DTYPES[precision.kv], device, instance_id="tiered-run")
     requests = []
     for i, post in enumerate(example["posts"]):
         ids = tokenizer.encode(example["profile"] + "\n" + post + example["question"])

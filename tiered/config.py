@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 ForwardMode = Literal["vanilla", "chunked", "hybrid"]
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 RetentionPolicy = Literal["prefix", "all", "none"]
 SuffixPolicy = Literal["offload", "discard"]
 WritePolicy = Literal["write-through", "on-evict"]
@@ -40,7 +40,10 @@ class ModelConfig:
 
     # A folder in HF format, or `embedded:NAME` for a project-made model (made on first use).
     path: str = "embedded:tiny"
-    dtype: DType = "float32"
+    # Compute precision. auto: the checkpoint's dtype where the device computes it natively (CUDA;
+    # a CPU with avx512_bf16 / amx_bf16 for bf16), fp32 where it would be emulated. A dtype name
+    # forces it (weights are cast to it at load).
+    dtype: DType = "auto"
     # Longest input (tokens) the engine accepts; also the length of the start-up profile run.
     max_model_len: int = 8192
     # Where `embedded:NAME` models are written.
@@ -116,6 +119,10 @@ class CacheConfig:
     retention_cap_tokens: int = 65536
     # What happens to KV that does not stay on the device.
     suffix: SuffixPolicy = "offload"
+    # Precision of the KV both tiers keep. auto: the narrower of the checkpoint's and the compute
+    # dtype (bf16 tiers under fp32 compute: twice the tokens per byte; converted as blocks are
+    # stored and read).
+    kv_dtype: DType = "auto"
     host: HostTierConfig = field(default_factory=HostTierConfig)
 
     def __post_init__(self) -> None:
@@ -157,6 +164,20 @@ class SchedulerConfig:
                  "must list lengths >= 2")  # fmt: skip
         _require(all(0 < f <= 1 for f in self.profile_miss_fractions), "scheduler.profile_miss_fractions",
                  "must be in (0, 1]")  # fmt: skip
+
+
+AttentionKernelName = Literal["auto", "flash-head", "flash", "masked", "varlen"]
+
+
+@dataclass(slots=True)
+class AttentionConfig:
+    """Which attention kernel computes (tiered/hybrid/attention)."""
+
+    # auto: the fastest correct kernel on this machine, measured at start-up on the engine's
+    # shapes and cached; a name forces one (flash-head, flash: cpu; masked: any; varlen: cuda).
+    kernel: AttentionKernelName = "auto"
+    # Where the measured choice is cached (keyed by CPU, torch, threads, dtype and head shapes).
+    profile_cache_dir: str = ".cache/attention"
 
 
 @dataclass(slots=True)
@@ -262,6 +283,7 @@ class Config:
     device: str = "cpu"
     model: ModelConfig = field(default_factory=ModelConfig)
     forward: ForwardConfig = field(default_factory=ForwardConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)

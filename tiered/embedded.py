@@ -1,7 +1,7 @@
 """Project-made models: seeded Llama-family checkpoints in HF format, with a trained tokenizer.
 
 No model can be downloaded on our machines, so `tiered make-model NAME --out DIR` writes one:
-config.json, model.safetensors (fp32, seeded random weights) and a byte-level BPE tokenizer
+config.json, model.safetensors (seeded random weights, fp32 or bf16 as the shape says) and a byte-level BPE tokenizer
 trained on `data/corpus.txt` (tokenizer.json + tokenizer_config.json with a chat template). The
 same folder loads in transformers, in vLLM and in our loader. Output is byte-identical for the
 same name.
@@ -46,6 +46,8 @@ class Shape:
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, float | int | str] | None = None
     seed: int = 0
+    # The dtype the checkpoint stores (config.json's torch_dtype): real checkpoints ship in bf16.
+    dtype: str = "float32"
 
 
 SHAPES: dict[str, Shape] = {
@@ -53,10 +55,10 @@ SHAPES: dict[str, Shape] = {
     # vLLM's CPU attention accepts, so the same folder serves the vLLM peer in tests.
     "tiny": Shape("LlamaForCausalLM", 64, 2, 2, 1, 176),
     # For benchmarks: an 8K-token forward takes about a second on 2 CPU cores (bf16).
-    "bench": Shape("LlamaForCausalLM", 256, 4, 4, 2, 1024, seed=1),
+    "bench": Shape("LlamaForCausalLM", 256, 4, 4, 2, 1024, seed=1, dtype="bfloat16"),
     # For headline figures: a model of realistic proportions (126 M parameters; in bf16 its
     # matmuls are big enough that compute, not Python, sets the pace, as in a real deployment).
-    "bench-m": Shape("LlamaForCausalLM", 1024, 8, 16, 4, 4096, seed=5),
+    "bench-m": Shape("LlamaForCausalLM", 1024, 8, 16, 4, 4096, seed=5, dtype="bfloat16"),
     # Architecture variants the loader must handle, at tiny size.
     "tiny-qwen2": Shape("Qwen2ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=2),
     "tiny-mistral": Shape("MistralForCausalLM", 64, 2, 4, 1, 160, seed=3),
@@ -101,7 +103,7 @@ def _hf_config(shape: Shape) -> dict[str, object]:
         "bos_token_id": 0,
         "eos_token_id": 1,
         "pad_token_id": 2,
-        "torch_dtype": "float32",
+        "torch_dtype": shape.dtype,
     }
     if shape.architecture == "Qwen2ForCausalLM":
         cfg["use_sliding_window"] = False
@@ -144,7 +146,8 @@ def _weights(shape: Shape) -> dict[str, torch.Tensor]:
     w["model.norm.weight"] = norm(d)
     if not shape.tie_word_embeddings:
         w["lm_head.weight"] = linear(shape.vocab_size, d)
-    return {k: v.contiguous() for k, v in w.items()}
+    stored = getattr(torch, shape.dtype)
+    return {k: v.to(stored).contiguous() for k, v in w.items()}
 
 
 def corpus_text() -> str:

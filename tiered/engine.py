@@ -24,9 +24,12 @@ from torch import Tensor
 from tiered.adapters import Adapters, UnknownAdapterError
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
+from tiered.hybrid.attention.select import choose_kernel
 from tiered.hybrid.forward import BatchItem, ForwardInputError, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model, model_identity, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
+from tiered.hybrid.model import use_attention
+from tiered.hybrid.precision import precision_for
 from tiered.offload.request import PrefixKV, Prepared
 from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel
@@ -70,24 +73,33 @@ class Engine:
         self.device = device
         folder = resolve_model_path(config.model.path, config.model.models_dir)
         self.model_dir = folder
-        self.model = load_model(folder, config.model.dtype, device)
+        self.precision = precision_for(config.model.dtype, config.cache.kv_dtype, folder, device)
+        log.info("precision: %s", self.precision.describe())
+        self.model = load_model(folder, self.precision.compute, device)
         self.max_model_len = config.model.max_model_len
+        a = self.model.args
+        kernel = choose_kernel(config.attention.kernel, a.num_heads, a.num_kv_heads, a.head_dim,
+                               DTYPES[self.precision.compute], device, config.attention.profile_cache_dir,
+                               self.max_model_len)  # fmt: skip
+        use_attention(self.model, kernel)
         cache = config.cache
         if config.engine.memory_budget_bytes:
             cache = replace(cache, device_tier_bytes=self._split_memory(config.engine.memory_budget_bytes))
-        self.model_identity = model_identity(folder, config.model.dtype, cache.block_tokens)
-        self.tiers = KVTiers(cache, self.model.args, DTYPES[config.model.dtype], device,
+        self.model_identity = model_identity(folder, self.precision.identity, cache.block_tokens)
+        self.tiers = KVTiers(cache, self.model.args, DTYPES[self.precision.kv], device,
                              f"engine-{uuid.uuid4().hex[:8]}", self.model_identity)  # fmt: skip
         lora = config.lora
-        self.adapters = Adapters(lora, self.model.args, DTYPES[config.model.dtype], device) if lora.enabled else None
+        compute = DTYPES[self.precision.compute]
+        self.adapters = Adapters(lora, self.model.args, compute, device) if lora.enabled else None
         self.jct = jct_model or profile_jct(self)
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self._params: dict[int, tuple[ScoreParams, float]] = {}
         self._seqs: dict[str, int] = {}  # request id -> scheduler seq, while waiting
         self.num_cancelled = 0
         log.info(
-            "engine ready: %s on %s, policy %s (λ=%g), prefetch %s",
-            folder.name, device, config.scheduler.policy, config.scheduler.fairness, config.scheduler.prefetch,
+            "engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s",
+            folder.name, device, self.precision.compute, kernel, config.scheduler.policy, config.scheduler.fairness,
+            config.scheduler.prefetch,
         )  # fmt: skip
 
     # ---- start-up --------------------------------------------------------------------------

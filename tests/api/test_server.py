@@ -92,7 +92,11 @@ def test_api_key_is_required_except_for_health_and_metrics(server: str) -> None:
     r = httpx.get(f"{server}/v1/models", timeout=5)
     assert r.status_code == 401 and r.json()["error"]["message"] == "Incorrect API key provided."
     ok = httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=5)
-    assert ok.status_code == 200 and ok.json()["data"][0]["max_model_len"] == 1024
+    card = ok.json()["data"][0]
+    assert ok.status_code == 200 and card["max_model_len"] == 1024
+    # The engine's resolved precision, through ZMQ: the tiny checkpoint is fp32, so auto keeps fp32.
+    assert (card["dtype"], card["kv_cache_dtype"], card["checkpoint_dtype"]) == ("float32", "float32", "float32")
+    assert card["dtype_reason"] == "the checkpoint is fp32"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong").completions.create(
             model="tiny", prompt="x", max_tokens=1

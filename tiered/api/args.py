@@ -15,9 +15,9 @@ from tiered.config import Config, ConfigError
 
 API_KEY_VARIABLES = ("TIERED_API_KEY", "VLLM_API_KEY")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-# vLLM's --dtype names -> ours ("auto": the config's).
-DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
-               "half": "float16"}  # fmt: skip
+# vLLM's --dtype names -> ours ("auto": per machine, see tiered/hybrid/precision.py).
+DTYPE_NAMES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "float16": "float16", "half": "float16"}  # fmt: skip
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -56,8 +56,13 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="model id in responses and /v1/models (default: the "
                    "folder name)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens (model.max_model_len)")
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
-                   help="weights and KV precision (model.dtype; auto: the config's)")  # fmt: skip
+    g.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES),
+                   help="compute precision (model.dtype; default: the config's, itself auto). auto: the "
+                   "checkpoint's dtype where the device computes it natively (CUDA; avx512_bf16 / amx_bf16 "
+                   "CPUs for bf16), else float32; the choice is logged and shown in /v1/models")  # fmt: skip
+    g.add_argument("--kv-cache-dtype", default=None, choices=list(DTYPE_NAMES),
+                   help="precision of the KV kept in both tiers (cache.kv_dtype; auto: the narrower of the "
+                   "checkpoint's and the compute dtype)")  # fmt: skip
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block = LMCache chunk (cache.block_tokens)")  # fmt: skip
     g.add_argument("--kv-offloading-size", type=_positive_float, default=None, metavar="GIB",
@@ -113,8 +118,10 @@ def serve_overrides(args: argparse.Namespace) -> list[str]:
     out = [f"model.path={json.dumps(args.model)}"] if args.model else []
     if args.max_model_len is not None:
         out.append(f"model.max_model_len={args.max_model_len}")
-    if args.dtype != "auto":
+    if args.dtype is not None:
         out.append(f"model.dtype={DTYPE_NAMES[args.dtype]}")
+    if args.kv_cache_dtype is not None:
+        out.append(f"cache.kv_dtype={DTYPE_NAMES[args.kv_cache_dtype]}")
     if args.block_size is not None:
         out.append(f"cache.block_tokens={args.block_size}")
     if args.kv_offloading_size is not None:

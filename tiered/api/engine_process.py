@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import asdict
 
 import zmq
 
@@ -62,7 +63,7 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
     responses.connect(response_addr)
     try:
         with Engine(config) as engine:
-            responses.send(encode(Ready(engine.max_model_len, engine.model.args.vocab_size)))
+            responses.send(encode(Ready(engine.max_model_len, engine.model.args.vocab_size, asdict(engine.precision))))
             poller = zmq.Poller()
             poller.register(requests, zmq.POLLIN)
             reported = 0.0  # when EngineStats were last sent

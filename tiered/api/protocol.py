@@ -102,6 +102,9 @@ class Ready:
 
     max_model_len: int
     vocab_size: int
+    # The resolved precision (tiered.hybrid.precision.Precision as a mapping): checkpoint, compute,
+    # kv, reason; shown on /v1/models.
+    precision: dict[str, str] = field(default_factory=dict)
 
 
 _TYPES: dict[str, type] = {"request": ScoreRequest, "response": ScoreResponse, "ready": Ready, "cancel": Cancel,

@@ -21,10 +21,10 @@ import torch
 
 from tiered.bench.mil import forward_flops, matmul_flops_per_s
 from tiered.bench.report import write_report
+from tiered.hybrid.attention import KERNELS, Piece
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.memory import GatheredPrefix
-from tiered.hybrid.model import Piece, attention_
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ def run_batch_bench(
     q = torch.randn(queries, a.num_heads, a.head_dim, generator=g).to(dt)
     own_k, own_v = (torch.randn(queries, a.num_kv_heads, a.head_dim, generator=g).to(dt) for _ in "kv")
     pieces = [Piece(i * new_tokens, i * new_tokens, new_tokens) for i in range(num_requests)]
-    seconds = min(_best(lambda: attention_(q.clone(), own_k, own_v, pieces, *kv[0]), 1) for _ in range(repeats))
+    attend_ = KERNELS[model.attention].attend_
+    seconds = min(_best(lambda: attend_(q.clone(), own_k, own_v, pieces, *kv[0]), 1) for _ in range(repeats))
     pairs = queries * prefix_tokens + num_requests * new_tokens * (new_tokens + 1) / 2
     attn_flops = 4 * a.num_heads * a.head_dim * pairs
     attn = AttentionResult(queries, prefix_tokens, seconds, attn_flops / seconds, attn_flops / seconds / rate)

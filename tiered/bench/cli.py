@@ -10,11 +10,13 @@ import argparse
 from tiered.bench.commands import (
     _add_model_args,
     _add_trace_args,
+    cmd_bench_attention,
     cmd_bench_batch,
     cmd_bench_load,
     cmd_bench_mil,
     cmd_bench_plot,
     cmd_bench_policies,
+    cmd_bench_precision,
     cmd_bench_server,
     cmd_bench_soak,
     cmd_bench_tiers,
@@ -84,6 +86,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     bb.add_argument("--repeats", type=int, default=3, help="timed runs per side (best is kept)")
     bb.add_argument("--json", default=None, help="write results as JSON here")
     bb.set_defaults(func=cmd_bench_batch)
+
+    _add_kernel_parsers(bsub)
 
     tiers = bsub.add_parser(
         "tiers", help="host-tier load cost against recompute; offload against discard on a revisit trace",
@@ -227,8 +231,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     vs.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-single"],
                     help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}, tiered-loraK, vllm-loraK "
                     "(K adapters, e.g. tiered-lora8)")  # fmt: skip
-    vs.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.5, 1, 2],
-                    help="offered loads, as multiples of the first system's saturation visits/s")  # fmt: skip
+    vs.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",") if v], default=[0.25, 0.5, 1, 2],
+                    help="offered loads, as multiples of the first system's saturation visits/s ('': the "
+                    "saturation runs only)")  # fmt: skip
     vs.add_argument("--concurrency", type=int, default=16, help="calls in flight at most in the saturation run")
     vs.add_argument("--vllm-python", default=None, help="a Python with vLLM installed, for the vllm systems")
     vs.add_argument("--slo-p99", type=floats, default=None, help="P99 visit latency SLOs, s, comma-separated "
@@ -283,3 +288,30 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     srv.add_argument("--tokens", type=int, default=256)
     srv.add_argument("--json", default=None, help="write results as JSON here")
     srv.set_defaults(func=cmd_bench_server)
+
+
+def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`bench precision` and `bench attention`: the rates that choose the precision and the kernel."""
+    pr = bsub.add_parser(
+        "precision", help="linear-layer and matmul rates per dtype, and what --dtype auto picks here",
+        description="The 126 M model's MLP linear (2,048 x 1,024 -> 4,096) and a matmul in fp32, bf16 and fp16 on "
+        "this machine, its CPU flags, the precision `model.dtype: auto` resolves for a bf16 checkpoint, and whether "
+        "the measured rates agree with that rule.",
+    )  # fmt: skip
+    pr.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    pr.add_argument("--json", default=None, help="write results as JSON here")
+    pr.set_defaults(func=cmd_bench_precision)
+    at = bsub.add_parser(
+        "attention", help="every attention kernel x the engine's shape classes: GFLOP/s, share of matmul, error",
+        description="Each attention kernel that runs on the device (or --kernels) on the visit shape (8 x 160 "
+        "queries on a 1,792-token prefix), a 1,296-token suffix on that prefix and fresh causal prompts of 2 K "
+        "and 8 K, with the --model's heads: best-of-2 time, GFLOP/s, share of the matmul rate in the compute "
+        "dtype and in bf16, and the max error against the fp32 reference. The engine's `attention.kernel: auto` "
+        "makes the same choice at start-up (on all but the 8 K shape).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    _add_model_args(at, "embedded:bench-m")
+    at.add_argument("--kernels", default=None, help="comma-separated kernels (default: all that run on the device)")
+    at.add_argument("--max-tokens", type=int, default=8192, help="skip shapes longer than this")
+    at.add_argument("--json", default=None, help="write results as JSON here")
+    at.set_defaults(func=cmd_bench_attention)

@@ -18,8 +18,19 @@ def _add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None
     """--model, --models-dir, --dtype, --device: what a benchmark that loads one model takes."""
     parser.add_argument("--model", default=default_model, help="HF checkpoint folder or embedded:NAME")
     parser.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute precision (auto: the checkpoint's dtype where this machine computes it "
+                        "natively, else float32)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+
+
+def _compute_dtype(args: argparse.Namespace, folder: Path) -> str:
+    """--dtype resolved as the engine resolves model.dtype (tiered/hybrid/precision.py)."""
+    from tiered.hybrid.precision import precision_for
+
+    precision = precision_for(args.dtype, "auto", folder, resolve_device(args.device))
+    print(f"precision: {precision.describe()}")
+    return precision.compute
 
 
 def cmd_bench_mil(args: argparse.Namespace) -> int:
@@ -32,7 +43,7 @@ def cmd_bench_mil(args: argparse.Namespace) -> int:
         args.budget,
         args.json,
         args.modes,
-        args.dtype,
+        _compute_dtype(args, folder),
         resolve_device(args.device),
         args.chunk_tokens,
         args.lengths,
@@ -51,7 +62,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
-    run_batch_bench(str(folder), args.dtype, resolve_device(args.device), args.json, args.requests, args.new_tokens,
+    dtype = _compute_dtype(args, folder)
+    run_batch_bench(str(folder), dtype, resolve_device(args.device), args.json, args.requests, args.new_tokens,
                     args.prefix_tokens, args.hit_new_tokens, args.chunk_tokens, args.repeats)  # fmt: skip
     return 0
 
@@ -62,7 +74,10 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
     folder = resolve_model_path(args.model, args.models_dir)
     run_tiers_bench(
-        str(folder), args.dtype, resolve_device(args.device), args.block_tokens, args.lengths, args.users,
+        str(folder),
+        _compute_dtype(args, folder),
+        resolve_device(args.device),
+        args.block_tokens, args.lengths, args.users,
         args.profile_tokens, args.post_tokens, args.rounds, args.device_fraction, args.repeats, args.json,
     )  # fmt: skip
     return 0
@@ -186,4 +201,22 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     from tiered.bench.server import run_server_bench
 
     run_server_bench(_load(args), args.config, args.overrides, args.requests, args.tokens, args.json)
+    return 0
+
+
+def cmd_bench_precision(args: argparse.Namespace) -> int:
+    from tiered.bench.kernels import run_precision_bench
+
+    run_precision_bench(resolve_device(args.device), args.json)
+    return 0
+
+
+def cmd_bench_attention(args: argparse.Namespace) -> int:
+    from tiered.bench.kernels import run_attention_bench
+    from tiered.embedded import resolve_model_path
+
+    folder = resolve_model_path(args.model, args.models_dir)
+    kernels = args.kernels.split(",") if args.kernels else None
+    run_attention_bench(str(folder), _compute_dtype(args, folder), resolve_device(args.device), kernels,
+                        args.max_tokens, args.json)  # fmt: skip
     return 0

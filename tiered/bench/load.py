@@ -47,6 +47,7 @@ from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result
 from tiered.hybrid.loader import resolve_device
+from tiered.hybrid.precision import config_precision
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +380,7 @@ def kv_bytes_per_token(cfg: Config) -> int:
     from tiered.hybrid.loader import DTYPES, read_args
 
     a = read_args(resolve_model_path(cfg.model.path, cfg.model.models_dir))
-    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * DTYPES[cfg.model.dtype].itemsize
+    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * DTYPES[config_precision(cfg).kv].itemsize
 
 
 def device_tokens(trace: Trace, fraction: float) -> int:
@@ -407,7 +408,9 @@ def run_load_bench(
     cfg = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=kv_tokens * kv_bytes_per_token(cfg)))
     model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
+    precision = config_precision(cfg)
     print(trace.describe())
+    print(f"precision: {precision.describe()} (vLLM computes in {precision.compute})")
     of = "the users' profiles" if any(r.prefix_tokens for r in trace.requests) else "all the trace's tokens"
     print(f"device tier: {kv_tokens} tokens ({device_fraction:.0%} of {of}), "
           f"{cfg.cache.device_tier_bytes / 2**20:.1f} MiB")  # fmt: skip
@@ -432,7 +435,7 @@ def run_load_bench(
         try:
             if system in VLLM_SYSTEMS:
                 assert vllm_python is not None
-                vllm = VLLMServer(vllm_python, model_dir, cfg.model.dtype, trace.max_tokens + 16, kv_tokens,
+                vllm = VLLMServer(vllm_python, model_dir, precision.compute, trace.max_tokens + 16, kv_tokens,
                                   VLLM_SYSTEMS[system], cfg.forward.chunk_tokens)  # fmt: skip
                 if vllm.enlarged:
                     print(f"{system}: KV cache enlarged to {vllm.num_blocks * vllm.block} tokens "

@@ -104,8 +104,10 @@ def run_soak(
 
     from tiered.hybrid.forward import forward
     from tiered.hybrid.loader import load_model
+    from tiered.hybrid.precision import config_precision
 
-    ref = torch.log_softmax(forward(load_model(folder, cfg.model.dtype), torch.tensor(probe)), dim=-1)
+    compute = config_precision(cfg).compute
+    ref = torch.log_softmax(forward(load_model(folder, compute), torch.tensor(probe)), dim=-1)
     probe_diff = max(abs(lp[str(t)] - float(ref[t])) for lp in stats["probe_logprobs"] for t in labels)
     answered = after["vllm:request_success_total"] - before["vllm:request_success_total"]
     report = {

@@ -27,6 +27,8 @@ VISIT_TIERED_SYSTEMS: dict[str, list[str]] = {
     "tiered": [],
     "tiered-single": ["scheduler.max_batch_tokens=0"],
     "tiered-fcfs": ["scheduler.policy=fcfs"],  # the same batches, heads in arrival order
+    "tiered-bf16": ["model.dtype=bfloat16"],  # bf16 compute forced, whatever the CPU (model.dtype: auto's baseline)
+    "tiered-kv32": ["cache.kv_dtype=float32"],  # KV tiers in fp32 under fp32 compute: half the tokens per byte
 }
 VISIT_VLLM_SYSTEMS = ("vllm", "vllm-full")
 VISIT_SYSTEMS = [*VISIT_TIERED_SYSTEMS, *VISIT_VLLM_SYSTEMS]

@@ -69,6 +69,7 @@ from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import make_adapter, resolve_model_path
 from tiered.hybrid.loader import DTYPES, read_args, resolve_device
 from tiered.hybrid.model import ModelArgs
+from tiered.hybrid.precision import config_precision
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,9 @@ def _serve(system: str, cfg: Config, vllm_python: str | None, kv_tokens: int, ma
     step_tokens = max(cfg.forward.chunk_tokens, cfg.scheduler.max_batch_tokens)
     lora = ["--enable-lora", "--max-loras", str(cfg.lora.max_loras), "--max-lora-rank", str(LORA_RANK),
             "--lora-modules", *[f"{name}={path}" for name, path in adapters.items()]] if k else []  # fmt: skip
-    vllm = VLLMServer(vllm_python, Path(cfg.model.path), cfg.model.dtype, max_len, kv_tokens, True, step_tokens, lora)
+    # vLLM in the dtype our rule picks for this machine (its CPU GEMMs are torch's: the same native/emulated split).
+    dtype = config_precision(cfg).compute
+    vllm = VLLMServer(vllm_python, Path(cfg.model.path), dtype, max_len, kv_tokens, True, step_tokens, lora)
     if vllm.enlarged:
         print(f"{system}: KV cache enlarged to {vllm.num_blocks * vllm.block} tokens (vLLM needs room for one request)")
     vllm.start(out_dir / f"{system}.log")
@@ -264,8 +267,8 @@ def run_visits_bench(
     if any(s.startswith("vllm") for s in systems) and cfg.engine.memory_budget_bytes:
         raise BenchError("vLLM's KV cache is sized from cache.device_tier_bytes: set engine.memory_budget_bytes=0 so "
                          "our device tier has that size too")  # fmt: skip
-    if not multiples or min(multiples) <= 0 or concurrency < 1:
-        raise BenchError("need at least one load multiple, all > 0, and a concurrency >= 1")
+    if (multiples and min(multiples) <= 0) or concurrency < 1:
+        raise BenchError("load multiples must be > 0 (none: saturation only), and the concurrency >= 1")
     visits = split_visits(trace)
     calls = [v.call for v in visits]
     prompts_of = {v.call.call_id: len(v.call.prompts) for v in visits}
@@ -280,10 +283,12 @@ def run_visits_bench(
                  "vllm-full": working_set_tokens(trace, VLLMServer.block_tokens(max_len))}  # fmt: skip
     kv_tokens.update({s: kv_tokens["vllm"] for s in systems if s.startswith("vllm-lora")})
     device = resolve_device(cfg.device)
-    matmul = matmul_flops_per_s(DTYPES[cfg.model.dtype], device)
+    precision = config_precision(cfg)
+    matmul = matmul_flops_per_s(DTYPES[precision.compute], device)
     args = read_args(model_dir)
     print(trace.describe())
-    print(f"matmul rate {matmul / 1e9:.0f} GFLOP/s ({cfg.model.dtype}, {device}); vLLM KV tokens: "
+    print(f"precision: {precision.describe()} (vLLM computes in {precision.compute})")
+    print(f"matmul rate {matmul / 1e9:.0f} GFLOP/s ({precision.compute}, {device}); vLLM KV tokens: "
           f"vllm {kv_tokens['vllm']} (our device tier), vllm-full {kv_tokens['vllm-full']} (working set)")  # fmt: skip
 
     rate: float | None = None  # the first system's saturation visits/s: sets every system's loads
@@ -320,14 +325,16 @@ def run_visits_bench(
                          s.offered_qps, s.mean_latency_seconds, s.p99_latency_seconds,
                          f", {s.num_errors} errors" if s.num_errors else "")  # fmt: skip
 
-    # Default SLOs: 2.5x, 5x, 10x the first system's visit latency at the lowest load (little waits there).
-    lowest = min((s for s in summaries if s.system == systems[0]), key=lambda s: s.multiple)
-    slo_p99 = slo_p99 or [f * lowest.p99_latency_seconds for f in SLO_FACTORS]
-    slo_mean = slo_mean or [f * lowest.mean_latency_seconds for f in SLO_FACTORS]
-    table = sustainable_table(summaries, systems, slo_p99, slo_mean)
     _print_saturation(saturations)
-    print("per offered load (a request is a visit: QPS and thru are visits/s; hits are shares of prompt tokens)")
-    print_tables(summaries, table, slo_p99, slo_mean)
+    table: dict[str, Any] = {}
+    if summaries:
+        # Default SLOs: 2.5x, 5x, 10x the first system's visit latency at the lowest load (little waits there).
+        lowest = min((s for s in summaries if s.system == systems[0]), key=lambda s: s.multiple)
+        slo_p99 = slo_p99 or [f * lowest.p99_latency_seconds for f in SLO_FACTORS]
+        slo_mean = slo_mean or [f * lowest.mean_latency_seconds for f in SLO_FACTORS]
+        table = sustainable_table(summaries, systems, slo_p99, slo_mean)
+        print("per offered load (a request is a visit: QPS and thru are visits/s; hits are shares of prompt tokens)")
+        print_tables(summaries, table, slo_p99, slo_mean)
     return write_report(json_path, "visits", device, {
         "config": asdict(cfg), "trace": {"kind": trace.kind, "params": trace.params, "requests": len(visits),
                                          "prompts": len(trace), "tokens": trace.num_tokens},

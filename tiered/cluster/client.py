@@ -128,7 +128,7 @@ class ReplicaClient:
         tells each handle of new replicas a little after they start), so /health's 200 means
         every replica takes calls."""
         info = await asyncio.wait_for(self.handle.info.remote(), READY_TIMEOUT_S)
-        self.ready = Ready(info["max_model_len"], info["vocab_size"])
+        self.ready = Ready(info["max_model_len"], info["vocab_size"], info.get("precision", {}))
         deadline = time.monotonic() + ROUTER_SYNC_TIMEOUT_S
         while self.num_replicas < self.config.cluster.replicas:
             if time.monotonic() > deadline:

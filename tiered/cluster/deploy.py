@@ -62,7 +62,8 @@ class EngineReplica:
         engine = self.client.process
         return {"replica": self.replica, "pid": os.getpid(), "engine_pid": engine.pid if engine else None,
                 "max_model_len": ready.max_model_len if ready else 0,
-                "vocab_size": ready.vocab_size if ready else 0}  # fmt: skip
+                "vocab_size": ready.vocab_size if ready else 0,
+                "precision": ready.precision if ready else {}}  # fmt: skip
 
     def check_health(self) -> None:
         if self.client.gave_up:

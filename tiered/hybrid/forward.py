@@ -30,11 +30,10 @@ from torch import Tensor
 
 from tiered import validation
 from tiered.config import ForwardMode
+from tiered.hybrid.attention import KERNELS, Piece
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
     CausalLM,
-    Piece,
-    attention_,
     kv_step,
     mlp_step_,
     o_proj_step_,
@@ -227,6 +226,7 @@ def _layer_by_layer(
     runs = [_lora_runs(items, order, rows, s, e) for s, e in bounds]
     shared = [sh for g in groups for sh in g.shared]
     held: list[LayerKV] = []
+    attend_ = KERNELS[model.attention].attend_
     for i, layer in enumerate(model.layers):
         k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=x.dtype, device=device)
         v = torch.empty_like(k)
@@ -237,12 +237,12 @@ def _layer_by_layer(
             held.append((k, v))
         else:
             _to_sinks(items, order, rows, shared, i, k, v)
-        prefixes = _LayerPrefixes(groups, i)
+        prefixes = _LayerPrefixes(groups, i, x.dtype)
         for (s, e), pieces_of_chunk, lo in zip(bounds, chunk_pieces, lora, strict=True):
             n = e - s
             q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n], lo)
             for g, pieces in pieces_of_chunk:
-                attention_(q, k, v, pieces, *prefixes.get(g))  # q[:n] now holds the attention output
+                attend_(q, k, v, pieces, *prefixes.get(g))  # q[:n] now holds the attention output
                 prefixes.release_before(e)  # one group's prefix alive at a time
             o_proj_step_(layer, x[s:e], q[:n].view(n, -1), lo)
             mlp_step_(layer, x[s:e], gate_buf, up_buf, lo)
@@ -291,8 +291,8 @@ class _LayerPrefixes:
     """One layer's cached prefixes, gathered when a chunk first needs them and released once the
     chunks are past their group (groups are contiguous), so about one is alive at a time."""
 
-    def __init__(self, groups: list[_Group], layer: int) -> None:
-        self._groups, self._layer = groups, layer
+    def __init__(self, groups: list[_Group], layer: int, dtype: torch.dtype) -> None:
+        self._groups, self._layer, self._dtype = groups, layer, dtype
         self._kv: dict[int, LayerKV] = {}
 
     def get(self, group: int) -> tuple[Tensor | None, Tensor | None]:
@@ -300,7 +300,9 @@ class _LayerPrefixes:
         if prefix is None:
             return None, None
         if group not in self._kv:
-            self._kv[group] = prefix[self._layer]
+            k, v = prefix[self._layer]
+            # Tiers may keep KV narrower than the compute dtype (cache.kv_dtype): widen it here, per layer.
+            self._kv[group] = (k.to(self._dtype), v.to(self._dtype))
         return self._kv[group]
 
     def release_before(self, row: int) -> None:
@@ -355,6 +357,7 @@ def _chunked(
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
     hidden_last = q.new_empty(0)
+    attend_ = KERNELS[model.attention].attend_
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         n = e - s
@@ -365,7 +368,7 @@ def _chunked(
             lo = LoraSlice(i, [LoraRun(0, n, adapter)]) if adapter is not None else None
             kv_step(layer, x, cos, sin, k[P + s : P + e], v[P + s : P + e], lo)
             q_step(layer, x, cos, sin, q[:n], lo)
-            attention_(q, k, v, [Piece(0, P + s, n, ((0, P + s),) if P + s else ())])  # earlier: all visible
+            attend_(q, k, v, [Piece(0, P + s, n, ((0, P + s),) if P + s else ())], None, None)  # earlier: visible
             o_proj_step_(layer, x, q[:n].view(n, -1), lo)
             mlp_step_(layer, x, gate_buf, up_buf, lo)
         hidden_last = x[-1]

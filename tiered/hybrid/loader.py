@@ -16,6 +16,7 @@ from tiered.hybrid.model import (
     Llama3RopeScaling,
     ModelArgs,
     rope_inv_freq,
+    use_attention,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -164,4 +165,5 @@ def load_model(folder: str | Path, dtype: str = "float32", device: str | torch.d
         model.lm_head.weight = model.model.embed_tokens.weight
     # The module was built on the meta device: the RoPE buffer is computed again for real.
     model.register_buffer("inv_freq", rope_inv_freq(args).to(device), persistent=False)
+    use_attention(model)
     return model.eval()

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.bias import causal_lower_right
 
+from tiered.hybrid.attention import KERNELS, default_kernel
 from tiered.hybrid.lora import LoraSlice
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -116,6 +115,7 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.attention = "masked"  # the attention kernel's name (`use_attention`); the loader sets the device's default
 
     inv_freq: Tensor
 
@@ -233,86 +233,10 @@ def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor, 
         lora.add_(x, gate, "down_proj")
 
 
-class Piece(NamedTuple):
-    """Queries q[q_start : q_start + num] of one request: their own keys are k[k_start : k_start + num]
-    (causal: the i-th sees the first i + 1), and every key row range in `visible` (the request's
-    earlier tokens, tokens another request computed for it) is seen by all of them."""
-
-    q_start: int
-    k_start: int
-    num: int
-    visible: tuple[tuple[int, int], ...] = ()
-
-
-def attention_(
-    q: Tensor,  # [L, H, Dh] queries of one or more requests, packed
-    k: Tensor,  # [*, Hkv, Dh] keys of the computed tokens
-    v: Tensor,  # [*, Hkv, Dh]
-    pieces: list[Piece],  # contiguous and in order along q
-    prefix_k: Tensor | None = None,  # [P, Hkv, Dh] cached keys before every piece (one shared prefix)
-    prefix_v: Tensor | None = None,
-) -> None:
-    """Causal attention written over the pieces' rows of q, in place.
-
-    No mask is materialized. A query's keys are split in parts, each one call of the flash
-    kernel that also returns the log-sum-exp, merged by it: the shared cached prefix (one call
-    for the queries of all pieces: requests that share a prefix read it once, no copy per
-    request), each visible range (unmasked), and its own piece (causal). On
-    other devices `_attend_masked` concatenates and masks (correct, not the fast path). Calls
-    run per KV head, so scratch is one query group's output, not another [L, H, Dh] tensor.
-    """
-    if q.device.type != "cpu":
-        _attend_masked(q, k, v, pieces, prefix_k, prefix_v)
-        return
-    num_kv_heads = k.shape[1]
-    group = q.shape[1] // num_kv_heads
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    first, last = pieces[0].q_start, pieces[-1].q_start + pieces[-1].num
-    for j in range(num_kv_heads):
-        heads = slice(j * group, (j + 1) * group)
-        q4 = q[:, heads].permute(1, 0, 2)[None]  # [1, g, L, Dh]
-        k4, v4 = (t[:, j : j + 1].permute(1, 0, 2)[None] for t in (k, v))  # [1, 1, *, Dh]
-        out_p = lse_p = None
-        if prefix_k is not None and prefix_v is not None:
-            pk4, pv4 = (t[:, j : j + 1].permute(1, 0, 2)[None] for t in (prefix_k, prefix_v))
-            out_p, lse_p = flash(q4[:, :, first:last], pk4, pv4)  # [1, g, n, Dh], [1, g, n] (fp32)
-        for p in pieces:
-            qs, ks = slice(p.q_start, p.q_start + p.num), slice(p.k_start, p.k_start + p.num)
-            out, lse = flash(q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], is_causal=True)
-            for a, b in p.visible:
-                out, lse = _merge(out, lse, *flash(q4[:, :, qs], k4[:, :, a:b], v4[:, :, a:b]))
-            if out_p is not None and lse_p is not None:
-                rows = slice(p.q_start - first, p.q_start - first + p.num)
-                out, lse = _merge(out, lse, out_p[:, :, rows], lse_p[:, :, rows])
-            q[qs, heads].copy_(out[0].transpose(0, 1))
-        del out_p  # before the next group's call allocates its own
-
-
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax attention over keys A ∪ B from its parts over A and over B, with its log-sum-exp."""
-    top = torch.maximum(lse_a, lse_b)
-    wa, wb = (lse_a - top).exp_(), (lse_b - top).exp_()
-    total = wa + wb
-    out = out_a * (wa / total)[..., None].to(out_a.dtype) + out_b * (wb / total)[..., None].to(out_b.dtype)
-    return out, total.log_().add_(top)
-
-
-def _attend_masked(
-    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
-) -> None:
-    """`attention_` through SDPA with a lower-right causal mask over each piece's visible keys."""
-    num_kv_heads = k.shape[1]
-    group = q.shape[1] // num_kv_heads
-    for p in pieces:
-        parts = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
-        parts += [(k[a:b], v[a:b]) for a, b in p.visible] + [
-            (k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num])
-        ]
-        ks, vs = torch.cat([kk for kk, _ in parts]), torch.cat([vv for _, vv in parts])
-        mask = causal_lower_right(p.num, ks.shape[0]) if ks.shape[0] > p.num else None
-        for j in range(num_kv_heads):
-            qj = q[p.q_start : p.q_start + p.num, j * group : (j + 1) * group]
-            q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qj, ks[:, j : j + 1], vs[:, j : j + 1]))
-            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            qj.copy_(out[0].transpose(0, 1))
-            del out
+def use_attention(model: CausalLM, kernel: str | None = None) -> None:
+    """Compute `model`'s attention with the kernel named `kernel` (tiered/hybrid/attention); None:
+    the default for the model's device."""
+    name = kernel or default_kernel(str(model.inv_freq.device))
+    if name not in KERNELS:
+        raise ValueError(f"unknown attention kernel '{name}' (known: {', '.join(KERNELS)})")
+    model.attention = name

@@ -221,11 +221,12 @@ class DeviceTier:
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def write_layer(self, layer: int, block_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
-        """Write K, V [len * block_tokens, kv_heads, head_dim] of one layer into `block_ids`."""
+        """Write K, V [len * block_tokens, kv_heads, head_dim] of one layer into `block_ids` (converted
+        to the pool's dtype when the forward computes in another)."""
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv.device)
         shape = (len(block_ids), self.block_tokens, *k.shape[1:])
-        self.kv[:, 0, layer].index_copy_(0, idx, k.reshape(shape))
-        self.kv[:, 1, layer].index_copy_(0, idx, v.reshape(shape))
+        self.kv[:, 0, layer].index_copy_(0, idx, k.reshape(shape).to(self.kv.dtype))
+        self.kv[:, 1, layer].index_copy_(0, idx, v.reshape(shape).to(self.kv.dtype))
 
     def blocks(self, block_ids: Sequence[int]) -> list[Tensor]:
         """Views of whole blocks, each [2, layers, block_tokens, kv_heads, head_dim]."""

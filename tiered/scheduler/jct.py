@@ -21,13 +21,10 @@ is the mean absolute percentage error of the latest predictions, each made befor
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -125,26 +122,3 @@ def _fit(samples: list[JCTSample]) -> list[float]:
             break
         active[np.flatnonzero(active)[np.argmin(fit)]] = False
     return [float(c) for c in coef]
-
-
-def cache_key(parts: dict[str, object]) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def load_cached(folder: str | Path, key: str) -> list[JCTSample] | None:
-    path = Path(folder) / f"jct-{key}.json"
-    if not path.exists():
-        return None
-    try:
-        return [JCTSample(**s) for s in json.loads(path.read_text())["samples"]]
-    except (ValueError, KeyError, TypeError):
-        log.warning("ignoring unreadable JCT profile cache %s", path)
-        return None
-
-
-def save_cached(folder: str | Path, key: str, samples: list[JCTSample], parts: dict[str, object]) -> Path:
-    path = Path(folder) / f"jct-{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"key": parts, "samples": [asdict(s) for s in samples]}
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    return path

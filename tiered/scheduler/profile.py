@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch
 
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES
-from tiered.scheduler.jct import JCTModel, JCTSample, cache_key, load_cached, save_cached
+from tiered.measured import cache_key, load_cached, save_cached
+from tiered.scheduler.jct import JCTModel, JCTSample
 
 if TYPE_CHECKING:
     from tiered.engine import Engine
@@ -20,8 +22,8 @@ log = logging.getLogger(__name__)
 
 # Part of the JCT profile's cache key. Bump it when the forward's or the tiers' costs change: a
 # profile cached by older code would price jobs (host loads above all) at what they used to cost.
-# 2: the host tier at copy speed (issue 15).
-JCT_PROFILE_VERSION = 2
+# 2: the host tier at copy speed (issue 15). 3: the cache file's layout (tiered/measured.py), the precision.
+JCT_PROFILE_VERSION = 3
 
 
 def profile_jct(engine: Engine) -> JCTModel:
@@ -32,17 +34,22 @@ def profile_jct(engine: Engine) -> JCTModel:
         "model": (engine.model_dir / "config.json").read_text(),
         "weights_bytes": (engine.model_dir / "model.safetensors").stat().st_size
         if (engine.model_dir / "model.safetensors").exists() else 0,
-        "dtype": engine.config.model.dtype, "device": engine.device, "torch": torch.__version__,
+        "dtype": engine.precision.identity, "attention": engine.model.attention, "device": engine.device,
+        "torch": torch.__version__,
         "mode": f.mode, "chunk": f.chunk_tokens, "block": cache.block_tokens,
         "totals": totals, "fractions": sc.profile_miss_fractions, "host": engine.tiers.host_tier is not None,
         "cost_paths": JCT_PROFILE_VERSION,
     }  # fmt: skip
     key = cache_key(parts)
-    samples = load_cached(sc.profile_cache_dir, key)
+    cached = load_cached(sc.profile_cache_dir, "jct", key)
+    try:
+        samples = None if cached is None else [JCTSample(**s) for s in cached]
+    except TypeError:
+        samples = None
     if samples is None:
         start = time.perf_counter()
         samples = _measure_grid(engine, totals, sc.profile_miss_fractions)
-        path = save_cached(sc.profile_cache_dir, key, samples, parts)
+        path = save_cached(sc.profile_cache_dir, "jct", key, [asdict(s) for s in samples], parts)
         log.info("JCT profile: %d samples in %.1f s, cached in %s", len(samples), time.perf_counter() - start, path)
     model = JCTModel.fit(samples)
     log.info("JCT model: %s", ", ".join(f"{c:.3g}" for c in model.coefficients))
@@ -52,7 +59,7 @@ def profile_jct(engine: Engine) -> JCTModel:
 def _measure_grid(engine: Engine, totals: list[int], fractions: list[float]) -> list[JCTSample]:
     a = engine.model.args
     bt = engine.tiers.block_tokens
-    dtype = DTYPES[engine.config.model.dtype]
+    dtype = DTYPES[engine.precision.kv]  # a prefix as the tiers hold it: the forward converts it
     g = torch.Generator().manual_seed(0)
     f = engine.config.forward
     forward(engine.model, torch.arange(1, 65), mode=f.mode, chunk_tokens=f.chunk_tokens)  # warm-up

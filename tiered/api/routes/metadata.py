@@ -25,8 +25,13 @@ async def health(s: ServingDep) -> JSONResponse:
 @router.get("/v1/models")
 async def models(s: ServingDep) -> dict[str, Any]:
     """The base model, then each LoRA adapter (vLLM's cards: `root` its folder, `parent` the base)."""
+    ready = s.client.ready
+    precision = ready.precision if ready else {}
     card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "tiered", "root": s.config.model.path,
-            "parent": None, "max_model_len": s.max_model_len}  # fmt: skip
+            "parent": None, "max_model_len": s.max_model_len,
+            # ours: the precision the engine resolved (model.dtype: auto picks it per machine)
+            "dtype": precision.get("compute"), "kv_cache_dtype": precision.get("kv"),
+            "checkpoint_dtype": precision.get("checkpoint"), "dtype_reason": precision.get("reason")}  # fmt: skip
     adapters = [{**card, "id": name, "root": path, "parent": s.model_name} for name, path in s.client.adapters.items()]
     return {"object": "list", "data": [card, *adapters]}
 

@@ -1,0 +1,160 @@
+"""Every attention kernel against the fp32 reference at the shapes that matter; the per-machine choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiered.config import ConfigError
+from tiered.hybrid.attention import KERNELS, Piece, reference_
+from tiered.hybrid.attention import select as select_module
+from tiered.hybrid.attention.select import KernelTiming, ShapeClass, choose_kernel, fastest
+
+CPU_KERNELS = [name for name, kernel in KERNELS.items() if kernel.runs_on("cpu")]
+# Max |out - fp32 reference| (outputs are averages of V rows drawn from N(0, 1)).
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _case(
+    pieces: list[Piece], num_keys: int, prefix: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(heads * 1000 + prefix + head_dim)
+    num_q = pieces[-1].q_start + pieces[-1].num
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=g).to(dtype)
+
+    q, k, v = rand(num_q, heads, head_dim), rand(num_keys, kv_heads, head_dim), rand(num_keys, kv_heads, head_dim)
+    pk = rand(prefix, kv_heads, head_dim) if prefix else None
+    pv = rand(prefix, kv_heads, head_dim) if prefix else None
+    return q, k, v, pk, pv  # type: ignore[return-value]
+
+
+SHAPES = {
+    # many requests on one shared prefix (the visit shape, small)
+    "shared prefix": ([Piece(i * 24, i * 24, 24) for i in range(6)], 144, 200),
+    # one long suffix on a long prefix
+    "long suffix": ([Piece(0, 0, 300)], 300, 500),
+    # no prefix, causal only
+    "no prefix": ([Piece(0, 0, 333)], 333, 0),
+    # a chunk in a request's middle (earlier tokens visible) and a follower (a lead's tokens visible)
+    "visible ranges": ([Piece(0, 40, 30, ((0, 40),)), Piece(30, 90, 20, ((70, 80), (0, 10)))], 110, 64),
+}
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (16, 4, 64), (8, 1, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_equals_the_fp32_reference(
+    kernel: str, shape: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    pieces, num_keys, prefix = SHAPES[shape]
+    q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
+    expected = q.clone().float()
+    reference_(expected, k, v, pieces, pk, pv)
+    got = q.clone()
+    KERNELS[kernel].attend_(got, k, v, pieces, pk, pv)
+    assert got.dtype == dtype
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_the_reference_is_softmax_attention_written_out() -> None:
+    """The reference itself, against attention spelled out for one query of a follower."""
+    pieces, num_keys, prefix = SHAPES["visible ranges"]
+    q, k, v, pk, pv = _case(pieces, num_keys, prefix, 4, 2, 64, torch.float32)
+    out = q.clone()
+    reference_(out, k, v, pieces, pk, pv)
+    p = pieces[1]
+    i = 5  # its 6th own query sees: the prefix, rows 70..80 and 0..10, and its own first 6 keys
+    rows = [*range(70, 80), *range(0, 10), *range(p.k_start, p.k_start + i + 1)]
+    keys = torch.cat([pk, k[rows]])  # type: ignore[list-item]
+    values = torch.cat([pv, v[rows]])  # type: ignore[list-item]
+    for h in range(4):
+        scores = keys[:, h // 2] @ q[p.q_start + i, h] / 64**0.5
+        expected = torch.softmax(scores, 0) @ values[:, h // 2]
+        assert torch.allclose(out[p.q_start + i, h], expected, atol=1e-5)
+
+
+def _timing(kernel: str, shape: str, seconds: float, ok: bool = True) -> KernelTiming:
+    return KernelTiming(kernel, shape, seconds, 1.0, 0.0 if ok else 1.0, ok)
+
+
+def test_the_fastest_correct_kernel_wins_with_each_shape_counted_equally() -> None:
+    timings = [
+        _timing("a", "big", 10.0), _timing("a", "small", 0.10),  # 1.0 + 2.0 = 3.0
+        _timing("b", "big", 12.0), _timing("b", "small", 0.05),  # 1.2 + 1.0 = 2.2: wins
+        _timing("c", "big", 1.0), _timing("c", "small", 0.01, ok=False),  # fastest, but wrong once
+    ]  # fmt: skip
+    assert fastest(timings) == "b"
+    with pytest.raises(RuntimeError, match="no attention kernel"):
+        fastest([_timing("c", "big", 1.0, ok=False)])
+
+
+def test_choice_is_measured_once_then_cached_and_a_forced_kernel_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(select_module, "SHAPE_CLASSES", (ShapeClass("tiny", 2, 16, 32),))
+    first = choose_kernel("auto", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024)
+    assert first in CPU_KERNELS and len(list(tmp_path.glob("attention-*.json"))) == 1
+
+    def must_not_measure(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(select_module, "time_kernels", must_not_measure)
+    assert choose_kernel("auto", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024) == first
+    assert choose_kernel("masked", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024) == "masked"
+    with pytest.raises(ConfigError, match="attention.kernel.*varlen.*cpu"):
+        choose_kernel("varlen", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024)
+
+
+def _varlen_on_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int
+) -> torch.Tensor:
+    """What FlashAttention-2's varlen call computes (causal, bottom-right aligned), written with SDPA:
+    a stand-in for the CUDA op so the packing around it is tested here."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = torch.empty_like(q)
+    assert int((cu_q[1:] - cu_q[:-1]).max()) == max_q and int((cu_k[1:] - cu_k[:-1]).max()) == max_k
+    for i in range(cu_q.numel() - 1):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        q4, k4, v4 = (t.permute(1, 0, 2)[None].float() for t in (q[qs], k[ks], v[ks]))
+        mask = causal_lower_right(q4.shape[2], k4.shape[2])
+        o = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+        out[qs] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_varlen_packs_each_piece_as_one_sequence(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiered.hybrid.attention import kernels
+
+    monkeypatch.setattr(kernels, "_varlen_attn", _varlen_on_cpu)
+    pieces, num_keys, prefix = SHAPES[shape]
+    q, k, v, pk, pv = _case(pieces, num_keys, prefix, 16, 4, 64, torch.bfloat16)
+    expected = q.clone().float()
+    reference_(expected, k, v, pieces, pk, pv)
+    got = q.clone()
+    kernels.varlen_(got, k, v, pieces, pk, pv)
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kernel", [name for name, k in KERNELS.items() if k.runs_on("cuda", torch.bfloat16)])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cuda_kernels_equal_the_fp32_reference(kernel: str, shape: str) -> None:
+    pieces, num_keys, prefix = SHAPES[shape]
+    q, k, v, pk, pv = (None if t is None else t.cuda() for t in _case(pieces, num_keys, prefix, 16, 4, 128,
+                                                                      torch.bfloat16))  # fmt: skip
+    expected = q.clone().float()  # type: ignore[union-attr]
+    reference_(expected, k, v, pieces, pk, pv)  # type: ignore[arg-type]
+    got = q.clone()  # type: ignore[union-attr]
+    KERNELS[kernel].attend_(got, k, v, pieces, pk, pv)  # type: ignore[arg-type]
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[torch.bfloat16]

@@ -1,0 +1,130 @@
+"""`tiered bench precision` and `tiered bench attention`: the machine's rates that decide the
+compute precision and the attention kernel, measured side by side in one process.
+
+- precision: the linear layer of the 126 M model's MLP (2,048 x 1,024 -> 4,096) and a 2,048³
+  matmul in each dtype, the CPU's flags, and what `model.dtype: auto` picks for a bf16
+  checkpoint here, with whether the measurement agrees (the rule reads flags; this checks them).
+- attention: every kernel that runs on the device x the shape classes (the visit shape, a long
+  suffix, fresh causal prompts up to 8 K), GFLOP/s, share of the matmul rate in the same dtype and
+  in bf16, and the error against the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tiered.bench.mil import matmul_flops_per_s
+from tiered.hybrid.attention.select import SHAPE_CLASSES, ShapeClass, available, fastest, time_kernels
+from tiered.hybrid.loader import DTYPES, read_args
+from tiered.hybrid.precision import NATIVE_CPU_FLAGS, cpu_flags, resolve_precision
+
+log = logging.getLogger(__name__)
+
+ATTENTION_SHAPES = (*SHAPE_CLASSES, ShapeClass("causal 8192", 1, 8192, 0))
+
+
+def cpu_name() -> str:
+    """`lscpu`'s model name (platform.processor() is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """What a figure depends on: the CPU, its relevant flags, the cores torch uses, torch's version."""
+    flags = cpu_flags()
+    relevant = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+    return {"cpu": cpu_name(), "flags": [f for f in relevant if f in flags], "threads": torch.get_num_threads(),
+            "torch": torch.__version__}  # fmt: skip
+
+
+def linear_flops_per_s(dtype: torch.dtype, device: str, tokens: int = 2048, repeats: int = 3) -> float:
+    """Best rate of F.linear [tokens, 1024] -> [tokens, 4096]: the MLP's up projection of bench-m."""
+    x = torch.randn(tokens, 1024, device=device).to(dtype)
+    w = torch.randn(4096, 1024, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        F.linear(x, w)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * tokens * 1024 * 4096 / best
+
+
+def run_precision_bench(device: str, json_path: str | None) -> dict[str, Any]:
+    rates = {}
+    for name in ("float32", "bfloat16", "float16"):
+        dtype = DTYPES[name]
+        # A 2,048³ matmul in an emulated dtype takes a minute on some CPUs: 1,024³ tells the same.
+        rates[name] = {"linear_gflops": linear_flops_per_s(dtype, device) / 1e9,
+                       "matmul_gflops": matmul_flops_per_s(dtype, device, n=1024, repeats=2) / 1e9}  # fmt: skip
+        log.info("%s: linear %.1f GFLOP/s, matmul %.1f GFLOP/s", name, rates[name]["linear_gflops"],
+                 rates[name]["matmul_gflops"])  # fmt: skip
+    auto = resolve_precision("auto", "auto", "bfloat16", device)
+    measured_best = max(("float32", "bfloat16"), key=lambda n: rates[n]["linear_gflops"])
+    doc = {
+        "machine": machine(), "device": device, "rates": rates,
+        "native_flags": NATIVE_CPU_FLAGS, "auto_for_bf16_checkpoint": asdict(auto),
+        "fastest_measured": measured_best, "rule_agrees": auto.compute == measured_best,
+    }  # fmt: skip
+    m = machine()
+    print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads")
+    print(f"{'dtype':9}  {'linear GFLOP/s':>14}  {'matmul GFLOP/s':>14}")
+    for name, r in rates.items():
+        print(f"{name:9}  {r['linear_gflops']:>14.1f}  {r['matmul_gflops']:>14.1f}")
+    bf16, fp32 = rates["bfloat16"]["linear_gflops"], rates["float32"]["linear_gflops"]
+    print(f"auto, bf16 checkpoint: {auto.describe()}")
+    verdict = "agrees" if doc["rule_agrees"] else "DISAGREES"
+    print(f"measured: fp32 linear {fp32 / bf16:.2f}x bf16's; the rule {verdict}")
+    _write(json_path, doc)
+    return doc
+
+
+def run_attention_bench(
+    model_dir: str, dtype_name: str, device: str, kernels: list[str] | None, max_tokens: int, json_path: str | None
+) -> dict[str, Any]:
+    a = read_args(model_dir)
+    dtype = DTYPES[dtype_name]
+    names = kernels or available(device)
+    shapes = tuple(s for s in ATTENTION_SHAPES if s.new_tokens + s.prefix_tokens <= max_tokens)
+    matmul = matmul_flops_per_s(dtype, device) / 1e9
+    matmul_bf16 = matmul if dtype == torch.bfloat16 else matmul_flops_per_s(torch.bfloat16, device, n=1024) / 1e9
+    timings = time_kernels(names, shapes, a.num_heads, a.num_kv_heads, a.head_dim, dtype, device)
+    doc = {
+        "machine": machine(), "device": device, "dtype": dtype_name, "model": model_dir,
+        "heads": [a.num_heads, a.num_kv_heads, a.head_dim], "matmul_gflops": matmul, "matmul_bf16_gflops": matmul_bf16,
+        "timings": [asdict(t) for t in timings], "fastest": fastest(timings),
+    }  # fmt: skip
+    m = machine()
+    print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; "
+          f"{dtype_name} matmul {matmul:.0f} GFLOP/s, bf16 matmul {matmul_bf16:.1f} GFLOP/s; "
+          f"heads {a.num_heads} / {a.num_kv_heads} of {a.head_dim}")  # fmt: skip
+    print(f"{'kernel':11} {'shape':22} {'ms':>8} {'GFLOP/s':>8} {'of matmul':>9} {'of bf16':>8} {'max error':>9}")
+    for t in timings:
+        print(f"{t.kernel:11} {t.shape:22} {1e3 * t.seconds:>8.1f} {t.gflops:>8.1f} {t.gflops / matmul:>9.0%} "
+              f"{t.gflops / matmul_bf16:>8.0%} {t.max_error:>9.1e}{'' if t.ok else '  over bound'}")  # fmt: skip
+    print(f"fastest correct: {doc['fastest']}")
+    _write(json_path, doc)
+    return doc
+
+
+def _write(json_path: str | None, doc: dict[str, Any]) -> None:
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")

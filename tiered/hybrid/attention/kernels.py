@@ -1,0 +1,205 @@
+"""Attention kernels behind one interface, each beside the fp32 reference it is tested against.
+
+Every kernel computes the same thing: `attend_(q, k, v, pieces, prefix_k, prefix_v)` writes, over
+the rows of the packed queries q [L, H, Dh], each query's softmax attention over (1) the cached
+prefix every piece shares (optional), (2) the key ranges its piece lists as `visible` (earlier
+tokens of its request, tokens another request computed for it), and (3) its own piece's keys,
+causally. GQA: H query heads share H / Hkv key heads, never repeated in memory.
+
+Kernels that split the keys in parts and merge them by log-sum-exp share `_by_parts_`; they
+differ in the part they call:
+- `flash-head`: PyTorch's CPU flash kernel, one call per KV head (the first kernel we had);
+- `flash`: the same kernel, one call for all heads (it takes GQA as is: more parallel tasks);
+- `masked`: SDPA over the concatenated keys with a lower-right causal mask (any device; the
+  slow, simple one; also the reference's shape).
+`reference_` is `masked` in fp32: the truth every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+
+class Piece(NamedTuple):
+    """Queries q[q_start : q_start + num] of one request: their own keys are k[k_start : k_start + num]
+    (causal: the i-th sees the first i + 1), and every key row range in `visible` (the request's
+    earlier tokens, tokens another request computed for it) is seen by all of them."""
+
+    q_start: int
+    k_start: int
+    num: int
+    visible: tuple[tuple[int, int], ...] = ()
+
+
+AttendFn = Callable[[Tensor, Tensor, Tensor, list[Piece], Tensor | None, Tensor | None], None]
+"""(q [L, H, Dh], k [*, Hkv, Dh], v, pieces, prefix_k [P, Hkv, Dh] | None, prefix_v) -> None; writes q."""
+
+PartFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor]]
+"""(q [1, h, n, Dh], k [1, hkv, S, Dh], v, causal) -> (out [1, h, n, Dh] in q's dtype, lse [1, h, n] fp32).
+Causal is lower-right aligned: query i sees keys up to S - n + i."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    name: str
+    attend_: AttendFn
+    devices: tuple[str, ...]  # device types it runs on
+    summary: str
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+    def runs_on(self, device: str, dtype: torch.dtype | None = None) -> bool:
+        return torch.device(device).type in self.devices and (dtype is None or dtype in self.dtypes)
+
+
+# ---- the shared driver: parts merged by log-sum-exp --------------------------------------------
+
+
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention over keys A ∪ B from its parts over A and over B, with its log-sum-exp."""
+    top = torch.maximum(lse_a, lse_b)
+    wa, wb = (lse_a - top).exp_(), (lse_b - top).exp_()
+    total = wa + wb
+    out = out_a * (wa / total)[..., None].to(out_a.dtype) + out_b * (wb / total)[..., None].to(out_b.dtype)
+    return out, total.log_().add_(top)
+
+
+def _by_parts_(
+    part: PartFn,
+    kv_heads_per_call: int | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pieces: list[Piece],
+    prefix_k: Tensor | None,
+    prefix_v: Tensor | None,
+) -> None:
+    """One `part` call over the shared prefix for the queries of all pieces (requests that share
+    a prefix read it once, no copy per request), one per visible range, one causal over each
+    piece's own keys; merged by log-sum-exp. Calls cover `kv_heads_per_call` KV heads (None: all),
+    so scratch is that many query groups' output, not another [L, H, Dh] tensor."""
+    num_kv_heads = k.shape[1]
+    per_call = kv_heads_per_call or num_kv_heads
+    group = q.shape[1] // num_kv_heads
+    first, last = pieces[0].q_start, pieces[-1].q_start + pieces[-1].num
+    for j in range(0, num_kv_heads, per_call):
+        heads = slice(j * group, (j + per_call) * group)
+        q4 = q[:, heads].permute(1, 0, 2)[None]  # [1, h, L, Dh]
+        k4, v4 = (t[:, j : j + per_call].permute(1, 0, 2)[None] for t in (k, v))  # [1, hkv, *, Dh]
+        out_p = lse_p = None
+        if prefix_k is not None and prefix_v is not None:
+            pk4, pv4 = (t[:, j : j + per_call].permute(1, 0, 2)[None] for t in (prefix_k, prefix_v))
+            out_p, lse_p = part(q4[:, :, first:last], pk4, pv4, False)
+        for p in pieces:
+            qs, ks = slice(p.q_start, p.q_start + p.num), slice(p.k_start, p.k_start + p.num)
+            out, lse = part(q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], True)
+            for a, b in p.visible:
+                out, lse = _merge(out, lse, *part(q4[:, :, qs], k4[:, :, a:b], v4[:, :, a:b], False))
+            if out_p is not None and lse_p is not None:
+                rows = slice(p.q_start - first, p.q_start - first + p.num)
+                out, lse = _merge(out, lse, out_p[:, :, rows], lse_p[:, :, rows])
+            q[qs, heads].copy_(out[0].transpose(0, 1))
+        del out_p  # before the next call allocates its own
+
+
+# ---- parts -------------------------------------------------------------------------------------
+
+
+def _flash_part(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)
+    return out, lse
+
+
+# ---- whole kernels -----------------------------------------------------------------------------
+
+
+def _flash_head_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
+    _by_parts_(_flash_part, 1, q, k, v, pieces, pk, pv)
+
+
+def _flash_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
+    _by_parts_(_flash_part, None, q, k, v, pieces, pk, pv)
+
+
+def masked_(
+    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+) -> None:
+    """Per piece: its keys concatenated (prefix, visible ranges, own) and SDPA with a lower-right causal mask."""
+    for p in pieces:
+        parts = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
+        parts += [(k[a:b], v[a:b]) for a, b in p.visible] + [
+            (k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num])
+        ]
+        ks, vs = torch.cat([kk for kk, _ in parts]), torch.cat([vv for _, vv in parts])
+        mask = causal_lower_right(p.num, ks.shape[0]) if ks.shape[0] > p.num else None
+        qp = q[p.q_start : p.q_start + p.num]
+        q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qp, ks.to(q.dtype), vs.to(q.dtype)))
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        qp.copy_(out[0].transpose(0, 1))
+
+
+def _varlen_attn(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int
+) -> Tensor:  # pragma: no cover - needs CUDA (tests swap in a CPU stand-in to check the packing)
+    from torch.nn.attention.varlen import varlen_attn
+
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0), enable_gqa=True)
+    return out  # type: ignore[return-value]
+
+
+def varlen_(
+    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+) -> None:
+    """CUDA: one FlashAttention-2 call (torch's `varlen_attn`) for all pieces. Each piece is one
+    sequence whose keys are packed as [prefix, visible ranges, own]; FA2 aligns its causal mask
+    to the bottom right when a sequence has more keys than queries (flash-attn >= 2.1), so query
+    i of a piece sees every key before its own block and its own first i + 1. The shared prefix
+    is copied once per piece (8 x 1,792 tokens x 4 KV heads x 64 x 2 bytes = 7 MiB a layer for
+    the visit shape: microseconds at HBM speed); reading it in place through `block_table` from
+    the device tier's pages is the next step, once measured on a GPU."""
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    cu_q, cu_k = [0], [0]
+    for p in pieces:
+        parts = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
+        parts += [(k[a:b], v[a:b]) for a, b in p.visible]
+        parts.append((k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num]))
+        keys += [kk for kk, _ in parts]
+        values += [vv for _, vv in parts]
+        cu_q.append(cu_q[-1] + p.num)
+        cu_k.append(cu_k[-1] + sum(kk.shape[0] for kk, _ in parts))
+    first, last = pieces[0].q_start, pieces[-1].q_start + pieces[-1].num
+    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
+    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
+    cu_q_t, cu_k_t = (torch.tensor(cu, dtype=torch.int32, device=q.device) for cu in (cu_q, cu_k))
+    out = _varlen_attn(q[first:last], torch.cat(keys).to(q.dtype), torch.cat(values).to(q.dtype), cu_q_t, cu_k_t,
+                       max(lengths_q), max(lengths_k))  # fmt: skip
+    q[first:last].copy_(out)
+
+
+def reference_(
+    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+) -> None:
+    """The truth: `masked_` with every input widened to fp32, written back in q's dtype."""
+    q32 = q.float()
+    pk, pv = (None, None) if prefix_k is None or prefix_v is None else (prefix_k.float(), prefix_v.float())
+    masked_(q32, k.float(), v.float(), pieces, pk, pv)
+    q.copy_(q32)
+
+
+KERNELS: dict[str, Kernel] = {
+    kernel.name: kernel
+    for kernel in (
+        Kernel("flash-head", _flash_head_, ("cpu",), "PyTorch's CPU flash kernel, one call per KV head, LSE merges"),
+        Kernel("flash", _flash_, ("cpu",), "PyTorch's CPU flash kernel, all heads per call (GQA), LSE merges"),
+        Kernel("masked", masked_, ("cpu", "cuda"), "SDPA over concatenated keys with a lower-right causal mask"),
+        Kernel("varlen", varlen_, ("cuda",), "FlashAttention-2 (torch varlen_attn), one call per chunk, causal "
+               "bottom-right", (torch.bfloat16, torch.float16)),  # fmt: skip
+    )
+}

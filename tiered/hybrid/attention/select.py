@@ -1,0 +1,186 @@
+"""Which attention kernel runs on this machine: the fastest correct one at the engine's shapes.
+
+Which kernel is fastest depends on the CPU (AMX, AVX512-BF16, AVX2), the precision and the core
+count, so it is measured, never assumed: at start-up every kernel that runs on the device is
+timed on the shape classes of a prefill-only engine (many requests on one shared prefix; one
+long suffix on a long prefix; a fresh causal prompt), each checked against the fp32 reference,
+and the fastest whose error is within bounds is used. The choice is cached on disk per exact
+setup (CPU model and flags, torch, threads, dtype, head shapes) like the JCT profile; the
+config's `attention.kernel` forces one instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from tiered.config import ConfigError
+from tiered.hybrid.attention.kernels import KERNELS, Piece, reference_
+from tiered.hybrid.precision import cpu_flags
+from tiered.measured import cache_key, load_cached, save_cached
+
+log = logging.getLogger(__name__)
+
+# Max |out - reference| a kernel may have: outputs are convex combinations of V rows (|v| ~ 1),
+# so these are absolute. bf16: a few roundings of 2^-8; fp32: summation order only.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+SELECT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeClass:
+    """`requests` requests of `new_tokens` each, on one shared cached prefix of `prefix_tokens`."""
+
+    name: str
+    requests: int
+    new_tokens: int
+    prefix_tokens: int
+
+    def pieces(self) -> list[Piece]:
+        n = self.new_tokens
+        return [Piece(i * n, i * n, n) for i in range(self.requests)]
+
+    def flops(self, num_heads: int, head_dim: int) -> float:
+        """Multiply-adds x 2 of QK^T and PV over the pairs a causal prefill attends."""
+        pairs = self.requests * (self.new_tokens * self.prefix_tokens + self.new_tokens * (self.new_tokens + 1) / 2)
+        return 4 * pairs * num_heads * head_dim
+
+
+# The visit shape (8 posts x 160 tokens on a 1,792-token profile), a long suffix on a long prefix,
+# and a fresh causal prompt: what the engine's batches look like.
+SHAPE_CLASSES = (
+    ShapeClass("visit 8x160 on 1792", 8, 160, 1792),
+    ShapeClass("suffix 1296 on 1792", 1, 1296, 1792),
+    ShapeClass("causal 2048", 1, 2048, 0),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTiming:
+    kernel: str
+    shape: str
+    seconds: float
+    gflops: float
+    max_error: float
+    ok: bool
+
+
+def make_inputs(
+    shape: ShapeClass, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Seeded q [L, H, Dh], own k, v [L, Hkv, Dh] and a prefix [P, Hkv, Dh] (None when P = 0)."""
+    g = torch.Generator().manual_seed(seed)
+    L = shape.requests * shape.new_tokens
+
+    def rand(*size: int) -> Tensor:
+        return torch.randn(*size, generator=g).to(device=device, dtype=dtype)
+
+    q, k, v = rand(L, num_heads, head_dim), rand(L, num_kv_heads, head_dim), rand(L, num_kv_heads, head_dim)
+    if not shape.prefix_tokens:
+        return q, k, v, None, None
+    return q, k, v, rand(shape.prefix_tokens, num_kv_heads, head_dim), rand(shape.prefix_tokens, num_kv_heads, head_dim)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def time_kernels(
+    kernels: list[str], shapes: tuple[ShapeClass, ...], num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: str, repeats: int = 2,
+) -> list[KernelTiming]:  # fmt: skip
+    """Each kernel on each shape: best-of-`repeats` seconds (after a warm-up) and the error."""
+    out = []
+    for shape in shapes:
+        q, k, v, pk, pv = make_inputs(shape, num_heads, num_kv_heads, head_dim, dtype, device)
+        expected = q.clone()
+        reference_(expected, k, v, shape.pieces(), pk, pv)
+        expected = expected.float()
+        for name in kernels:
+            attend = KERNELS[name].attend_
+            got = q.clone()
+            attend(got, k, v, shape.pieces(), pk, pv)
+            error = (got.float() - expected).abs().max().item()
+            best = math.inf
+            for _ in range(repeats):
+                work = q.clone()
+                _sync(device)
+                start = time.perf_counter()
+                attend(work, k, v, shape.pieces(), pk, pv)
+                _sync(device)
+                best = min(best, time.perf_counter() - start)
+            ok = error <= TOLERANCE[dtype]
+            out.append(KernelTiming(name, shape.name, best, shape.flops(num_heads, head_dim) / best / 1e9, error, ok))
+    return out
+
+
+def fastest(timings: list[KernelTiming]) -> str:
+    """The kernel correct on every shape with the least time relative to the best on each shape
+    (each shape class counts the same, whatever its size)."""
+    shapes = {t.shape for t in timings}
+    best = {s: min(t.seconds for t in timings if t.shape == s) for s in shapes}
+    scores: dict[str, float] = {}
+    failed = {t.kernel for t in timings if not t.ok}
+    for t in timings:
+        if t.kernel not in failed:
+            scores[t.kernel] = scores.get(t.kernel, 0.0) + t.seconds / best[t.shape]
+    if not scores:
+        raise RuntimeError("no attention kernel is within its error bound on this machine")
+    return min(scores, key=scores.__getitem__)
+
+
+def available(device: str, dtype: torch.dtype | None = None) -> list[str]:
+    return [name for name, kernel in KERNELS.items() if kernel.runs_on(device, dtype)]
+
+
+def choose_kernel(
+    requested: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+    cache_dir: str, max_tokens: int,
+) -> str:  # fmt: skip
+    """`requested` if it names a kernel (checked to run on the device), else the measured fastest."""
+    names = available(device, dtype)
+    if requested != "auto":
+        if requested not in names:
+            raise ConfigError(
+                f"config key 'attention.kernel': '{requested}' does not run on {device} "
+                f"(here: {', '.join(names)}, or auto)"
+            )
+        return requested
+    shapes = tuple(
+        ShapeClass(s.name, s.requests, min(s.new_tokens, max_tokens), min(s.prefix_tokens, max_tokens - s.new_tokens))
+        for s in SHAPE_CLASSES
+        if s.new_tokens <= max_tokens
+    )
+    parts = {
+        "version": SELECT_VERSION, "kernels": names, "device": device, "dtype": str(dtype),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "flags": sorted(cpu_flags()), "heads": [num_heads, num_kv_heads, head_dim],
+        "shapes": [asdict(s) for s in shapes],
+    }  # fmt: skip
+    if device.startswith("cuda"):
+        parts["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    key = cache_key(parts)
+    cached = load_cached(cache_dir, "attention", key)
+    if isinstance(cached, dict) and cached.get("kernel") in names:
+        log.info("attention kernel: %s (measured before, cached)", cached["kernel"])
+        return str(cached["kernel"])
+    start = time.perf_counter()
+    timings = time_kernels(names, shapes, num_heads, num_kv_heads, head_dim, dtype, device)
+    choice = fastest(timings)
+    table = "; ".join(
+        f"{t.kernel} {t.shape}: {t.gflops:.0f} GFLOP/s{'' if t.ok else f' (error {t.max_error:.2g}: refused)'}"
+        for t in timings
+    )
+    log.info("attention kernel: %s, the fastest of %d measured in %.1f s (%s)",
+             choice, len(names), time.perf_counter() - start, table)  # fmt: skip
+    save_cached(cache_dir, "attention", key, {"kernel": choice, "timings": [asdict(t) for t in timings]}, parts)
+    return choice
