@@ -306,8 +306,8 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
         description="Each attention kernel that runs on the device (or --kernels) on the visit shape (8 x 160 "
         "queries on a 1,792-token prefix), a 1,296-token suffix on that prefix and fresh causal prompts of 2 K "
         "and 8 K, with the --model's heads: best-of-2 time, GFLOP/s, share of the matmul rate in the compute "
-        "dtype and in bf16, and the max error against the fp32 reference. The engine's `attention.kernel: auto` "
-        "makes the same choice at start-up (on all but the 8 K shape).",
+        "dtype and of the best matmul rate here (fp32 or bf16), and the max error against the fp32 reference. "
+        "The engine's `attention.kernel: auto` makes the same choice at start-up (on all but the 8 K shape).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     _add_model_args(at, "embedded:bench-m")

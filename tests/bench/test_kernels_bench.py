@@ -1,0 +1,29 @@
+"""`tiered bench attention` runs end to end and reports every kernel on every shape it names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiered.bench import kernels as kernels_module
+from tiered.cli import main
+from tiered.hybrid.attention.select import ShapeClass, available
+
+
+def test_attention_bench_times_every_kernel_on_every_shape(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shapes = (ShapeClass("shared", 3, 16, 64), ShapeClass("causal", 1, 96, 0), ShapeClass("too long", 1, 4096, 0))
+    monkeypatch.setattr(kernels_module, "ATTENTION_SHAPES", shapes)
+    out = tmp_path / "attention.json"
+    args = ["bench", "attention", "--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu",
+            "--max-tokens", "256", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["dtype"] == "float32" and doc["machine"]["threads"] >= 1
+    got = {(t["kernel"], t["shape"]) for t in doc["timings"]}
+    assert got == {(k, s) for k in available("cpu", None) for s in ("shared", "causal")}  # "too long" skipped
+    assert all(t["ok"] and t["max_error"] < 1e-4 and t["gflops"] > 0 for t in doc["timings"])
+    assert doc["fastest"] in available("cpu", None)
