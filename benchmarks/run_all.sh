@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every figure in benchmarks/RESULTS.md comes from one of these commands (JSON in benchmarks/out/).
-# Run on an otherwise idle machine: they measure time. About two hours on 2 CPU cores.
+# Run on an otherwise idle machine: they measure time. About three hours on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make venv
@@ -110,3 +110,17 @@ $T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --
 $T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \
   --multiples 0.1,0.2,0.35,0.5,1 --repeats 2 --systems tiered,prefillonly --set scheduler.fairness=4 \
   --json benchmarks/out/load-revisit-lambda4-bench.json --plots benchmarks/out/load-revisit-lambda4-bench
+# Issues 26 and 22: precision and attention chosen per machine (bench-m, --dtype auto), against vLLM in its best dtype
+$T bench precision --json benchmarks/out/precision.json
+$T bench attention --json benchmarks/out/attention-bench-m.json
+$T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 24 \
+  --systems tiered,vllm --vllm-python "$VLLM_PY" --multiples 0.5,1 \
+  --json benchmarks/out/visits-auto-bench-m.json --plots benchmarks/out/visits-auto-bench-m
+$T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 8 \
+  --systems tiered,tiered-kv32,tiered-bf16 --multiples '' --json benchmarks/out/visits-precision-bench-m.json
+$T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 24 \
+  --systems tiered,tiered-kv32 --multiples '' --json benchmarks/out/visits-kvdtype-bench-m.json
+$T bench batch --model embedded:bench-m --repeats 3 --json benchmarks/out/batch-bench-m-auto.json
+$T bench load --config configs/bench-m.yaml --kind credit_verification --users 6 --scale 0.1 --multiples 0.5 \
+  --systems tiered,vllm --vllm-python "$VLLM_PY" --json benchmarks/out/load-credit-bench-m-auto.json \
+  --plots benchmarks/out/load-credit-bench-m-auto

@@ -119,9 +119,9 @@ class CacheConfig:
     retention_cap_tokens: int = 65536
     # What happens to KV that does not stay on the device.
     suffix: SuffixPolicy = "offload"
-    # Precision of the KV both tiers keep. auto: the narrower of the checkpoint's and the compute
-    # dtype (bf16 tiers under fp32 compute: twice the tokens per byte; converted as blocks are
-    # stored and read).
+    # Precision of the KV both tiers keep. auto: the compute dtype. A narrower one (bfloat16 under
+    # fp32 compute: twice the tokens per byte, converted as blocks are stored and read) measured
+    # 0.93-0.94x on the visit workload at equal bytes: set it where the working set outgrows the tiers.
     kv_dtype: DType = "auto"
     host: HostTierConfig = field(default_factory=HostTierConfig)
 

@@ -26,15 +26,15 @@ AMX = AVX2 | {"avx512f", "amx_tile", "amx_bf16"}
 @pytest.mark.parametrize(
     ("requested", "checkpoint", "device", "flags", "compute", "kv"),
     [
-        ("auto", "bfloat16", "cpu", AVX2, "float32", "bfloat16"),  # emulated bf16: fp32 compute, compact tiers
+        ("auto", "bfloat16", "cpu", AVX2, "float32", "float32"),  # emulated bf16: fp32 compute, tiers alike
         ("auto", "bfloat16", "cpu", AVX512_BF16, "bfloat16", "bfloat16"),
         ("auto", "bfloat16", "cpu", AMX, "bfloat16", "bfloat16"),
         ("auto", "float32", "cpu", AMX, "float32", "float32"),  # an fp32 checkpoint stays fp32
-        ("auto", "float16", "cpu", AVX512_BF16, "float32", "float16"),  # fp16 needs avx512_fp16 / amx_fp16
+        ("auto", "float16", "cpu", AVX512_BF16, "float32", "float32"),  # fp16 needs avx512_fp16 / amx_fp16
         ("auto", "float16", "cpu", AVX2 | {"avx512_fp16"}, "float16", "float16"),
         ("auto", "bfloat16", "cuda", frozenset(), "bfloat16", "bfloat16"),  # flags do not matter on a GPU
         ("bfloat16", "float32", "cpu", AVX2, "bfloat16", "bfloat16"),  # explicit: never overridden
-        ("float32", "bfloat16", "cpu", AMX, "float32", "bfloat16"),
+        ("float32", "bfloat16", "cpu", AMX, "float32", "float32"),
     ],
 )
 def test_auto_follows_the_rule_and_an_explicit_dtype_wins(
@@ -47,10 +47,10 @@ def test_auto_follows_the_rule_and_an_explicit_dtype_wins(
 def test_the_reason_names_what_was_missing_and_kv_dtype_can_be_forced() -> None:
     p = resolve_precision("auto", "auto", "bfloat16", "cpu", AVX2)
     assert p.describe() == (
-        "bf16 weights, fp32 compute, bf16 KV tiers: this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag)"
+        "bf16 weights, fp32 compute, fp32 KV tiers: this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag)"
     )
+    assert resolve_precision("auto", "bfloat16", "bfloat16", "cpu", AVX2).kv == "bfloat16"  # compact tiers, asked
     assert "amx_bf16" in resolve_precision("auto", "auto", "bfloat16", "cpu", AMX).reason
-    assert resolve_precision("auto", "float32", "bfloat16", "cpu", AVX2).kv == "float32"
     assert resolve_precision("auto", "auto", "bfloat16", "cuda", frozenset(), cuda_bf16=False).compute == "float32"
 
 
@@ -111,9 +111,9 @@ def test_fp32_compute_on_bf16_weights_equals_an_fp32_reference(
 ) -> None:
     monkeypatch.setattr(precision_module, "cpu_flags", lambda: AVX2)
     engine = _engine(bf16_dir, tmp_path)
-    assert (engine.precision.compute, engine.precision.kv) == ("float32", "bfloat16")
+    assert (engine.precision.compute, engine.precision.kv) == ("float32", "float32")
     assert engine.model.lm_head.weight.dtype == torch.float32
-    assert engine.tiers.device_tier.kv.dtype == torch.bfloat16
+    assert engine.tiers.device_tier.kv.dtype == torch.float32
     ref_model = AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.float32).eval()
     prompts = _prompts()
     got = _run_one_by_one(engine, prompts)
@@ -135,6 +135,7 @@ def test_bf16_tiers_stay_within_bf16_rounding_of_fp32_tiers(
         assert engine.precision.compute == "float32" and engine.tiers.device_tier.kv.dtype == getattr(torch, kv)
         runs[kv] = _run_one_by_one(engine, prompts)
         engine.close()
+    assert len(list(tmp_path.glob("jct-*.json"))) == 2  # the JCT profile is keyed by the precision
     for (lp32, hits32), (lp16, hits16) in zip(runs["float32"], runs["bfloat16"], strict=True):
         assert hits32 == hits16
         diff = max(abs(a - b) for a, b in zip(lp32, lp16, strict=True))

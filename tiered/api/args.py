@@ -61,8 +61,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                    "checkpoint's dtype where the device computes it natively (CUDA; avx512_bf16 / amx_bf16 "
                    "CPUs for bf16), else float32; the choice is logged and shown in /v1/models")  # fmt: skip
     g.add_argument("--kv-cache-dtype", default=None, choices=list(DTYPE_NAMES),
-                   help="precision of the KV kept in both tiers (cache.kv_dtype; auto: the narrower of the "
-                   "checkpoint's and the compute dtype)")  # fmt: skip
+                   help="precision of the KV kept in both tiers (cache.kv_dtype; auto: the compute dtype; "
+                   "bfloat16 under fp32 compute holds twice the tokens)")  # fmt: skip
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block = LMCache chunk (cache.block_tokens)")  # fmt: skip
     g.add_argument("--kv-offloading-size", type=_positive_float, default=None, metavar="GIB",

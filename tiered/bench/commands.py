@@ -165,6 +165,8 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
     out_dir = Path(args.plots or "benchmarks/out/visits")
     doc = run_visits_bench(cfg, trace, args.systems, args.multiples, args.concurrency, args.vllm_python,
                            args.slo_p99, args.slo_mean, args.seed, args.json, out_dir)  # fmt: skip
+    if not doc["summaries"]:  # saturation runs only: no latency against load to plot
+        return 0
     for path in plot_load(doc, out_dir):
         print(f"wrote {path}")
     return 0

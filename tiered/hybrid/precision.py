@@ -11,9 +11,12 @@ The rule reads the CPU's flags (`avx512_bf16` or `amx_bf16` for bf16, `avx512_fp
 on, they cost nothing, and they do not change with load; `tiered bench precision` measures both
 rates on the machine at hand and says whether they agree with the rule.
 
-`cache.kv_dtype: auto` keeps KV in the narrower of the checkpoint's and the compute dtype
-(bf16 tiers under fp32 compute hold twice the tokens per byte); the forward converts as blocks
-are stored and gathered.
+`cache.kv_dtype: auto` keeps KV in the compute dtype. A narrower tier dtype can be set
+(`bfloat16` under fp32 compute: twice the tokens per byte; the device tier converts as it writes,
+the forward widens a prefix as it gathers it), but on the visit workload it measured 0.93-0.94x
+the visits/s of fp32 tiers at equal bytes, with the same hit rates (benchmarks/RESULTS.md,
+2026-12-01): the conversions cost more than the extra capacity gave there. Set it where the
+working set outgrows the tiers.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class Precision:
     reason: str  # one sentence: why `compute` was chosen
 
     def describe(self) -> str:
-        """E.g. 'bf16 weights, fp32 compute, bf16 KV tiers: this CPU has no native bf16 (...)'."""
+        """E.g. 'bf16 weights, fp32 compute, fp32 KV tiers: this CPU has no native bf16 (...)'."""
         names = (_SHORT[self.checkpoint], _SHORT[self.compute], _SHORT[self.kv])
         return "{} weights, {} compute, {} KV tiers: ".format(*names) + self.reason
 
@@ -92,10 +95,6 @@ def checkpoint_dtype(folder: str | Path) -> str:
     return "float32"
 
 
-def _itemsize(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
-
-
 def resolve_precision(
     requested: str,
     requested_kv: str,
@@ -126,10 +125,7 @@ def resolve_precision(
         else:
             compute = "float32"
             reason = f"this CPU has no native {_SHORT[checkpoint]} (no {' / '.join(wanted)} flag)"
-    if requested_kv != "auto":
-        kv = requested_kv
-    else:  # the narrower of the two; equal widths: the compute dtype (no conversion)
-        kv = checkpoint if _itemsize(checkpoint) < _itemsize(compute) else compute
+    kv = compute if requested_kv == "auto" else requested_kv
     return Precision(checkpoint, compute, kv, reason)
 
 
