@@ -105,7 +105,7 @@ def run_attention_bench(
     names = kernels or available(device)
     shapes = tuple(s for s in ATTENTION_SHAPES if s.new_tokens + s.prefix_tokens <= max_tokens)
     matmul = matmul_flops_per_s(dtype, device) / 1e9
-    matmul_bf16 = matmul if dtype == torch.bfloat16 else matmul_flops_per_s(torch.bfloat16, device, n=1024) / 1e9
+    matmul_bf16 = matmul if dtype == torch.bfloat16 else matmul_flops_per_s(torch.bfloat16, device, 1024, 1) / 1e9
     best = max(matmul, matmul_bf16)  # the machine's matmul roofline in its fastest dtype
     timings = time_kernels(names, shapes, a.num_heads, a.num_kv_heads, a.head_dim, dtype, device)
     doc = {
