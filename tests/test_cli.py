@@ -11,17 +11,28 @@ from tiered.cli import build_parser, main, parse_bytes
 from tiered.config import ConfigError, load_config
 
 
-def test_run_scores_every_example_post(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "--set", f"model.path={tiny_dir}"]) == 0
+def test_run_scores_every_example_post_through_the_engine(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = ["--set", f"model.path={tiny_dir}", "--set", f"scheduler.profile_cache_dir={tmp_path}"]
+    assert main(["run", *overrides]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert len(rows) == 6
-    for i, row in enumerate(rows):
-        tokens, device_hit, host_hit, computed = map(int, row[1:5])
-        assert device_hit + host_hit + computed == tokens
-        # The profile is a shared prefix: the first post computes it, the others find it on the device.
-        assert device_hit == (0 if i == 0 else 768) and host_hit == 0
-        p_yes, p_no = float(row[6]), float(row[7])
-        assert abs(p_yes + p_no - 1) < 2e-3 and 0 < p_yes < 1
+    assert len(rows) == 12  # two calls of six posts
+    first, second = rows[:6], rows[6:]
+    for call in (first, second):
+        assert [int(r[1]) for r in call] == list(range(6))
+        for row in call:
+            tokens, device_hit, host_hit, shared, computed, batch = map(int, row[2:8])
+            assert device_hit + host_hit + shared + computed == tokens and batch == 6
+            p_yes, p_no = float(row[9]), float(row[10])
+            assert abs(p_yes + p_no - 1) < 2e-3 and 0 < p_yes < 1
+    # First call: one post computes the profile (three 256-token blocks and its tail) for the batch.
+    leads = [r for r in first if int(r[5]) == 0]
+    assert len(leads) == 1 and all(int(r[3]) == int(r[4]) == 0 for r in first)
+    assert all(int(r[5]) >= 768 for r in first if r is not leads[0])
+    # Second call: the profile's blocks come from the tiers, so every post computes only its own tokens.
+    assert all(int(r[3]) + int(r[4]) == 768 for r in second)
+    assert [r[9:11] for r in first] == [r[9:11] for r in second]  # the same answers
 
 
 def test_run_names_a_bad_config_value(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,6 @@ import json
 import logging
 import re
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,59 +83,48 @@ def resolve_device(device: str) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job: score one user profile against candidate posts (P(label) per post).
 
-    Every post is a request sharing the profile as its prefix; they go through the KV tiers, so
-    the first computes the profile and the rest find it in the device tier."""
+    Every post is a request whose prompt starts with the profile, submitted to `tiered.Engine`
+    together, as a scoring call's items are: the engine batches them into one forward in which
+    the first computes the profile once for all (its other requests "share" it) and hands the
+    profile's blocks to the tiers, where a second call of the same posts finds them."""
     import torch
     from transformers import AutoTokenizer
 
     from tiered.embedded import resolve_model_path
-    from tiered.hybrid.loader import DTYPES, load_model
-    from tiered.hybrid.precision import precision_for
-    from tiered.offload.tiers import KVTiers, forward_with_tiers
+    from tiered.engine import Engine
+    from tiered.score import ScoreParams
 
     cfg = _load(args)
-    device = resolve_device(cfg.device)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     example = json.loads(
         (Path(args.prompts) if args.prompts else Path(__file__).parent / "data" / "examples.json").read_text()
     )
-    precision = precision_for(cfg.model.dtype, cfg.cache.kv_dtype, folder, device)
-    model = load_model(folder, precision.compute, device)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    label_ids = [tokenizer.encode(label, add_special_tokens=False)[0] for label in example["labels"]]
-    log.info(
-        "model %s (%s on %s; %s), forward %s, chunk %d tokens",
-        folder, model.args.architecture, device, precision.describe(), cfg.forward.mode, cfg.forward.chunk_tokens,
-    )  # fmt: skip
-    tiers = KVTiers(cfg.cache, model.args, DTYPES[precision.kv], device, instance_id="tiered-run")
-    requests = []
-    for i, post in enumerate(example["posts"]):
-        ids = tokenizer.encode(example["profile"] + "\n" + post + example["question"])
+    labels = example["labels"]
+    label_ids = tuple(tokenizer.encode(label, add_special_tokens=False)[0] for label in labels)
+    prompts = [tokenizer.encode(example["profile"] + "\n" + post + example["question"]) for post in example["posts"]]
+    for i, ids in enumerate(prompts):
         if len(ids) > cfg.model.max_model_len:
             raise ConfigError(f"post {i}: {len(ids)} tokens > model.max_model_len {cfg.model.max_model_len}")
-        requests.append(tiers.new_request(f"post-{i}", ids))
-    header = "  ".join(f"P({label.strip()})" for label in example["labels"])
-    print(f"{'#':>2}  {'tokens':>6}  {'device hit':>10}  {'host hit':>8}  {'computed':>8}  {'ms':>7}  {header}  post")
-    try:
-        for i, req in enumerate(requests):
-            # Blocks that later posts share (the profile) stay on the device: the `prefix` policy.
-            shared = {key for later in requests[i + 1 :] for key in later.keys}
-            start = time.perf_counter()
-            logits, prepared = forward_with_tiers(
-                model, tiers, req, cfg.forward.mode, cfg.forward.chunk_tokens, shared_keys=shared
-            )
-            ms = 1000 * (time.perf_counter() - start)
-            probs = torch.softmax(logits, dim=-1)[label_ids]
-            probs = probs / probs.sum()  # normalized over the labels, as a classifier reads them
-            labels = example["labels"]
-            cols = "  ".join(f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), labels, strict=True))
-            split = prepared.split
-            print(
-                f"{i:>2}  {split.num_tokens:>6}  {split.num_device_hit_tokens:>10}  {split.num_host_hit_tokens:>8}  "
-                f"{split.num_miss_tokens:>8}  {ms:>7.1f}  {cols}  {example['posts'][i][:50]}"
-            )
-    finally:
-        tiers.close()
+    header = "  ".join(f"P({label.strip()})" for label in labels)
+    print(f"{'call':>4}  {'#':>2}  {'tokens':>6}  {'device hit':>10}  {'host hit':>8}  {'shared':>6}  {'computed':>8}  "
+          f"{'batch':>5}  {'ms':>7}  {header}  post")  # fmt: skip
+    with Engine(cfg) as engine:
+        # Two calls with the same posts: the first computes the profile, the second finds it cached.
+        for call in (1, 2):
+            order = {engine.submit(ids, ScoreParams(logprob_token_ids=label_ids)): i for i, ids in enumerate(prompts)}
+            for r in sorted(engine.run(), key=lambda r: order[r.request_id]):
+                i = order[r.request_id]
+                probs = torch.tensor([r.logprobs[t] for t in label_ids]).softmax(0)  # over the labels
+                cols = "  ".join(f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), labels,
+                                                                                       strict=True))  # fmt: skip
+                split = r.split
+                computed = split.num_miss_tokens - r.num_shared_tokens
+                print(
+                    f"{call:>4}  {i:>2}  {split.num_tokens:>6}  {split.num_device_hit_tokens:>10}  "
+                    f"{split.num_host_hit_tokens:>8}  {r.num_shared_tokens:>6}  {computed:>8}  {r.batch_size:>5}  "
+                    f"{1e3 * r.latency_seconds:>7.1f}  {cols}  {example['posts'][i][:50]}"
+                )
     return 0
 
 
@@ -208,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="main job: score the bundled example (profile x posts) on the configured model",
-        description="Score one user profile against candidate posts and print P(Yes)/P(No) per post.",
+        description="Score one user profile against candidate posts through the engine (tiered.Engine), in two "
+        "calls of the same posts, and print per post: its hit split (device, host), the tokens another post of its "
+        "batch computed for it (shared), what it computed, its batch size, its latency and P(label) per label.",
     )
     _add_config_args(run)
     run.add_argument("--prompts", help="JSON file shaped like tiered/data/examples.json (default: the bundled one)")
