@@ -41,8 +41,7 @@ class ModelConfig:
     # A folder in HF format, or `embedded:NAME` for a project-made model (made on first use).
     path: str = "embedded:tiny"
     # Compute precision. auto: the checkpoint's dtype where the device computes it natively (CUDA;
-    # a CPU with avx512_bf16 / amx_bf16 for bf16), fp32 where it would be emulated. A dtype name
-    # forces it (weights are cast to it at load).
+    # avx512_bf16 / amx_bf16 CPUs for bf16), else fp32. A dtype name forces it (weights cast at load).
     dtype: DType = "auto"
     # Longest input (tokens) the engine accepts; also the length of the start-up profile run.
     max_model_len: int = 8192
@@ -166,16 +165,13 @@ class SchedulerConfig:
                  "must be in (0, 1]")  # fmt: skip
 
 
-AttentionKernelName = Literal["auto", "flash-head", "flash", "masked", "varlen"]
-
-
 @dataclass(slots=True)
 class AttentionConfig:
     """Which attention kernel computes (tiered/hybrid/attention)."""
 
     # auto: the fastest correct kernel on this machine, measured at start-up on the engine's
     # shapes and cached; a name forces one (flash-head, flash: cpu; masked: any; varlen: cuda).
-    kernel: AttentionKernelName = "auto"
+    kernel: Literal["auto", "flash-head", "flash", "masked", "varlen"] = "auto"
     # Where the measured choice is cached (keyed by CPU, torch, threads, dtype and head shapes).
     profile_cache_dir: str = ".cache/attention"
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,22 +25,11 @@ import torch.nn.functional as F
 from tiered.bench.mil import matmul_flops_per_s
 from tiered.hybrid.attention.select import SHAPE_CLASSES, ShapeClass, available, fastest, time_kernels
 from tiered.hybrid.loader import DTYPES, read_args
-from tiered.hybrid.precision import NATIVE_CPU_FLAGS, cpu_flags, resolve_precision
+from tiered.hybrid.precision import NATIVE_CPU_FLAGS, cpu_flags, cpu_name, resolve_precision
 
 log = logging.getLogger(__name__)
 
 ATTENTION_SHAPES = (*SHAPE_CLASSES, ShapeClass("causal 8192", 1, 8192, 0))
-
-
-def cpu_name() -> str:
-    """`lscpu`'s model name (platform.processor() is often empty on Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> dict[str, Any]:

@@ -22,6 +22,7 @@ working set outgrows the tiers.
 from __future__ import annotations
 
 import json
+import platform
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,17 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.partition(":")[2].split())
     return frozenset()
+
+
+def cpu_name(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """`lscpu`'s model name (platform.processor() is often empty on Linux)."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def checkpoint_dtype(folder: str | Path) -> str:

@@ -1,6 +1,8 @@
 """Attention for the hybrid forward: one interface (`kernels.py`), several kernels, the fastest
 correct one chosen per machine (`select.py`)."""
 
+import torch
+
 from tiered.hybrid.attention.kernels import KERNELS, AttendFn, Kernel, Piece, reference_
 
 # What a model computes with until the engine measures (tests and benchmarks that call the forward directly).
@@ -8,8 +10,6 @@ DEFAULT_KERNEL = {"cpu": "flash-head", "cuda": "masked"}
 
 
 def default_kernel(device: str) -> str:
-    import torch
-
     return DEFAULT_KERNEL.get(torch.device(device).type, "masked")
 
 

@@ -51,7 +51,6 @@ class Kernel:
     name: str
     attend_: AttendFn
     devices: tuple[str, ...]  # device types it runs on
-    summary: str
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
     def runs_on(self, device: str, dtype: torch.dtype | None = None) -> bool:
@@ -196,10 +195,9 @@ def reference_(
 KERNELS: dict[str, Kernel] = {
     kernel.name: kernel
     for kernel in (
-        Kernel("flash-head", _flash_head_, ("cpu",), "PyTorch's CPU flash kernel, one call per KV head, LSE merges"),
-        Kernel("flash", _flash_, ("cpu",), "PyTorch's CPU flash kernel, all heads per call (GQA), LSE merges"),
-        Kernel("masked", masked_, ("cpu", "cuda"), "SDPA over concatenated keys with a lower-right causal mask"),
-        Kernel("varlen", varlen_, ("cuda",), "FlashAttention-2 (torch varlen_attn), one call per chunk, causal "
-               "bottom-right", (torch.bfloat16, torch.float16)),  # fmt: skip
+        Kernel("flash-head", _flash_head_, ("cpu",)),
+        Kernel("flash", _flash_, ("cpu",)),
+        Kernel("masked", masked_, ("cpu", "cuda")),
+        Kernel("varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16)),  # FA2: half precisions only
     )
 }

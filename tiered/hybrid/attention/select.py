@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import platform
 import time
 from dataclasses import asdict, dataclass
 
@@ -22,7 +21,7 @@ from torch import Tensor
 
 from tiered.config import ConfigError
 from tiered.hybrid.attention.kernels import KERNELS, Piece, reference_
-from tiered.hybrid.precision import cpu_flags
+from tiered.hybrid.precision import cpu_flags, cpu_name
 from tiered.measured import cache_key, load_cached, save_cached
 
 log = logging.getLogger(__name__)
@@ -162,7 +161,7 @@ def choose_kernel(
     parts = {
         "version": SELECT_VERSION, "kernels": names, "device": device, "dtype": str(dtype),
         "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "cpu": cpu_name(),
         "flags": sorted(cpu_flags()), "heads": [num_heads, num_kv_heads, head_dim],
         "shapes": [asdict(s) for s in shapes],
     }  # fmt: skip
