@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from through_tiers import forward_with_tiers
 
 from tiered.config import CacheConfig, HostTierConfig
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.memory import measure_forward_peak
-from tiered.offload.tiers import KVTiers, forward_with_tiers
+from tiered.offload.tiers import KVTiers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +32,7 @@ def test_cuda_forward_matches_cpu(tiny_dir: Path) -> None:
 def test_cuda_offload_through_pinned_side_stream_gives_the_same_logits(tiny_dir: Path) -> None:
     model = load_model(tiny_dir, "float32", "cuda")
     a = model.args
-    cfg = CacheConfig(block_tokens=16, device_tier_bytes=64 * 2 * a.num_layers * 16 * a.num_kv_heads * a.head_dim * 4,
+    cfg = CacheConfig(block_tokens=16, device_tier_bytes=64 * 16 * a.kv_bytes_per_token(torch.float32),
                       retention="none", host=HostTierConfig(lmcache={"max_local_cpu_size": 0.05}))  # fmt: skip
     tiers = KVTiers(cfg, a, torch.float32, "cuda", "test-cuda")
     try:

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from tiered.config import LoraConfig
+from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import ForwardInputError
 from tiered.hybrid.lora import AdapterError, AdapterSpec, LoraWeights, load_adapter, read_adapter
-from tiered.hybrid.model import ModelArgs
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ def make_tiers(model: CausalLM) -> Iterator:
         **cache: object,
     ) -> KVTiers:
         a = model.args
-        block_bytes = 2 * a.num_layers * BT * a.num_kv_heads * a.head_dim * 4
+        block_bytes = BT * a.kv_bytes_per_token(torch.float32)
         host = cache.pop("host", None) or HostTierConfig(lmcache={"max_local_cpu_size": 0.05}, **(host_options or {}))
         cfg = CacheConfig(block_tokens=BT, device_tier_bytes=device_blocks * block_bytes, host=host, **cache)  # type: ignore[arg-type]
         made.append(KVTiers(cfg, a, torch.float32, "cpu", f"test-{next(_ids)}", model_identity))

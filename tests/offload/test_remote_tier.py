@@ -10,13 +10,14 @@ import threading
 import time
 
 import torch
+from through_tiers import forward_with_tiers
 
 from tiered.config import HostTierConfig
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import model_identity
 from tiered.hybrid.model import CausalLM
 from tiered.offload.device_tier import block_keys
-from tiered.offload.tiers import KVTiers, forward_with_tiers
+from tiered.offload.tiers import KVTiers
 
 BT = 16  # the block size of conftest's make_tiers
 TOL = 1e-5  # fp32 logits, relative to the largest |logit|

@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 import torch
+from through_tiers import forward_with_tiers
 
 from tiered.config import HostTierConfig
 from tiered.hybrid.forward import forward
 from tiered.hybrid.model import CausalLM
-from tiered.offload.tiers import KVTiers, forward_with_tiers
+from tiered.offload.tiers import KVTiers
 
 BT = 16  # the block size of conftest's make_tiers
 TOL = 1e-5  # fp32: relative to the largest |logit|

@@ -24,8 +24,7 @@ def _engine(tiny_dir: Path, tmp_path: Path, *overrides: str, jct: JCTModel = MS_
 
 
 def _kv_bytes_per_block(engine: Engine) -> int:
-    a = engine.model.args
-    return 2 * a.num_layers * BT * a.num_kv_heads * a.head_dim * 4
+    return BT * engine.model.args.kv_bytes_per_token(torch.float32)
 
 
 def _figure5(tiny_dir: Path, tmp_path: Path, policy: str) -> int:

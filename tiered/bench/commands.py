@@ -69,17 +69,15 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from tiered.bench.tiers import run_tiers_bench
+    from tiered.bench.tiers import bench_config, run_tiers_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
-    run_tiers_bench(
-        str(folder),
-        _compute_dtype(args, folder),
-        resolve_device(args.device),
-        args.block_tokens, args.lengths, args.users,
-        args.profile_tokens, args.post_tokens, args.rounds, args.device_fraction, args.repeats, args.json,
-    )  # fmt: skip
+    longest = max(*args.lengths, args.profile_tokens + args.post_tokens) + 1
+    cfg = bench_config(str(folder), _compute_dtype(args, folder), resolve_device(args.device), args.block_tokens,
+                       longest)  # fmt: skip
+    run_tiers_bench(cfg, args.lengths, args.users, args.profile_tokens, args.post_tokens, args.rounds,
+                    args.device_fraction, args.repeats, args.json)  # fmt: skip
     return 0
 
 

@@ -380,7 +380,7 @@ def kv_bytes_per_token(cfg: Config) -> int:
     from tiered.hybrid.loader import DTYPES, read_args
 
     a = read_args(resolve_model_path(cfg.model.path, cfg.model.models_dir))
-    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * DTYPES[config_precision(cfg).kv].itemsize
+    return a.kv_bytes_per_token(DTYPES[config_precision(cfg).kv])
 
 
 def device_tokens(trace: Trace, fraction: float) -> int:

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tiered.bench.report import write_report
+from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES, load_model, read_args
-from tiered.hybrid.model import ModelArgs
 
 log = logging.getLogger(__name__)
 

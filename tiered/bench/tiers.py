@@ -7,24 +7,26 @@
    users visited round-robin for R rounds, with a device tier that holds only a fraction of the
    profiles. Run once with suffix `offload` and once with `discard` (PrefillOnly), same trace,
    same process: end-to-end time and hit tokens per tier.
+
+Every request goes through `tiered.Engine` (submit, step, its result), one at a time.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 from tiered.bench.report import write_report
-from tiered.config import CacheConfig, HostTierConfig, SuffixPolicy
-from tiered.hybrid.forward import forward
-from tiered.hybrid.loader import DTYPES, load_model
-from tiered.hybrid.model import CausalLM
+from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
+from tiered.engine import Engine
+from tiered.hybrid.loader import DTYPES, read_args
+from tiered.hybrid.precision import config_precision
 from tiered.offload.host_tier import HostTierStats
-from tiered.offload.tiers import KVTiers, forward_with_tiers
+from tiered.scheduler.jct import JCTModel
+from tiered.score import Result
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +80,20 @@ class SequenceRun:
     request_seconds: list[float]
 
 
-def _tiers(model: CausalLM, cache: CacheConfig, dtype: str, device: str) -> KVTiers:
-    return KVTiers(cache, model.args, DTYPES[dtype], device, f"bench-{uuid.uuid4().hex[:8]}")
+def _engine(cfg: Config, cache: CacheConfig) -> Engine:
+    """An engine over `cache`, its JCT model left unprofiled: the benchmark submits one request
+    at a time, so no order is decided and the start-up grid would only cost time."""
+    return Engine(replace(cfg, cache=cache), jct_model=JCTModel([0.0]))
 
 
-def _kv_bytes_per_token(model: CausalLM, dtype: str) -> int:
-    a = model.args
-    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * DTYPES[dtype].itemsize
+def _run_one(engine: Engine, ids: torch.Tensor) -> tuple[Result, float]:
+    """One request through the engine (submit, step); its result and its wall seconds."""
+    start = time.perf_counter()
+    engine.submit(ids)
+    (result,) = engine.run()
+    if result.error:
+        raise RuntimeError(f"the benchmark's request failed: {result.error}")
+    return result, time.perf_counter() - start
 
 
 def _copy_seconds(num_bytes: int, repeats: int) -> float:
@@ -107,53 +116,53 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def load_vs_compute(
-    model: CausalLM, cache: CacheConfig, dtype: str, device: str, lengths: list[int], repeats: int
-) -> tuple[list[LoadVsCompute], list[HostStages]]:
+def load_vs_compute(cfg: Config, lengths: list[int], repeats: int) -> tuple[list[LoadVsCompute], list[HostStages]]:
+    """Per length n: what storing costs a forward (fresh prompts through an engine whose tiers store
+    every chunk and one whose tiers store nothing), then the cost of loading an n-token prefix
+    back from the host tier against computing it (the storing-nothing engine's forward)."""
     out, stages = [], []
-    vocab = model.args.vocab_size
+    cache = cfg.cache
+    kv_per_token = read_args(cfg.model.path).kv_bytes_per_token(DTYPES[config_precision(cfg).kv])
     for n in lengths:
-        size = (n + cache.block_tokens) * _kv_bytes_per_token(model, dtype) * 2
-        cfg = replace(cache, device_tier_bytes=size, retention="none", suffix="offload")
-        tiers = _tiers(model, cfg, dtype, device)
-        host = tiers.host_tier
-        assert host is not None
-        ids = torch.randint(0, vocab, (n + 1,), generator=torch.Generator().manual_seed(n))
-        forward_with_tiers(model, tiers, tiers.new_request("store", ids))
-        tiers.flush()
-        stored = host.stats()
-        best_load = best_compute = float("inf")
-        best = (0.0, 0.0, 0.0)
-        for i in range(repeats):
-            tiers.device_tier.clear()
-            before = host.stats()
-            prepared = tiers.prepare(tiers.new_request(f"load{i}", ids))
-            assert prepared.split.num_host_hit_tokens == n, prepared.split
-            after = host.stats()
-            if prepared.load_seconds < best_load:
-                best_load = prepared.load_seconds
-                best = _load_stages(before, after)
-            tiers.abort(prepared)
-            start = time.perf_counter()
-            forward(model, ids[:n])
-            best_compute = min(best_compute, time.perf_counter() - start)
-        tiers.close()
-        # What storing costs a forward: the same fresh prompts through tiers that store and that do not.
-        # Tiers made once and warmed: LMCache fills its buffer when it starts (about 1 s for 4 GB).
+        size = (n + cache.block_tokens) * kv_per_token * 2
+        sized = replace(cache, device_tier_bytes=size, retention="none")
         suffixes: tuple[SuffixPolicy, ...] = ("offload", "discard")
+        engines = {s: _engine(cfg, replace(sized, suffix=s)) for s in suffixes}
+        vocab = engines["offload"].model.args.vocab_size
+        # LMCache fills its buffer as it starts (about 1 s for 4 GB): the first prompt only warms.
         timed: dict[str, list[float]] = {s: [] for s in suffixes}
-        both = {s: _tiers(model, replace(cfg, suffix=s), dtype, device) for s in suffixes}
+        computed: list[float] = []
         for i in range(repeats + 1):
             fresh = torch.randint(0, vocab, (n + 1,), generator=torch.Generator().manual_seed(n + 1 + i))
-            for suffix, t in both.items():
-                start = time.perf_counter()
-                forward_with_tiers(model, t, t.new_request(f"fresh{i}", fresh))
+            for suffix, engine in engines.items():
+                result, seconds = _run_one(engine, fresh)
+                engine.tiers.flush()
                 if i > 0:
-                    timed[suffix].append(time.perf_counter() - start)
-                t.flush()
-        for t in both.values():
-            t.close()
-        num_bytes = n * _kv_bytes_per_token(model, dtype)
+                    timed[suffix].append(seconds)
+                    if suffix == "discard":
+                        computed.append(result.compute_seconds)
+        engine = engines["offload"]
+        host = engine.tiers.host_tier
+        assert host is not None
+        ids = torch.randint(0, vocab, (n + 1,), generator=torch.Generator().manual_seed(n))
+        before = host.stats()
+        _run_one(engine, ids)
+        engine.tiers.flush()
+        stored = _delta(before, host.stats())
+        best_load, best = float("inf"), (0.0, 0.0, 0.0)
+        for _ in range(repeats):
+            engine.tiers.device_tier.clear()
+            before = host.stats()
+            result, _ = _run_one(engine, ids)
+            assert result.split.num_host_hit_tokens == n, result.split
+            if result.load_seconds < best_load:
+                best_load = result.load_seconds
+                d = _delta(before, host.stats())
+                best = (d.load_lookup_seconds, d.load_get_seconds, d.load_copy_seconds)
+        for e in engines.values():
+            e.close()
+        best_compute = min(computed) * n / (n + 1)
+        num_bytes = n * kv_per_token
         stage = HostStages(
             n, num_bytes, _copy_seconds(num_bytes, repeats), *best, stored.store_allocate_seconds,
             stored.store_copy_seconds, stored.store_put_seconds, stored.store_thread_cpu_seconds,
@@ -170,13 +179,11 @@ def load_vs_compute(
     return out, stages
 
 
-def _load_stages(before: HostTierStats, after: HostTierStats) -> tuple[float, float, float]:
-    """Seconds of the load stages (lookup, get, copy) between two snapshots of the counters."""
-    return (
-        after.load_lookup_seconds - before.load_lookup_seconds,
-        after.load_get_seconds - before.load_get_seconds,
-        after.load_copy_seconds - before.load_copy_seconds,
-    )
+def _delta(before: HostTierStats, after: HostTierStats) -> HostTierStats:
+    """The counters' growth between two snapshots."""
+    return HostTierStats(**{
+        f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(HostTierStats)
+    })  # fmt: skip
 
 
 def print_stages(stages: list[HostStages]) -> None:
@@ -219,24 +226,22 @@ def revisit_trace(
     ]
 
 
-def run_sequence(
-    model: CausalLM, cache: CacheConfig, dtype: str, device: str, trace: list[torch.Tensor], suffix: SuffixPolicy
-) -> SequenceRun:
-    tiers = _tiers(model, replace(cache, suffix=suffix), dtype, device)
+def run_sequence(cfg: Config, trace: list[torch.Tensor], suffix: SuffixPolicy) -> SequenceRun:
+    """The trace through one engine, one request per step, as a user's visits arrive."""
+    engine = _engine(cfg, replace(cfg.cache, suffix=suffix))
     times: list[float] = []
     dev = host = miss = 0
     start = time.perf_counter()
-    for i, ids in enumerate(trace):
-        t0 = time.perf_counter()
-        _, prepared = forward_with_tiers(model, tiers, tiers.new_request(f"{suffix}-{i}", ids))
-        times.append(time.perf_counter() - t0)
-        dev += prepared.split.num_device_hit_tokens
-        host += prepared.split.num_host_hit_tokens
-        miss += prepared.split.num_miss_tokens
-    tiers.flush()
+    for ids in trace:
+        result, seconds = _run_one(engine, ids)
+        times.append(seconds)
+        dev += result.split.num_device_hit_tokens
+        host += result.split.num_host_hit_tokens
+        miss += result.split.num_miss_tokens
+    engine.tiers.flush()
     seconds = time.perf_counter() - start
-    run = SequenceRun(suffix, seconds, len(trace), dev, host, miss, tiers.device_tier.num_blocks, times)
-    tiers.close()
+    run = SequenceRun(suffix, seconds, len(trace), dev, host, miss, engine.tiers.device_tier.num_blocks, times)
+    engine.close()
     log.info(
         "suffix %-7s: %.2f s for %d requests; hit tokens device %d, host %d, computed %d",
         suffix, seconds, len(trace), dev, host, miss,
@@ -244,20 +249,27 @@ def run_sequence(
     return run
 
 
+def bench_config(model_dir: str, dtype: str, device: str, block_tokens: int, max_model_len: int) -> Config:
+    """The engine this benchmark runs: `block_tokens` blocks, every block kept (`retention: all`),
+    a 4 GB LMCache CPU tier; the device tier is sized per part."""
+    cfg = Config(device=device)
+    cache = CacheConfig(block_tokens=block_tokens, retention="all",
+                        host=HostTierConfig(lmcache={"max_local_cpu_size": 4.0}))  # fmt: skip
+    model = replace(cfg.model, path=model_dir, dtype=dtype, max_model_len=max_model_len)  # type: ignore[arg-type]
+    return replace(cfg, model=model, cache=cache)
+
+
 def run_tiers_bench(
-    model_dir: str, dtype: str, device: str, block_tokens: int, lengths: list[int], users: int,
-    profile_tokens: int, post_tokens: int, rounds: int, device_fraction: float, repeats: int, json_path: str | None,
+    cfg: Config, lengths: list[int], users: int, profile_tokens: int, post_tokens: int, rounds: int,
+    device_fraction: float, repeats: int, json_path: str | None,
 ) -> dict[str, object]:  # fmt: skip
-    model = load_model(model_dir, dtype, device)
-    forward(model, torch.arange(1, 512))  # warm-up
-    cache = CacheConfig(
-        block_tokens=block_tokens, retention="all", host=HostTierConfig(lmcache={"max_local_cpu_size": 4.0})
-    )
-    costs, stages = load_vs_compute(model, cache, dtype, device, lengths, repeats)
-    device_bytes = int(device_fraction * users * profile_tokens * _kv_bytes_per_token(model, dtype))
-    cache = replace(cache, device_tier_bytes=device_bytes)
-    trace = revisit_trace(model.args.vocab_size, users, profile_tokens, post_tokens, rounds, seed=0)
-    runs = [run_sequence(model, cache, dtype, device, trace, s) for s in ("offload", "discard")]
+    costs, stages = load_vs_compute(cfg, lengths, repeats)
+    kv_per_token = read_args(cfg.model.path).kv_bytes_per_token(DTYPES[config_precision(cfg).kv])
+    device_bytes = int(device_fraction * users * profile_tokens * kv_per_token)
+    sized = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
+    vocab = read_args(cfg.model.path).vocab_size
+    trace = revisit_trace(vocab, users, profile_tokens, post_tokens, rounds, seed=0)
+    runs = [run_sequence(sized, trace, s) for s in ("offload", "discard")]
     speedup = runs[1].seconds / runs[0].seconds
     print(f"{'tokens':>7} {'load ms':>8} {'compute ms':>10} {'compute/load':>12}")
     for c in costs:
@@ -271,9 +283,9 @@ def run_tiers_bench(
         hits = f"{r.num_device_hit_tokens:>10} {r.num_host_hit_tokens:>9} {r.num_miss_tokens:>9}"
         print(f"{r.suffix:<8} {r.seconds:>8.2f} {hits}")
     print(f"end to end, discard takes {speedup:.2f}x the time of offload")
-    return write_report(json_path, "tiers", device, {
-        "model": {"path": model_dir, "dtype": dtype},
-        "block_tokens": block_tokens,
+    return write_report(json_path, "tiers", cfg.device, {
+        "model": {"path": cfg.model.path, "dtype": config_precision(cfg).compute},
+        "block_tokens": cfg.cache.block_tokens,
         "load_vs_compute": [asdict(c) for c in costs],
         "host_stages": [
             {**asdict(st), "load_seconds": st.load_seconds, "load_fraction_of_copy": st.load_fraction_of_copy}

@@ -67,8 +67,8 @@ from tiered.bench.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from tiered.bench.traces import BenchError, Trace, TraceRequest
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import make_adapter, resolve_model_path
+from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.loader import DTYPES, read_args, resolve_device
-from tiered.hybrid.model import ModelArgs
 from tiered.hybrid.precision import config_precision
 
 log = logging.getLogger(__name__)

@@ -10,14 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from tiered.config import ConfigError
-from tiered.hybrid.model import (
-    SUPPORTED_ARCHITECTURES,
-    CausalLM,
-    Llama3RopeScaling,
-    ModelArgs,
-    rope_inv_freq,
-    use_attention,
-)
+from tiered.hybrid.args import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelArgs
+from tiered.hybrid.model import CausalLM, rope_inv_freq, use_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -28,7 +28,7 @@ from safetensors.torch import load as safetensors_load
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from tiered.hybrid.model import ModelArgs
+    from tiered.hybrid.args import ModelArgs
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

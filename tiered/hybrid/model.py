@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Qwen2, Mistral), top to bottom.
 
-Arguments, then the module tree (named as in HF checkpoints so a state dict loads as is), then
-the per-chunk steps a decoder layer is made of: norm, RoPE, the q/k/v projection, the MLP. Every
+The module tree (named as in HF checkpoints so a state dict loads as is; its shape is `args.py`'s
+`ModelArgs`), then the per-chunk steps a decoder layer is made of: norm, RoPE, the q/k/v projection, the MLP. Every
 step takes a slice of tokens and writes into buffers the caller preallocated; `forward.py`
 decides how many tokens a slice holds and where attention runs. Nothing here knows about
 chunking policy or KV tiers.
@@ -10,51 +10,14 @@ chunking policy or KV tiers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.attention import KERNELS, default_kernel
 from tiered.hybrid.lora import LoraSlice
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True, slots=True)
-class Llama3RopeScaling:
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True, slots=True)
-class ModelArgs:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    # Mistral/Qwen2 sliding-window attention; inputs longer than this are refused.
-    sliding_window: int | None
-
-    @property
-    def kv_elems_per_token_per_layer(self) -> int:
-        """K and V elements one token adds to one layer."""
-        return 2 * self.num_kv_heads * self.head_dim
 
 
 class RMSNorm(nn.Module):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tiered.hybrid.args import ModelArgs
+
 ROOT_KEY = 0
 
 
@@ -74,19 +76,12 @@ class DeviceTier:
     """
 
     def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        block_tokens: int,
-        budget_bytes: int,
-        dtype: torch.dtype,
-        device: str | torch.device,
+        self, args: ModelArgs, block_tokens: int, budget_bytes: int, dtype: torch.dtype, device: str | torch.device
     ) -> None:
         self.block_tokens = block_tokens
-        self.bytes_per_block = 2 * num_layers * block_tokens * num_kv_heads * head_dim * dtype.itemsize
+        self.bytes_per_block = block_tokens * args.kv_bytes_per_token(dtype)
         self.num_blocks = budget_bytes // self.bytes_per_block
-        shape = (self.num_blocks, 2, num_layers, block_tokens, num_kv_heads, head_dim)
+        shape = (self.num_blocks, 2, args.num_layers, block_tokens, args.num_kv_heads, args.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self._lock = threading.RLock()
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from tiered.config import ConfigError, HostTierConfig
+from tiered.hybrid.args import ModelArgs
 from tiered.offload.lmcache_setup import (
     bound_reuse_record,
     drain_remote_puts,
@@ -100,9 +101,7 @@ class HostTier:
         self,
         cfg: HostTierConfig,
         block_tokens: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        args: ModelArgs,
         dtype: torch.dtype,
         instance_id: str,
         model_name: str | None = None,
@@ -130,8 +129,9 @@ class HostTier:
         self.block_tokens = block_tokens
         self.instance_id = instance_id
         self.model_name = model_name = model_name or instance_id
+        num_layers, num_kv_heads, head_dim = args.num_layers, args.num_kv_heads, args.head_dim
         self.chunk_shape = (2, num_layers, block_tokens, num_kv_heads, head_dim)
-        self.chunk_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * dtype.itemsize
+        self.chunk_bytes = block_tokens * args.kv_bytes_per_token(dtype)
         self._dtype = dtype
         config = lmcache_config(options)
         local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)

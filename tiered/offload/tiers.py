@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tiered.config import CacheConfig, ForwardMode
-from tiered.hybrid.forward import KVSink, forward
-from tiered.hybrid.model import CausalLM, ModelArgs
+from tiered.config import CacheConfig
+from tiered.hybrid.args import ModelArgs
+from tiered.hybrid.forward import KVSink
 from tiered.offload.device_tier import DeviceTier, DeviceTierStats
 from tiered.offload.host_tier import HostTier, HostTierStats
 from tiered.offload.request import BoundedKeys, HitSplit, PrefixKV, Prepared, StoreBatch, TierRequest
@@ -68,14 +68,11 @@ class KVTiers:
         self.args = args
         self.device = torch.device(device)
         self.block_tokens = cfg.block_tokens
-        self.device_tier = DeviceTier(
-            args.num_layers, args.num_kv_heads, args.head_dim, cfg.block_tokens, cfg.device_tier_bytes, dtype, device
-        )
+        self.device_tier = DeviceTier(args, cfg.block_tokens, cfg.device_tier_bytes, dtype, device)
         self.host_tier: HostTier | None = None
         if cfg.suffix == "offload":
             self.host_tier = HostTier(
-                cfg.host, cfg.block_tokens, args.num_layers, args.num_kv_heads, args.head_dim, dtype, instance_id,
-                model_identity,
+                cfg.host, cfg.block_tokens, args, dtype, instance_id, model_identity,
             )  # fmt: skip
             self.host_tier.on_stored = self._stored
             if cfg.host.write_policy == "on-evict":
@@ -456,28 +453,3 @@ class KVTiers:
         if self.host_tier is not None:
             self.host_tier.close()
 
-
-def forward_with_tiers(
-    model: CausalLM,
-    tiers: KVTiers,
-    req: TierRequest,
-    mode: ForwardMode = "hybrid",
-    chunk_tokens: int = 1024,
-    shared_keys: Collection[int] = (),
-) -> tuple[Tensor, Prepared]:
-    """One request through the tiers: prepare, forward over the misses, finish. Returns logits."""
-    prepared = tiers.prepare(req, shared_keys)
-    try:
-        logits = forward(
-            model,
-            req.token_ids[prepared.num_prefix_tokens :],
-            mode=mode,
-            chunk_tokens=chunk_tokens,
-            prefix_kv=tiers.prefix_kv(prepared),
-            kv_sink=tiers.sink(prepared),
-        )
-    except BaseException:
-        tiers.abort(prepared)
-        raise
-    tiers.finish(prepared)
-    return logits, prepared

@@ -1,0 +1,37 @@
+"""One request through the tiers without the engine: prepare, forward over the misses, finish.
+
+A test helper (the tier tests check the tiers' mechanics request by request); the engine,
+`tiered run` and the benchmarks go through `tiered.Engine`. Importable from every test module:
+pytest puts `tests/` on the path for its root `conftest.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from torch import Tensor
+
+from tiered.config import ForwardMode
+from tiered.hybrid.forward import forward
+from tiered.hybrid.model import CausalLM
+from tiered.offload.request import Prepared, TierRequest
+from tiered.offload.tiers import KVTiers
+
+
+def forward_with_tiers(
+    model: CausalLM,
+    tiers: KVTiers,
+    req: TierRequest,
+    mode: ForwardMode = "hybrid",
+    chunk_tokens: int = 1024,
+    shared_keys: Collection[int] = (),
+) -> tuple[Tensor, Prepared]:
+    """Logits of `req` computed over its misses on top of what the tiers hold, and its `Prepared`."""
+    prepared = tiers.prepare(req, shared_keys)
+    try:
+        logits = forward(model, req.token_ids[prepared.num_prefix_tokens :], mode=mode, chunk_tokens=chunk_tokens,
+                         prefix_kv=tiers.prefix_kv(prepared), kv_sink=tiers.sink(prepared))  # fmt: skip
+    except BaseException:
+        tiers.abort(prepared)
+        raise
+    tiers.finish(prepared)
+    return logits, prepared
