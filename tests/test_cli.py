@@ -7,7 +7,8 @@ import pytest
 
 from tiered import __version__
 from tiered.api.args import api_key, chat_template, serve_overrides
-from tiered.cli import build_parser, main, parse_bytes
+from tiered.cli import build_parser, main
+from tiered.cli_options import parse_bytes
 from tiered.config import ConfigError, load_config
 
 

@@ -5,80 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tiered import __version__
 from tiered.api.args import add_serve_args
+from tiered.cli_options import DEFAULT_CONFIG, add_config_args, config_from_args, resolve_device
 from tiered.config import Config, ConfigError, load_config
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger("tiered")
-
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # in the package (configs/ links it)
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '1.5GB', '1048576' -> bytes; anything else raises naming the value."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a size (examples: 1073741824, 512MiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-
-
-def parse_int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"'{text}' must list positive integers")
-    return values
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help=f"YAML config file (default: {DEFAULT_CONFIG.name} in configs/)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key, e.g. --set forward.chunk_tokens=512 (repeatable)",
-    )
-
-
-def _load(args: argparse.Namespace) -> Config:
-    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
-    return load_config(path, args.overrides)
-
-
-def resolve_device(device: str) -> str:
-    from tiered.hybrid.loader import resolve_device as resolve
-
-    return resolve(device)
-
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job: score one user profile against candidate posts (P(label) per post).
@@ -94,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tiered.engine import Engine
     from tiered.score import ScoreParams
 
-    cfg = _load(args)
+    cfg = config_from_args(args)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     example = json.loads(
         (Path(args.prompts) if args.prompts else Path(__file__).parent / "data" / "examples.json").read_text()
@@ -200,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "calls of the same posts, and print per post: its hit split (device, host), the tokens another post of its "
         "batch computed for it (shared), what it computed, its batch size, its latency and P(label) per label.",
     )
-    _add_config_args(run)
+    add_config_args(run)
     run.add_argument("--prompts", help="JSON file shaped like tiered/data/examples.json (default: the bundled one)")
     run.set_defaults(func=cmd_run)
 
@@ -219,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "engine process is restarted (server.restart_engine). SIGINT/SIGTERM stop both processes.",
     )  # fmt: skip
     serve.add_argument("model", nargs="?", help="HF checkpoint folder or embedded:NAME (default: the config's)")
-    _add_config_args(serve)
+    add_config_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -32,10 +32,10 @@ from tiered.hybrid.model import use_attention
 from tiered.hybrid.precision import precision_for
 from tiered.offload.request import PrefixKV, Prepared
 from tiered.offload.tiers import KVTiers
+from tiered.profile import profile_jct
 from tiered.scheduler.jct import JCTModel
-from tiered.scheduler.profile import profile_jct
 from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
-from tiered.score import Result, ScoreParams
+from tiered.score import DEFAULT_PARAMS, Result, ScoreParams
 from tiered.validation import InputError, check_prompt, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,6 @@ def _common_prefix_len(a: Tensor, b: Tensor, limit: int) -> int:
         return 0
     differ = (a[:n] != b[:n]).nonzero()
     return int(differ[0]) if differ.numel() else n
-
-
-_DEFAULT_PARAMS = ScoreParams()  # frozen: one shared default is safe
 
 
 class EngineStartError(RuntimeError):
@@ -93,8 +90,6 @@ class Engine:
         self.adapters = Adapters(lora, self.model.args, compute, device) if lora.enabled else None
         self.jct = jct_model or profile_jct(self)
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
-        self._params: dict[int, tuple[ScoreParams, float]] = {}
-        self._seqs: dict[str, int] = {}  # request id -> scheduler seq, while waiting
         self.num_cancelled = 0
         log.info(
             "engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s",
@@ -121,7 +116,8 @@ class Engine:
             )
         return left
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on the CPU): timings end here."""
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
@@ -130,7 +126,7 @@ class Engine:
     def submit(
         self,
         token_ids: Sequence[int] | Tensor,
-        params: ScoreParams = _DEFAULT_PARAMS,
+        params: ScoreParams = DEFAULT_PARAMS,
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -154,27 +150,23 @@ class Engine:
                 raise UnknownAdapterError(f"The model `{adapter}` does not exist (LoRA is not enabled).")
             identity = self.adapters.spec(adapter).identity
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._seqs:
+        if request_id in self.scheduler:
             raise ForwardInputError(f"request id {request_id!r} is already waiting")
-        w = self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt, identity), priority=priority)
-        self._params[w.seq] = (params, w.arrival)
-        self._seqs[request_id] = w.seq
+        self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt, identity), priority=priority,
+                           params=params)  # fmt: skip
         return request_id
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting request (timed out, client gone). False if it is not waiting."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
+        if self.scheduler.remove(request_id) is None:
             return False
-        self.scheduler.remove(seq)
-        self._params.pop(seq, None)
         self.tiers.drop_prefetch(request_id)
         self.num_cancelled += 1
         return True
 
     @property
     def num_waiting(self) -> int:
-        return len(self._seqs)
+        return len(self.scheduler)
 
     def step(self) -> list[Result]:
         """Run the next batch (one forward); its results, or [] when nothing waits."""
@@ -182,36 +174,29 @@ class Engine:
         batch = self.scheduler.pick_batch(sc.max_batch_tokens, self.max_model_len, self.config.lora.max_loras)
         if not batch:
             return []
-        waiting = [d.waiting for d in batch]
-        params = [self._params.pop(w.seq) for w in waiting]
-        for w in waiting:
-            del self._seqs[w.request.request_id]
         if sc.prefetch:
             nxt = self.scheduler.peek()
             if nxt is not None and nxt.split.num_host_hit_tokens > 0 and not self._batch_makes(batch, nxt):
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
-        failed = self._load_adapters(batch, params, started)
+        failed = self._load_adapters(batch, started)
         if failed:
             gone = {r.request_id for r in failed}
-            kept = [i for i, d in enumerate(batch) if d.waiting.request.request_id not in gone]
-            batch, params = [batch[i] for i in kept], [params[i] for i in kept]
+            batch = [d for d in batch if d.waiting.request_id not in gone]
             if not batch:
                 return failed
         if len(batch) == 1:
-            return failed + self._run_alone(batch[0], params[0], started)
+            return failed + self._run_alone(batch[0], started)
         try:
-            return failed + self._run_batch(batch, params, started)
+            return failed + self._run_batch(batch, started)
         except BaseException as exc:
             if not _out_of_memory(exc):
                 raise
             self._release_memory()
             log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
-            return failed + [r for d, p in zip(batch, params, strict=True) for r in self._run_alone(d, p, started)]
+            return failed + [r for d in batch for r in self._run_alone(d, started)]
 
-    def _load_adapters(
-        self, batch: list[Decision], params: list[tuple[ScoreParams, float]], started: float
-    ) -> list[Result]:
+    def _load_adapters(self, batch: list[Decision], started: float) -> list[Result]:
         """Make the batch's adapters resident; fail (only) the requests whose adapter folder can no
         longer be read as it was checked (changed or deleted since)."""
         identities = [a for d in batch if (a := d.waiting.request.adapter) is not None]
@@ -221,10 +206,9 @@ class Engine:
         for why in bad.values():
             log.error("%s: its requests fail", why)
         return [
-            Result.failed(d.waiting.request.request_id, d.waiting.request.token_ids.numel(),
-                          bad[a], started - arrival)
-            for d, (_, arrival) in zip(batch, params, strict=True) if (a := d.waiting.request.adapter) in bad
-        ]  # fmt: skip
+            Result.failed(w.request_id, w.request.token_ids.numel(), bad[a], started - w.arrival)
+            for d in batch if (a := (w := d.waiting).request.adapter) in bad
+        ]
 
     def _batch_makes(self, batch: list[Decision], nxt: Waiting) -> bool:
         """The next request's first host-resident block is one this batch loads or computes: it
@@ -233,10 +217,10 @@ class Engine:
         key = nxt.request.keys[first_host]
         return any(key in d.waiting.request.keys for d in batch)
 
-    def _run_alone(self, decision: Decision, params: tuple[ScoreParams, float], started: float) -> list[Result]:
+    def _run_alone(self, decision: Decision, started: float) -> list[Result]:
         """One request in its own forward; out of memory fails it alone (admission should prevent it)."""
         try:
-            return self._run_batch([decision], [params], started)
+            return self._run_batch([decision], started)
         except BaseException as exc:
             if not _out_of_memory(exc):
                 raise
@@ -244,15 +228,14 @@ class Engine:
             req = decision.waiting.request
             n = req.token_ids.numel()
             log.error("request %s (%d tokens) ran out of memory: %s", req.request_id, n, str(exc)[:200])
-            return [Result.failed(req.request_id, n, f"out of memory computing {n} tokens", started - params[1])]
+            waited = started - decision.waiting.arrival
+            return [Result.failed(req.request_id, n, f"out of memory computing {n} tokens", waited)]
 
     def _release_memory(self) -> None:
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
-    def _run_batch(
-        self, batch: list[Decision], params: list[tuple[ScoreParams, float]], started: float
-    ) -> list[Result]:
+    def _run_batch(self, batch: list[Decision], started: float) -> list[Result]:
         """Prepare every request (pins, host loads), one forward over all, then finish each."""
         prepared: list[Prepared] = []
         planned: set[int] = set()  # blocks an earlier request of the batch keeps or stores
@@ -260,8 +243,8 @@ class Engine:
             for d in batch:
                 prepared.append(self.tiers.prepare(d.waiting.request, self.scheduler.waiting_keys(), planned))
             compute_start = time.perf_counter()
-            logits, shared = self._compute(prepared)
-            self._sync()
+            logits, shared = self.forward(prepared)
+            self.synchronize()
         except BaseException:
             for p in prepared:
                 self.tiers.abort(p)
@@ -283,7 +266,8 @@ class Engine:
         predicted = self.jct.observe(splits, load + compute)
         logprobs = torch.log_softmax(logits, dim=-1)
         results = []
-        for i, (d, p, (par, arrival)) in enumerate(zip(batch, prepared, params, strict=True)):
+        for i, (d, p) in enumerate(zip(batch, prepared, strict=True)):
+            par, arrival = d.waiting.params, d.waiting.arrival
             top = []
             if par.top_logprobs:
                 values, indices = torch.topk(logprobs[i], par.top_logprobs)
@@ -308,7 +292,7 @@ class Engine:
             ))  # fmt: skip
         return results
 
-    def _compute(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
+    def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
         """One forward over the prepared requests. Requests with the same prefix blocks share one
         prefix object, read once per layer; the first of them leads, and each other one whose
         next tokens equal the lead's follows it: those tokens are computed once (a profile's tail

@@ -39,6 +39,9 @@ class ScoreParams:
         return int(torch.argmax(biased))
 
 
+DEFAULT_PARAMS = ScoreParams()  # frozen: one shared default is safe
+
+
 @dataclass(slots=True)
 class Result:
     request_id: str

@@ -12,7 +12,8 @@ import pytest
 from tiered.bench import visits as bench_visits
 from tiered.bench.traces import QUESTION_TOKENS, BenchError, Trace, TraceRequest, revisit, visits
 from tiered.bench.visits import run_visits_bench, split_visits, vllm_prefix_cache_tokens, working_set_tokens
-from tiered.cli import DEFAULT_CONFIG, main
+from tiered.cli import main
+from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
 
 VOCAB = list(range(10, 500))

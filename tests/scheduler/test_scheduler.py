@@ -10,8 +10,10 @@ import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine
+from tiered.offload.request import TierRequest
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Scheduler
+from tiered.score import ScoreParams
 
 BT = 16
 MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0, 0.0])  # a job costs 1 ms per computed token
@@ -111,3 +113,30 @@ def test_prefetch_overlaps_the_host_load_with_another_compute(tiny_dir: Path, tm
     r = results[late]
     assert r.split.num_host_hit_tokens == 1024
     assert r.prefetch_wait_seconds + r.load_seconds < full_load
+
+
+def test_one_entry_per_waiting_request_and_a_reused_id_is_a_new_request(tiny_dir: Path, tmp_path: Path) -> None:
+    """The scheduler's entry carries the request's params and arrival; an id may come back once
+    its request left, and the new request is ranked by its own score, never by the heap entry
+    the old one left behind (srjf: 1 ms per computed token)."""
+    engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard", "cache.device_tier_bytes=0")
+    sched = Scheduler("srjf", 0.0, engine.tiers, engine.jct)
+    g = torch.Generator().manual_seed(0)
+
+    def req(rid: str, n: int) -> TierRequest:
+        return engine.tiers.new_request(rid, torch.randint(0, 1300, (n,), generator=g))
+
+    params = ScoreParams(top_logprobs=3)
+    w = sched.add(req("x", 50), arrival=7.0, params=params)
+    assert "x" in sched and len(sched) == 1 and w.params is params and w.arrival == 7.0
+    with pytest.raises(ValueError, match="already waiting"):
+        sched.add(req("x", 60))
+    picked = sched.pick()
+    assert picked is not None and picked.waiting is w and "x" not in sched
+    sched.add(req("y", 300))
+    sched.add(req("x", 900))  # the old x's heap entry (0.05 s) may still be in the heap
+    order = [d.waiting.request_id for d in iter(sched.pick, None)]
+    assert order == ["y", "x"]
+    sched.add(req("z", 10))
+    assert sched.remove("z") is not None and sched.remove("z") is None and sched.pick() is None
+    engine.close()

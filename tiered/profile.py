@@ -1,22 +1,29 @@
-"""The JCT model's start-up profile: forwards measured on a grid of lengths and cached fractions
-(plus real host-tier loads when there is a host tier), fitted, and cached per exact setup."""
+"""The engine's start-up profile of the JCT model: forwards measured on a grid of lengths and
+cached fractions (plus real host-tier loads when there is a host tier), fitted, and cached per
+exact setup. It drives the engine through its public methods (`forward`, `synchronize`) and the
+tiers' (`prepare`, `finish`, `flush`, `clear`); `scheduler/` keeps the model it fits."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
+from tiered.config import Config
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES
+from tiered.hybrid.model import CausalLM
+from tiered.hybrid.precision import Precision
 from tiered.measured import cache_key, load_cached, save_cached
+from tiered.offload.request import Prepared
+from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel, JCTSample
-
-if TYPE_CHECKING:
-    from tiered.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +31,22 @@ log = logging.getLogger(__name__)
 # profile cached by older code would price jobs (host loads above all) at what they used to cost.
 # 2: the host tier at copy speed (issue 15). 3: the cache file's layout (tiered/measured.py), the precision.
 JCT_PROFILE_VERSION = 3
+
+
+class Engine(Protocol):
+    """What the profile reads of `tiered.Engine` (a protocol: this module does not import the engine)."""
+
+    config: Config
+    model: CausalLM
+    model_dir: Path
+    precision: Precision
+    device: str
+    max_model_len: int
+    tiers: KVTiers
+
+    def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]: ...
+
+    def synchronize(self) -> None: ...
 
 
 def profile_jct(engine: Engine) -> JCTModel:
@@ -76,7 +99,7 @@ def _measure_grid(engine: Engine, totals: list[int], fractions: list[float]) -> 
             ] if prefix else None  # fmt: skip
             start = time.perf_counter()
             forward(engine.model, ids[prefix:], mode=f.mode, chunk_tokens=f.chunk_tokens, prefix_kv=kv)
-            engine._sync()
+            engine.synchronize()
             samples.append(JCTSample(total, miss, 0, time.perf_counter() - start))
     if engine.tiers.host_tier is not None:
         samples += _measure_host_loads(engine, totals, g, bt)
@@ -91,14 +114,14 @@ def _measure_host_loads(engine: Engine, totals: list[int], g: torch.Generator, b
             continue
         ids = torch.randint(0, engine.model.args.vocab_size, (total,), generator=g)
         stored = engine.tiers.prepare(engine.tiers.new_request(f"profile-store-{total}", ids))
-        engine._compute([stored])
+        engine.forward([stored])
         engine.tiers.finish(stored)
         engine.tiers.flush()
         engine.tiers.device_tier.clear()
         start = time.perf_counter()
         loaded = engine.tiers.prepare(engine.tiers.new_request(f"profile-load-{total}", ids))
-        engine._compute([loaded])
-        engine._sync()
+        engine.forward([loaded])
+        engine.synchronize()
         seconds = time.perf_counter() - start
         engine.tiers.abort(loaded)
         split = loaded.split

@@ -1,0 +1,87 @@
+"""The package's import graph, read from the source with `ast`: no cycles (type-only imports
+included), and the layers import downwards (`scheduler/` decides, it does not drive the engine)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tiered
+
+ROOT = Path(tiered.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _resolve(name: str) -> str | None:
+    """The package module an imported name lives in (`tiered.x.y.Name` -> `tiered.x.y`)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every `tiered` module `path` imports: at the top, inside functions and under TYPE_CHECKING."""
+    found: set[str | None] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(_resolve(a.name) for a in node.names if a.name.split(".")[0] == "tiered")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "tiered":
+            module = node.module or ""
+            for a in node.names:
+                found.add(f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else _resolve(module))
+    found.discard(None)
+    found.discard(_module_name(path))
+    return {m for m in found if m is not None}
+
+
+GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_the_walk_sees_the_imports_it_should() -> None:
+    assert len(MODULES) > 50 and "tiered.engine" in MODULES
+    assert {"tiered.scheduler.scheduler", "tiered.offload.tiers", "tiered.profile"} <= GRAPH["tiered.engine"]
+    assert "tiered.engine" in GRAPH["tiered"]  # under TYPE_CHECKING and in a function: both count
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_scheduler_decides_and_never_imports_the_engine_or_the_api() -> None:
+    for name, deps in GRAPH.items():
+        if name.startswith("tiered.scheduler"):
+            bad = {d for d in deps if d in ("tiered.engine", "tiered.profile") or d.startswith("tiered.api")}
+            assert not bad, f"{name} imports {bad}"

@@ -1,0 +1,72 @@
+"""Options both command lines take (`tiered ...` in `cli.py`, `tiered bench ...` in `bench/cli.py`):
+the config file and `--set` overrides, sizes and integer lists, the device. Imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from tiered.config import Config, load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # in the package (configs/ links it)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '1.5GB', '1048576' -> bytes; anything else raises naming the value."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (examples: 1073741824, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' must list positive integers")
+    return values
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help=f"YAML config file (default: {DEFAULT_CONFIG.name} in configs/)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set forward.chunk_tokens=512 (repeatable)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The config `--config` names (default: the packaged default.yaml) with `--set` applied."""
+    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    return load_config(path, args.overrides)
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> cuda where available, else cpu; a device that is not there raises naming it."""
+    from tiered.hybrid.loader import resolve_device as resolve
+
+    return resolve(device)
