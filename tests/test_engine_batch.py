@@ -144,9 +144,9 @@ def test_no_prefetch_of_a_prefix_the_running_batch_loads(tiny_dir: Path, tmp_pat
     _visit(engine, [torch.cat([profile, _ids(9, 17)])])
     engine.tiers.flush()
     engine.tiers.device_tier.clear()  # the profile lives in the host tier only
-    loaded_before = engine.tiers.host_tier.num_hit_tokens
+    loaded_before = engine.tiers.host_tier.stats().num_hit_tokens
     results = list(_visit(engine, [torch.cat([profile, _ids(10 + i, 40 + i)]) for i in range(3)]).values())
-    loaded = engine.tiers.host_tier.num_hit_tokens - loaded_before
+    loaded = engine.tiers.host_tier.stats().num_hit_tokens - loaded_before
     engine.close()
     assert loaded == 288  # once
     assert sorted(r.split.num_host_hit_tokens for r in results) == [0, 0, 288]

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tiered.bench.load import Summary, run_load_bench, sustainable_qps
+from tiered.bench.load import run_load_bench
+from tiered.bench.stats import Summary, sustainable_qps
 from tiered.bench.traces import BenchError, Trace, credit_verification, post_recommendation, revisit
 from tiered.config import load_config
 

@@ -170,7 +170,7 @@ def test_prefetch_loads_the_host_prefix_before_prepare(model: CausalLM, make_tie
     req = tiers.new_request("next", ids)
     assert tiers.device_tier.match(req.keys, ids.tolist(), count=False) == []
     tiers.prefetch(req)
-    tiers._prefetches[req.request_id].result()  # let it finish, to look at the tier in between
+    tiers.loader._prefetches[req.request_id].result()  # let it finish, to look at the tier in between
     assert len(tiers.device_tier.match(req.keys, ids.tolist(), count=False)) == 18
     logits, prepared = forward_with_tiers(model, tiers, req)
     # Loaded by the prefetch, yet counted where they came from: the host tier.
@@ -225,7 +225,7 @@ def test_an_unreachable_remote_store_degrades_to_recomputation(model: CausalLM, 
 
 
 def test_bounded_keys_forget_the_oldest_past_the_cap() -> None:
-    from tiered.offload.request import BoundedKeys
+    from tiered.offload.host_keys import BoundedKeys
 
     keys = BoundedKeys(3)
     assert keys.update([1, 2, 3]) == [] and keys.update([4]) == [1]

@@ -111,7 +111,7 @@ def _stats(engine: Engine) -> EngineStats:
     adapters = engine.adapters.stats() if engine.adapters is not None else None
     return EngineStats(
         jct_error=engine.jct.error,
-        host_failures=host.num_failures if host is not None else 0,
+        host_failures=host.stats().num_failures if host is not None else 0,
         host=_host_counters(engine),
         pinned_blocks=engine.tiers.device_tier.stats().num_pinned_blocks,
         engine_cancelled=engine.num_cancelled,

@@ -25,6 +25,7 @@ from tiered.hybrid.attention import KERNELS, Piece
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.memory import GatheredPrefix
+from tiered.hybrid.model import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,22 @@ def run_batch_bench(
     profile = torch.randint(0, a.vocab_size, (prefix_tokens,), generator=g)
     kv: list[tuple[torch.Tensor, torch.Tensor]] = []
     forward(model, profile, chunk_tokens=chunk_tokens, kv_sink=lambda i, k, v: kv.append((k.clone(), v.clone())))
-    prefix = GatheredPrefix(kv)
+    visit = _visit(model, GatheredPrefix(kv), num_requests, new_tokens, chunk_tokens, repeats, rate, g)
+    attn = _attention_of_one_layer(model, kv[0], num_requests, new_tokens, repeats, rate, g)
+    hit = _hit_saving(model, profile, GatheredPrefix(kv), hit_new_tokens, repeats, g)
+    return write_report(json_path, "batch", device, {
+        "model": model_dir, "dtype": dtype, "matmul_flops_per_s": rate, "visit": asdict(visit),
+        "attention": asdict(attn), "hit_saving": asdict(hit),
+    })  # fmt: skip
+
+
+def _visit(
+    model: CausalLM, prefix: GatheredPrefix, num_requests: int, new_tokens: int, chunk_tokens: int, repeats: int,
+    rate: float, g: torch.Generator,
+) -> VisitResult:  # fmt: skip
+    """A visit's requests on one cached prefix: one per forward against one batched forward."""
+    a = model.args
+    prefix_tokens = prefix.num_tokens
     posts = [torch.randint(0, a.vocab_size, (new_tokens,), generator=g) for _ in range(num_requests)]
     items = [BatchItem(p, prefix) for p in posts]
 
@@ -107,37 +123,32 @@ def run_batch_bench(
     for _ in range(repeats):  # interleaved, so drift hits both sides alike
         for name, fn in (("single", single), ("batched", batched)):
             times[name] = min(times[name], _best(fn, 1))
-    visit = VisitResult(
-        num_requests,
-        new_tokens,
-        prefix_tokens,
-        times["single"],
-        times["batched"],
-        times["single"] / times["batched"],
-        flops / times["single"] / rate,
-        flops / times["batched"] / rate,
-    )
+    visit = VisitResult(num_requests, new_tokens, prefix_tokens, times["single"], times["batched"],
+                        times["single"] / times["batched"], flops / times["single"] / rate,
+                        flops / times["batched"] / rate)  # fmt: skip
     log.info(
         "visit: %d x %d new on %d cached: one per forward %.3f s, batched %.3f s (%.2fx); %.0f%% / %.0f%% of matmul",
-        num_requests,
-        new_tokens,
-        prefix_tokens,
-        visit.single_seconds,
-        visit.batched_seconds,
-        visit.speedup,
-        100 * visit.single_fraction_of_matmul,
-        100 * visit.batched_fraction_of_matmul,
-    )
+        num_requests, new_tokens, prefix_tokens, visit.single_seconds, visit.batched_seconds, visit.speedup,
+        100 * visit.single_fraction_of_matmul, 100 * visit.batched_fraction_of_matmul,
+    )  # fmt: skip
+    return visit
 
-    # The attention of one layer alone, as the batched forward calls it: the visit's queries
-    # against the shared prefix in one call, then each request's own tokens (causal).
+
+def _attention_of_one_layer(
+    model: CausalLM, layer_kv: tuple[torch.Tensor, torch.Tensor], num_requests: int, new_tokens: int, repeats: int,
+    rate: float, g: torch.Generator,
+) -> AttentionResult:  # fmt: skip
+    """The attention of one layer alone, as the batched forward calls it: the visit's queries
+    against the shared prefix in one call, then each request's own tokens (causal)."""
+    a = model.args
+    prefix_tokens = layer_kv[0].shape[0]
     queries = num_requests * new_tokens
-    dt = kv[0][0].dtype
+    dt = layer_kv[0].dtype
     q = torch.randn(queries, a.num_heads, a.head_dim, generator=g).to(dt)
     own_k, own_v = (torch.randn(queries, a.num_kv_heads, a.head_dim, generator=g).to(dt) for _ in "kv")
     pieces = [Piece(i * new_tokens, i * new_tokens, new_tokens) for i in range(num_requests)]
     attend_ = KERNELS[model.attention].attend_
-    seconds = min(_best(lambda: attend_(q.clone(), own_k, own_v, pieces, *kv[0]), 1) for _ in range(repeats))
+    seconds = min(_best(lambda: attend_(q.clone(), own_k, own_v, pieces, *layer_kv), 1) for _ in range(repeats))
     pairs = queries * prefix_tokens + num_requests * new_tokens * (new_tokens + 1) / 2
     attn_flops = 4 * a.num_heads * a.head_dim * pairs
     attn = AttentionResult(queries, prefix_tokens, seconds, attn_flops / seconds, attn_flops / seconds / rate)
@@ -145,7 +156,16 @@ def run_batch_bench(
         "attention of one layer: %d queries on %d cached keys: %.1f ms, %.0f GFLOP/s (%.0f%% of matmul)",
         queries, prefix_tokens, 1e3 * seconds, attn.flops_per_s / 1e9, 100 * attn.fraction_of_matmul,
     )  # fmt: skip
+    return attn
 
+
+def _hit_saving(
+    model: CausalLM, profile: torch.Tensor, prefix: GatheredPrefix, hit_new_tokens: int, repeats: int,
+    g: torch.Generator,
+) -> HitSavingResult:  # fmt: skip
+    """New tokens on the cached prefix against recomputing prefix and new tokens: what a hit saves."""
+    a = model.args
+    prefix_tokens = profile.numel()
     new = torch.randint(0, a.vocab_size, (hit_new_tokens,), generator=g)
     whole = torch.cat([profile, new])
     hit_times = {"prefix": float("inf"), "recompute": float("inf")}
@@ -153,33 +173,10 @@ def run_batch_bench(
         hit_times["prefix"] = min(hit_times["prefix"], _best(lambda: forward(model, new, prefix_kv=prefix), 1))
         hit_times["recompute"] = min(hit_times["recompute"], _best(lambda: forward(model, whole), 1))
     ideal = forward_flops(a, prefix_tokens + hit_new_tokens) / forward_flops(a, hit_new_tokens, prefix_tokens)
-    hit = HitSavingResult(
-        hit_new_tokens,
-        prefix_tokens,
-        hit_times["prefix"],
-        hit_times["recompute"],
-        hit_times["recompute"] / hit_times["prefix"],
-        ideal,
-    )
+    hit = HitSavingResult(hit_new_tokens, prefix_tokens, hit_times["prefix"], hit_times["recompute"],
+                          hit_times["recompute"] / hit_times["prefix"], ideal)  # fmt: skip
     log.info(
         "hit saving: %d new on %d cached %.3f s vs recompute %.3f s: %.2fx (FLOPs alone: %.2fx)",
-        hit_new_tokens,
-        prefix_tokens,
-        hit.with_prefix_seconds,
-        hit.recompute_seconds,
-        hit.saving,
-        ideal,
-    )
-    return write_report(
-        json_path,
-        "batch",
-        device,
-        {
-            "model": model_dir,
-            "dtype": dtype,
-            "matmul_flops_per_s": rate,
-            "visit": asdict(visit),
-            "attention": asdict(attn),
-            "hit_saving": asdict(hit),
-        },
-    )
+        hit_new_tokens, prefix_tokens, hit.with_prefix_seconds, hit.recompute_seconds, hit.saving, ideal,
+    )  # fmt: skip
+    return hit

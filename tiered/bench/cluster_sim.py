@@ -132,9 +132,8 @@ def simulate(
     busy_time = [0.0] * n
     loads: dict[str, float] = {}
     total_load = 0.0
-    events: list[tuple[float, int, int, int]] = []  # (time, kind 0 = finish / 1 = arrive, replica, visit)
-    for i, (t, _) in enumerate(visits):
-        heapq.heappush(events, (t, 1, -1, i))
+    events = [(t, 1, -1, i) for i, (t, _) in enumerate(visits)]  # (time, kind 0 = finish / 1 = arrive, replica, visit)
+    heapq.heapify(events)
     first = int(len(visits) * warmup)
     span_start = visits[first][0] if first < len(visits) else 0.0
     latencies: list[float] = []
@@ -142,16 +141,7 @@ def simulate(
     read = written = 0
     running: list[tuple[int, str, float] | None] = [None] * n  # (user, where, tokens) of the visit in service
     last_finish = 0.0
-
-    link_free = 0.0  # when the remote tier's link has sent everything queued so far
-
-    def transfer(now: float, tokens: int) -> float:
-        """Queue `tokens` of KV on the remote tier's link; seconds until they are through."""
-        nonlocal link_free
-        if cluster.remote_bandwidth is None:
-            return 0.0
-        link_free = max(link_free, now) + tokens * costs.kv_bytes_per_token / cluster.remote_bandwidth
-        return link_free - now
+    link = _Link(cluster.remote_bandwidth, costs.kv_bytes_per_token)
 
     def start(r: int, now: float) -> None:
         nonlocal read
@@ -165,7 +155,7 @@ def simulate(
         else:
             where = "miss"
             local[r].put(user, size)
-        seconds = costs.seconds(where, size) + (transfer(now, size) if where == "remote" else 0.0)
+        seconds = costs.seconds(where, size) + (link.transfer(now, size) if where == "remote" else 0.0)
         running[r] = (user, where, float(size + posts * post_tokens))
         if visit >= first:
             where_count[where] += 1
@@ -199,22 +189,44 @@ def simulate(
             total_load -= tokens
             if where == "miss":  # write-through: the computed profile goes to the remote tier
                 remote.put(user, sizes[user])
-                transfer(now, sizes[user])  # occupies the link; the visit does not wait for it
+                link.transfer(now, sizes[user])  # occupies the link; the visit does not wait for it
                 written += sizes[user] if visit >= first else 0
             last_finish = now
             if queues[r]:
                 start(r, now)
     span = max(last_finish - span_start, 1e-9)
+    return _outcome(latencies, where_count, len(visits) / visits[-1][0], span, read * costs.kv_bytes_per_token,
+                    written * costs.kv_bytes_per_token, max(busy_time))  # fmt: skip
+
+
+class _Link:
+    """The remote tier's link: KV queued on it goes through in order, at its bandwidth (None: instantly)."""
+
+    def __init__(self, bandwidth: float | None, bytes_per_token: int) -> None:
+        self.bandwidth, self.bytes_per_token = bandwidth, bytes_per_token
+        self.free = 0.0  # when it has sent everything queued so far
+
+    def transfer(self, now: float, tokens: int) -> float:
+        """Queue `tokens` of KV; seconds until they are through."""
+        if self.bandwidth is None:
+            return 0.0
+        self.free = max(self.free, now) + tokens * self.bytes_per_token / self.bandwidth
+        return self.free - now
+
+
+def _outcome(
+    latencies: list[float], where_count: dict[str, int], qps: float, span: float, read_bytes: float,
+    written_bytes: float, busiest_seconds: float,
+) -> Outcome:  # fmt: skip
     measured = len(latencies)
-    latencies.sort()
-    b = costs.kv_bytes_per_token
+    latencies = sorted(latencies)
     return Outcome(
-        visits=measured, qps=len(visits) / visits[-1][0], throughput=measured / span,
+        visits=measured, qps=qps, throughput=measured / span,
         p50=latencies[measured // 2] if latencies else math.nan,
         p99=latencies[min(measured - 1, int(0.99 * measured))] if latencies else math.nan,
         local=where_count["local"] / max(1, measured), remote=where_count["remote"] / max(1, measured),
-        miss=where_count["miss"] / max(1, measured), redis_read_bps=read * b / span, redis_write_bps=written * b / span,
-        busiest=max(busy_time) / span,
+        miss=where_count["miss"] / max(1, measured), redis_read_bps=read_bytes / span,
+        redis_write_bps=written_bytes / span, busiest=busiest_seconds / span,
     )  # fmt: skip
 
 

@@ -24,25 +24,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
-from tiered.api.launch import free_port, start_server, stop_server
+from tiered.api.launch import start_server, stop_server
 from tiered.bench.report import write_report
+from tiered.bench.stats import (
+    Record,
+    Summary,
+    median_summary,
+    percentile,
+    poisson_arrivals,
+    summarize,
+    sustainable_qps,
+)
 from tiered.bench.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS
 from tiered.bench.traces import BenchError, Trace
+from tiered.bench.vllm import VLLMServer
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result
@@ -53,50 +58,6 @@ log = logging.getLogger(__name__)
 
 # ours in-process: config overrides on top of the given config
 SLO_FACTORS = (2.5, 5.0, 10.0)
-
-
-@dataclass(slots=True)
-class Record:
-    request_id: str
-    num_tokens: int
-    arrival_seconds: float  # offset from the run's start
-    latency_seconds: float  # arrival to answer
-    queued_seconds: float | None  # ours in-process only
-    device_hit_tokens: int
-    host_hit_tokens: int
-    error: str | None = None
-    shared_tokens: int = 0  # ours: computed once for several prompts of the batch (not cached)
-    remote_hit_tokens: int = 0  # ours: from a remote tier shared by engines
-
-
-@dataclass(slots=True)
-class Summary:
-    system: str
-    multiple: float
-    offered_qps: float
-    num_requests: int
-    num_errors: int
-    throughput_qps: float
-    mean_latency_seconds: float
-    p50_latency_seconds: float
-    p99_latency_seconds: float
-    device_hit_rate: float
-    host_hit_rate: float
-    jct_error: float | None = None  # ours in-process: the JCT model's error (MAPE) at the end of the run
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else math.nan
-
-
-def poisson_arrivals(n: int, qps: float, seed: int) -> list[float]:
-    """Arrival offsets (seconds) of a Poisson process at `qps`; all zero for qps = 0 (a burst)."""
-    if qps <= 0:
-        return [0.0] * n
-    g = torch.Generator().manual_seed(seed)
-    gaps = torch.empty(n).exponential_(1.0, generator=g) / qps
-    return torch.cumsum(gaps, 0).tolist()
 
 
 class Progress:
@@ -248,101 +209,6 @@ def run_http(
     return records, makespan
 
 
-def summarize(system: str, multiple: float, qps: float, records: list[Record], makespan: float) -> Summary:
-    ok = [r for r in records if r.error is None]
-    lat = [r.latency_seconds for r in ok]
-    tokens = sum(r.num_tokens for r in ok) or 1
-    return Summary(
-        system, multiple, qps, len(records), len(records) - len(ok), len(ok) / makespan if makespan > 0 else math.nan,
-        statistics.fmean(lat) if lat else math.nan, percentile(lat, 0.5), percentile(lat, 0.99),
-        sum(r.device_hit_tokens for r in ok) / tokens, sum(r.host_hit_tokens for r in ok) / tokens,
-    )  # fmt: skip
-
-
-def sustainable_qps(points: list[tuple[float, float]], slo: float) -> tuple[float, bool]:
-    """Highest offered QPS with latency <= slo, linear between measured loads; (qps, exact).
-
-    `exact` is False when even the highest load met the SLO (the figure is then a lower bound)."""
-    points = sorted(points)
-    if not points or points[0][1] > slo:
-        return 0.0, True
-    for (q0, l0), (q1, l1) in zip(points, points[1:], strict=False):
-        if l1 > slo:
-            return q0 + (slo - l0) / (l1 - l0) * (q1 - q0), True
-    return points[-1][0], False
-
-
-class VLLMServer:
-    """`vllm serve` in its own Python (vLLM pins its own torch), on a free port."""
-
-    def __init__(self, python: str, model_dir: Path, dtype: str, max_model_len: int, kv_tokens: int,
-                 chunked: bool, chunk_tokens: int, extra_args: Sequence[str] = ()) -> None:  # fmt: skip
-        self.block = self.block_tokens(max_model_len)
-        need = math.ceil(max_model_len / self.block) + 1  # vLLM refuses a cache that cannot hold one request
-        self.num_blocks = max(math.ceil(kv_tokens / self.block), need)
-        self.enlarged = self.num_blocks * self.block > kv_tokens + self.block
-        self.port = free_port()
-        batched = ["--enable-chunked-prefill", "--max-num-batched-tokens", str(min(chunk_tokens, max_model_len))]
-        if not chunked:
-            batched = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max_model_len)]
-        self.args = [
-            python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(self.port),
-            "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-prefix-caching",
-            "--block-size", str(self.block), "--num-gpu-blocks-override", str(self.num_blocks), "--enforce-eager",
-            "--enable-prompt-tokens-details", "--served-model-name", "model", "--no-enable-log-requests", *batched,
-            *extra_args,
-        ]  # fmt: skip
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    @staticmethod
-    def block_tokens(max_model_len: int) -> int:
-        """The KV block size the server is started with."""
-        return 128 if max_model_len >= 128 else 16
-
-    def start(self, log_path: Path, timeout_s: float = 600) -> None:
-        cores = os.cpu_count() or 1  # vLLM binds its OpenMP threads to these cores, as ours use all of them
-        env = {
-            **os.environ,
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
-            "OMP_NUM_THREADS": str(cores),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_SERVER_DEV_MODE": "1",
-        }  # fmt: skip  (dev mode: POST /reset_prefix_cache between runs)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"vllm serve did not become healthy within {timeout_s:.0f} s; see {log_path}")
-
-    def reset(self) -> None:
-        """Empty vLLM's prefix cache, so every run starts cold (as ours do)."""
-        r = httpx.post(f"{self.url}/reset_prefix_cache", timeout=60)
-        if r.status_code != 200:
-            raise RuntimeError(f"vLLM did not reset its prefix cache: {r.status_code} {r.text[:200]}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
-
-
 def _one_run(
     system: str, cfg: Config, trace: Trace, arrivals: list[float], label: str, vllm: VLLMServer | None, out_dir: Path
 ) -> tuple[list[Record], float, float | None]:
@@ -362,20 +228,6 @@ def _one_run(
         stop_server(proc)
 
 
-def median_summary(runs: list[Summary]) -> Summary:
-    """Each figure's median over repeated runs of one (system, load)."""
-    if len(runs) == 1:
-        return runs[0]
-    first = runs[0]
-    med = {k: statistics.median(getattr(r, k) for r in runs) for k in (
-        "throughput_qps", "mean_latency_seconds", "p50_latency_seconds", "p99_latency_seconds", "device_hit_rate",
-        "host_hit_rate")}  # fmt: skip
-    errors = [r.jct_error for r in runs if r.jct_error is not None]
-    return Summary(first.system, first.multiple, first.offered_qps, first.num_requests,
-                   max(r.num_errors for r in runs), **med,
-                   jct_error=statistics.median(errors) if errors else None)  # fmt: skip
-
-
 def kv_bytes_per_token(cfg: Config) -> int:
     from tiered.hybrid.loader import DTYPES, read_args
 
@@ -388,6 +240,16 @@ def device_tokens(trace: Trace, fraction: float) -> int:
     profiles = {r.user: r.prefix_tokens for r in trace.requests}
     base = sum(profiles.values()) or trace.num_tokens
     return int(fraction * base)
+
+
+def _logged(s: Summary, repeats: int) -> Summary:
+    log.info("%-13s x%-4g %.2f QPS: throughput %.2f/s, latency mean %.2f s P99 %.2f s, hits device "
+             "%.0f%% host %.0f%%%s%s%s", s.system, s.multiple, s.offered_qps, s.throughput_qps,
+             s.mean_latency_seconds, s.p99_latency_seconds, 100 * s.device_hit_rate, 100 * s.host_hit_rate,
+             f", JCT error {s.jct_error:.1%}" if s.jct_error is not None else "",
+             f", {s.num_errors} errors" if s.num_errors else "",
+             f" (medians of {repeats})" if repeats > 1 else "")  # fmt: skip
+    return s
 
 
 def run_load_bench(
@@ -437,9 +299,6 @@ def run_load_bench(
                 assert vllm_python is not None
                 vllm = VLLMServer(vllm_python, model_dir, precision.compute, trace.max_tokens + 16, kv_tokens,
                                   VLLM_SYSTEMS[system], cfg.forward.chunk_tokens)  # fmt: skip
-                if vllm.enlarged:
-                    print(f"{system}: KV cache enlarged to {vllm.num_blocks * vllm.block} tokens "
-                          "(vLLM needs room for one longest request)")  # fmt: skip
                 vllm.start(out_dir / f"{system}.log")
             for multiple in multiples:
                 qps = multiple * saturation
@@ -451,14 +310,7 @@ def run_load_bench(
                     s = replace(summarize(system, multiple, qps, records, makespan), jct_error=jct_error)
                     repeats_here.append(s)
                     runs.append({"summary": asdict(s), "repeat": rep, "records": [asdict(r) for r in records]})
-                s = median_summary(repeats_here)
-                summaries.append(s)
-                log.info("%-13s x%-4g %.2f QPS: throughput %.2f/s, latency mean %.2f s P99 %.2f s, hits device "
-                         "%.0f%% host %.0f%%%s%s%s", system, multiple, qps, s.throughput_qps,
-                         s.mean_latency_seconds, s.p99_latency_seconds, 100 * s.device_hit_rate, 100 * s.host_hit_rate,
-                         f", JCT error {s.jct_error:.1%}" if s.jct_error is not None else "",
-                         f", {s.num_errors} errors" if s.num_errors else "",
-                         f" (medians of {repeats})" if repeats > 1 else "")  # fmt: skip
+                summaries.append(_logged(median_summary(repeats_here), repeats))
         finally:
             if vllm is not None:
                 vllm.stop()

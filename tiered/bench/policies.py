@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from tiered.bench.load import kv_bytes_per_token, percentile, poisson_arrivals, run_engine
+from tiered.bench.load import kv_bytes_per_token, run_engine
 from tiered.bench.report import write_report
+from tiered.bench.stats import percentile, poisson_arrivals
 from tiered.bench.traces import Trace, ordinary_token_ids, post_recommendation
 from tiered.config import Config
 from tiered.engine import Engine, Result

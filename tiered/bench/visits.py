@@ -45,26 +45,15 @@ from typing import Any
 import httpx
 
 from tiered.api.launch import start_server, stop_server
-from tiered.bench.load import (
-    SLO_FACTORS,
-    WARM_UP,
-    Call,
-    Record,
-    Summary,
-    VLLMServer,
-    kv_bytes_per_token,
-    poisson_arrivals,
-    print_tables,
-    run_http,
-    summarize,
-    sustainable_table,
-)  # fmt: skip
+from tiered.bench.load import SLO_FACTORS, WARM_UP, Call, kv_bytes_per_token, print_tables, run_http, sustainable_table
 from tiered.bench.mil import forward_flops, matmul_flops_per_s
 from tiered.bench.report import write_report
+from tiered.bench.stats import Record, Summary, poisson_arrivals, summarize
 from tiered.bench.systems import LORA_SYSTEM
 from tiered.bench.systems import VISIT_SYSTEMS as SYSTEMS
 from tiered.bench.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from tiered.bench.traces import BenchError, Trace, TraceRequest
+from tiered.bench.vllm import VLLMServer
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import make_adapter, resolve_model_path
 from tiered.hybrid.args import ModelArgs
@@ -225,8 +214,6 @@ def _serve(system: str, cfg: Config, vllm_python: str | None, kv_tokens: int, ma
     # vLLM in the dtype our rule picks for this machine (its CPU GEMMs are torch's: the same native/emulated split).
     dtype = config_precision(cfg).compute
     vllm = VLLMServer(vllm_python, Path(cfg.model.path), dtype, max_len, kv_tokens, True, step_tokens, lora)
-    if vllm.enlarged:
-        print(f"{system}: KV cache enlarged to {vllm.num_blocks * vllm.block} tokens (vLLM needs room for one request)")
     vllm.start(out_dir / f"{system}.log")
     try:
         run_http(vllm.url, "model", [WARM_UP], [0.0], cache_salt="warm-up")
@@ -252,13 +239,10 @@ def _measure(url: str, vllm: VLLMServer | None, calls: list[Call], arrivals: lis
     return records, makespan, CacheUse(queried, hit, 0, queried - hit, "metrics")
 
 
-def run_visits_bench(
-    cfg: Config, trace: Trace, systems: list[str], multiples: list[float], concurrency: int,
-    vllm_python: str | None, slo_p99: list[float] | None, slo_mean: list[float] | None, seed: int,
-    json_path: str | None, out_dir: Path,
-) -> dict[str, Any]:  # fmt: skip
-    """Run the visits of `trace` on each system (see the module docstring); returns the JSON document."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _check_options(
+    cfg: Config, systems: list[str], multiples: list[float], concurrency: int, vllm_python: str | None
+) -> None:
+    """Refuse, before anything starts, what the runs could not do (BenchError naming it)."""
     unknown = [s for s in systems if s not in SYSTEMS and not num_adapters(s)]
     if unknown or not systems:
         raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
@@ -269,6 +253,32 @@ def run_visits_bench(
                          "our device tier has that size too")  # fmt: skip
     if (multiples and min(multiples) <= 0) or concurrency < 1:
         raise BenchError("load multiples must be > 0 (none: saturation only), and the concurrency >= 1")
+
+
+def _sustainable(
+    summaries: list[Summary], systems: list[str], slo_p99: list[float] | None, slo_mean: list[float] | None
+) -> tuple[dict[str, Any], list[float] | None, list[float] | None]:
+    """Sustainable visits/s per system at each SLO, printed with the per-load table; the SLOs
+    default to 2.5x, 5x, 10x the first system's visit latency at the lowest load (little waits there)."""
+    if not summaries:
+        return {}, slo_p99, slo_mean
+    lowest = min((s for s in summaries if s.system == systems[0]), key=lambda s: s.multiple)
+    slo_p99 = slo_p99 or [f * lowest.p99_latency_seconds for f in SLO_FACTORS]
+    slo_mean = slo_mean or [f * lowest.mean_latency_seconds for f in SLO_FACTORS]
+    table = sustainable_table(summaries, systems, slo_p99, slo_mean)
+    print("per offered load (a request is a visit: QPS and thru are visits/s; hits are shares of prompt tokens)")
+    print_tables(summaries, table, slo_p99, slo_mean)
+    return table, slo_p99, slo_mean
+
+
+def run_visits_bench(
+    cfg: Config, trace: Trace, systems: list[str], multiples: list[float], concurrency: int,
+    vllm_python: str | None, slo_p99: list[float] | None, slo_mean: list[float] | None, seed: int,
+    json_path: str | None, out_dir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the visits of `trace` on each system (see the module docstring); returns the JSON document."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _check_options(cfg, systems, multiples, concurrency, vllm_python)
     visits = split_visits(trace)
     calls = [v.call for v in visits]
     prompts_of = {v.call.call_id: len(v.call.prompts) for v in visits}
@@ -326,15 +336,7 @@ def run_visits_bench(
                          f", {s.num_errors} errors" if s.num_errors else "")  # fmt: skip
 
     _print_saturation(saturations)
-    table: dict[str, Any] = {}
-    if summaries:
-        # Default SLOs: 2.5x, 5x, 10x the first system's visit latency at the lowest load (little waits there).
-        lowest = min((s for s in summaries if s.system == systems[0]), key=lambda s: s.multiple)
-        slo_p99 = slo_p99 or [f * lowest.p99_latency_seconds for f in SLO_FACTORS]
-        slo_mean = slo_mean or [f * lowest.mean_latency_seconds for f in SLO_FACTORS]
-        table = sustainable_table(summaries, systems, slo_p99, slo_mean)
-        print("per offered load (a request is a visit: QPS and thru are visits/s; hits are shares of prompt tokens)")
-        print_tables(summaries, table, slo_p99, slo_mean)
+    table, slo_p99, slo_mean = _sustainable(summaries, systems, slo_p99, slo_mean)
     return write_report(json_path, "visits", device, {
         "config": asdict(cfg), "trace": {"kind": trace.kind, "params": trace.params, "requests": len(visits),
                                          "prompts": len(trace), "tokens": trace.num_tokens},

@@ -40,15 +40,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tiered.config import ConfigError, HostTierConfig
+from tiered.config import HostTierConfig
 from tiered.hybrid.args import ModelArgs
 from tiered.offload.lmcache_setup import (
     bound_reuse_record,
     drain_remote_puts,
     fix_remote_close,
-    lmcache_config,
-    lmcache_config_keys,
-    quiet_lmcache,
+    start_lmcache,
 )
 from tiered.offload.request import StoreBatch
 
@@ -110,57 +108,27 @@ class HostTier:
         the instance id) is LMCache's model name, part of every chunk key: engines that share a
         remote store (`remote_url`) share chunks when they give the same name (the model's identity)."""
         from lmcache.utils import CacheEngineKey
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.memory_management import MemoryFormat
-        from lmcache.v1.metadata import LMCacheMetadata
 
-        quiet_lmcache()  # the loggers its imports made; again below for those made by its engine
-        known = lmcache_config_keys()
-        for key in cfg.lmcache:
-            if key not in known:
-                raise ConfigError(f"unknown config key 'cache.host.lmcache.{key}' (not an LMCache 0.5.6 key)")
-        options = {
-            **cfg.lmcache,
-            "chunk_size": block_tokens,
-            "save_unfull_chunk": False,
-            "py_enable_gc": True,  # LMCache would otherwise disable Python's GC process-wide
-        }
         self.cfg = cfg
         self.block_tokens = block_tokens
         self.instance_id = instance_id
         self.model_name = model_name = model_name or instance_id
-        num_layers, num_kv_heads, head_dim = args.num_layers, args.num_kv_heads, args.head_dim
-        self.chunk_shape = (2, num_layers, block_tokens, num_kv_heads, head_dim)
+        self.chunk_shape = (2, args.num_layers, block_tokens, args.num_kv_heads, args.head_dim)
         self.chunk_bytes = block_tokens * args.kv_bytes_per_token(dtype)
         self._dtype = dtype
-        config = lmcache_config(options)
+        self._engine, config = start_lmcache(cfg.lmcache, args, block_tokens, dtype, instance_id, model_name)
         local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)
                                                             if config.local_disk else 0.0)  # fmt: skip
         # How many chunks this tier's local backends hold (a remote store's size is unknown: keys we
         # learn of it are bounded with the local ones, and a forgotten one costs only a lookup).
         self.capacity_chunks = int(local_gb * 2**30 / self.chunk_bytes)
         self.remote_url: str | None = config.remote_url or None
-        metadata = LMCacheMetadata(
-            model_name=model_name,
-            world_size=1,
-            local_world_size=1,
-            worker_id=0,
-            local_worker_id=0,
-            kv_dtype=dtype,
-            kv_shape=(num_layers, 2, block_tokens, num_kv_heads, head_dim),
-            chunk_size=block_tokens,
-        )
-        # We never call LMCache's token-level store/retrieve, so it needs no GPU connector.
-        self._engine = LMCacheEngineBuilder.get_or_create(
-            instance_id, config, metadata, None, lambda t, r: None, lambda o, r: o
-        )
-        self._engine.post_init()
-        quiet_lmcache()
         self._storage = self._engine.storage_manager
         bound_reuse_record(self._storage, self.capacity_chunks)
         fix_remote_close(self._storage)
         self._fmt = MemoryFormat.KV_2LTD
-        self._obj_shape = torch.Size([2, num_layers, block_tokens, num_kv_heads * head_dim])
+        self._obj_shape = torch.Size([2, args.num_layers, block_tokens, args.num_kv_heads * args.head_dim])
         self._key = lambda k: CacheEngineKey(model_name, 1, 0, k & _KEY_MASK, dtype, None)
         self._lock = threading.Lock()  # LMCache calls, `_pending` and the counters
         self._pending: dict[int, tuple[StoreBatch, int]] = {}  # key -> (batch, index): not put yet
@@ -180,14 +148,6 @@ class HostTier:
         register = getattr(threading, "_register_atexit", None)
         if register is not None:
             register(self.close)
-
-    @property
-    def num_failures(self) -> int:
-        return self.stats_.num_failures
-
-    @property
-    def num_hit_tokens(self) -> int:
-        return self.stats_.num_hit_tokens
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.stats_.num_failures += 1

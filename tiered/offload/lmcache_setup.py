@@ -21,7 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tiered.config import ConfigError
+from tiered.hybrid.args import ModelArgs
 
 # Set before LMCache is first imported (it reads them at import): a user's own values win.
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -160,3 +163,36 @@ def drain_remote_puts(storage_manager: Any, timeout_s: float = REMOTE_CLOSE_TIME
         if idle >= 5 or time.monotonic() > deadline:  # idle five polls running: no put between submit and queue
             return left
         time.sleep(0.01)
+
+
+def start_lmcache(
+    lmcache_options: dict[str, Any], args: ModelArgs, block_tokens: int, dtype: torch.dtype, instance_id: str,
+    model_name: str,
+) -> tuple[Any, Any]:  # fmt: skip
+    """An LMCache engine for chunks of `block_tokens` tokens of this model's KV, and its config.
+    `lmcache_options` are LMCache's own keys (`cache.host.lmcache`): an unknown one is an error."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    quiet_lmcache()  # the loggers its imports made; again below for those made by its engine
+    known = lmcache_config_keys()
+    for key in lmcache_options:
+        if key not in known:
+            raise ConfigError(f"unknown config key 'cache.host.lmcache.{key}' (not an LMCache 0.5.6 key)")
+    config = lmcache_config({
+        **lmcache_options,
+        "chunk_size": block_tokens,
+        "save_unfull_chunk": False,
+        "py_enable_gc": True,  # LMCache would otherwise disable Python's GC process-wide
+    })  # fmt: skip
+    metadata = LMCacheMetadata(
+        model_name=model_name, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0, kv_dtype=dtype,
+        kv_shape=(args.num_layers, 2, block_tokens, args.num_kv_heads, args.head_dim), chunk_size=block_tokens,
+    )  # fmt: skip
+    # We never call LMCache's token-level store/retrieve, so it needs no GPU connector.
+    engine = LMCacheEngineBuilder.get_or_create(instance_id, config, metadata, None, lambda t, r: None,
+                                                lambda o, r: o)  # fmt: skip
+    engine.post_init()
+    quiet_lmcache()
+    return engine, config
+

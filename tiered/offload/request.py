@@ -5,8 +5,7 @@ the host tier is believed to hold."""
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,37 +113,3 @@ class PrefixKV(Sequence[LayerKV]):
 
     def __getitem__(self, layer: int) -> LayerKV:  # type: ignore[override]
         return self._tier.layer_kv(layer, self._blocks)
-
-
-class BoundedKeys:
-    """A set of keys that forgets its oldest ones past `cap` (insertion order)."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self._keys: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._keys)
-
-    def update(self, keys: Iterable[int]) -> list[int]:
-        """Add keys; returns the ones dropped to stay within the cap."""
-        for k in keys:
-            self._keys[k] = None
-            self._keys.move_to_end(k)
-        dropped = []
-        while len(self._keys) > self.cap:
-            dropped.append(self._keys.popitem(last=False)[0])
-        return dropped
-
-    def difference_update(self, keys: Iterable[int]) -> None:
-        for k in keys:
-            self._keys.pop(k, None)
-
-    def clear(self) -> None:
-        self._keys.clear()

@@ -14,10 +14,8 @@ and queues the chunks for the host tier's store thread: the forward never waits 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -27,16 +25,12 @@ from tiered.config import CacheConfig
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import KVSink
 from tiered.offload.device_tier import DeviceTier, DeviceTierStats
+from tiered.offload.host_keys import HostKeys
 from tiered.offload.host_tier import HostTier, HostTierStats
-from tiered.offload.request import BoundedKeys, HitSplit, PrefixKV, Prepared, StoreBatch, TierRequest
+from tiered.offload.loading import PrefixLoader, max_prefix_blocks
+from tiered.offload.request import HitSplit, PrefixKV, Prepared, StoreBatch, TierRequest
 
 log = logging.getLogger(__name__)
-
-
-def _one_thread() -> None:
-    """Run this thread's torch ops on one core: a second OpenMP team beside the forward's would
-    oversubscribe the cores (and its threads spin after each op), slowing every forward."""
-    torch.set_num_threads(1)
 
 
 @dataclass(slots=True)
@@ -48,9 +42,8 @@ class TierStats:
 class KVTiers:
     """Device tier + (optional) host tier, with the retention and suffix policies of `CacheConfig`.
 
-    Threads: the engine loop calls everything; the prefetch thread loads; the host tier's store
-    thread reports finished stores (`_stored`). `host_keys` and `_storing_keys` change under
-    `_keys_lock`; the scheduler's estimate reads them without it (single membership tests).
+    Threads: the engine loop calls everything; the prefetch thread loads (`loader`); the host
+    tier's store thread reports finished stores (`_stored`). `host_keys` states its own rule.
     """
 
     def __init__(
@@ -79,17 +72,10 @@ class KVTiers:
                 self.device_tier.on_evict = self._evicted
         self._dtype = dtype
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch", initializer=_one_thread)
-        self._prefetches: dict[str, Future[tuple[list[int], set[int]]]] = {}
-        # Keys of chunks stored in the host tier, for cheap scoring. LMCache may evict behind our
-        # back: a load that finds less drops the missing keys (a stale key costs one lookup).
-        # Bounded: LMCache evicts silently, so keys of long-gone chunks would pile up forever; the
-        # oldest are dropped past twice what the tier can hold (a dropped live key costs a recompute).
-        self.host_keys = BoundedKeys(2 * self.host_tier.capacity_chunks + 1024 if self.host_tier else 0)
-        self._storing_keys: set[int] = set()  # queued for the store thread: readable, counted as host-resident
-        self._keys_lock = threading.Lock()
+        self.host_keys = HostKeys(2 * self.host_tier.capacity_chunks + 1024 if self.host_tier else 0)
         self.on_change: Callable[[Iterable[int]], None] | None = None
         self.device_tier.on_change = lambda key: self._changed((key,))
+        self.loader = PrefixLoader(self.device_tier, self.host_tier, self.host_keys, self._changed)
         log.info(
             "device tier: %d blocks of %d tokens (%.1f MiB); host tier: %s; retention %s, suffix %s",
             self.device_tier.num_blocks,
@@ -115,9 +101,6 @@ class KVTiers:
 
     # ---- scoring (no side effects) ---------------------------------------------------------
 
-    def _in_host(self, key: int) -> bool:
-        return key in self.host_keys or key in self._storing_keys
-
     def estimate(self, req: TierRequest) -> HitSplit:
         """The hit split by hashes alone (device index, then known host keys): no I/O, no locks.
 
@@ -125,14 +108,14 @@ class KVTiers:
         can leave the device before its last ones). This is what the scheduler scores with
         before every pick; `prepare` finds the truth."""
         n = req.token_ids.numel()
-        max_blocks = self._max_blocks(req)
+        max_blocks = max_prefix_blocks(req, self.block_tokens)
         num_device = num_host = i = 0
         while i < max_blocks:
             run = self.device_tier.count_cached(req.keys, max_blocks, i)
             num_device += run
             i += run
             start = i
-            while i < max_blocks and self._in_host(req.keys[i]):
+            while i < max_blocks and req.keys[i] in self.host_keys:
                 i += 1
             num_host += i - start
             if run == 0 and i == start:
@@ -146,115 +129,6 @@ class KVTiers:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def _max_blocks(self, req: TierRequest) -> int:
-        return min(len(req.keys), (req.token_ids.numel() - 1) // self.block_tokens)
-
-    def _host_run_end(self, req: TierRequest, first_block: int, use_remote: bool) -> tuple[int, int]:
-        """Where the run of host chunks from `first_block` ends by our key index, and where it may
-        end: with a shared remote store (which other engines fill), the prompt's end, for LMCache to
-        look up. Either way the run stops before the next block the device holds (loading it
-        again would only duplicate it)."""
-        max_blocks = self._max_blocks(req)
-
-        def on_device(j: int) -> bool:
-            return j > first_block and self.device_tier.count_cached(req.keys, j + 1, j) > 0
-
-        known = first_block
-        while known < max_blocks and self._in_host(req.keys[known]) and not on_device(known):
-            known += 1
-        if not (use_remote and self.host_tier is not None and self.host_tier.remote_url):
-            return known, known
-        end = known
-        while end < max_blocks and not on_device(end):
-            end += 1
-        return known, end
-
-    def _load_from_host(self, req: TierRequest, first_block: int, known: int, end: int) -> tuple[list[int], int, bool]:
-        """Load the run of host chunks first_block..end (`_host_run_end`) into new device blocks
-        (they end pinned and cached); returns them, how many of them (the last ones) came from the
-        remote store, and whether LMCache had fewer chunks than asked for (no use asking the
-        remote store again).
-
-        Chunks that find no free device block are not loaded: they are recomputed."""
-        if self.host_tier is None or end == first_block:
-            return [], 0, False
-        keys = req.keys[first_block:end]
-        objs, num_remote = self.host_tier.get(keys)
-        short = len(objs) < len(keys)
-        if len(objs) < known - first_block:  # keys we believed held, and LMCache lacks (evicted)
-            self._forget_host_keys(keys[len(objs) : known - first_block])
-        if not objs:
-            return [], 0, short
-        blocks = self.device_tier.allocate(len(objs))
-        if len(blocks) < len(objs):
-            self.host_tier.release(objs[len(blocks) :])
-        if not blocks:
-            return [], 0, short
-        num_remote = max(0, num_remote - (len(objs) - len(blocks)))
-        self.host_tier.copy_into(objs[: len(blocks)], self.device_tier.blocks(blocks), num_remote)
-        bt = self.block_tokens
-        for i, b in enumerate(blocks):
-            j = first_block + i
-            self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
-        if num_remote:  # in the host tier's reach now: the scheduler's estimate counts them as host hits
-            with self._keys_lock:
-                self.host_keys.update(keys[len(blocks) - num_remote : len(blocks)])
-        return blocks, num_remote, short
-
-    def _find_prefix(self, req: TierRequest, tokens: list[int]) -> tuple[list[int], list[int], set[int], float]:
-        """Pin the request's prefix: alternate runs of device hits and host loads, in block order.
-
-        Returns (prefix blocks, those loaded from the host tier, those of them that came from the
-        remote store, seconds spent loading)."""
-        prefix: list[int] = []
-        loaded: list[int] = []
-        remote: set[int] = set()
-        seconds = 0.0
-        use_remote = True  # until the remote store has had fewer chunks than asked for
-        try:
-            while True:
-                prefix += self.device_tier.match(req.keys, tokens, count=False, start=len(prefix), pin=True)
-                known, end = self._host_run_end(req, len(prefix), use_remote)
-                start = time.perf_counter()
-                run, num_remote, short = self._load_from_host(req, len(prefix), known, end)
-                use_remote = use_remote and not short
-                if end > len(prefix):
-                    seconds += time.perf_counter() - start
-                if not run:
-                    return prefix, loaded, remote, seconds
-                prefix += run
-                loaded += run
-                remote.update(run[len(run) - num_remote :])
-        except BaseException:
-            self.device_tier.unpin(prefix)
-            raise
-
-    def _forget_host_keys(self, keys: Sequence[int]) -> None:
-        with self._keys_lock:
-            gone = [k for k in keys if k in self.host_keys]
-            self.host_keys.difference_update(gone)
-        if gone:
-            self._changed(gone)
-
-    def prefetch(self, req: TierRequest) -> None:
-        """Start loading `req`'s host-resident prefix into the device tier in the background.
-
-        The loaded blocks are cached and left unpinned: if another request runs first they
-        simply stay in the device tier (evictable) like any other cached block."""
-        if self.host_tier is None or req.request_id in self._prefetches:
-            return
-
-        def run() -> tuple[list[int], set[int]]:
-            prefix, loaded, remote, _ = self._find_prefix(req, req.token_ids.tolist())
-            self.device_tier.unpin(prefix)
-            return loaded, remote
-
-        self._prefetches[req.request_id] = self._prefetcher.submit(run)
-
-    def drop_prefetch(self, request_id: str) -> None:
-        """Forget a prefetch for a request that will not run (what it loaded stays cached)."""
-        self._prefetches.pop(request_id, None)
-
     def prepare(
         self, req: TierRequest, shared_keys: Collection[int] = (), planned_keys: set[int] | None = None
     ) -> Prepared:
@@ -264,16 +138,8 @@ class KVTiers:
         `planned_keys`: keys of blocks an earlier request of the same batch already keeps and
         stores (it computes them for both: DESIGN.md idea 5); this request's leading computed
         blocks among them are neither kept nor stored again. Its own plan is added to the set."""
-        tokens = req.token_ids.tolist()
-        prefetched: list[int] = []
-        from_remote: set[int] = set()
-        wait = 0.0
-        future = self._prefetches.pop(req.request_id, None)
-        if future is not None:
-            start = time.perf_counter()
-            prefetched, from_remote = future.result()
-            wait = time.perf_counter() - start
-        prefix, loaded, remote, load = self._find_prefix(req, tokens)
+        prefetched, from_remote, wait = self.loader.take_prefetch(req.request_id)
+        prefix, loaded, remote, load = self.loader.find_prefix(req)
         try:
             from_host = set(prefetched) | set(loaded)
             return self._plan(req, prefix, from_host, from_remote | remote, wait, load, shared_keys, planned_keys)
@@ -312,7 +178,7 @@ class KVTiers:
         if self.host_tier is not None:
             # Chunks the host tier lacks; with on-evict, not those staying on the device.
             first = first_own + (len(retained) if self.cfg.host.write_policy == "on-evict" else 0)
-            stored = [j for j in range(first, num_full) if not self._in_host(req.keys[j])]
+            stored = [j for j in range(first, num_full) if req.keys[j] not in self.host_keys]
             start = time.perf_counter()
             store = self.host_tier.begin_store([req.keys[j] for j in stored])
             stored = stored[: len(store.keys)] if store is not None else []
@@ -394,22 +260,16 @@ class KVTiers:
 
     def _submit(self, store: StoreBatch) -> None:
         assert self.host_tier is not None
-        with self._keys_lock:
-            self._storing_keys.update(store.keys)
+        self.host_keys.storing(store.keys)
         self.host_tier.submit(store)
 
     def _stored(self, batch: StoreBatch) -> None:
         """On the store thread: a batch is in LMCache (or was dropped)."""
-        changed = list(batch.keys)
-        with self._keys_lock:
-            if batch.ok:
-                changed += self.host_keys.update(batch.keys)  # the dropped ones changed too
-            self._storing_keys.difference_update(batch.keys)
-        self._changed(changed)
+        self._changed(self.host_keys.stored(batch.keys, batch.ok))
 
     def _evicted(self, block_id: int, key: int, token_ids: tuple[int, ...]) -> None:
         """`on-evict`: the device tier is about to reuse a block; store it first if the host lacks it."""
-        if self.host_tier is None or self._in_host(key):
+        if self.host_tier is None or key in self.host_keys:
             return
         store = self.host_tier.begin_store([key])
         if store is None:
@@ -440,16 +300,20 @@ class KVTiers:
         self.device_tier.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
-        with self._keys_lock:
-            gone = list(self.host_keys)
-            self.host_keys.clear()
-        self._changed(gone)
+        self._changed(self.host_keys.clear())
 
     def stats(self) -> TierStats:
         return TierStats(self.device_tier.stats(), self.host_tier.stats() if self.host_tier else None)
 
+    def prefetch(self, req: TierRequest) -> None:
+        """Start loading `req`'s host-resident prefix in the background (`PrefixLoader.prefetch`)."""
+        self.loader.prefetch(req)
+
+    def drop_prefetch(self, request_id: str) -> None:
+        self.loader.drop_prefetch(request_id)
+
     def close(self) -> None:
-        self._prefetcher.shutdown(wait=True)
+        self.loader.close()
         if self.host_tier is not None:
             self.host_tier.close()
 

@@ -1,0 +1,165 @@
+"""Bringing a request's cached prefix onto the device: runs of device-tier blocks taken as they
+are, runs of host-tier chunks loaded into new device blocks, in block order, all of them pinned;
+and the same load started ahead of time for the request likely to run next (`prefetch`).
+
+A load copies each LMCache chunk into one device block (the same layout, one contiguous copy).
+With a shared remote store, a run is looked up to the prompt's end (other engines fill it) until
+LMCache has once found fewer chunks than asked for. Chunks that find no free device block are
+recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from tiered.offload.device_tier import DeviceTier
+from tiered.offload.host_keys import HostKeys
+from tiered.offload.host_tier import HostTier
+from tiered.offload.request import TierRequest
+
+
+def max_prefix_blocks(req: TierRequest, block_tokens: int) -> int:
+    """Blocks a hit may cover: full blocks, and never the last token (its logits must be computed)."""
+    return min(len(req.keys), (req.token_ids.numel() - 1) // block_tokens)
+
+
+def _one_thread() -> None:
+    """Run this thread's torch ops on one core: a second OpenMP team beside the forward's would
+    oversubscribe the cores (and its threads spin after each op), slowing every forward."""
+    torch.set_num_threads(1)
+
+
+class PrefixLoader:
+    """Finds and pins a request's prefix across the tiers. Threads: the engine loop (`find_prefix`
+    during `prepare`) and the one prefetch thread; the device tier and `host_keys` lock for themselves."""
+
+    def __init__(
+        self, device_tier: DeviceTier, host_tier: HostTier | None, host_keys: HostKeys,
+        on_change: Callable[[Iterable[int]], None],
+    ) -> None:  # fmt: skip
+        self.device_tier, self.host_tier, self.host_keys = device_tier, host_tier, host_keys
+        self.block_tokens = device_tier.block_tokens
+        self.on_change = on_change  # keys whose tier changed (the scheduler re-scores their requests)
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch", initializer=_one_thread)
+        self._prefetches: dict[str, Future[tuple[list[int], set[int]]]] = {}
+
+    def _host_run_end(self, req: TierRequest, first_block: int, use_remote: bool) -> tuple[int, int]:
+        """Where the run of host chunks from `first_block` ends by our key index, and where it may
+        end: with a shared remote store (which other engines fill), the prompt's end, for LMCache to
+        look up. Either way the run stops before the next block the device holds (loading it
+        again would only duplicate it)."""
+        max_blocks = max_prefix_blocks(req, self.block_tokens)
+
+        def on_device(j: int) -> bool:
+            return j > first_block and self.device_tier.count_cached(req.keys, j + 1, j) > 0
+
+        known = first_block
+        while known < max_blocks and req.keys[known] in self.host_keys and not on_device(known):
+            known += 1
+        if not (use_remote and self.host_tier is not None and self.host_tier.remote_url):
+            return known, known
+        end = known
+        while end < max_blocks and not on_device(end):
+            end += 1
+        return known, end
+
+    def _load_from_host(self, req: TierRequest, first_block: int, known: int, end: int) -> tuple[list[int], int, bool]:
+        """Load the run of host chunks first_block..end (`_host_run_end`) into new device blocks
+        (they end pinned and cached); returns them, how many of them (the last ones) came from the
+        remote store, and whether LMCache had fewer chunks than asked for (no use asking the
+        remote store again).
+
+        Chunks that find no free device block are not loaded: they are recomputed."""
+        if self.host_tier is None or end == first_block:
+            return [], 0, False
+        keys = req.keys[first_block:end]
+        objs, num_remote = self.host_tier.get(keys)
+        short = len(objs) < len(keys)
+        if len(objs) < known - first_block:  # keys we believed held, and LMCache lacks (evicted)
+            self._forget(keys[len(objs) : known - first_block])
+        if not objs:
+            return [], 0, short
+        blocks = self.device_tier.allocate(len(objs))
+        if len(blocks) < len(objs):
+            self.host_tier.release(objs[len(blocks) :])
+        if not blocks:
+            return [], 0, short
+        num_remote = max(0, num_remote - (len(objs) - len(blocks)))
+        self.host_tier.copy_into(objs[: len(blocks)], self.device_tier.blocks(blocks), num_remote)
+        bt = self.block_tokens
+        for i, b in enumerate(blocks):
+            j = first_block + i
+            self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
+        if num_remote:  # in the host tier's reach now: the scheduler's estimate counts them as host hits
+            self.host_keys.learned(keys[len(blocks) - num_remote : len(blocks)])
+        return blocks, num_remote, short
+
+    def find_prefix(self, req: TierRequest) -> tuple[list[int], list[int], set[int], float]:
+        """Pin the request's prefix: alternate runs of device hits and host loads, in block order.
+
+        Returns (prefix blocks, those loaded from the host tier, those of them that came from the
+        remote store, seconds spent loading)."""
+        tokens = req.token_ids.tolist()
+        prefix: list[int] = []
+        loaded: list[int] = []
+        remote: set[int] = set()
+        seconds = 0.0
+        use_remote = True  # until the remote store has had fewer chunks than asked for
+        try:
+            while True:
+                prefix += self.device_tier.match(req.keys, tokens, count=False, start=len(prefix), pin=True)
+                known, end = self._host_run_end(req, len(prefix), use_remote)
+                start = time.perf_counter()
+                run, num_remote, short = self._load_from_host(req, len(prefix), known, end)
+                use_remote = use_remote and not short
+                if end > len(prefix):
+                    seconds += time.perf_counter() - start
+                if not run:
+                    return prefix, loaded, remote, seconds
+                prefix += run
+                loaded += run
+                remote.update(run[len(run) - num_remote :])
+        except BaseException:
+            self.device_tier.unpin(prefix)
+            raise
+
+    def _forget(self, keys: Sequence[int]) -> None:
+        gone = self.host_keys.forget(keys)
+        if gone:
+            self.on_change(gone)
+
+    def prefetch(self, req: TierRequest) -> None:
+        """Start loading `req`'s host-resident prefix into the device tier in the background.
+
+        The loaded blocks are cached and left unpinned: if another request runs first they
+        simply stay in the device tier (evictable) like any other cached block."""
+        if self.host_tier is None or req.request_id in self._prefetches:
+            return
+
+        def run() -> tuple[list[int], set[int]]:
+            prefix, loaded, remote, _ = self.find_prefix(req)
+            self.device_tier.unpin(prefix)
+            return loaded, remote
+
+        self._prefetches[req.request_id] = self._prefetcher.submit(run)
+
+    def drop_prefetch(self, request_id: str) -> None:
+        """Forget a prefetch for a request that will not run (what it loaded stays cached)."""
+        self._prefetches.pop(request_id, None)
+
+    def take_prefetch(self, request_id: str) -> tuple[list[int], set[int], float]:
+        """Wait for the request's prefetch, if one was started: the blocks it loaded, those of them
+        from the remote store, and the seconds waited."""
+        future = self._prefetches.pop(request_id, None)
+        if future is None:
+            return [], set(), 0.0
+        start = time.perf_counter()
+        loaded, remote = future.result()
+        return loaded, remote, time.perf_counter() - start
+
+    def close(self) -> None:
+        self._prefetcher.shutdown(wait=True)
