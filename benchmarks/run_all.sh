@@ -83,25 +83,27 @@ for r in "" "--no-redis"; do  # a working set larger than one replica's tiers, w
     --json "benchmarks/out/ray-replicas-bench-ws${r:+-noredis}.json"
 done
 # Issue 14: per-visit costs on this machine, then the cluster simulation for 8, 64, 512 replicas and sizing
-.venv/bin/python benchmarks/cluster_sim.py measure --config configs/bench-m.yaml --json benchmarks/out/costs-bench-m.json
-.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json \
+.venv/bin/python benchmarks/project_replicas.py measure --config configs/bench-m.yaml \
+  --json benchmarks/out/costs-bench-m.json
+.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json \
   --json benchmarks/out/cluster-sim-z1.1.json --plot benchmarks/cluster-sim.png
-.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --zipf 0.8 \
+.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --zipf 0.8 \
   --json benchmarks/out/cluster-sim-z0.8.json
-.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --remote-gbps 1.25 \
+.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --remote-gbps 1.25 \
   --json benchmarks/out/cluster-sim-z1.1-link.json --plot benchmarks/cluster-sim-link.png
 for q in 10 100 1000; do
-  .venv/bin/python benchmarks/cluster_sim.py size --costs benchmarks/out/costs-bench-m.json --qps $q --users 100000 \
-    --remote-gbps 1.25
+  .venv/bin/python benchmarks/project_replicas.py size --costs benchmarks/out/costs-bench-m.json --qps $q \
+    --users 100000 --remote-gbps 1.25
 done
-.venv/bin/python benchmarks/cluster_sim.py size --costs benchmarks/out/costs-bench-m.json --qps 1000 --users 100000
+.venv/bin/python benchmarks/project_replicas.py size --costs benchmarks/out/costs-bench-m.json --qps 1000 \
+  --users 100000
 for lf in 0.05 0.1; do  # the bound's epsilon
-  .venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --load-factor $lf \
+  .venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --load-factor $lf \
     --json benchmarks/out/cluster-sim-z1.1-lf$lf.json
 done
-.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
+.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
   --remote-gbps 1.25 --replicas 512 --json benchmarks/out/cluster-sim-z1.1-lf0.05-link.json
-.venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
+.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
   --zipf 0.8 --json benchmarks/out/cluster-sim-z0.8-lf0.05.json
 # Issue 15: offload against discard under one policy (FCFS, calibrated at lambda 0.5 and 4)
 $T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \

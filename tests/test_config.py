@@ -14,7 +14,10 @@ def test_default_yaml_is_the_embedded_tiny_model_on_cpu() -> None:
 
 
 def test_every_shipped_config_loads() -> None:
-    for path in CONFIGS.glob("*.yaml"):
+    """The configs in the package (configs/ links them) and any that benchmarks/ keeps."""
+    paths = sorted(CONFIGS.glob("*.yaml")) + sorted((CONFIGS.parent / "benchmarks").glob("*.yaml"))
+    assert {"default.yaml", "bench.yaml", "bench-m.yaml"} <= {p.name for p in paths}
+    for path in paths:
         load_config(path)
 
 

@@ -55,7 +55,7 @@ class ModelConfig:
 
 @dataclass(slots=True)
 class ForwardConfig:
-    """How one request's forward pass is computed (DESIGN.md idea 1)."""
+    """How one request's forward pass is computed: hybrid prefilling (ours) or, to compare, a general engine's."""
 
     # vanilla: whole sequence per op, all layers' KV held to the end (a general engine);
     # chunked: Sarathi-style, the whole model per token chunk, earlier chunks' KV kept;
@@ -106,7 +106,7 @@ class HostTierConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    """The KV tiers (DESIGN.md "Words we use")."""
+    """The KV tiers: the device tier's block pool, what a finished request leaves in it, the host tier (LMCache)."""
 
     # Tokens per device-tier block; also LMCache's chunk size, so a block is a host chunk.
     block_tokens: int = 256
@@ -137,7 +137,7 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Which request runs next (DESIGN.md idea 3) and prefetching (idea 4)."""
+    """Which request runs next, which requests join its batch, and the prefetch of the likely next one's prefix."""
 
     policy: SchedulerPolicy = "calibrated"
     # λ, dimensionless: seconds of predicted JCT forgiven per second waited (0 = may starve).
@@ -152,7 +152,7 @@ class SchedulerConfig:
     # Most requests waiting or running at once; the server answers 429 beyond it.
     max_waiting: int = 4096
     # Computed (uncached) tokens of one batched forward: requests sharing a prefix run together
-    # up to this budget (DESIGN.md idea 5). 0: one request per forward (PrefillOnly's way).
+    # up to this budget, reading one copy of it. 0: one request per forward (PrefillOnly's way).
     max_batch_tokens: int = 2048
 
     def __post_init__(self) -> None:
@@ -178,7 +178,7 @@ class AttentionConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Start-up memory split (DESIGN.md "Memory budget")."""
+    """Start-up memory split, and the engine process's threads."""
 
     # Bytes for weights + one forward + the device tier. 0: use cache.device_tier_bytes as is.
     # Otherwise a profile run forwards max_model_len tokens and the device tier gets the rest.

@@ -1,6 +1,6 @@
 """`tiered.Engine`: the in-process API. Submit requests, run the loop, get results.
 
-Each step runs one forward over a batch (DESIGN.md idea 5): the scheduler re-scores what changed
+Each step runs one forward over a batch: the scheduler re-scores what changed
 and picks a head plus the waiting requests that share its prefix, up to
 `scheduler.max_batch_tokens` computed tokens (0: one request per forward, PrefillOnly's way; a
 long uncached request runs alone, chunk by chunk). The likely next pick's host-resident prefix

@@ -213,15 +213,25 @@ def test_a_removed_disk_tier_degrades_to_recomputation(model: CausalLM, make_tie
 
 
 def test_an_unreachable_remote_store_degrades_to_recomputation(model: CausalLM, make_tiers, caplog) -> None:
-    """A remote LMCache store on a port where nothing listens: the engine starts and computes."""
+    """A remote LMCache store on a port where nothing listens: the engine starts and computes, and a
+    second engine that would have loaded the first one's chunks from that store computes them too."""
     from tiered.api.launch import free_port
 
     lm = {"max_local_cpu_size": 0.01, "remote_url": f"lm://127.0.0.1:{free_port()}", "remote_serde": "naive"}
-    tiers = make_tiers(device_blocks=0, retention="none", host=HostTierConfig(lmcache=lm))
     ids = _tokens(200, 9)
-    for _ in range(2):
-        logits, split = _run(model, tiers, ids)
-        _close(logits, forward(model, ids))
+    with caplog.at_level(logging.WARNING):
+        # The first stores its 12 chunks (in its local CPU backend only); the second has room to load them.
+        for device_blocks in (0, 64):
+            tiers = make_tiers(device_blocks=device_blocks, retention="none", host=HostTierConfig(lmcache=lm),
+                               model_identity="m-unreachable")  # fmt: skip
+            logits, split = _run(model, tiers, ids)
+            hits = (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_remote_hit_tokens)
+            assert hits == (0, 0, 0) and split.num_miss_tokens == 200
+            _close(logits, forward(model, ids))
+            # LMCache's remote backend turns the refused connection into misses itself: nothing of ours failed.
+            assert tiers.stats().host.num_failures == 0 and tiers.stats().host.num_remote_hit_tokens == 0
+    refused = [r for r in caplog.records if r.name.startswith("lmcache") and "Connection refused" in r.getMessage()]
+    assert refused and all(r.levelno == logging.WARNING for r in refused)
 
 
 def test_bounded_keys_forget_the_oldest_past_the_cap() -> None:

@@ -1,8 +1,8 @@
 """A discrete-event simulation of N engine replicas sharing one remote (Redis) tier, fed with
-per-visit costs measured on this machine (`benchmarks/cluster_sim.py measure`), to project what
-one machine cannot show: 8, 64, 512 replicas.
+per-visit costs measured on this machine (`benchmarks/project_replicas.py measure`), to project
+what one machine cannot show: 8, 64, 512 replicas.
 
-The model (RESULTS.md, "Projecting past one machine", says it in words):
+The model (benchmarks/RESULTS.md, "The simulation: 8, 64 and 512 replicas", says it in words):
 - Users u = 0..U-1 visit as a Poisson process of rate `qps`; a visit is user u with probability
   proportional to 1 / (u + 1)^zipf. A visit is one call: `posts` prompts sharing the user's
   profile of P_u tokens (drawn once per user).

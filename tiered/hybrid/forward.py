@@ -1,11 +1,11 @@
-"""The forward pass over a batch of requests, in the three modes of DESIGN.md, through one code path.
+"""The forward pass over a batch of requests, in three modes, through one code path.
 
 - `hybrid` (ours): the new tokens of every request in the batch are packed along the token axis;
   the layer loop runs each token-wise op (norm, q/k/v, RoPE at each request's own positions,
   o_proj, MLP) chunk by chunk over the packed tokens into preallocated buffers. A layer first
   makes K,V of all tokens; then each chunk makes its queries and attends, per request, to its
   cached prefix, its earlier tokens and its own tokens, before its o_proj and MLP. Requests given
-  the same prefix object read it once per layer (DESIGN.md idea 5). Alive at once: the residual,
+  the same prefix object read it once per layer. Alive at once: the residual,
   the current layer's K,V and one chunk's scratch; each request's KV sink receives its K,V as
   soon as the layer's K,V are made, then they are dropped with the layer.
 - `vanilla`: the same loop with one chunk of all tokens, and every layer's K,V held until the

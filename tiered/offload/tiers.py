@@ -136,7 +136,7 @@ class KVTiers:
 
         `shared_keys`: block keys of other waiting requests, for the `prefix` retention policy.
         `planned_keys`: keys of blocks an earlier request of the same batch already keeps and
-        stores (it computes them for both: DESIGN.md idea 5); this request's leading computed
+        stores (it computes them for both); this request's leading computed
         blocks among them are neither kept nor stored again. Its own plan is added to the set."""
         prefetched, from_remote, wait = self.loader.take_prefetch(req.request_id)
         prefix, loaded, remote, load = self.loader.find_prefix(req)

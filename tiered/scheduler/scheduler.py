@@ -12,7 +12,7 @@ Policies (lower score runs first; ties by arrival):
 - SGLang's cache-aware policies, as peers: `lpm` (longest cached prefix first), `spf` (fewest
   uncached tokens first), `hrrn` (highest response ratio (wait + JCT) / JCT first).
 
-Batches (DESIGN.md idea 5). `pick_batch` takes the policy's pick as the batch's head, then fills
+Batches. `pick_batch` takes the policy's pick as the batch's head, then fills
 the batch up to a budget of computed tokens: first with waiting requests that share the head's
 first block (prefix-homogeneous: they read one copy of the prefix), then with those of the head's
 LoRA adapter, then with the others, in the policy's order, at most `lora.max_loras` adapters in

@@ -10,10 +10,10 @@
    from each tier, Redis's bandwidth and the busiest replica's load. One plot.
 3. `size`: the fewest replicas (affinity) that serve `--qps` within the SLO, and Redis's bandwidth then.
 
-    .venv/bin/python benchmarks/cluster_sim.py measure --config configs/bench-m.yaml \
+    .venv/bin/python benchmarks/project_replicas.py measure --config configs/bench-m.yaml \
         --json benchmarks/out/costs-bench-m.json
-    .venv/bin/python benchmarks/cluster_sim.py project --costs benchmarks/out/costs-bench-m.json
-    .venv/bin/python benchmarks/cluster_sim.py size --costs benchmarks/out/costs-bench-m.json --qps 500
+    .venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json
+    .venv/bin/python benchmarks/project_replicas.py size --costs benchmarks/out/costs-bench-m.json --qps 500
 """
 
 from __future__ import annotations
