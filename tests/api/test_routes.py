@@ -62,11 +62,16 @@ class FakeEngine:
         return AdapterReply("x")
 
 
+def _app(model: str | Path, *sets: str, **kwargs: Any) -> tuple[TestClient, FakeEngine]:
+    cfg = load_config(None, [f"model.path={model}", f"model.max_model_len={MAX_LEN}", "scheduler.max_waiting=8", *sets])
+    fake = FakeEngine(vocab_size=2048)
+    return TestClient(build_app(cfg, client=fake, **kwargs)), fake
+
+
 @pytest.fixture()
 def api(tiny_dir: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
-    cfg = load_config(None, [f"model.path={tiny_dir}", f"model.max_model_len={MAX_LEN}", "scheduler.max_waiting=8"])
-    fake = FakeEngine(vocab_size=2048)
-    with TestClient(build_app(cfg, served_model_name="base", client=fake)) as client:
+    client, fake = _app(tiny_dir, served_model_name="base")
+    with client:
         yield client, fake
 
 
@@ -156,3 +161,28 @@ def test_the_shared_validation_rules() -> None:
     with pytest.raises(InputError, match=r"token id 3 is outside the vocabulary \[0, 3\) \(in items\)") as info:
         check_prompt([3], 3, 3, "items")
     assert info.value.param == "items"
+
+
+@pytest.mark.parametrize("metrics_require_key", [False, True])
+def test_the_api_key_guards_v1_routes_only(tiny_dir: Path, metrics_require_key: bool) -> None:
+    client, fake = _app(tiny_dir, f"server.metrics_require_key={str(metrics_require_key).lower()}", api_key="k")
+    key = {"Authorization": "Bearer k"}
+    scoring = {"query": [1], "items": [[2]], "label_token_ids": [3]}
+    with client:
+        assert client.get("/version").status_code == 200 and client.get("/health").status_code == 200
+        assert client.post("/tokenize", json={"prompt": "hi"}).json()["count"] >= 1
+        assert client.post("/detokenize", json={"tokens": [300]}).json() == {"prompt": "ow"}
+        assert client.get("/metrics").status_code == (401 if metrics_require_key else 200)
+        for method, path, body in [
+            ("POST", "/v1/completions", {"prompt": [1]}),
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/score", scoring),
+            ("POST", "/generative_scoring", scoring),
+        ]:
+            r = client.request(method, path, json=body)
+            assert r.status_code == 401 and _error(r)["message"] == "Incorrect API key provided.", path
+            wrong = client.request(method, path, json=body, headers={"Authorization": "Bearer kk"})
+            assert wrong.status_code == 401
+            assert client.request(method, path, json=body, headers=key).status_code == 200, path
+        assert client.get("/metrics", headers=key).status_code == 200
+        assert len(fake.received) == 3  # only the keyed calls reached the engine

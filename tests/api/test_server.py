@@ -87,10 +87,13 @@ def test_bad_requests_get_an_openai_400_and_the_server_keeps_serving(
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
 
 
-def test_api_key_is_required_except_for_health_and_metrics(server: str) -> None:
+def test_api_key_is_required_on_v1_routes_only(server: str) -> None:
     assert httpx.get(f"{server}/metrics", timeout=5).status_code == 200  # open, as vLLM's
-    r = httpx.get(f"{server}/v1/models", timeout=5)
+    assert httpx.get(f"{server}/version", timeout=5).status_code == 200
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "hi"}, timeout=5).json()["count"] >= 1
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": [1, 2]}, timeout=5)
     assert r.status_code == 401 and r.json()["error"]["message"] == "Incorrect API key provided."
+    assert httpx.get(f"{server}/v1/models", timeout=5).status_code == 401
     ok = httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=5)
     card = ok.json()["data"][0]
     assert ok.status_code == 200 and card["max_model_len"] == 1024

@@ -2,7 +2,8 @@
 
 Tokenizer, engine client, metrics and the serving layer are made here and put on
 `app.state.serving`; the routes live in `routes/`, one module per family; errors are rendered by
-`errors.install_handlers`; the API key, body limit and X-Request-Id by `middleware.Guard`.
+`errors.install_handlers`; the API key (on /v1 routes), body limit and X-Request-Id by
+`middleware.Guard`.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def build_app(
 
     app = FastAPI(title="tiered", version=__version__, lifespan=lifespan)
     app.state.serving = Serving(config, tokenizer, engine, metrics, model_name)
-    open_paths = ("/health",) if config.server.metrics_require_key else ("/health", "/metrics")
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes, open_paths=open_paths)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes,
+                       metrics_require_key=config.server.metrics_require_key)  # fmt: skip
     install_handlers(app)
     for router in (metadata.router, completions.router, scoring.router):
         app.include_router(router)

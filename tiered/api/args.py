@@ -50,9 +50,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics, unless "
-                   f"server.metrics_require_key); default: ${API_KEY_VARIABLES[0]}, else ${API_KEY_VARIABLES[1]} "
-                   "(the environment keeps the key out of `ps`)")  # fmt: skip
+                   help="require 'Authorization: Bearer KEY' on /v1/... and /generative_scoring (and /metrics with "
+                   "server.metrics_require_key); /health, /version, /tokenize, /detokenize stay open; default: "
+                   f"${API_KEY_VARIABLES[0]}, else ${API_KEY_VARIABLES[1]} (the environment keeps the key out of "
+                   "`ps`)")  # fmt: skip
     g.add_argument("--served-model-name", default=None, help="model id in responses and /v1/models (default: the "
                    "folder name)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens (model.max_model_len)")
