@@ -70,7 +70,7 @@ def _app(model: str | Path, *sets: str, **kwargs: Any) -> tuple[TestClient, Fake
 
 @pytest.fixture()
 def api(tiny_dir: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
-    client, fake = _app(tiny_dir, served_model_name="base")
+    client, fake = _app(tiny_dir, served_model_names=["base"])
     with client:
         yield client, fake
 
@@ -161,6 +161,54 @@ def test_the_shared_validation_rules() -> None:
     with pytest.raises(InputError, match=r"token id 3 is outside the vocabulary \[0, 3\) \(in items\)") as info:
         check_prompt([3], 3, 3, "items")
     assert info.value.param == "items"
+
+
+def _ids(client: TestClient) -> list[str]:
+    return [m["id"] for m in client.get("/v1/models").json()["data"]]
+
+
+def test_the_served_name_is_the_model_as_given_and_the_folder_name_an_alias(tiny_dir: Path) -> None:
+    client, fake = _app(tiny_dir)
+    with client:
+        assert _ids(client) == [str(tiny_dir), "ad1"]
+        for model in (str(tiny_dir), "tiny", None):  # the folder's name is still accepted
+            r = client.post("/v1/completions", json={"model": model, "prompt": [1, 2]})
+            assert r.status_code == 200 and r.json()["model"] == str(tiny_dir)
+        assert fake.received[-1].lora_name is None
+        assert client.post("/v1/completions", json={"model": "tinyx", "prompt": [1]}).status_code == 404
+        assert client.post("/tokenize", json={"model": "tiny", "prompt": "hi"}).status_code == 200
+        metrics = client.get("/metrics").text
+        assert f'vllm:request_success_total{{finished_reason="length",model_name="{tiny_dir}"}} 3.0' in metrics
+
+
+def test_an_embedded_model_is_served_as_embedded_name(tmp_path: Path) -> None:
+    client, _ = _app("embedded:tiny", f"model.models_dir={tmp_path}")
+    with client:
+        assert _ids(client) == ["embedded:tiny", "ad1"]
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200 and r.json()["model"] == "embedded:tiny"
+
+
+def test_several_served_names_the_first_reported_all_accepted(tiny_dir: Path) -> None:
+    client, fake = _app(tiny_dir, served_model_names=["first", "org/second"])
+    with client:
+        assert _ids(client) == ["first", "org/second", "ad1"]
+        assert [m["parent"] for m in client.get("/v1/models").json()["data"]] == [None, None, "first"]
+        for model in ("first", "org/second", "tiny"):
+            r = client.post("/v1/score", json={"model": model, "query": [1], "items": [[2]], "label_token_ids": [3]})
+            assert r.status_code == 200 and r.json()["model"] == "first"
+        assert client.post("/v1/completions", json={"model": str(tiny_dir), "prompt": [1]}).status_code == 404
+        r = client.post("/v1/completions", json={"model": "ad1", "prompt": [1]})  # an adapter is still a model id
+        assert r.json()["model"] == "ad1" and fake.received[-1].lora_name == "ad1"
+
+
+def test_an_adapter_may_not_take_a_name_of_the_base_model(tiny_dir: Path) -> None:
+    client, _ = _app(tiny_dir, "lora.enabled=true", "lora.allow_runtime_updates=true", served_model_names=["base"])
+    with client:
+        for name in ("base", "tiny"):
+            r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/x"})
+            assert r.status_code == 400 and _error(r)["message"] == f"'{name}' is the base model's name"
+        assert client.post("/v1/load_lora_adapter", json={"lora_name": "ad2", "lora_path": "/x"}).status_code == 200
 
 
 @pytest.mark.parametrize("metrics_require_key", [False, True])

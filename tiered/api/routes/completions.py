@@ -43,7 +43,7 @@ async def completions(body: CompletionRequest, request: Request, s: ServingDep) 
             choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
         choices.append(choice)
     return {"id": response_id("cmpl", request), "object": "text_completion", "created": int(time.time()),
-            "model": body.model or s.model_name, "choices": choices, "usage": usage(list(outs))}  # fmt: skip
+            "model": s.model_id(body.model), "choices": choices, "usage": usage(list(outs))}  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
@@ -77,4 +77,4 @@ async def chat(body: ChatRequest, request: Request, s: ServingDep) -> dict[str, 
     if body.logprob_token_ids:
         choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
     return {"id": response_id("chatcmpl", request), "object": "chat.completion", "created": int(time.time()),
-            "model": body.model or s.model_name, "choices": [choice], "usage": usage([out])}  # fmt: skip
+            "model": s.model_id(body.model), "choices": [choice], "usage": usage([out])}  # fmt: skip
