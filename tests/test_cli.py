@@ -99,6 +99,11 @@ def test_the_served_model_names_default_to_the_model_as_given(argv: list[str], n
     assert served_model_names(args, cfg) == names
 
 
+def test_return_tokens_as_token_ids_is_a_vllm_flag() -> None:
+    assert _serve_args().return_tokens_as_token_ids is False
+    assert _serve_args("--return-tokens-as-token-ids").return_tokens_as_token_ids is True
+
+
 def test_the_api_key_comes_from_the_flag_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TIERED_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)

@@ -176,7 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_device(cfg.device)
     check_adapters(cfg)
     app_kwargs: dict[str, Any] = {"api_key": api_key(args), "served_model_names": served_model_names(args, cfg),
-                                  "chat_template": chat_template(args.chat_template)}  # fmt: skip
+                                  "chat_template": chat_template(args.chat_template),
+                                  "return_tokens_as_token_ids": args.return_tokens_as_token_ids}  # fmt: skip
     if cfg.cluster.replicas > 1 or cfg.cluster.address:
         return serve_replicas(cfg, args, app_kwargs)
     app = build_app(cfg, **app_kwargs)
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(Prometheus, tiered: prefix; open without the API key unless server.metrics_require_key); the API key "
         "guards /v1/... and /generative_scoring only. max_tokens must be 1 (prefill-only); stream=true is refused "
         "with a 400 (one token, one response). vLLM's extras are honoured: logprob_token_ids, "
-        "allowed_token_ids, logit_bias, priority (lower runs first), cache_salt (KV "
+        "return_tokens_as_token_ids, allowed_token_ids, logit_bias, priority (lower runs first), cache_salt (KV "
         "shared only within a salt), add_special_tokens; an X-Request-Id header is echoed and names the response. "
         "An unknown model is a 404. Errors use OpenAI's envelope. "
         "Limits: server.request_timeout_s (504), server.max_body_bytes (413), scheduler.max_waiting (429); a dead "

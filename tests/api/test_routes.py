@@ -53,7 +53,8 @@ class FakeEngine:
             return [ScoreResponse(r.request_id, error=self.error[0], error_status=self.error[1]) for r in reqs]
         return [
             ScoreResponse(r.request_id, token_id=r.token_ids[-1], logprobs=[(t, -t / 100) for t in r.logprob_token_ids],
-                          top_logprobs=[(r.token_ids[-1], -0.01)], num_tokens=len(r.token_ids),
+                          top_logprobs=[(r.token_ids[-1] + k, -(k + 1) / 100) for k in range(r.top_logprobs)],
+                          num_tokens=len(r.token_ids),
                           num_device_hit_tokens=len(r.token_ids) // 2, compute_seconds=0.5)
             for r in reqs
         ]  # fmt: skip
@@ -234,3 +235,42 @@ def test_the_api_key_guards_v1_routes_only(tiny_dir: Path, metrics_require_key: 
             assert client.request(method, path, json=body, headers=key).status_code == 200, path
         assert client.get("/metrics", headers=key).status_code == 200
         assert len(fake.received) == 3  # only the keyed calls reached the engine
+
+
+def test_logprobs_keep_ids_that_decode_alike_apart(api) -> None:
+    """Ids 100 and 101 of the tiny tokenizer are single bytes of multi-byte characters: both decode to U+FFFD."""
+    client, _ = api
+    r = client.post("/v1/completions", json={"prompt": [5, 98], "logprobs": 4}).json()["choices"][0]
+    assert r["text"] == "}" and r["logprobs"]["tokens"] == ["}"] and r["logprobs"]["token_logprobs"] == [-0.01]
+    assert r["logprobs"]["top_logprobs"] == [{"}": -0.01, "~": -0.02, "token_id:100": -0.03, "token_id:101": -0.04}]
+    r = client.post("/v1/completions", json={"prompt": [5, 100], "logprobs": 2}).json()["choices"][0]
+    assert r["text"] == "\ufffd" and r["logprobs"]["tokens"] == ["token_id:100"]  # the chosen one is a key of its row
+    assert r["logprobs"]["top_logprobs"] == [{"token_id:100": -0.01, "token_id:101": -0.02}]
+
+
+def test_return_tokens_as_token_ids_per_request_and_per_server(tiny_dir: Path) -> None:
+    body = {"prompt": [5, 98], "logprobs": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    for server_default in (False, True):
+        client, fake = _app(tiny_dir, return_tokens_as_token_ids=server_default)
+        with client:
+            for asked in (None, True, False):
+                on = server_default if asked is None else asked
+                extra = {} if asked is None else {"return_tokens_as_token_ids": asked}
+                lp = client.post("/v1/completions", json={**body, **extra}).json()["choices"][0]["logprobs"]
+                assert lp["tokens"] == (["token_id:98"] if on else ["}"])
+                assert list(lp["top_logprobs"][0]) == (["token_id:98", "token_id:99"] if on else ["}", "~"])
+                r = client.post("/v1/chat/completions", json={**chat, **extra}).json()["choices"][0]
+                last = fake.received[-1].token_ids[-1]
+                (first,) = r["logprobs"]["content"]
+                text = client.post("/detokenize", json={"tokens": [last]}).json()["prompt"]
+                assert r["message"]["content"] == text
+                assert first["token"] == (f"token_id:{last}" if on else text)
+                assert first["bytes"] == list(text.encode()) and first["logprob"] == -0.01
+                assert [e["token"] for e in first["top_logprobs"]] == (
+                    [f"token_id:{last}", f"token_id:{last + 1}"] if on else [text, client_text(client, last + 1)]
+                )
+
+
+def client_text(client: TestClient, token: int) -> str:
+    return str(client.post("/detokenize", json={"tokens": [token]}).json()["prompt"])

@@ -44,7 +44,12 @@ def test_completions_equal_the_in_process_forward(client: openai.OpenAI, tiny_di
         got = choice.model_extra["logprob_token_ids"]
         assert abs(got["11"] - float(ref[11])) < 1e-4 and abs(got["12"] - float(ref[12])) < 1e-4
         assert abs(choice.logprobs.token_logprobs[0] - float(ref.max())) < 1e-4
-        assert len(choice.logprobs.top_logprobs[0]) <= 3
+        assert len(choice.logprobs.top_logprobs[0]) == 3
+    as_ids = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=1, logprobs=3,
+                                       extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    top3 = torch.log_softmax(forward(model, torch.tensor(prompts[0])), dim=-1).topk(3).indices.tolist()
+    assert as_ids.choices[0].logprobs.tokens == [f"token_id:{top3[0]}"]
+    assert list(as_ids.choices[0].logprobs.top_logprobs[0]) == [f"token_id:{t}" for t in top3]
 
 
 def test_a_shared_prefix_is_reported_as_cached(client: openai.OpenAI) -> None:

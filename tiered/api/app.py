@@ -36,6 +36,7 @@ def build_app(
     api_key: str | None = None,
     served_model_names: Sequence[str] | None = None,
     chat_template: str | None = None,
+    return_tokens_as_token_ids: bool = False,
     client: Client | None = None,
 ) -> FastAPI:
     """The app for `config`; `client` replaces the engine process (unit tests pass a fake one).
@@ -72,7 +73,8 @@ def build_app(
         engine.stop()
 
     app = FastAPI(title="tiered", version=__version__, lifespan=lifespan)
-    app.state.serving = Serving(config, tokenizer, engine, metrics, served, alias=Path(folder).name)
+    app.state.serving = Serving(config, tokenizer, engine, metrics, served, alias=Path(folder).name,
+                                return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes,
                        metrics_require_key=config.server.metrics_require_key)  # fmt: skip
     install_handlers(app)

@@ -58,6 +58,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                    help="the base model's ids: the first is reported in responses, /v1/models and metrics, all are "
                    "accepted (default: the model argument as given, e.g. /path/to/model or embedded:tiny; the "
                    "folder's name is accepted too)")  # fmt: skip
+    g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
+                   help="write every token in logprobs as 'token_id:<id>' (a request's return_tokens_as_token_ids "
+                   "wins)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens (model.max_model_len)")
     g.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES),
                    help="compute precision (model.dtype; default: the config's, itself auto). auto: the "

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from tiered.api.errors import APIError
+from tiered.api.logprobs import TokenTexts
 from tiered.api.metrics import Metrics
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse, cached_tokens
 from tiered.api.schemas import ChoiceFields, EngineFields, ScoreBody
@@ -60,11 +61,12 @@ def response_id(prefix: str, request: Request) -> str:
 class Serving:
     """`served_names`: the base model's ids, the first one reported (responses, /v1/models,
     metrics), all accepted; `alias` is accepted too and never reported (the folder's name, so
-    clients that sent it before the served name became the model argument keep working)."""
+    clients that sent it before the served name became the model argument keep working).
+    `return_tokens_as_token_ids`: the server's default for the request field of that name."""
 
     def __init__(
         self, config: Config, tokenizer: Any, client: Client, metrics: Metrics, served_names: Sequence[str],
-        alias: str | None = None,
+        alias: str | None = None, return_tokens_as_token_ids: bool = False,
     ) -> None:  # fmt: skip
         if not served_names:
             raise ValueError("the base model needs at least one served name")
@@ -72,6 +74,8 @@ class Serving:
         self.served_names = tuple(served_names)
         self.model_name = self.served_names[0]
         self.base_names = frozenset((*self.served_names, *([alias] if alias else [])))
+        self.token_texts = TokenTexts(tokenizer)
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
 
     # ---- what the request names --------------------------------------------------------------
 
@@ -88,6 +92,10 @@ class Serving:
         """The `model` an answer reports: the adapter's name, else the first served name (vLLM's
         rule: a request that named the base model by another of its names gets the first back)."""
         return self.adapter(model) or self.model_name
+
+    def as_token_ids(self, requested: bool | None) -> bool:
+        """A request's `return_tokens_as_token_ids`, else the server's --return-tokens-as-token-ids."""
+        return self.return_tokens_as_token_ids if requested is None else requested
 
     @property
     def max_model_len(self) -> int:
