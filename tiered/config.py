@@ -201,7 +201,7 @@ class ServerConfig:
     max_body_bytes: int = 16 * 2**20
     # Start a new engine process when the engine process dies (requests in flight get 503).
     restart_engine: bool = True
-    # GET /metrics is open, as in vLLM; true puts it behind the API key like every other route.
+    # GET /metrics is open, as in vLLM; true puts it behind the API key, as the /v1 routes are.
     metrics_require_key: bool = False
 
     def __post_init__(self) -> None:

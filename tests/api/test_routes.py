@@ -53,7 +53,8 @@ class FakeEngine:
             return [ScoreResponse(r.request_id, error=self.error[0], error_status=self.error[1]) for r in reqs]
         return [
             ScoreResponse(r.request_id, token_id=r.token_ids[-1], logprobs=[(t, -t / 100) for t in r.logprob_token_ids],
-                          top_logprobs=[(r.token_ids[-1], -0.01)], num_tokens=len(r.token_ids),
+                          top_logprobs=[(r.token_ids[-1] + k, -(k + 1) / 100) for k in range(r.top_logprobs)],
+                          num_tokens=len(r.token_ids),
                           num_device_hit_tokens=len(r.token_ids) // 2, compute_seconds=0.5)
             for r in reqs
         ]  # fmt: skip
@@ -62,11 +63,16 @@ class FakeEngine:
         return AdapterReply("x")
 
 
+def _app(model: str | Path, *sets: str, **kwargs: Any) -> tuple[TestClient, FakeEngine]:
+    cfg = load_config(None, [f"model.path={model}", f"model.max_model_len={MAX_LEN}", "scheduler.max_waiting=8", *sets])
+    fake = FakeEngine(vocab_size=2048)
+    return TestClient(build_app(cfg, client=fake, **kwargs)), fake
+
+
 @pytest.fixture()
 def api(tiny_dir: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
-    cfg = load_config(None, [f"model.path={tiny_dir}", f"model.max_model_len={MAX_LEN}", "scheduler.max_waiting=8"])
-    fake = FakeEngine(vocab_size=2048)
-    with TestClient(build_app(cfg, served_model_name="base", client=fake)) as client:
+    client, fake = _app(tiny_dir, served_model_names=["base"])
+    with client:
         yield client, fake
 
 
@@ -156,3 +162,115 @@ def test_the_shared_validation_rules() -> None:
     with pytest.raises(InputError, match=r"token id 3 is outside the vocabulary \[0, 3\) \(in items\)") as info:
         check_prompt([3], 3, 3, "items")
     assert info.value.param == "items"
+
+
+def _ids(client: TestClient) -> list[str]:
+    return [m["id"] for m in client.get("/v1/models").json()["data"]]
+
+
+def test_the_served_name_is_the_model_as_given_and_the_folder_name_an_alias(tiny_dir: Path) -> None:
+    client, fake = _app(tiny_dir)
+    with client:
+        assert _ids(client) == [str(tiny_dir), "ad1"]
+        for model in (str(tiny_dir), "tiny", None):  # the folder's name is still accepted
+            r = client.post("/v1/completions", json={"model": model, "prompt": [1, 2]})
+            assert r.status_code == 200 and r.json()["model"] == str(tiny_dir)
+        assert fake.received[-1].lora_name is None
+        assert client.post("/v1/completions", json={"model": "tinyx", "prompt": [1]}).status_code == 404
+        assert client.post("/tokenize", json={"model": "tiny", "prompt": "hi"}).status_code == 200
+        metrics = client.get("/metrics").text
+        assert f'vllm:request_success_total{{finished_reason="length",model_name="{tiny_dir}"}} 3.0' in metrics
+
+
+def test_an_embedded_model_is_served_as_embedded_name(tmp_path: Path) -> None:
+    client, _ = _app("embedded:tiny", f"model.models_dir={tmp_path}")
+    with client:
+        assert _ids(client) == ["embedded:tiny", "ad1"]
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200 and r.json()["model"] == "embedded:tiny"
+
+
+def test_several_served_names_the_first_reported_all_accepted(tiny_dir: Path) -> None:
+    client, fake = _app(tiny_dir, served_model_names=["first", "org/second"])
+    with client:
+        assert _ids(client) == ["first", "org/second", "ad1"]
+        assert [m["parent"] for m in client.get("/v1/models").json()["data"]] == [None, None, "first"]
+        for model in ("first", "org/second", "tiny"):
+            r = client.post("/v1/score", json={"model": model, "query": [1], "items": [[2]], "label_token_ids": [3]})
+            assert r.status_code == 200 and r.json()["model"] == "first"
+        assert client.post("/v1/completions", json={"model": str(tiny_dir), "prompt": [1]}).status_code == 404
+        r = client.post("/v1/completions", json={"model": "ad1", "prompt": [1]})  # an adapter is still a model id
+        assert r.json()["model"] == "ad1" and fake.received[-1].lora_name == "ad1"
+
+
+def test_an_adapter_may_not_take_a_name_of_the_base_model(tiny_dir: Path) -> None:
+    client, _ = _app(tiny_dir, "lora.enabled=true", "lora.allow_runtime_updates=true", served_model_names=["base"])
+    with client:
+        for name in ("base", "tiny"):
+            r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/x"})
+            assert r.status_code == 400 and _error(r)["message"] == f"'{name}' is the base model's name"
+        assert client.post("/v1/load_lora_adapter", json={"lora_name": "ad2", "lora_path": "/x"}).status_code == 200
+
+
+@pytest.mark.parametrize("metrics_require_key", [False, True])
+def test_the_api_key_guards_v1_routes_only(tiny_dir: Path, metrics_require_key: bool) -> None:
+    client, fake = _app(tiny_dir, f"server.metrics_require_key={str(metrics_require_key).lower()}", api_key="k")
+    key = {"Authorization": "Bearer k"}
+    scoring = {"query": [1], "items": [[2]], "label_token_ids": [3]}
+    with client:
+        assert client.get("/version").status_code == 200 and client.get("/health").status_code == 200
+        assert client.post("/tokenize", json={"prompt": "hi"}).json()["count"] >= 1
+        assert client.post("/detokenize", json={"tokens": [300]}).json() == {"prompt": "ow"}
+        assert client.get("/metrics").status_code == (401 if metrics_require_key else 200)
+        for method, path, body in [
+            ("POST", "/v1/completions", {"prompt": [1]}),
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/score", scoring),
+            ("POST", "/generative_scoring", scoring),
+        ]:
+            r = client.request(method, path, json=body)
+            assert r.status_code == 401 and _error(r)["message"] == "Incorrect API key provided.", path
+            wrong = client.request(method, path, json=body, headers={"Authorization": "Bearer kk"})
+            assert wrong.status_code == 401
+            assert client.request(method, path, json=body, headers=key).status_code == 200, path
+        assert client.get("/metrics", headers=key).status_code == 200
+        assert len(fake.received) == 3  # only the keyed calls reached the engine
+
+
+def test_logprobs_keep_ids_that_decode_alike_apart(api) -> None:
+    """Ids 100 and 101 of the tiny tokenizer are single bytes of multi-byte characters: both decode to U+FFFD."""
+    client, _ = api
+    r = client.post("/v1/completions", json={"prompt": [5, 98], "logprobs": 4}).json()["choices"][0]
+    assert r["text"] == "}" and r["logprobs"]["tokens"] == ["}"] and r["logprobs"]["token_logprobs"] == [-0.01]
+    assert r["logprobs"]["top_logprobs"] == [{"}": -0.01, "~": -0.02, "token_id:100": -0.03, "token_id:101": -0.04}]
+    r = client.post("/v1/completions", json={"prompt": [5, 100], "logprobs": 2}).json()["choices"][0]
+    assert r["text"] == "\ufffd" and r["logprobs"]["tokens"] == ["token_id:100"]  # the chosen one is a key of its row
+    assert r["logprobs"]["top_logprobs"] == [{"token_id:100": -0.01, "token_id:101": -0.02}]
+
+
+def test_return_tokens_as_token_ids_per_request_and_per_server(tiny_dir: Path) -> None:
+    body = {"prompt": [5, 98], "logprobs": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    for server_default in (False, True):
+        client, fake = _app(tiny_dir, return_tokens_as_token_ids=server_default)
+        with client:
+            for asked in (None, True, False):
+                on = server_default if asked is None else asked
+                extra = {} if asked is None else {"return_tokens_as_token_ids": asked}
+                lp = client.post("/v1/completions", json={**body, **extra}).json()["choices"][0]["logprobs"]
+                assert lp["tokens"] == (["token_id:98"] if on else ["}"])
+                assert list(lp["top_logprobs"][0]) == (["token_id:98", "token_id:99"] if on else ["}", "~"])
+                r = client.post("/v1/chat/completions", json={**chat, **extra}).json()["choices"][0]
+                last = fake.received[-1].token_ids[-1]
+                (first,) = r["logprobs"]["content"]
+                text = client.post("/detokenize", json={"tokens": [last]}).json()["prompt"]
+                assert r["message"]["content"] == text
+                assert first["token"] == (f"token_id:{last}" if on else text)
+                assert first["bytes"] == list(text.encode()) and first["logprob"] == -0.01
+                assert [e["token"] for e in first["top_logprobs"]] == (
+                    [f"token_id:{last}", f"token_id:{last + 1}"] if on else [text, client_text(client, last + 1)]
+                )
+
+
+def client_text(client: TestClient, token: int) -> str:
+    return str(client.post("/detokenize", json={"tokens": [token]}).json()["prompt"])

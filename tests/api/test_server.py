@@ -44,7 +44,12 @@ def test_completions_equal_the_in_process_forward(client: openai.OpenAI, tiny_di
         got = choice.model_extra["logprob_token_ids"]
         assert abs(got["11"] - float(ref[11])) < 1e-4 and abs(got["12"] - float(ref[12])) < 1e-4
         assert abs(choice.logprobs.token_logprobs[0] - float(ref.max())) < 1e-4
-        assert len(choice.logprobs.top_logprobs[0]) <= 3
+        assert len(choice.logprobs.top_logprobs[0]) == 3
+    as_ids = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=1, logprobs=3,
+                                       extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    top3 = torch.log_softmax(forward(model, torch.tensor(prompts[0])), dim=-1).topk(3).indices.tolist()
+    assert as_ids.choices[0].logprobs.tokens == [f"token_id:{top3[0]}"]
+    assert list(as_ids.choices[0].logprobs.top_logprobs[0]) == [f"token_id:{t}" for t in top3]
 
 
 def test_a_shared_prefix_is_reported_as_cached(client: openai.OpenAI) -> None:
@@ -87,13 +92,17 @@ def test_bad_requests_get_an_openai_400_and_the_server_keeps_serving(
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
 
 
-def test_api_key_is_required_except_for_health_and_metrics(server: str) -> None:
+def test_api_key_is_required_on_v1_routes_only(server: str, tiny_dir: Path) -> None:
     assert httpx.get(f"{server}/metrics", timeout=5).status_code == 200  # open, as vLLM's
-    r = httpx.get(f"{server}/v1/models", timeout=5)
+    assert httpx.get(f"{server}/version", timeout=5).status_code == 200
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "hi"}, timeout=5).json()["count"] >= 1
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": [1, 2]}, timeout=5)
     assert r.status_code == 401 and r.json()["error"]["message"] == "Incorrect API key provided."
+    assert httpx.get(f"{server}/v1/models", timeout=5).status_code == 401
     ok = httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=5)
     card = ok.json()["data"][0]
     assert ok.status_code == 200 and card["max_model_len"] == 1024
+    assert card["id"] == str(tiny_dir) and card["root"] == str(tiny_dir)  # the model argument as given
     # The engine's resolved precision, through ZMQ: the tiny checkpoint is fp32, so auto keeps fp32.
     assert (card["dtype"], card["kv_cache_dtype"], card["checkpoint_dtype"]) == ("float32", "float32", "float32")
     assert card["dtype_reason"] == "the checkpoint is fp32"
@@ -190,12 +199,13 @@ def test_metrics_in_vllms_names_with_buckets_labels_and_tiers(server: str, tiny_
     r = httpx.get(f"{server}/metrics", timeout=5)
     values = parse(r.text)
     ok = values["vllm:request_success_total"]
-    assert ok >= 1 and values["vllm:request_success_total{finished_reason=length,model_name=tiny}"] == ok
+    name = str(tiny_dir)  # the served name: the model argument as given
+    assert ok >= 1 and values[f"vllm:request_success_total{{finished_reason=length,model_name={name}}}"] == ok
     # Host-tier transfers (an earlier test loaded a prefix): bytes are KV bytes of the hit tokens.
     a = read_args(tiny_dir)
     kv_bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # fp32
-    device = values["tiered:prefix_cache_hits_total{model_name=tiny,tier=device}"]
-    host = values["tiered:prefix_cache_hits_total{model_name=tiny,tier=host}"]
+    device = values[f"tiered:prefix_cache_hits_total{{model_name={name},tier=device}}"]
+    host = values[f"tiered:prefix_cache_hits_total{{model_name={name},tier=host}}"]
     assert host > 0 and values["tiered:host_load_seconds_total"] > 0
     assert values["tiered:host_load_bytes_total"] == host * kv_bytes_per_token
     assert values["tiered:host_store_bytes_total"] > 0 and values["tiered:host_store_dropped_chunks_total"] == 0
@@ -203,11 +213,11 @@ def test_metrics_in_vllms_names_with_buckets_labels_and_tiers(server: str, tiny_
     assert 0 <= values["vllm:prefix_cache_hits_total"] <= values["vllm:prefix_cache_queries_total"]
     assert values["vllm:prompt_tokens_total"] == values["vllm:prefix_cache_queries_total"]
     # Histograms with buckets (histogram_quantile works): every answer is in the +Inf bucket.
-    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+    for metric in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_prompt_tokens"):  # fmt: skip
-        assert values[f"vllm:{name}_count"] == ok
-        assert values[f"vllm:{name}_bucket{{le=+Inf,model_name=tiny}}"] == ok
-    assert values["vllm:e2e_request_latency_seconds_bucket{le=0.3,model_name=tiny}"] <= ok
+        assert values[f"vllm:{metric}_count"] == ok
+        assert values[f"vllm:{metric}_bucket{{le=+Inf,model_name={name}}}"] == ok
+    assert values[f"vllm:e2e_request_latency_seconds_bucket{{le=0.3,model_name={name}}}"] <= ok
     assert "tiered:jct_prediction_error" in values and values["vllm:num_requests_waiting"] == 0
     assert any(name.startswith("lmcache:") for name in values), "LMCache's own metrics are exposed too"
 
@@ -404,10 +414,11 @@ def test_version_tokenize_and_detokenize_in_vllms_shapes(server: str, tiny_dir: 
     assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "The model `nope` does not exist."
 
 
-def test_x_request_id_is_echoed_and_names_the_response(server: str) -> None:
+def test_x_request_id_is_echoed_and_names_the_response(server: str, tiny_dir: Path) -> None:
     r = httpx.post(f"{server}/v1/completions", headers={**KEY, "X-Request-Id": "abc-123"},
                    json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1})  # fmt: skip
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+    assert r.json()["model"] == str(tiny_dir)  # the folder's name is an alias; the served name is reported
     refused = httpx.post(f"{server}/v1/completions", headers={**KEY, "X-Request-Id": "bad-1"}, json={"prompt": []})
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
 

@@ -87,6 +87,9 @@ def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
         run_visits_bench(cfg, trace, ["nope"], [1.0], 4, None, None, None, 0, None, tmp_path)
     with pytest.raises(BenchError, match="--vllm-python"):
         run_visits_bench(cfg, trace, ["tiered", "vllm"], [1.0], 4, None, None, None, 0, None, tmp_path)
+    gone = str(tmp_path / "nope" / "bin" / "python")
+    with pytest.raises(BenchError, match=rf"^--vllm-python {gone} does not exist: run `make bench-env`"):
+        run_visits_bench(cfg, trace, ["vllm"], [1.0], 4, gone, None, None, 0, None, tmp_path)
 
 
 def test_the_cli_writes_a_visits_trace(tiny_dir: Path, tmp_path: Path) -> None:

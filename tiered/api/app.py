@@ -2,13 +2,14 @@
 
 Tokenizer, engine client, metrics and the serving layer are made here and put on
 `app.state.serving`; the routes live in `routes/`, one module per family; errors are rendered by
-`errors.install_handlers`; the API key, body limit and X-Request-Id by `middleware.Guard`.
+`errors.install_handlers`; the API key (on /v1 routes), body limit and X-Request-Id by
+`middleware.Guard`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -33,11 +34,17 @@ log = logging.getLogger(__name__)
 def build_app(
     config: Config,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_names: Sequence[str] | None = None,
     chat_template: str | None = None,
+    return_tokens_as_token_ids: bool = False,
     client: Client | None = None,
 ) -> FastAPI:
-    """The app for `config`; `client` replaces the engine process (unit tests pass a fake one)."""
+    """The app for `config`; `client` replaces the engine process (unit tests pass a fake one).
+
+    `served_model_names`: the base model's ids, the first one reported (default: `model.path` as
+    given, vLLM's rule; `tiered serve` passes the model argument before anything resolves it).
+    The folder's name is accepted as an alias."""
+    served = list(served_model_names or [config.model.path])
     folder = resolve_model_path(config.model.path, config.model.models_dir)
     config = replace(config, model=replace(config.model, path=str(folder)))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -45,7 +52,6 @@ def build_app(
         tokenizer.chat_template = chat_template
     elif tokenizer.chat_template is None:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    model_name = served_model_name or Path(folder).name
     engine: Client = client if client is not None else EngineClient(config)
 
     def counters() -> dict[str, int]:
@@ -61,15 +67,16 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
-        log.info("serving %s (max_model_len %d)", model_name, engine.ready.max_model_len if engine.ready else 0)
+        log.info("serving %s (max_model_len %d)", ", ".join(served), engine.ready.max_model_len if engine.ready else 0)
         yield
         log.info("shutting down: stopping the engine process")
         engine.stop()
 
     app = FastAPI(title="tiered", version=__version__, lifespan=lifespan)
-    app.state.serving = Serving(config, tokenizer, engine, metrics, model_name)
-    open_paths = ("/health",) if config.server.metrics_require_key else ("/health", "/metrics")
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes, open_paths=open_paths)
+    app.state.serving = Serving(config, tokenizer, engine, metrics, served, alias=Path(folder).name,
+                                return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes,
+                       metrics_require_key=config.server.metrics_require_key)  # fmt: skip
     install_handlers(app)
     for router in (metadata.router, completions.router, scoring.router):
         app.include_router(router)

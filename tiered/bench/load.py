@@ -14,7 +14,8 @@ Systems (each one flag value):
   discard: PrefillOnly's design), `fcfs` (fcfs + offload), `lpm`, `spf`, `hrrn` (SGLang's
   policies on our engine, offload);
 - `tiered-http`: the default config behind `tiered serve`, over loopback HTTP;
-- `vllm`, `vllm-nochunk`: `vllm serve` (vLLM's OpenAI server, run by --vllm-python) on the same
+- `vllm`, `vllm-nochunk`: `vllm serve` (vLLM's OpenAI server, run by --vllm-python, default: the venv
+  `make bench-env` builds) on the same
   model folder and dtype, prefix caching on, chunked prefill on / off, every request
   `max_tokens=1`; its KV cache gets the same number of tokens as our device tier (more only if
   vLLM needs it to hold one longest request, and the output says so).
@@ -45,7 +46,7 @@ from tiered.bench.stats import (
     summarize,
     sustainable_qps,
 )
-from tiered.bench.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS
+from tiered.bench.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS, check_vllm_python
 from tiered.bench.traces import BenchError, Trace
 from tiered.bench.vllm import VLLMServer
 from tiered.config import Config, with_overrides, write_config
@@ -262,8 +263,8 @@ def run_load_bench(
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise BenchError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
-    if any(s in VLLM_SYSTEMS for s in systems) and not vllm_python:
-        raise BenchError("the vllm systems need --vllm-python (a Python with vLLM installed)")
+    if any(s in VLLM_SYSTEMS for s in systems):
+        check_vllm_python(vllm_python)
     if trace.max_tokens > cfg.model.max_model_len:
         cfg = replace(cfg, model=replace(cfg.model, max_model_len=trace.max_tokens))
     kv_tokens = device_tokens(trace, device_fraction)

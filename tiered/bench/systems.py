@@ -6,6 +6,12 @@ Apart from the benchmark modules so that `tiered --help` can list them without i
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+from tiered.bench.traces import BenchError
+
+# The Python of the vllm systems unless --vllm-python: the venv `make bench-env` builds (its VLLM_VENV).
+DEFAULT_VLLM_PYTHON = "/tmp/vllmenv/bin/python"
 
 # `tiered bench load`: our engine in-process (config overrides), over HTTP, and vLLM.
 ENGINE_SYSTEMS: dict[str, list[str]] = {
@@ -33,3 +39,14 @@ VISIT_TIERED_SYSTEMS: dict[str, list[str]] = {
 VISIT_VLLM_SYSTEMS = ("vllm", "vllm-full")
 VISIT_SYSTEMS = [*VISIT_TIERED_SYSTEMS, *VISIT_VLLM_SYSTEMS]
 LORA_SYSTEM = re.compile(r"^(tiered|vllm)-lora([1-9][0-9]*)$")  # K adapters, one per user (u mod K)
+
+
+def check_vllm_python(python: str | None) -> str:
+    """The Python that runs `vllm serve` for the vllm systems; a BenchError that says how to get one."""
+    if not python:
+        raise BenchError(f"the vllm systems need --vllm-python (a Python with vLLM; `make bench-env` builds "
+                         f"{DEFAULT_VLLM_PYTHON})")  # fmt: skip
+    if not Path(python).exists():
+        raise BenchError(f"--vllm-python {python} does not exist: run `make bench-env` (it builds "
+                         f"{DEFAULT_VLLM_PYTHON}) or pass a Python with vLLM")  # fmt: skip
+    return python

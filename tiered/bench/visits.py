@@ -49,7 +49,7 @@ from tiered.bench.load import SLO_FACTORS, WARM_UP, Call, kv_bytes_per_token, pr
 from tiered.bench.mil import forward_flops, matmul_flops_per_s
 from tiered.bench.report import write_report
 from tiered.bench.stats import Record, Summary, poisson_arrivals, summarize
-from tiered.bench.systems import LORA_SYSTEM
+from tiered.bench.systems import LORA_SYSTEM, check_vllm_python
 from tiered.bench.systems import VISIT_SYSTEMS as SYSTEMS
 from tiered.bench.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from tiered.bench.traces import BenchError, Trace, TraceRequest
@@ -246,8 +246,8 @@ def _check_options(
     unknown = [s for s in systems if s not in SYSTEMS and not num_adapters(s)]
     if unknown or not systems:
         raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
-    if any(s.startswith("vllm") for s in systems) and not vllm_python:
-        raise BenchError("the vllm systems need --vllm-python (a Python with vLLM installed)")
+    if any(s.startswith("vllm") for s in systems):
+        check_vllm_python(vllm_python)
     if any(s.startswith("vllm") for s in systems) and cfg.engine.memory_budget_bytes:
         raise BenchError("vLLM's KV cache is sized from cache.device_tier_bytes: set engine.memory_budget_bytes=0 so "
                          "our device tier has that size too")  # fmt: skip

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from tiered.api.errors import APIError
+from tiered.api.logprobs import chat_logprobs, completion_logprobs
 from tiered.api.routes import ServingDep
 from tiered.api.schemas import ChatRequest, CompletionRequest
 from tiered.api.serving import refuse_stream, response_id, usage
@@ -28,22 +29,18 @@ async def completions(body: CompletionRequest, request: Request, s: ServingDep) 
     top = 0 if body.logprobs is None else max(1, body.logprobs)  # the chosen token is the top-1
     reqs = s.requests(s.prompts(body.prompt, body.add_special_tokens), body, "prompt", wanted, top)
     outs = await s.run(reqs, request, "prompt")
-    decode = s.tokenizer.decode
+    as_ids = s.as_token_ids(body.return_tokens_as_token_ids)
     choices = []
     for i, out in enumerate(outs):
-        text = decode([out.token_id])
+        text = s.tokenizer.decode([out.token_id])
         choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": "length", "logprobs": None}
         if body.logprobs is not None:
-            chosen = dict(out.top_logprobs).get(out.token_id)
-            shown = out.top_logprobs[: body.logprobs]
-            top_lps = [{decode([t]): lp for t, lp in shown}]
-            choice["logprobs"] = {"tokens": [text], "token_logprobs": [chosen], "top_logprobs": top_lps,
-                                  "text_offset": [0]}  # fmt: skip
+            choice["logprobs"] = completion_logprobs(s.token_texts, out, body.logprobs, as_ids)
         if wanted:
             choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
         choices.append(choice)
     return {"id": response_id("cmpl", request), "object": "text_completion", "created": int(time.time()),
-            "model": body.model or s.model_name, "choices": choices, "usage": usage(list(outs))}  # fmt: skip
+            "model": s.model_id(body.model), "choices": choices, "usage": usage(list(outs))}  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
@@ -63,18 +60,11 @@ async def chat(body: ChatRequest, request: Request, s: ServingDep) -> dict[str, 
     text = s.tokenizer.decode([out.token_id])
     logprobs = None
     if body.logprobs:
-
-        def entry(t: int, lp: float) -> dict[str, Any]:
-            tok = str(s.tokenizer.decode([t]))
-            return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-
-        chosen = dict(out.top_logprobs).get(out.token_id)
-        first = entry(out.token_id, chosen if chosen is not None else float("nan"))
-        first["top_logprobs"] = [entry(t, lp) for t, lp in out.top_logprobs[: body.top_logprobs or 0]]
-        logprobs = {"content": [first]}
+        as_ids = s.as_token_ids(body.return_tokens_as_token_ids)
+        logprobs = chat_logprobs(s.token_texts, out, body.top_logprobs or 0, as_ids)
     choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                               "logprobs": logprobs, "finish_reason": "length"}  # fmt: skip
     if body.logprob_token_ids:
         choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
     return {"id": response_id("chatcmpl", request), "object": "chat.completion", "created": int(time.time()),
-            "model": body.model or s.model_name, "choices": [choice], "usage": usage([out])}  # fmt: skip
+            "model": s.model_id(body.model), "choices": [choice], "usage": usage([out])}  # fmt: skip

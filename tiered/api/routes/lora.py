@@ -25,7 +25,7 @@ def allowed(config: Config) -> bool:
 async def load_lora_adapter(body: LoadLoraRequest, s: ServingDep) -> Response:
     if not body.lora_name or not body.lora_path:
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
-    if body.lora_name == s.model_name:
+    if body.lora_name in s.base_names:
         raise APIError(400, f"'{body.lora_name}' is the base model's name", "lora_name")
     s.check_serving()
     reply = await s.client.adapter(body.lora_name, body.lora_path)

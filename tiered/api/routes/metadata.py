@@ -24,7 +24,8 @@ async def health(s: ServingDep) -> JSONResponse:
 
 @router.get("/v1/models")
 async def models(s: ServingDep) -> dict[str, Any]:
-    """The base model, then each LoRA adapter (vLLM's cards: `root` its folder, `parent` the base)."""
+    """One card per served name of the base model, then one per LoRA adapter (vLLM's cards: `root`
+    the folder, `parent` the first served name); the folder-name alias is accepted, not listed."""
     ready = s.client.ready
     precision = ready.precision if ready else {}
     card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "tiered", "root": s.config.model.path,
@@ -32,8 +33,9 @@ async def models(s: ServingDep) -> dict[str, Any]:
             # ours: the precision the engine resolved (model.dtype: auto picks it per machine)
             "dtype": precision.get("compute"), "kv_cache_dtype": precision.get("kv"),
             "checkpoint_dtype": precision.get("checkpoint"), "dtype_reason": precision.get("reason")}  # fmt: skip
+    bases = [{**card, "id": name} for name in s.served_names]
     adapters = [{**card, "id": name, "root": path, "parent": s.model_name} for name, path in s.client.adapters.items()]
-    return {"object": "list", "data": [card, *adapters]}
+    return {"object": "list", "data": [*bases, *adapters]}
 
 
 @router.get("/version")

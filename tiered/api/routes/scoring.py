@@ -24,11 +24,11 @@ async def generative_scoring(body: ScoreBody, request: Request, s: ServingDep) -
         for i, row in enumerate(scores)
     ]
     return {"id": response_id("genscore", request), "object": "generative_score", "created": int(time.time()),
-            "model": body.model or s.model_name, "results": results, "usage": usage(outs)}  # fmt: skip
+            "model": s.model_id(body.model), "results": results, "usage": usage(outs)}  # fmt: skip
 
 
 @router.post("/v1/score")
 async def sglang_score(body: ScoreBody, request: Request, s: ServingDep) -> dict[str, Any]:
     """SGLang's shape: scores[i] lists the label probabilities of item i, in label order."""
     scores, outs = await s.score_items(body, request)
-    return {"object": "scoring", "model": body.model or s.model_name, "scores": scores, "usage": usage(outs)}
+    return {"object": "scoring", "model": s.model_id(body.model), "scores": scores, "usage": usage(outs)}
