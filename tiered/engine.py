@@ -32,6 +32,7 @@ from tiered.hybrid.model import use_attention
 from tiered.hybrid.precision import precision_for
 from tiered.offload.request import PrefixKV, Prepared
 from tiered.offload.tiers import KVTiers
+from tiered.pieces import Pieces
 from tiered.profile import profile_jct
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
@@ -90,6 +91,7 @@ class Engine:
         self.adapters = Adapters(lora, self.model.args, compute, device) if lora.enabled else None
         self.jct = jct_model or profile_jct(self)
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
+        self.pieces = Pieces(self)
         self.num_cancelled = 0
         log.info(
             "engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s",
@@ -131,12 +133,14 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         adapter: str | None = None,
+        slo_ms: float | None = None,
     ) -> str:
         """Queue a request; returns its id. Bad input raises ForwardInputError naming the value.
 
         `priority`: lower runs first (vLLM's field); `cache_salt`: cached KV is shared only with
         requests of the same salt (vLLM's field), in both tiers; `adapter`: the name of a LoRA
-        adapter to compute with (UnknownAdapterError if it is not served)."""
+        adapter to compute with (UnknownAdapterError if it is not served); `slo_ms`: its latency
+        objective, ms from now (default `scheduler.default_slo_ms`): its deadline."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         vocab = self.model.args.vocab_size
         try:  # the API process already checked; an in-process caller is checked by the same rule here
@@ -149,17 +153,22 @@ class Engine:
             if self.adapters is None:
                 raise UnknownAdapterError(f"The model `{adapter}` does not exist (LoRA is not enabled).")
             identity = self.adapters.spec(adapter).identity
+        slo_ms = self.config.scheduler.default_slo_ms if slo_ms is None else slo_ms
+        if slo_ms is not None and not (isinstance(slo_ms, int | float) and 0 < slo_ms <= 1e9):
+            raise ForwardInputError(f"slo_ms must be a number of milliseconds in (0, 1e9], got {slo_ms!r}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.scheduler:
             raise ForwardInputError(f"request id {request_id!r} is already waiting")
         self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt, identity), priority=priority,
-                           params=params)  # fmt: skip
+                           params=params, slo_seconds=None if slo_ms is None else slo_ms / 1e3)  # fmt: skip
         return request_id
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting request (timed out, client gone). False if it is not waiting."""
-        if self.scheduler.remove(request_id) is None:
+        w = self.scheduler.remove(request_id)
+        if w is None:
             return False
+        self.tiers.device_tier.unpin(w.parked)
         self.tiers.drop_prefetch(request_id)
         self.num_cancelled += 1
         return True
@@ -169,24 +178,33 @@ class Engine:
         return len(self.scheduler)
 
     def step(self) -> list[Result]:
-        """Run the next batch (one forward); its results, or [] when nothing waits."""
+        """Run the next batch (one forward); its results, or [] when nothing waits or the step
+        computed a piece of a request that yields (it waits again, its finished KV parked)."""
         sc = self.config.scheduler
+        expired = self._expire() if sc.drop_expired else []
         batch = self.scheduler.pick_batch(sc.max_batch_tokens, self.max_model_len, self.config.lora.max_loras)
         if not batch:
-            return []
+            return expired
+        piece = self.pieces.decide(batch[0]) if len(batch) == 1 else None
+        if piece is not None and piece.take is not None:  # yield before starting: the most urgent first
+            self.scheduler.requeue(batch[0].waiting)
+            batch = [self.scheduler.take(piece.take)]
+            piece = None
         if sc.prefetch:
             nxt = self.scheduler.peek()
             if nxt is not None and nxt.split.num_host_hit_tokens > 0 and not self._batch_makes(batch, nxt):
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
-        failed = self._load_adapters(batch, started)
+        failed = expired + self._load_adapters(batch, started)
         if failed:
             gone = {r.request_id for r in failed}
             batch = [d for d in batch if d.waiting.request_id not in gone]
             if not batch:
                 return failed
+        if piece is not None and piece.num_tokens is not None:
+            return failed + self.pieces.run(batch[0], piece.num_tokens, started)
         if len(batch) == 1:
-            return failed + self._run_alone(batch[0], started)
+            return failed + self.run_alone(batch[0], started)
         try:
             return failed + self._run_batch(batch, started)
         except BaseException as exc:
@@ -194,7 +212,22 @@ class Engine:
                 raise
             self._release_memory()
             log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
-            return failed + [r for d in batch for r in self._run_alone(d, started)]
+            return failed + [r for d in batch for r in self.run_alone(d, started)]
+
+    def _expire(self) -> list[Result]:
+        """`drop_expired`: fail the waiting requests whose deadline has passed."""
+        now = time.monotonic()
+        out = []
+        while (first := self.scheduler.by_deadline(limit=1)) and (w := first[0]).deadline is not None:
+            if w.deadline >= now:
+                break
+            self.cancel(w.request_id)
+            self.num_cancelled -= 1
+            late = 1e3 * (now - w.deadline)
+            out.append(Result.failed(w.request_id, w.request.token_ids.numel(),
+                                     f"deadline exceeded: {late:.0f} ms past its latency objective while it waited "
+                                     "(scheduler.drop_expired)", now - w.arrival, expired=True))  # fmt: skip
+        return out
 
     def _load_adapters(self, batch: list[Decision], started: float) -> list[Result]:
         """Make the batch's adapters resident; fail (only) the requests whose adapter folder can no
@@ -217,10 +250,10 @@ class Engine:
         key = nxt.request.keys[first_host]
         return any(key in d.waiting.request.keys for d in batch)
 
-    def _run_alone(self, decision: Decision, started: float) -> list[Result]:
+    def run_alone(self, decision: Decision, started: float, park: bool = False) -> list[Result]:
         """One request in its own forward; out of memory fails it alone (admission should prevent it)."""
         try:
-            return self._run_batch([decision], started)
+            return self._run_batch([decision], started, park)
         except BaseException as exc:
             if not _out_of_memory(exc):
                 raise
@@ -235,13 +268,14 @@ class Engine:
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
-    def _run_batch(self, batch: list[Decision], started: float) -> list[Result]:
-        """Prepare every request (pins, host loads), one forward over all, then finish each."""
+    def _run_batch(self, batch: list[Decision], started: float, park: bool = False) -> list[Result]:
+        """Prepare every request (pins, host loads), one forward over all, then finish each.
+        `park`: the batch is a piece of a request that resumes later (its KV stays, see `prepare`)."""
         prepared: list[Prepared] = []
         planned: set[int] = set()  # blocks an earlier request of the batch keeps or stores
         try:
             for d in batch:
-                prepared.append(self.tiers.prepare(d.waiting.request, self.scheduler.waiting_keys(), planned))
+                prepared.append(self.tiers.prepare(d.waiting.request, self.scheduler.waiting_keys(), planned, park))
             compute_start = time.perf_counter()
             logits, shared = self.forward(prepared)
             self.synchronize()
@@ -252,6 +286,9 @@ class Engine:
         compute = time.perf_counter() - compute_start
         for p in prepared:
             self.tiers.finish(p)
+        for d in batch:  # a request that yielded: its own pins cover what it held
+            self.tiers.device_tier.unpin(d.waiting.parked)
+            d.waiting.parked = []
         # For the cost model, tokens computed by another request cost what a cached prefix does.
         splits = [
             replace(
@@ -266,8 +303,10 @@ class Engine:
         predicted = self.jct.observe(splits, load + compute)
         logprobs = torch.log_softmax(logits, dim=-1)
         results = []
+        now = time.monotonic()
         for i, (d, p) in enumerate(zip(batch, prepared, strict=True)):
-            par, arrival = d.waiting.params, d.waiting.arrival
+            w = d.waiting
+            par, arrival = w.params, w.arrival
             top = []
             if par.top_logprobs:
                 values, indices = torch.topk(logprobs[i], par.top_logprobs)
@@ -275,7 +314,7 @@ class Engine:
             results.append(Result(
                 request_id=p.request.request_id,
                 num_tokens=p.request.token_ids.numel(),
-                split=p.split,
+                split=p.split if w.first_split is None else w.first_split,  # hits before its first piece
                 token_id=par.choose(logits[i]),
                 logprobs={t: float(logprobs[i, t]) for t in par.logprob_token_ids},
                 top_logprobs=top,
@@ -285,10 +324,12 @@ class Engine:
                 compute_seconds=compute,
                 predicted_seconds=predicted,
                 decision_seconds=d.decision_seconds,
-                finished_at=time.monotonic(),
+                finished_at=now,
                 batch_size=len(batch),
                 num_shared_tokens=shared[i],
                 store_seconds=store,
+                num_pieces=w.num_pieces + 1,
+                deadline_met=None if w.deadline is None else now <= w.deadline,
             ))  # fmt: skip
         return results
 
@@ -341,8 +382,8 @@ class Engine:
     def run(self) -> list[Result]:
         """Run until nothing waits; results in completion order."""
         results = []
-        while batch := self.step():
-            results += batch
+        while self.num_waiting:
+            results += self.step()
         return results
 
     def close(self) -> None:

@@ -65,11 +65,16 @@ class Result:
     # Of the forward's time, what storing to the host tier cost it (LMCache allocation, the KV
     # sink's copies), summed over the batch like `load_seconds`.
     store_seconds: float = 0.0
+    num_pieces: int = 1  # forwards its new tokens took (more than one: it yielded between pieces)
+    deadline_met: bool | None = None  # answered by its deadline (None: it had no latency objective)
+    expired: bool = False  # failed because its deadline passed while it waited (scheduler.drop_expired)
 
     @classmethod
-    def failed(cls, request_id: str, num_tokens: int, error: str, queued_seconds: float) -> Result:
+    def failed(
+        cls, request_id: str, num_tokens: int, error: str, queued_seconds: float, expired: bool = False
+    ) -> Result:
         return cls(request_id, num_tokens, HitSplit(0, 0, num_tokens), 0, {}, [], queued_seconds, 0.0, 0.0, 0.0,
-                   0.0, 0.0, time.monotonic(), error)  # fmt: skip
+                   0.0, 0.0, time.monotonic(), error, expired=expired)  # fmt: skip
 
     @property
     def latency_seconds(self) -> float:

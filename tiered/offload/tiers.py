@@ -130,19 +130,23 @@ class KVTiers:
     # ---- loading ---------------------------------------------------------------------------
 
     def prepare(
-        self, req: TierRequest, shared_keys: Collection[int] = (), planned_keys: set[int] | None = None
-    ) -> Prepared:
+        self, req: TierRequest, shared_keys: Collection[int] = (), planned_keys: set[int] | None = None,
+        park: bool = False,
+    ) -> Prepared:  # fmt: skip
         """Pin the request's prefix (loading host hits) and plan its retention and offload.
 
         `shared_keys`: block keys of other waiting requests, for the `prefix` retention policy.
         `planned_keys`: keys of blocks an earlier request of the same batch already keeps and
         stores (it computes them for both); this request's leading computed
-        blocks among them are neither kept nor stored again. Its own plan is added to the set."""
+        blocks among them are neither kept nor stored again. Its own plan is added to the set.
+        `park`: a piece of a request that resumes later: every computed block stays on the device
+        whatever the retention policy (those that find no room go to the host tier)."""
         prefetched, from_remote, wait = self.loader.take_prefetch(req.request_id)
         prefix, loaded, remote, load = self.loader.find_prefix(req)
         try:
             from_host = set(prefetched) | set(loaded)
-            return self._plan(req, prefix, from_host, from_remote | remote, wait, load, shared_keys, planned_keys)
+            return self._plan(req, prefix, from_host, from_remote | remote, wait, load, shared_keys, planned_keys,
+                              park)  # fmt: skip
         except BaseException:
             self.device_tier.unpin(prefix)  # what _plan pinned it released itself
             raise
@@ -157,6 +161,7 @@ class KVTiers:
         load: float,
         shared_keys: Collection[int],
         planned_keys: set[int] | None,
+        park: bool = False,
     ) -> Prepared:
         bt = self.block_tokens
         num_host = sum(1 for b in prefix if b in from_host)
@@ -173,7 +178,8 @@ class KVTiers:
         while planned_keys is not None and first_own < num_full and req.keys[first_own] in planned_keys:
             first_own += 1
         computed = range(first_own, num_full)
-        retained = self.device_tier.allocate(len(self._retention(req, computed, shared_keys)))
+        keep = len(computed) if park else len(self._retention(req, computed, shared_keys))
+        retained = self.device_tier.allocate(keep)
         store, stored = None, []
         if self.host_tier is not None:
             # Chunks the host tier lacks; with on-evict, not those staying on the device.

@@ -89,6 +89,16 @@ class JCTModel:
         x = JCTSample.of(splits, 0.0).features()
         return max(0.0, sum(c * v for c, v in zip(self.coefficients, x, strict=True)))
 
+    def piece_seconds(self, split: HitSplit, num_tokens: int) -> float:
+        """Seconds to compute the next `num_tokens` of a request after its cached prefix (`split`'s
+        hits). Monotone in `num_tokens` (pieces are chosen by binary search on it): the per-token
+        and attention terms count at least zero, whatever sign the fit gave them."""
+        c = self.coefficients
+        cached = split.num_hit_tokens
+        m = float(num_tokens)
+        fixed = c[0] + c[3] * split.num_host_hit_tokens + c[4] * cached + c[5] * split.num_remote_hit_tokens
+        return max(0.0, fixed) + max(c[1], 0.0) * m + max(c[2], 0.0) * _pairs(m, cached + m)
+
     def observe(self, splits: Sequence[HitSplit], seconds: float) -> float:
         """Record a finished forward (a batch); returns the prediction it had. Updates the error and the fit."""
         predicted = self.predict_batch(splits)

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiered.config import SchedulerPolicy
 from tiered.offload.request import HitSplit, TierRequest
@@ -58,6 +58,13 @@ class Waiting:
     version: int = 0  # heap entries of an older version are stale
     priority: int = 0
     params: ScoreParams = DEFAULT_PARAMS  # what to return (logprobs, the chosen token)
+    deadline: float | None = None  # arrival + its latency objective (monotonic seconds)
+    # Between the pieces of a request that yields (scheduler/pieces.py): pieces done, its hits
+    # before the first, device blocks held for it, and until when it may yield again.
+    num_pieces: int = 0
+    first_split: HitSplit | None = None
+    parked: list[int] = field(default_factory=list)
+    yield_until: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -93,6 +100,7 @@ class Scheduler:
         self._heap: list[tuple[int, float, int, str, int]] = []  # (priority, score, seq, request id, version)
         self._by_key: dict[int, set[str]] = defaultdict(set)  # block key -> ids of the requests that hold it
         self._dirty: set[str] = set()
+        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, request id), stale entries skipped
         self._lock = threading.Lock()
         self._seq = 0
         tiers.on_change = self._keys_changed
@@ -107,22 +115,63 @@ class Scheduler:
 
     def add(
         self, request: TierRequest, arrival: float | None = None, priority: int = 0,
-        params: ScoreParams = DEFAULT_PARAMS,
+        params: ScoreParams = DEFAULT_PARAMS, slo_seconds: float | None = None,
     ) -> Waiting:  # fmt: skip
-        """Queue a request (its id must not be waiting already: ValueError)."""
+        """Queue a request (its id must not be waiting already: ValueError); with `slo_seconds`,
+        its deadline is its arrival plus that."""
         if request.request_id in self._waiting:
             raise ValueError(f"request id {request.request_id!r} is already waiting")
         split = self.tiers.estimate(request)
         now = self.clock() if arrival is None else arrival
-        w = Waiting(request, self._seq, now, split, self.jct.predict(split), priority=priority, params=params)
+        deadline = None if slo_seconds is None else now + slo_seconds
+        w = Waiting(request, self._seq, now, split, self.jct.predict(split), priority=priority, params=params,
+                    deadline=deadline)  # fmt: skip
         self._seq += 1
+        self._enqueue(w)
+        return w
+
+    def requeue(self, w: Waiting) -> None:
+        """Put a picked request back, as it was (arrival, order, deadline): a request that yielded
+        between pieces keeps its place. Its split is re-estimated (its finished pieces are cached)."""
+        w.split = self.tiers.estimate(w.request)
+        w.jct = self.jct.predict(w.split)
+        w.version += 1
+        self._enqueue(w)
+
+    def _enqueue(self, w: Waiting) -> None:
         self._waiting[w.request_id] = w
         with self._lock:  # the host tier's store thread reads the index (`_keys_changed`)
-            for key in request.keys:
+            for key in w.request.keys:
                 self._by_key[key].add(w.request_id)
         if self.policy != "hrrn":
             self._push(w)
-        return w
+        if w.deadline is not None:
+            heapq.heappush(self._deadlines, (w.deadline, w.seq, w.request_id))
+
+    def take(self, request_id: str) -> Decision:
+        """Take a given waiting request out to run (the most urgent, ahead of the policy's pick)."""
+        w = self._waiting.pop(request_id)
+        self._unindex(w)
+        return Decision(w, w.jct, 0.0, 0, len(self._waiting) + 1)
+
+    def by_deadline(self, limit: int = 64) -> list[Waiting]:
+        """Up to `limit` waiting requests with a deadline, earliest first (stale entries dropped)."""
+        if len(self._deadlines) > 2 * len(self._waiting) + 64:  # mostly stale: keep the live entries
+            live = {(w.deadline, w.seq, w.request_id) for w in self._waiting.values() if w.deadline is not None}
+            self._deadlines = list(live)
+            heapq.heapify(self._deadlines)
+        heap = self._deadlines
+        while heap:  # the earliest entries left first (a picked request's entry goes stale)
+            top = self._waiting.get(heap[0][2])
+            if top is not None and top.seq == heap[0][1]:
+                break
+            heapq.heappop(heap)
+        out: dict[str, Waiting] = {}
+        for _, seq, request_id in heapq.nsmallest(2 * limit, heap):
+            w = self._waiting.get(request_id)
+            if w is not None and w.seq == seq and len(out) < limit:
+                out.setdefault(request_id, w)
+        return list(out.values())
 
     def _push(self, w: Waiting) -> None:
         heapq.heappush(self._heap, (w.priority, self._score(w), w.seq, w.request_id, w.version))

@@ -1,20 +1,9 @@
-"""The one configuration tree.
-
-A YAML file in `configs/` maps onto these dataclasses one to one; `--set section.key=value` on
-the command line overrides a single key. An unknown key or a value of the wrong type or range is
-a `ConfigError` whose message names the key. Invariants are checked where a section is built.
-"""
+"""The configuration tree: one dataclass per section, its invariants checked as it is built."""
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
-
-import yaml
 
 ForwardMode = Literal["vanilla", "chunked", "hybrid"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -29,7 +18,7 @@ class ConfigError(ValueError):
     """A configuration key is unknown or its value is invalid; the message names the key."""
 
 
-def _require(ok: bool, key: str, message: str) -> None:
+def require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}': {message}")
 
@@ -49,8 +38,8 @@ class ModelConfig:
     models_dir: str = ".models"
 
     def __post_init__(self) -> None:
-        _require(self.max_model_len >= 1, "model.max_model_len", f"must be >= 1, got {self.max_model_len}")
-        _require(bool(self.path), "model.path", "must not be empty")
+        require(self.max_model_len >= 1, "model.max_model_len", f"must be >= 1, got {self.max_model_len}")
+        require(bool(self.path), "model.path", "must not be empty")
 
 
 @dataclass(slots=True)
@@ -65,7 +54,7 @@ class ForwardConfig:
     chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
-        _require(self.chunk_tokens >= 1, "forward.chunk_tokens", f"must be >= 1, got {self.chunk_tokens}")
+        require(self.chunk_tokens >= 1, "forward.chunk_tokens", f"must be >= 1, got {self.chunk_tokens}")
 
 
 @dataclass(slots=True)
@@ -91,13 +80,13 @@ class HostTierConfig:
     on_close: OnClose = "drain"
 
     def __post_init__(self) -> None:
-        _require("chunk_size" not in self.lmcache, "cache.host.lmcache.chunk_size", "is set from cache.block_tokens")
-        _require(
+        require("chunk_size" not in self.lmcache, "cache.host.lmcache.chunk_size", "is set from cache.block_tokens")
+        require(
             0 < self.store_cpu_share <= 1,
             "cache.host.store_cpu_share",
             f"must be in (0, 1], got {self.store_cpu_share}",
         )
-        _require(
+        require(
             self.max_pending_stores >= 1,
             "cache.host.max_pending_stores",
             f"must be >= 1, got {self.max_pending_stores}",
@@ -125,10 +114,10 @@ class CacheConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
 
     def __post_init__(self) -> None:
-        _require(self.block_tokens >= 1, "cache.block_tokens", f"must be >= 1, got {self.block_tokens}")
-        _require(self.device_tier_bytes >= 0, "cache.device_tier_bytes", "must be >= 0")
-        _require(self.retention_cap_tokens >= 0, "cache.retention_cap_tokens", "must be >= 0")
-        _require(
+        require(self.block_tokens >= 1, "cache.block_tokens", f"must be >= 1, got {self.block_tokens}")
+        require(self.device_tier_bytes >= 0, "cache.device_tier_bytes", "must be >= 0")
+        require(self.retention_cap_tokens >= 0, "cache.retention_cap_tokens", "must be >= 0")
+        require(
             self.suffix == "discard" or self.host.enabled,
             "cache.suffix",
             "'offload' needs cache.host.enabled: true",
@@ -154,14 +143,28 @@ class SchedulerConfig:
     # Computed (uncached) tokens of one batched forward: requests sharing a prefix run together
     # up to this budget, reading one copy of it. 0: one request per forward (PrefillOnly's way).
     max_batch_tokens: int = 2048
+    # Latency objective of a request that names none (`slo_ms`), ms from arrival; None: none.
+    default_slo_ms: float | None = None
+    # A request past its deadline fails with a clear error instead of running late.
+    drop_expired: bool = False
+    # How a request running alone may yield between block-aligned pieces, its finished KV parked in
+    # the tiers: `deadline` (when a waiting request would miss its deadline), `fixed` (pieces of
+    # `piece_tokens`), `never` (one pass). A yielding request ends within (1 + max_yield_delay) x its time alone.
+    pieces: Literal["deadline", "fixed", "never"] = "deadline"
+    piece_tokens: int = 4096
+    max_yield_delay: float = 0.5
 
     def __post_init__(self) -> None:
-        _require(self.fairness >= 0, "scheduler.fairness", f"must be >= 0, got {self.fairness}")
-        _require(self.max_waiting >= 1, "scheduler.max_waiting", f"must be >= 1, got {self.max_waiting}")
-        _require(self.max_batch_tokens >= 0, "scheduler.max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
-        _require(bool(self.profile_tokens) and min(self.profile_tokens) >= 2, "scheduler.profile_tokens",
+        require(self.fairness >= 0, "scheduler.fairness", f"must be >= 0, got {self.fairness}")
+        require(self.default_slo_ms is None or 0 < self.default_slo_ms <= 1e9, "scheduler.default_slo_ms",
+                 f"must be in (0, 1e9] ms or null, got {self.default_slo_ms}")  # fmt: skip
+        require(self.piece_tokens >= 1 and self.max_yield_delay >= 0, "scheduler.piece_tokens",
+                 "piece_tokens must be >= 1 and max_yield_delay >= 0")  # fmt: skip
+        require(self.max_waiting >= 1, "scheduler.max_waiting", f"must be >= 1, got {self.max_waiting}")
+        require(self.max_batch_tokens >= 0, "scheduler.max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
+        require(bool(self.profile_tokens) and min(self.profile_tokens) >= 2, "scheduler.profile_tokens",
                  "must list lengths >= 2")  # fmt: skip
-        _require(all(0 < f <= 1 for f in self.profile_miss_fractions), "scheduler.profile_miss_fractions",
+        require(all(0 < f <= 1 for f in self.profile_miss_fractions), "scheduler.profile_miss_fractions",
                  "must be in (0, 1]")  # fmt: skip
 
 
@@ -187,8 +190,8 @@ class EngineConfig:
     threads: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.memory_budget_bytes >= 0, "engine.memory_budget_bytes", "must be >= 0")
-        _require(self.threads >= 0, "engine.threads", f"must be >= 0, got {self.threads}")
+        require(self.memory_budget_bytes >= 0, "engine.memory_budget_bytes", "must be >= 0")
+        require(self.threads >= 0, "engine.threads", f"must be >= 0, got {self.threads}")
 
 
 @dataclass(slots=True)
@@ -205,8 +208,8 @@ class ServerConfig:
     metrics_require_key: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0")
-        _require(self.max_body_bytes >= 1024, "server.max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
+        require(self.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0")
+        require(self.max_body_bytes >= 1024, "server.max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
 
 
 @dataclass(slots=True)
@@ -226,11 +229,11 @@ class LoraConfig:
     allow_runtime_updates: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.max_loras >= 1, "lora.max_loras", f"must be >= 1, got {self.max_loras}")
-        _require(self.max_lora_rank >= 1, "lora.max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
-        _require(self.enabled or not self.modules, "lora.modules", "needs lora.enabled: true (--enable-lora)")
+        require(self.max_loras >= 1, "lora.max_loras", f"must be >= 1, got {self.max_loras}")
+        require(self.max_lora_rank >= 1, "lora.max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
+        require(self.enabled or not self.modules, "lora.modules", "needs lora.enabled: true (--enable-lora)")
         for name, path in self.modules.items():
-            _require(isinstance(name, str) and bool(name) and isinstance(path, str) and bool(path),
+            require(isinstance(name, str) and bool(name) and isinstance(path, str) and bool(path),
                      "lora.modules", f"must map adapter names to folders, got {name!r}: {path!r}")  # fmt: skip
 
 
@@ -261,13 +264,13 @@ class ClusterConfig:
     health_check_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _require(self.replicas >= 1, "cluster.replicas", f"must be >= 1, got {self.replicas}")
-        _require(self.cpus_per_replica > 0, "cluster.cpus_per_replica", f"must be > 0, got {self.cpus_per_replica}")
-        _require(self.gpus_per_replica is None or self.gpus_per_replica >= 0, "cluster.gpus_per_replica",
+        require(self.replicas >= 1, "cluster.replicas", f"must be >= 1, got {self.replicas}")
+        require(self.cpus_per_replica > 0, "cluster.cpus_per_replica", f"must be > 0, got {self.cpus_per_replica}")
+        require(self.gpus_per_replica is None or self.gpus_per_replica >= 0, "cluster.gpus_per_replica",
                  f"must be >= 0, got {self.gpus_per_replica}")  # fmt: skip
-        _require(self.load_factor > 0, "cluster.load_factor", f"must be > 0, got {self.load_factor}")
-        _require(self.affinity_tokens >= 1, "cluster.affinity_tokens", f"must be >= 1, got {self.affinity_tokens}")
-        _require(self.health_check_period_s > 0 and self.health_check_timeout_s > 0, "cluster.health_check_period_s",
+        require(self.load_factor > 0, "cluster.load_factor", f"must be > 0, got {self.load_factor}")
+        require(self.affinity_tokens >= 1, "cluster.affinity_tokens", f"must be >= 1, got {self.affinity_tokens}")
+        require(self.health_check_period_s > 0 and self.health_check_timeout_s > 0, "cluster.health_check_period_s",
                  "the health check's period and timeout must be > 0")  # fmt: skip
 
 
@@ -289,111 +292,4 @@ class Config:
 
     def __post_init__(self) -> None:
         ok = self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
-        _require(ok, "device", f"must be cpu, cuda, cuda:N or auto, got '{self.device}'")
-
-
-def _check_value(value: Any, hint: Any, key: str) -> Any:
-    """Check `value` against a type hint of the config tree; return it (ints widen to float)."""
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        _require(value in allowed, key, f"must be one of {', '.join(map(str, allowed))}; got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _check_value(value, option, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0])
-    if dataclasses.is_dataclass(hint):
-        _require(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
-        return _build(hint, value, key)  # type: ignore[arg-type]
-    if origin is list:
-        _require(isinstance(value, list), key, f"must be a list, got {value!r}")
-        (item,) = typing.get_args(hint)
-        return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        _require(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
-        return dict(value)
-    if hint is bool:
-        _require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
-    elif hint is int:
-        _require(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
-    elif hint is float:
-        _require(
-            isinstance(value, int | float) and not isinstance(value, bool), key, f"must be a number, got {value!r}"
-        )
-        return float(value)
-    elif hint is str:
-        _require(isinstance(value, str), key, f"must be a string, got {value!r}")
-    return value
-
-
-def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in names:
-            full = f"{prefix}.{key}" if prefix else str(key)
-            raise ConfigError(f"unknown config key '{full}' (known here: {', '.join(sorted(names))})")
-    kwargs = {key: _check_value(value, hints[key], f"{prefix}.{key}" if prefix else key) for key, value in raw.items()}
-    return cls(**kwargs)
-
-
-def _apply_override(raw: dict[str, Any], assignment: str) -> None:
-    key, sep, text = assignment.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override '{assignment}' must look like section.key=value")
-    node = raw
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"config key '{key}': '{part}' is not a section")
-        node = child
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Build the config from an optional YAML file, then `key=value` overrides, in that order."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file '{path}' does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
-        raw = loaded or {}
-    for assignment in overrides or []:
-        _apply_override(raw, assignment)
-    return _build(Config, raw)
-
-
-def config_to_dict(config: Config) -> dict[str, Any]:
-    """The config as plain data (for logs and benchmark JSON)."""
-    return dataclasses.asdict(config)
-
-
-def with_overrides(config: Config, overrides: list[str]) -> Config:
-    """`config` with `key=value` overrides applied (checked as in `load_config`)."""
-    raw = config_to_dict(config)
-    for assignment in overrides:
-        _apply_override(raw, assignment)
-    return _build(Config, raw)  # type: ignore[no-any-return]
-
-
-def write_config(config: Config, path: str | Path) -> Path:
-    """Write `config` as YAML that `load_config` reads back to an equal config."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    return Path(path)
+        require(ok, "device", f"must be cpu, cuda, cuda:N or auto, got '{self.device}'")

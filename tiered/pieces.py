@@ -1,0 +1,106 @@
+"""Prefills that yield: the engine's side of `scheduler/pieces.py`.
+
+A piece is the head request cut at a block boundary, run alone with `park` (its computed blocks
+stay on the device, or go to the host tier where the device lacks room); the request then waits
+again with its arrival, its order and its deadline, holding pins on its parked device blocks so
+they are not evicted before it resumes. Its next piece finds them as its own cached prefix
+(device hits, or host loads for what went to the host tier); its last piece computes the logits
+and its result reports the hits it had before its first piece.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from tiered.config import Config
+from tiered.offload.request import TierRequest
+from tiered.offload.tiers import KVTiers
+from tiered.scheduler.jct import JCTModel
+from tiered.scheduler.pieces import Urgent, choose_piece, fixed_piece
+from tiered.scheduler.scheduler import Decision, Scheduler
+from tiered.score import Result
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """What pieces need of `tiered.Engine` (a protocol: this module does not import the engine)."""
+
+    config: Config
+    tiers: KVTiers
+    jct: JCTModel
+    scheduler: Scheduler
+
+    def run_alone(self, decision: Decision, started: float, park: bool = False) -> list[Result]: ...
+
+
+@dataclass(slots=True, frozen=True)
+class PieceChoice:
+    """Compute `num_tokens` of the head now and let it wait again; or, with `take`, run that
+    urgent request first and let the head wait before it starts."""
+
+    num_tokens: int | None = None
+    take: str | None = None
+
+
+class Pieces:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.num_pieces = 0  # pieces that ended in a yield
+        self.num_deferrals = 0  # heads that waited before starting, an urgent request ahead
+
+    def decide(self, d: Decision) -> PieceChoice | None:
+        """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole."""
+        e = self.engine
+        sc, bt, w = e.config.scheduler, e.tiers.block_tokens, d.waiting
+        split = w.split
+        now = time.monotonic()
+        if sc.pieces == "never" or split.num_miss_tokens <= bt:
+            return None
+        if sc.pieces == "fixed":  # a baseline: always in pieces (as chunked prefill), no bound needed
+            n = fixed_piece(split, sc.piece_tokens, bt)
+            choice = PieceChoice(n) if n < split.num_miss_tokens else None
+        elif w.yield_until is not None and now >= w.yield_until:  # yielded long enough: it runs now
+            return None
+        else:
+            whole = e.jct.piece_seconds(split, split.num_miss_tokens)
+            urgent = [Urgent(u.request_id, u.deadline, u.jct) for u in e.scheduler.by_deadline()
+                      if u.deadline is not None and now + u.jct <= u.deadline < now + whole + u.jct]  # fmt: skip
+            if not urgent:
+                return None
+            n = choose_piece(now, split, urgent, e.jct, bt)
+            choice = PieceChoice(take=urgent[0].request_id) if n == 0 else PieceChoice(n)
+            if n >= split.num_miss_tokens:
+                return None
+        if choice is not None and w.yield_until is None:  # its delay is bounded from its first yield on (deadline)
+            w.yield_until = now + (1 + sc.max_yield_delay) * w.jct
+        if choice is not None and choice.take is not None:
+            self.num_deferrals += 1
+        return choice
+
+    def run(self, d: Decision, num_tokens: int, started: float) -> list[Result]:
+        """Compute the head's next `num_tokens` (block-aligned), park them, queue the head again.
+        Returns [] (the request goes on), or its failure."""
+        e = self.engine
+        w, bt = d.waiting, e.tiers.block_tokens
+        req = w.request
+        end = w.split.num_hit_tokens + num_tokens
+        cut = TierRequest(req.request_id, req.token_ids[:end], req.keys[: end // bt], req.salt, req.adapter)
+        failed = e.run_alone(replace(d, waiting=replace(w, request=cut, parked=[])), started, park=True)
+        if failed and failed[0].error is not None:
+            e.tiers.device_tier.unpin(w.parked)
+            return [replace(failed[0], num_tokens=req.token_ids.numel())]
+        if w.first_split is None:
+            w.first_split = w.split
+        w.num_pieces += 1
+        held = e.tiers.device_tier.match(req.keys, req.token_ids.tolist(), count=False, pin=True)
+        e.tiers.device_tier.unpin(w.parked)
+        w.parked = held
+        e.scheduler.requeue(w)
+        self.num_pieces += 1
+        log.debug("request %s yielded after piece %d (%d of %d tokens; %d blocks held on the device)",
+                  req.request_id, w.num_pieces, end, req.token_ids.numel(), len(held))  # fmt: skip
+        return []
