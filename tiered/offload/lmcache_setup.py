@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,22 @@ def drain_remote_puts(storage_manager: Any, timeout_s: float = REMOTE_CLOSE_TIME
         time.sleep(0.01)
 
 
+def reentrant_observability_lock() -> None:
+    """Work around LMCache 0.5.6's self-deadlock in its `thread_safe` functions.
+
+    They all take one module-wide `threading.Lock`; the allocator's `free` is one of them, and a
+    memory object frees itself in `__del__`. When the garbage collector runs inside one of those
+    functions (any allocation there may start it) and collects a memory object (one held in a
+    reference cycle, such as a traceback of a failed remote lookup), `free` waits for the lock its
+    own thread holds: the process hangs. A re-entrant lock lets the same thread in again; the
+    functions it serialises (metric bookkeeping, the allocator) do not interleave their state.
+    Idempotent; the lock must be replaced before LMCache first takes it (before its first engine)."""
+    import lmcache.utils
+
+    if not isinstance(lmcache.utils._shared_observability_lock, type(threading.RLock())):
+        lmcache.utils._shared_observability_lock = threading.RLock()  # type: ignore[assignment]
+
+
 def start_lmcache(
     lmcache_options: dict[str, Any], args: ModelArgs, block_tokens: int, dtype: torch.dtype, instance_id: str,
     model_name: str,
@@ -175,6 +192,7 @@ def start_lmcache(
     from lmcache.v1.metadata import LMCacheMetadata
 
     quiet_lmcache()  # the loggers its imports made; again below for those made by its engine
+    reentrant_observability_lock()
     known = lmcache_config_keys()
     for key in lmcache_options:
         if key not in known:
