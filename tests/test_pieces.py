@@ -68,6 +68,9 @@ def test_fixed_pieces_equal_one_pass_parked_on_the_device_or_reloaded_from_the_h
             pieced.tiers.device_tier.clear()
         (r,) = pieced.run()
         host = pieced.tiers.host_tier.stats()  # type: ignore[union-attr]
+        if not evict:  # 4 blocks held after each of the first four pieces, none sent to the host tier
+            assert pieced.pieces.parked_device_bytes == 16 * pieced.tiers.device_tier.bytes_per_block
+            assert pieced.pieces.parked_host_bytes == 0 and pieced.pieces.num_pieces == 4
         assert pieced.tiers.device_tier.stats().num_pinned_blocks == 0  # every hold released
     assert whole.num_pieces == 1 and r.num_pieces == 5
     assert r.split.num_miss_tokens == 300  # the hits it had before its first piece: none

@@ -51,6 +51,8 @@ class Pieces:
         self.engine = engine
         self.num_pieces = 0  # pieces that ended in a yield
         self.num_deferrals = 0  # heads that waited before starting, an urgent request ahead
+        self.parked_device_bytes = 0  # KV of finished pieces held on the device for their request
+        self.parked_host_bytes = 0  # ... and put in the host tier where the device lacked room
 
     def decide(self, d: Decision) -> PieceChoice | None:
         """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole."""
@@ -98,6 +100,11 @@ class Pieces:
         w.num_pieces += 1
         held = e.tiers.device_tier.match(req.keys, req.token_ids.tolist(), count=False, pin=True)
         e.tiers.device_tier.unpin(w.parked)
+        on_device = max(0, len(held) - len(w.parked))  # of this piece's blocks, those held on the device
+        block_bytes = e.tiers.device_tier.bytes_per_block
+        self.parked_device_bytes += on_device * block_bytes
+        if e.tiers.host_tier is not None:
+            self.parked_host_bytes += max(0, num_tokens // bt - on_device) * block_bytes
         w.parked = held
         e.scheduler.requeue(w)
         self.num_pieces += 1

@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tiered.api.app import build_app
+from tiered.api.metrics import parse
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse
 from tiered.config import load_config
 from tiered.validation import InputError, check_prompt
@@ -55,7 +56,9 @@ class FakeEngine:
             ScoreResponse(r.request_id, token_id=r.token_ids[-1], logprobs=[(t, -t / 100) for t in r.logprob_token_ids],
                           top_logprobs=[(r.token_ids[-1] + k, -(k + 1) / 100) for k in range(r.top_logprobs)],
                           num_tokens=len(r.token_ids),
-                          num_device_hit_tokens=len(r.token_ids) // 2, compute_seconds=0.5)
+                          num_device_hit_tokens=len(r.token_ids) // 2, compute_seconds=0.5,
+                          num_pieces=1 + len(r.token_ids) // 32,  # as if long prompts yielded
+                          deadline_met=None if r.slo_ms is None else r.slo_ms >= 100)  # a fake: 100 ms suffice
             for r in reqs
         ]  # fmt: skip
 
@@ -91,6 +94,10 @@ def _error(r: Any) -> dict[str, Any]:
         ({"prompt": [1], "logprob_token_ids": [-1]}, "logprob_token_ids", "token id -1 is outside"),
         ({"prompt": [1], "logit_bias": {"7": 101}}, "logit_bias", "logit_bias values must be in [-100, 100]"),
         ({"prompt": [1], "cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string"),
+        ({"prompt": [1], "slo_ms": -5}, "slo_ms", "slo_ms must be a number of milliseconds in (0, 1e9], got -5"),
+        ({"prompt": [1], "slo_ms": 0}, "slo_ms", "slo_ms must be a number of milliseconds"),
+        ({"prompt": [1], "slo_ms": 2e9}, "slo_ms", "slo_ms must be a number of milliseconds"),
+        ({"prompt": [1], "slo_ms": "10"}, "slo_ms", "slo_ms:"),
         ({"prompt": "x", "model": "nope"}, "model", "The model `nope` does not exist."),
         ({"prompt": 5}, "prompt", "prompt:"),
     ],
@@ -274,3 +281,34 @@ def test_return_tokens_as_token_ids_per_request_and_per_server(tiny_dir: Path) -
 
 def client_text(client: TestClient, token: int) -> str:
     return str(client.post("/detokenize", json={"tokens": [token]}).json()["prompt"])
+
+
+def test_latency_objectives_reach_the_engine_and_are_counted_per_route(api) -> None:
+    """slo_ms on completions, chat and scoring goes to the engine as given; each answer says its
+    pieces and whether it met its deadline (usage.tiered), and /metrics counts both per route."""
+    client, fake = api
+    r = client.post("/v1/completions", json={"prompt": [[1] * 40, [2, 3]], "slo_ms": 1500})
+    assert r.status_code == 200 and [q.slo_ms for q in fake.received] == [1500, 1500]
+    assert r.json()["usage"]["tiered"]["num_pieces"] == 2 + 1 and r.json()["usage"]["tiered"]["deadline_met"] is True
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "slo_ms": 50.5})
+    assert r.status_code == 200 and fake.received[-1].slo_ms == 50.5
+    assert r.json()["usage"]["tiered"]["deadline_met"] is False
+    r = client.post("/v1/score", json={"query": "a", "items": ["b"], "label_token_ids": [1], "slo_ms": 200})
+    assert r.status_code == 200 and fake.received[-1].slo_ms == 200
+    r = client.post("/v1/completions", json={"prompt": [1, 2]})
+    assert fake.received[-1].slo_ms is None and r.json()["usage"]["tiered"]["deadline_met"] is None
+    m = parse(client.get("/metrics").text)
+    assert m['tiered:deadline_total{model_name=base,outcome=met,route=/v1/completions}'] == 2
+    assert m['tiered:deadline_total{model_name=base,outcome=missed,route=/v1/chat/completions}'] == 1
+    assert m['tiered:deadline_total{model_name=base,outcome=met,route=/v1/score}'] == 1
+    assert m["tiered:prefill_pieces_total"] == 3 + 1 + 1 + 1
+
+
+def test_a_request_past_its_deadline_is_a_429_naming_the_reason(api) -> None:
+    client, fake = api
+    fake.error = ("deadline exceeded: 40 ms past its latency objective while it waited (scheduler.drop_expired)", 429)
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "slo_ms": 10})
+    assert r.status_code == 429 and _error(r)["type"] == "deadline_exceeded"
+    assert "deadline exceeded" in _error(r)["message"]
+    m = parse(client.get("/metrics").text)
+    assert m['tiered:deadline_total{model_name=base,outcome=expired,route=/v1/completions}'] == 1

@@ -27,6 +27,7 @@ from tiered.api.protocol import (
     Cancel,
     EngineStats,
     HostCounters,
+    PieceCounters,
     Ready,
     ScoreRequest,
     ScoreResponse,
@@ -118,12 +119,15 @@ def _stats(engine: Engine) -> EngineStats:
         num_waiting=engine.num_waiting,
         adapters=(adapters.num_resident, adapters.num_loads) if adapters is not None else None,
         lmcache_metrics=lmcache_metrics() if host is not None else "",
+        pieces=PieceCounters(engine.pieces.num_pieces, engine.pieces.num_deferrals,
+                             engine.pieces.parked_device_bytes, engine.pieces.parked_host_bytes),  # fmt: skip
     )
 
 
 def _response(result: Result) -> ScoreResponse:
-    if result.error is not None:
-        return ScoreResponse(request_id=result.request_id, error=result.error, error_status=500)
+    if result.error is not None:  # past its deadline (drop_expired): 429, the load was too high for it
+        status = 429 if result.expired else 500
+        return ScoreResponse(request_id=result.request_id, error=result.error, error_status=status)
     return ScoreResponse(
         request_id=result.request_id,
         token_id=result.token_id,
@@ -138,6 +142,8 @@ def _response(result: Result) -> ScoreResponse:
         load_seconds=result.load_seconds,
         store_seconds=result.store_seconds,
         compute_seconds=result.compute_seconds,
+        num_pieces=result.num_pieces,
+        deadline_met=result.deadline_met,
     )
 
 
@@ -166,7 +172,7 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel | AdapterCommand, res
     )
     try:
         engine.submit(req.token_ids, params, req.request_id, priority=req.priority, cache_salt=req.cache_salt,
-                      adapter=req.lora_name)  # fmt: skip
+                      adapter=req.lora_name, slo_ms=req.slo_ms)  # fmt: skip
     except ForwardInputError as exc:
         status = getattr(exc, "status", 400)  # 404: an unknown adapter
         responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc), error_status=status)))

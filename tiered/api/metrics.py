@@ -72,13 +72,22 @@ class Metrics:
                                buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.prefill = Histogram("vllm:request_prefill_time_seconds", "Host-tier loads plus the forward of the "
                                  "request's batch.", m, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.deadline = Counter("tiered:deadline", "Requests with a latency objective, by route and outcome: met, "
+                                "missed (answered late), expired (refused late, scheduler.drop_expired); goodput is "
+                                "rate(tiered:deadline_total{outcome=\"met\"}).", [*m, "route", "outcome"],
+                                registry=r)  # fmt: skip
+        self.pieces = Counter("tiered:prefill_pieces", "Forwards answered requests' new tokens took (a request "
+                              "that yielded between pieces counts each piece).", m, registry=r)  # fmt: skip
         self.prompt_hist = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
                                      buckets=buckets_1_2_5(max_model_len), registry=r)  # fmt: skip
         self.engine_stats = engine_stats
         r.register(_Reported(client_counters, engine_stats))
 
-    def observe(self, model: str, out: ScoreResponse, e2e_seconds: float) -> None:
+    def observe(self, model: str, out: ScoreResponse, e2e_seconds: float, route: str = "") -> None:
         self.success.labels(model, "length").inc()
+        if out.deadline_met is not None:
+            self.deadline.labels(model, route, "met" if out.deadline_met else "missed").inc()
+        self.pieces.labels(model).inc(out.num_pieces)
         self.prompt_tokens.labels(model).inc(out.num_tokens)
         self.generation_tokens.labels(model).inc()
         self.queries.labels(model).inc(out.num_tokens)
@@ -148,6 +157,17 @@ class _Reported:
             ):  # fmt: skip
                 yield _counter(f"tiered:{name}", doc, value)
             yield _gauge("tiered:host_store_pending", "Store batches queued for the store thread.", h.pending_stores)
+        if e.pieces is not None:
+            p = e.pieces
+            yield _counter("tiered:prefill_yields", "Pieces after which a long prefill waited again, its KV parked, "
+                           "so that urgent requests ran.", p.yields)  # fmt: skip
+            yield _counter("tiered:prefill_deferrals", "Long prefills that waited before starting, an urgent request "
+                           "run first.", p.deferrals)  # fmt: skip
+            parked = CounterMetricFamily("tiered:parked_bytes", "KV bytes of finished pieces parked for their request, "
+                                         "by tier.", labels=["tier"])  # fmt: skip
+            parked.add_metric(["device"], p.parked_device_bytes)
+            parked.add_metric(["host"], p.parked_host_bytes)
+            yield parked
         if e.adapters is not None:
             yield _gauge("tiered:lora_resident_adapters", "LoRA adapters whose weights are on the device.",
                          e.adapters[0])  # fmt: skip

@@ -19,6 +19,7 @@ class ScoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     lora_name: str | None = None  # the LoRA adapter to compute with (None: the base model)
+    slo_ms: float | None = None  # latency objective, ms from arrival (None: the server's default)
 
 
 @dataclass(slots=True)
@@ -74,6 +75,8 @@ class ScoreResponse:
     load_seconds: float = 0.0  # host-tier loads of this request's batch
     store_seconds: float = 0.0  # what host-tier stores cost this request's batch's forward
     compute_seconds: float = 0.0
+    num_pieces: int = 1  # forwards its new tokens took (more than one: it yielded to urgent requests)
+    deadline_met: bool | None = None  # answered by its deadline (None: no latency objective)
 
 
 def cached_tokens(out: ScoreResponse) -> int:
@@ -94,6 +97,17 @@ class EngineStats:
     num_waiting: int = 0  # requests in the engine's queue now
     adapters: tuple[int, int] | None = None  # LoRA: (resident, weight loads so far); None: LoRA off
     lmcache_metrics: str = ""  # LMCache's own Prometheus metrics in the engine process, rendered
+    pieces: PieceCounters | None = None  # prefills that yielded, so far
+
+
+@dataclass(slots=True)
+class PieceCounters:
+    """Prefills that yield (tiered/pieces.py), counted since the engine started."""
+
+    yields: int = 0  # pieces after which a request waited again
+    deferrals: int = 0  # heads that waited before starting, an urgent request run first
+    parked_device_bytes: int = 0  # KV of finished pieces kept on the device for their request
+    parked_host_bytes: int = 0  # ... and put in the host tier, the device lacking room
 
 
 @dataclass(slots=True)
@@ -131,6 +145,8 @@ def decode(frame: bytes) -> Any:
             body["host"] = HostCounters(**body["host"])
         if body.get("adapters") is not None:
             body["adapters"] = tuple(body["adapters"])
+        if body.get("pieces") is not None:
+            body["pieces"] = PieceCounters(**body["pieces"])
     elif cls is ScoreRequest:
         body["logit_bias"] = [tuple(p) for p in body["logit_bias"]]
     return cls(**body)

@@ -17,6 +17,10 @@ class EngineFields(BaseModel):
     model: str | None = None
     priority: int = 0  # vLLM's: lower runs first (always honoured here)
     cache_salt: str | None = None  # vLLM's: cached KV is shared only with the same salt
+    # Ours: latency objective, ms from arrival (default scheduler.default_slo_ms): a deadline the
+    # scheduler plans for (a long prefill may yield to meet it); past it the request is still
+    # answered, or refused with a 429 where scheduler.drop_expired is set.
+    slo_ms: float | None = None
 
 
 class ChoiceFields(EngineFields):

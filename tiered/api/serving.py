@@ -151,6 +151,8 @@ class Serving:
         adapter = self.adapter(body.model)  # an unknown model is a 404 before anything else, as in vLLM
         if body.cache_salt is not None and not body.cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string when given", "cache_salt")
+        if body.slo_ms is not None and not (math.isfinite(body.slo_ms) and 0 < body.slo_ms <= 1e9):
+            raise APIError(400, f"slo_ms must be a number of milliseconds in (0, 1e9], got {body.slo_ms}", "slo_ms")
         allowed: list[int] = []
         bias: list[tuple[int, float]] = []
         if isinstance(body, ChoiceFields):
@@ -173,7 +175,8 @@ class Serving:
             except InputError as exc:
                 raise APIError(400, str(exc), param) from None
         return [
-            ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt, adapter)
+            ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt, adapter,
+                         body.slo_ms)  # fmt: skip
             for ids in prompts
         ]
 
@@ -188,14 +191,18 @@ class Serving:
         start = time.monotonic()
         outs = await self.client.run(reqs, request.is_disconnected)
         label = reqs[0].lora_name or self.model_name  # the base model or the adapter (metrics' model_name)
+        route = request.url.path
         for out in outs:
             if out.error is None:
-                self.metrics.observe(label, out, time.monotonic() - start)
+                self.metrics.observe(label, out, time.monotonic() - start, route)
+            elif out.error_status == 429:  # past its deadline (scheduler.drop_expired)
+                self.metrics.deadline.labels(label, route, "expired").inc()
             elif out.error_status >= 500:
                 self.metrics.failed.labels(label).inc()
         for out in outs:
             if out.error:
-                type_ = "server_error" if out.error_status >= 500 else "invalid_request_error"
+                type_ = {429: "deadline_exceeded"}.get(out.error_status, "invalid_request_error")
+                type_ = "server_error" if out.error_status >= 500 else type_
                 raise APIError(out.error_status, out.error, param if out.error_status < 500 else None, type_)
         return outs
 
@@ -245,5 +252,10 @@ def usage(outs: list[ScoreResponse]) -> dict[str, Any]:
             "load_seconds": max((o.load_seconds for o in outs), default=0.0),
             "store_seconds": max((o.store_seconds for o in outs), default=0.0),
             "compute_seconds": max((o.compute_seconds for o in outs), default=0.0),
+            # forwards the prompts' new tokens took (more than one each: a prefill that yielded)
+            "num_pieces": sum(o.num_pieces for o in outs),
+            # every prompt answered by its deadline (null: no latency objective)
+            "deadline_met": None if all(o.deadline_met is None for o in outs)
+            else all(o.deadline_met is not False for o in outs),
         },
     }
