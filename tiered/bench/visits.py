@@ -47,7 +47,7 @@ from tiered.bench.mil import forward_flops, matmul_flops_per_s
 from tiered.bench.report import write_report
 from tiered.bench.servers import prometheus_totals, serve_tiered, serve_vllm
 from tiered.bench.stats import Record, Summary, poisson_arrivals, summarize
-from tiered.bench.systems import LORA_SYSTEM, check_vllm_python
+from tiered.bench.systems import LORA_SYSTEM, check_vllm_sizing
 from tiered.bench.systems import VISIT_SYSTEMS as SYSTEMS
 from tiered.bench.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from tiered.bench.traces import BenchError, Trace, TraceRequest
@@ -231,10 +231,7 @@ def _check_options(
     if unknown or not systems:
         raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
     if any(s.startswith("vllm") for s in systems):
-        check_vllm_python(vllm_python)
-    if any(s.startswith("vllm") for s in systems) and cfg.engine.memory_budget_bytes:
-        raise BenchError("vLLM's KV cache is sized from cache.device_tier_bytes: set engine.memory_budget_bytes=0 so "
-                         "our device tier has that size too")  # fmt: skip
+        check_vllm_sizing(cfg, vllm_python)
     if (multiples and min(multiples) <= 0) or concurrency < 1:
         raise BenchError("load multiples must be > 0 (none: saturation only), and the concurrency >= 1")
 
