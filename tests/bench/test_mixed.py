@@ -32,7 +32,8 @@ def test_the_trace_is_seeded_and_has_the_asked_mix() -> None:
     assert t.calls != build_trace(VOCAB, replace(SMALL, seed=8), 0.5).calls
     short, long = t.of(SHORT), t.of(LONG)
     assert t.window_seconds == 6000 and len(short) + len(long) == len(t.calls)
-    assert 0.95 * 3000 < len(short) < 1.05 * 3000 and 0.85 * 300 < len(long) < 1.15 * 300  # 0.5/s and 3/min
+    assert 0.95 * 3000 < len(short) < 1.05 * 3000 and len(long) == 300  # Poisson at 0.5/s; 3/min, one a period
+    assert [int(c.arrival_seconds // 20) for c in long] == list(range(300))
     times = [c.arrival_seconds for c in t.calls]
     assert times == sorted(times) and 0 < times[0] and times[-1] < 6000
     assert {c.slo_ms for c in short} == {1500} and {c.slo_ms for c in long} == {12000}

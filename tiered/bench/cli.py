@@ -241,7 +241,7 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vs.add_argument("--trace", default=None, help="a visits trace written by `tiered bench trace visits` (else one "
                     "is generated from the options below)")  # fmt: skip
     vg = vs.add_argument_group("trace (lengths in tokens)")
-    vg.add_argument("--users", type=int, default=64, help="distinct users (profiles)")
+    vg.add_argument("--users", type=int, default=16, help="distinct users (profiles)")
     vg.add_argument("--visits", type=int, default=256, help="visits (HTTP calls) in all")
     vg.add_argument("--posts", type=int, default=8, help="prompts per visit (candidate posts)")
     vg.add_argument("--profile-tokens", dest="profile_mean", metavar="N", type=int, default=1800,
@@ -295,16 +295,17 @@ def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     add_config_args(mx)
     mx.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-fixed1024", "tiered-never"],
                     help=f"comma-separated, of the forms: {', '.join(MIXED_SYSTEM_FORMS)}")  # fmt: skip
-    mx.add_argument("--short-qps", type=parse_float_list, default=[0.25, 0.5, 1.0], help="offered loads: short calls/s")
+    mx.add_argument("--short-qps", type=parse_float_list, default=[0.1, 0.25, 0.5], help="offered loads: short calls/s")
     g = mx.add_argument_group("traffic (lengths in tokens, objectives in ms from arrival)")
-    g.add_argument("--short-slo-ms", type=float, default=3000.0, help="short calls' objective")
+    g.add_argument("--short-slo-ms", type=float, default=5000.0, help="short calls' objective")
     g.add_argument("--long-tokens", type=int, default=8192, help="long prompts' length (fresh tokens, never cached)")
-    g.add_argument("--long-per-minute", type=float, default=2.0, help="long calls' Poisson rate")
-    g.add_argument("--long-slo-ms", type=float, default=30000.0, help="long calls' objective")
+    g.add_argument("--long-per-minute", type=float, default=1.0,
+                   help="long calls a minute (one per period, at a seeded time within it)")
+    g.add_argument("--long-slo-ms", type=float, default=60000.0, help="long calls' objective")
     span = g.add_mutually_exclusive_group()
     span.add_argument("--minutes", type=float, default=5.0, help="arrival window of each run")
     span.add_argument("--calls", type=int, default=None, help="calls in all per run, instead of --minutes")
-    g.add_argument("--users", type=int, default=64, help="distinct users (profiles), drawn by --zipf")
+    g.add_argument("--users", type=int, default=16, help="distinct users (profiles), drawn by --zipf")
     g.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf")
     g.add_argument("--posts", type=int, default=1, help="prompts per short call")
     g.add_argument("--profile-tokens", type=int, default=1800, help="profile length mean (sd 1/6, within 2/3-4/3)")

@@ -1,13 +1,16 @@
 """The traffic of `tiered bench mixed`: short visit calls with a tight objective among long, uncached prompts.
 
-Two Poisson processes over one arrival window (seeded; strings seed `random.Random`, so the draws
-do not depend on the Python process):
+Two arrival processes over one window (seeded; strings seed `random.Random`, so the draws do not
+depend on the Python process):
 - short calls at `short_qps`: the visit workload's (`traces.visits`: a Zipf user's profile of
   ~1,800 tokens + a fresh post + the question, `posts` prompts a call), objective `short_slo_ms`;
   popular users return, so their profiles are cached within a run;
 - long calls at `long_per_minute`: fresh random prompts of exactly `long_tokens`, objective
-  `long_slo_ms`. Their times do not depend on `short_qps`: every load gets the same long calls at
-  the same times (with --minutes), and only the short traffic grows.
+  `long_slo_ms`; one in each period of 60 / long_per_minute s, at a seeded uniform time within it.
+  Not Poisson: a long call costs so much (half a minute of bench-m on 2 cores) that a window of a
+  few minutes holds only a few, and a Poisson count of them would swing the offered load by half.
+  Their times do not depend on `short_qps`: every load gets the same long calls at the same times
+  (with --minutes), and only the short traffic grows.
 
 The window is --minutes long, or, with --calls, ends at the last of the first N calls' arrivals.
 A trace also holds `alone_repeats` more fresh long prompts: the idle-server reference each long
@@ -33,15 +36,19 @@ PRIORITY = {SHORT: 0, LONG: 1}  # vLLM's `priority` on its priority systems: low
 
 @dataclass(slots=True, frozen=True)
 class MixedParams:
-    """The options of the traffic (lengths in tokens, objectives in ms from arrival)."""
+    """The options of the traffic (lengths in tokens, objectives in ms from arrival).
 
-    short_slo_ms: float = 3000.0
+    The defaults fit bench-m on 2 cores (fp32 compute): a short call alone takes ~0.6 s on a cached
+    profile and ~4 s on a fresh one, an 8 K-token prompt ~28 s, so one a minute is half the machine,
+    its objective ~2x its time alone, and the short one admits a fresh profile computed at once."""
+
+    short_slo_ms: float = 5000.0
     long_tokens: int = 8192
-    long_per_minute: float = 2.0
-    long_slo_ms: float = 30000.0
+    long_per_minute: float = 1.0
+    long_slo_ms: float = 60000.0
     minutes: float | None = 5.0  # the arrival window; None: `calls` decides it
     calls: int | None = None  # calls in all (short and long), instead of `minutes`
-    users: int = 64
+    users: int = 16
     posts: int = 1  # prompts per short call
     profile_tokens: int = 1800  # mean; sd 1/6 of it, clipped to [2/3, 4/3] of it (the visits': 1,800 +- 300)
     post_tokens: int = 150
@@ -107,10 +114,16 @@ def poisson_times(rate_per_s: float, rng: random.Random) -> Iterator[float]:
         yield t
 
 
+def periodic_times(rate_per_s: float, rng: random.Random) -> Iterator[float]:
+    """One arrival in each period of 1 / `rate_per_s` s, uniform within it; without end (none at rate 0)."""
+    for k in itertools.count() if rate_per_s > 0 else ():
+        yield (k + rng.random()) / rate_per_s
+
+
 def arrivals(p: MixedParams, short_qps: float) -> tuple[list[tuple[float, str]], float]:
     """(time, kind) of every call in arrival order, and the window's length in seconds."""
     short = ((t, SHORT) for t in poisson_times(short_qps, random.Random(f"{p.seed}-short")))
-    long = ((t, LONG) for t in poisson_times(p.long_per_minute / 60, random.Random(f"{p.seed}-long")))
+    long = ((t, LONG) for t in periodic_times(p.long_per_minute / 60, random.Random(f"{p.seed}-long")))
     merged = heapq.merge(short, long)
     if p.minutes is not None:
         window = 60 * p.minutes
