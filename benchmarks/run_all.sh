@@ -126,3 +126,8 @@ $T bench batch --model embedded:bench-m --repeats 3 --json benchmarks/out/batch-
 $T bench load --config configs/bench-m.yaml --kind credit_verification --users 6 --scale 0.1 --multiples 0.5 \
   --systems tiered,vllm --vllm-python "$VLLM_PY" --json benchmarks/out/load-credit-bench-m-auto.json \
   --plots benchmarks/out/load-credit-bench-m-auto
+# Issue 24: short visit calls (5 s objective) among fresh 8K-token prompts (1/min, 60 s), ours by how prefills
+# yield against vLLM's chunked prefill (plain, priority policy, long prefills capped); ~2 h on 2 cores
+$T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25,0.5 --minutes 5 \
+  --systems tiered,tiered-fixed1024,tiered-never,vllm-chunk1024,vllm-priority-chunk1024,vllm-chunk2048-cap1024 \
+  --vllm-python "$VLLM_PY" --json benchmarks/out/mixed-bench-m.json --plots benchmarks/out/mixed-bench-m

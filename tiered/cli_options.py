@@ -47,6 +47,14 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
+def parse_float_list(text: str) -> list[float]:
+    """'0.5,1,2' -> [0.5, 1.0, 2.0] (latency SLOs in seconds, offered loads)."""
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers") from None
+
+
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help=f"YAML config file (default: {DEFAULT_CONFIG.name} in configs/)")
     p.add_argument(

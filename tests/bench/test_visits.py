@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tiered.bench import visits as bench_visits
+from tiered.bench import servers as bench_servers
 from tiered.bench.traces import QUESTION_TOKENS, BenchError, Trace, TraceRequest, revisit, visits
 from tiered.bench.visits import run_visits_bench, split_visits, vllm_prefix_cache_tokens, working_set_tokens
 from tiered.cli import main
@@ -73,9 +73,9 @@ vllm:prefix_cache_hits_total{engine="1",model_name="model"} 34.0
 vllm:prefix_cache_queries_total{engine="0",model_name="model"} 5000.0
 vllm:prefix_cache_queries_created{engine="0",model_name="model"} 1.7e9
 """
-    monkeypatch.setattr(bench_visits.httpx, "get", lambda url, timeout: SimpleNamespace(text=text))
+    monkeypatch.setattr(bench_servers.httpx, "get", lambda url, timeout: SimpleNamespace(text=text))
     assert vllm_prefix_cache_tokens("http://x") == (5000, 1234)
-    monkeypatch.setattr(bench_visits.httpx, "get", lambda url, timeout: SimpleNamespace(text="up 1\n"))
+    monkeypatch.setattr(bench_servers.httpx, "get", lambda url, timeout: SimpleNamespace(text="up 1\n"))
     with pytest.raises(BenchError, match="prefix_cache_queries_total"):
         vllm_prefix_cache_tokens("http://x")
 

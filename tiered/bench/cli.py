@@ -14,6 +14,7 @@ from tiered.bench.commands import (
     cmd_bench_batch,
     cmd_bench_load,
     cmd_bench_mil,
+    cmd_bench_mixed,
     cmd_bench_plot,
     cmd_bench_policies,
     cmd_bench_precision,
@@ -23,7 +24,7 @@ from tiered.bench.commands import (
     cmd_bench_trace,
     cmd_bench_visits,
 )
-from tiered.cli_options import add_config_args, parse_bytes, parse_int_list
+from tiered.cli_options import add_config_args, parse_bytes, parse_float_list, parse_int_list
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -38,6 +39,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     _add_trace_parser(bsub)
     _add_load_parser(bsub)
     _add_visits_parser(bsub)
+    _add_mixed_parser(bsub)
     _add_soak_parser(bsub)
     _add_plot_parser(bsub)
     _add_server_parser(bsub)
@@ -197,11 +199,11 @@ def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
                     "default)")  # fmt: skip
     ld.add_argument(
         "--slo-p99",
-        type=_floats,
+        type=parse_float_list,
         default=None,
         help="P99 latency SLOs, s, comma-separated (default: 2.5, 5 and 10x the P99 job time in the burst)",
     )
-    ld.add_argument("--slo-mean", type=_floats, default=None,
+    ld.add_argument("--slo-mean", type=parse_float_list, default=None,
                     help="mean latency SLOs, s, comma-separated (default: 2.5, 5, 10x the mean job time)")  # fmt: skip
     ld.add_argument("--repeats", type=int, default=1, help="runs per (system, load) on the same arrivals; tables show "
                     "each figure's median, the JSON keeps every run")  # fmt: skip
@@ -239,7 +241,7 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vs.add_argument("--trace", default=None, help="a visits trace written by `tiered bench trace visits` (else one "
                     "is generated from the options below)")  # fmt: skip
     vg = vs.add_argument_group("trace (lengths in tokens)")
-    vg.add_argument("--users", type=int, default=64, help="distinct users (profiles)")
+    vg.add_argument("--users", type=int, default=16, help="distinct users (profiles)")
     vg.add_argument("--visits", type=int, default=256, help="visits (HTTP calls) in all")
     vg.add_argument("--posts", type=int, default=8, help="prompts per visit (candidate posts)")
     vg.add_argument("--profile-tokens", dest="profile_mean", metavar="N", type=int, default=1800,
@@ -262,13 +264,59 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vs.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                     help="a Python with vLLM installed, for the vllm systems (`make bench-env` builds the "
                     "default)")  # fmt: skip
-    vs.add_argument("--slo-p99", type=_floats, default=None, help="P99 visit latency SLOs, s, comma-separated "
+    vs.add_argument("--slo-p99", type=parse_float_list, default=None, help="P99 visit latency SLOs, s, comma-separated "
                     "(default: 2.5, 5, 10x the first system's P99 at the lowest load)")  # fmt: skip
-    vs.add_argument("--slo-mean", type=_floats, default=None, help="mean visit latency SLOs, s, comma-separated "
-                    "(default: 2.5, 5, 10x the first system's mean at the lowest load)")  # fmt: skip
+    vs.add_argument("--slo-mean", type=parse_float_list, default=None, help="mean visit latency SLOs, s, "
+                    "comma-separated (default: 2.5, 5, 10x the first system's mean at the lowest load)")  # fmt: skip
     vs.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
     vs.add_argument("--plots", default=None, help="folder for PNG plots, server configs and logs "
                     "(default benchmarks/out/visits)")  # fmt: skip
+
+
+def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tiered.bench.systems import DEFAULT_VLLM_PYTHON, MIXED_SYSTEM_FORMS
+
+    mx = bsub.add_parser(
+        "mixed", help="goodput of short calls with a latency objective among long uncached prompts, over HTTP",
+        description="Short calls (visit prompts: a Zipf user's profile + a fresh post + the question, --posts a call) "
+        "arrive as a Poisson process at each of --short-qps with the objective --short-slo-ms; among them, fresh "
+        "--long-tokens prompts at --long-per-minute (the same times at every load) with --long-slo-ms; for --minutes "
+        "(or --calls in all). The same seeded calls at the same times go to every system, one run per load, each "
+        "with its own cache_salt. Per system: a long prompt alone on the idle server (best of --alone-repeats); per "
+        "load: goodput (calls answered within their objective per second of arrivals) of short, long and all calls, "
+        "short P50/P99, each long call's latency against alone, ours' pieces per long call and /metrics on pieces, "
+        "yields, parked KV; the highest short QPS whose P99 / mean meets the short objective. Systems: tiered "
+        "(scheduler.pieces=deadline), tiered-fixedN (pieces of N tokens), tiered-never; vllm-chunkN (chunked prefill, "
+        "--max-num-batched-tokens N), vllm-priority-chunkN (--scheduling-policy priority: short calls priority 0, "
+        "long 1), either with -capM (--long-prefill-token-threshold M). Ours get each call's objective as slo_ms. "
+        "Writes JSON (--json) and goodput.png (--plots). The headline: --config configs/bench-m.yaml.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    add_config_args(mx)
+    mx.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-fixed1024", "tiered-never"],
+                    help=f"comma-separated, of the forms: {', '.join(MIXED_SYSTEM_FORMS)}")  # fmt: skip
+    mx.add_argument("--short-qps", type=parse_float_list, default=[0.1, 0.25, 0.5], help="offered loads: short calls/s")
+    g = mx.add_argument_group("traffic (lengths in tokens, objectives in ms from arrival)")
+    g.add_argument("--short-slo-ms", type=float, default=5000.0, help="short calls' objective")
+    g.add_argument("--long-tokens", type=int, default=8192, help="long prompts' length (fresh tokens, never cached)")
+    g.add_argument("--long-per-minute", type=float, default=1.0,
+                   help="long calls a minute (one per period, at a seeded time within it)")
+    g.add_argument("--long-slo-ms", type=float, default=60000.0, help="long calls' objective")
+    span = g.add_mutually_exclusive_group()
+    span.add_argument("--minutes", type=float, default=5.0, help="arrival window of each run")
+    span.add_argument("--calls", type=int, default=None, help="calls in all per run, instead of --minutes")
+    g.add_argument("--users", type=int, default=16, help="distinct users (profiles), drawn by --zipf")
+    g.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf")
+    g.add_argument("--posts", type=int, default=1, help="prompts per short call")
+    g.add_argument("--profile-tokens", type=int, default=1800, help="profile length mean (sd 1/6, within 2/3-4/3)")
+    g.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%)")
+    g.add_argument("--alone-repeats", type=int, default=2, help="long prompts alone per system (best is kept)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the calls and their arrivals")
+    mx.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="a Python with vLLM, for the vllm systems")
+    mx.add_argument("--json", default=None, help="write the run (params, scores, records) as JSON here")
+    mx.add_argument("--plots", default=None, help="folder for goodput.png, server configs and logs "
+                    "(default benchmarks/out/mixed)")  # fmt: skip
+    mx.set_defaults(func=cmd_bench_mixed)
 
 
 def _add_soak_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -320,14 +368,6 @@ def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     srv.add_argument("--tokens", type=int, default=256)
     srv.add_argument("--json", default=None, help="write results as JSON here")
     srv.set_defaults(func=cmd_bench_server)
-
-
-def _floats(text: str) -> list[float]:
-    """'0.5,1,2' -> [0.5, 1.0, 2.0] (latency SLOs in seconds)."""
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers") from None
 
 
 def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -170,6 +170,21 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_mixed(args: argparse.Namespace) -> int:
+    from tiered.bench.mixed import run_mixed_bench
+    from tiered.bench.mixed_trace import MixedParams
+    from tiered.bench.plots import plot_goodput
+
+    params = MixedParams(args.short_slo_ms, args.long_tokens, args.long_per_minute, args.long_slo_ms,
+                         None if args.calls is not None else args.minutes, args.calls, args.users, args.posts,
+                         args.profile_tokens, args.post_tokens, args.zipf, args.alone_repeats, args.seed)  # fmt: skip
+    out_dir = Path(args.plots or "benchmarks/out/mixed")
+    doc = run_mixed_bench(config_from_args(args), params, args.systems, args.short_qps, args.vllm_python, args.json,
+                          out_dir)  # fmt: skip
+    print(f"wrote {plot_goodput(doc, out_dir)}")
+    return 0
+
+
 def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
     from tiered.bench.traces import KINDS
 

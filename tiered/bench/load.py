@@ -141,6 +141,8 @@ class Call:
     prompts: list[list[int]]
     model: str | None = None  # the `model` field of this call (a LoRA adapter); None: run_http's
     user: str | None = None  # sent as `x-user-id` (a router's affinity key)
+    slo_ms: float | None = None  # sent as `slo_ms`: its latency objective, ms from arrival (ours)
+    priority: int | None = None  # sent as `priority` (lower runs first; vLLM: with --scheduling-policy priority)
 
 
 WARM_UP = Call("warm-up", [list(range(3, 67))])  # pays first-call costs before a timed run
@@ -169,32 +171,37 @@ async def _run_http_async(
                 sent = loop.time()
                 prompt = call.prompts[0] if len(call.prompts) == 1 else call.prompts
                 body = {"model": call.model or model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
-                if cache_salt is not None:
-                    body["cache_salt"] = cache_salt
-                error = None
-                device = host = shared = remote = 0
+                fields = {"cache_salt": cache_salt, "slo_ms": call.slo_ms, "priority": call.priority}
+                body.update({k: v for k, v in fields.items() if v is not None})
                 headers = {"x-user-id": call.user} if call.user is not None else None
+                record = Record(call.call_id, sum(len(p) for p in call.prompts), sent - start, 0.0, None, 0, 0)
                 try:
                     r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
                     data = r.json()
                     if r.status_code != 200:
-                        error = f"{r.status_code}: {data.get('error', data)}"
+                        record.error = f"{r.status_code}: {data.get('error', data)}"
                     else:
-                        usage = data.get("usage") or {}
-                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                        split = usage.get("tiered")
-                        device, host = (split["device_hit_tokens"], split["host_hit_tokens"]) if split else (cached, 0)
-                        shared = split.get("batch_shared_tokens", 0) if split else 0
-                        remote = split.get("remote_hit_tokens", 0) if split else 0
+                        read_usage(data.get("usage") or {}, record)
                 except httpx.HTTPError as exc:
-                    error = f"{type(exc).__name__}: {exc}"
-                done = loop.time()
+                    record.error = f"{type(exc).__name__}: {exc}"
+                record.latency_seconds = loop.time() - sent
             progress.step()
-            num_tokens = sum(len(p) for p in call.prompts)
-            latency = done - sent
-            return Record(call.call_id, num_tokens, sent - start, latency, None, device, host, error, shared, remote)
+            return record
 
         return list(await asyncio.gather(*(one(i) for i in range(len(calls)))))
+
+
+def read_usage(usage: dict[str, Any], record: Record) -> None:
+    """A response's `usage` into its record: hits by tier (`usage.tiered` when the server is ours,
+    else `cached_tokens`, all counted as device hits) and, where reported, pieces and deadline."""
+    split = usage.get("tiered")
+    if not split:
+        record.device_hit_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return
+    record.device_hit_tokens, record.host_hit_tokens = split["device_hit_tokens"], split["host_hit_tokens"]
+    record.shared_tokens = split.get("batch_shared_tokens", 0)
+    record.remote_hit_tokens = split.get("remote_hit_tokens", 0)
+    record.num_pieces, record.deadline_met = split.get("num_pieces"), split.get("deadline_met")
 
 
 def run_http(

@@ -6,9 +6,11 @@ Apart from the benchmark modules so that `tiered --help` can list them without i
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from tiered.bench.traces import BenchError
+from tiered.config import Config
 
 # The Python of the vllm systems unless --vllm-python: the venv `make bench-env` builds (its VLLM_VENV).
 DEFAULT_VLLM_PYTHON = "/tmp/vllmenv/bin/python"
@@ -41,6 +43,14 @@ VISIT_SYSTEMS = [*VISIT_TIERED_SYSTEMS, *VISIT_VLLM_SYSTEMS]
 LORA_SYSTEM = re.compile(r"^(tiered|vllm)-lora([1-9][0-9]*)$")  # K adapters, one per user (u mod K)
 
 
+def check_vllm_sizing(cfg: Config, python: str | None) -> None:
+    """What a run with vllm systems needs, checked before anything starts (BenchError naming it)."""
+    check_vllm_python(python)
+    if cfg.engine.memory_budget_bytes:
+        raise BenchError("vLLM's KV cache is sized from cache.device_tier_bytes: set engine.memory_budget_bytes=0 so "
+                         "our device tier has that size too")  # fmt: skip
+
+
 def check_vllm_python(python: str | None) -> str:
     """The Python that runs `vllm serve` for the vllm systems; a BenchError that says how to get one."""
     if not python:
@@ -50,3 +60,49 @@ def check_vllm_python(python: str | None) -> str:
         raise BenchError(f"--vllm-python {python} does not exist: run `make bench-env` (it builds "
                          f"{DEFAULT_VLLM_PYTHON}) or pass a Python with vLLM")  # fmt: skip
     return python
+
+
+# `tiered bench mixed`: `tiered serve` by how its prefills yield, and `vllm serve` by its chunk size.
+MIXED_TIERED_SYSTEMS: dict[str, list[str]] = {
+    "tiered": ["scheduler.pieces=deadline"],  # SLOWeave: pieces sized so urgent waiting requests meet their deadlines
+    "tiered-never": ["scheduler.pieces=never"],  # every prefill in one pass
+}
+MIXED_FIXED_SYSTEM = re.compile(r"^tiered-fixed([1-9][0-9]*)$")  # pieces of N tokens, always (chunked prefill's way)
+# chunked prefill, N tokens a step; -capM: a long prefill takes at most M of them while others wait
+MIXED_VLLM_SYSTEM = re.compile(r"^vllm-(priority-)?chunk([1-9][0-9]*)(?:-cap([1-9][0-9]*))?$")
+MIXED_SYSTEM_FORMS = [*MIXED_TIERED_SYSTEMS, "tiered-fixedN", "vllm-chunkN", "vllm-priority-chunkN",
+                      "vllm-[priority-]chunkN-capM"]  # fmt: skip
+
+
+@dataclass(slots=True, frozen=True)
+class MixedSystem:
+    """One system of `tiered bench mixed`, parsed from its name."""
+
+    name: str
+    overrides: tuple[str, ...] = ()  # ours: config overrides (`scheduler.pieces` ...)
+    vllm_step_tokens: int = 0  # vLLM: --max-num-batched-tokens (chunked prefill); 0: the system is ours
+    priority: bool = False  # vLLM: --scheduling-policy priority, short calls sent with a better `priority`
+    vllm_long_prefill_cap: int = 0  # vLLM: --long-prefill-token-threshold (0: none, vLLM's default)
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.vllm_step_tokens > 0
+
+    @property
+    def vllm_args(self) -> list[str]:
+        """`vllm serve` options beyond VLLMServer's own."""
+        policy = ["--scheduling-policy", "priority"] if self.priority else []
+        cap = ["--long-prefill-token-threshold", str(self.vllm_long_prefill_cap)] if self.vllm_long_prefill_cap else []
+        return policy + cap
+
+
+def mixed_system(name: str) -> MixedSystem | None:
+    """The system a `tiered bench mixed` name stands for; None for a name that is none of them."""
+    if name in MIXED_TIERED_SYSTEMS:
+        return MixedSystem(name, tuple(MIXED_TIERED_SYSTEMS[name]))
+    if m := MIXED_FIXED_SYSTEM.match(name):
+        return MixedSystem(name, ("scheduler.pieces=fixed", f"scheduler.piece_tokens={m.group(1)}"))
+    if m := MIXED_VLLM_SYSTEM.match(name):
+        return MixedSystem(name, vllm_step_tokens=int(m.group(2)), priority=bool(m.group(1)),
+                           vllm_long_prefill_cap=int(m.group(3) or 0))  # fmt: skip
+    return None

@@ -42,19 +42,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from tiered.api.launch import start_server, stop_server
-from tiered.bench.load import SLO_FACTORS, WARM_UP, Call, kv_bytes_per_token, print_tables, run_http, sustainable_table
+from tiered.bench.load import SLO_FACTORS, Call, kv_bytes_per_token, print_tables, run_http, sustainable_table
 from tiered.bench.mil import forward_flops, matmul_flops_per_s
 from tiered.bench.report import write_report
+from tiered.bench.servers import prometheus_totals, serve_tiered, serve_vllm
 from tiered.bench.stats import Record, Summary, poisson_arrivals, summarize
-from tiered.bench.systems import LORA_SYSTEM, check_vllm_python
+from tiered.bench.systems import LORA_SYSTEM, check_vllm_sizing
 from tiered.bench.systems import VISIT_SYSTEMS as SYSTEMS
 from tiered.bench.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from tiered.bench.traces import BenchError, Trace, TraceRequest
 from tiered.bench.vllm import VLLMServer
-from tiered.config import Config, with_overrides, write_config
+from tiered.config import Config, with_overrides
 from tiered.embedded import make_adapter, resolve_model_path
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.loader import DTYPES, read_args, resolve_device
@@ -161,11 +159,7 @@ def working_set_tokens(trace: Trace, block_tokens: int) -> int:
 
 def vllm_prefix_cache_tokens(url: str) -> tuple[int, int]:
     """(queried, hit) prompt tokens so far: vLLM's Prometheus counters, summed over their labels."""
-    totals: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in VLLM_COUNTERS:
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    totals = prometheus_totals(url, lambda name: name in VLLM_COUNTERS)
     missing = [n for n in VLLM_COUNTERS if n not in totals]
     if missing:
         raise BenchError(f"vLLM's /metrics has no {', '.join(missing)} (a vLLM whose V1 engine reports them needed)")
@@ -196,14 +190,8 @@ def _serve(system: str, cfg: Config, vllm_python: str | None, kv_tokens: int, ma
         cfg = with_overrides(cfg, ["lora.enabled=true", f"lora.max_lora_rank={LORA_RANK}",
                                    *[f"lora.modules.{name}={path}" for name, path in adapters.items()]])  # fmt: skip
     if system in TIERED_SYSTEMS or system.startswith("tiered"):
-        path = write_config(cfg, out_dir / f"{system}.yaml")
-        proc, url = start_server(["--config", str(path), "--served-model-name", "model"],
-                                 log_path=out_dir / f"{system}.log")  # fmt: skip
-        try:
-            run_http(url, "model", [WARM_UP], [0.0], cache_salt="warm-up")
+        with serve_tiered(cfg, system, out_dir) as url:
             yield url, None
-        finally:
-            stop_server(proc)
         return
     assert vllm_python is not None
     # vLLM's per-step token budget is ours per batched forward (scheduler.max_batch_tokens), so
@@ -214,12 +202,8 @@ def _serve(system: str, cfg: Config, vllm_python: str | None, kv_tokens: int, ma
     # vLLM in the dtype our rule picks for this machine (its CPU GEMMs are torch's: the same native/emulated split).
     dtype = config_precision(cfg).compute
     vllm = VLLMServer(vllm_python, Path(cfg.model.path), dtype, max_len, kv_tokens, True, step_tokens, lora)
-    vllm.start(out_dir / f"{system}.log")
-    try:
-        run_http(vllm.url, "model", [WARM_UP], [0.0], cache_salt="warm-up")
-        yield vllm.url, vllm
-    finally:
-        vllm.stop()
+    with serve_vllm(vllm, system, out_dir) as url:
+        yield url, vllm
 
 
 def _measure(url: str, vllm: VLLMServer | None, calls: list[Call], arrivals: list[float], label: str, salt: str,
@@ -247,10 +231,7 @@ def _check_options(
     if unknown or not systems:
         raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
     if any(s.startswith("vllm") for s in systems):
-        check_vllm_python(vllm_python)
-    if any(s.startswith("vllm") for s in systems) and cfg.engine.memory_budget_bytes:
-        raise BenchError("vLLM's KV cache is sized from cache.device_tier_bytes: set engine.memory_budget_bytes=0 so "
-                         "our device tier has that size too")  # fmt: skip
+        check_vllm_sizing(cfg, vllm_python)
     if (multiples and min(multiples) <= 0) or concurrency < 1:
         raise BenchError("load multiples must be > 0 (none: saturation only), and the concurrency >= 1")
 

@@ -1,0 +1,189 @@
+"""`tiered bench mixed`: the seeded mixed trace, goodput scoring on hand-made records, the systems,
+refusals before anything starts, and one small run over HTTP on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tiered.bench.goodput import print_goodput, score_run
+from tiered.bench.load import Call, read_usage
+from tiered.bench.mixed import run_mixed_bench
+from tiered.bench.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace, build_trace, calls_for
+from tiered.bench.stats import Record
+from tiered.bench.systems import MixedSystem, mixed_system
+from tiered.bench.traces import QUESTION_TOKENS, BenchError, ordinary_token_ids
+from tiered.cli import main
+from tiered.cli_options import DEFAULT_CONFIG
+from tiered.config import load_config
+
+VOCAB = list(range(10, 500))
+SMALL = MixedParams(short_slo_ms=1500, long_tokens=300, long_per_minute=3, long_slo_ms=12000, minutes=100, users=5,
+                    posts=2, profile_tokens=60, post_tokens=8, alone_repeats=2, seed=7)  # fmt: skip
+
+
+def test_the_trace_is_seeded_and_has_the_asked_mix() -> None:
+    t = build_trace(VOCAB, SMALL, 0.5)
+    again = build_trace(VOCAB, SMALL, 0.5)
+    assert [(c.call, c.arrival_seconds) for c in t.calls] == [(c.call, c.arrival_seconds) for c in again.calls]
+    assert t.calls != build_trace(VOCAB, replace(SMALL, seed=8), 0.5).calls
+    short, long = t.of(SHORT), t.of(LONG)
+    assert t.window_seconds == 6000 and len(short) + len(long) == len(t.calls)
+    assert 0.95 * 3000 < len(short) < 1.05 * 3000 and len(long) == 300  # Poisson at 0.5/s; 3/min, one a period
+    assert [int(c.arrival_seconds // 20) for c in long] == list(range(300))
+    times = [c.arrival_seconds for c in t.calls]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 6000
+    assert {c.slo_ms for c in short} == {1500} and {c.slo_ms for c in long} == {12000}
+    assert all(len(c.call.prompts) == 2 for c in short) and all(len(c.call.prompts) == 1 for c in long)
+    profiles: dict[int, list[int]] = {}
+    for c in short:  # each prompt: its user's profile (40-80 tokens) + a post + the question
+        for prompt in c.call.prompts:
+            assert 40 + 1 + QUESTION_TOKENS <= len(prompt) <= 80 + 20 + QUESTION_TOKENS
+            profiles.setdefault(c.user, prompt[:40])
+            assert prompt[:40] == profiles[c.user]
+    assert {c.user for c in short} == set(range(5)) and sum(c.returning for c in short) == len(short) - 5
+    # Long prompts: exactly long_tokens, fresh (no two alike, none starts as a profile does), and
+    # alone_repeats more for the idle-server reference.
+    prompts = [c.call.prompts[0] for c in long] + t.alone_prompts
+    assert len(t.alone_prompts) == 2 and {len(p) for p in prompts} == {300}
+    assert len({tuple(p[:8]) for p in prompts}) == len(prompts)
+    assert not {tuple(p[:8]) for p in prompts} & {tuple(p[:8]) for p in profiles.values()}
+    # Twice the short load: the same long calls at the same times, twice the short calls.
+    double = build_trace(VOCAB, SMALL, 1.0)
+    assert [(c.call, c.arrival_seconds) for c in double.of(LONG)] == [(c.call, c.arrival_seconds) for c in long]
+    assert 1.9 < len(double.of(SHORT)) / len(short) < 2.1
+
+
+def test_calls_cap_the_trace_and_each_system_gets_its_fields() -> None:
+    t = build_trace(VOCAB, replace(SMALL, minutes=None, calls=40), 0.5)
+    assert len(t.calls) == 40 and t.window_seconds == t.calls[-1].arrival_seconds
+    ours, chunked, prio = (calls_for(t, mixed_system(n)) for n in ("tiered", "vllm-chunk512", "vllm-priority-chunk512"))
+    kinds = [c.kind for c in t.calls]
+    assert [c.slo_ms for c in ours] == [1500 if k == SHORT else 12000 for k in kinds]
+    assert {c.priority for c in ours} == {None} and {(c.slo_ms, c.priority) for c in chunked} == {(None, None)}
+    assert [c.priority for c in prio] == [0 if k == SHORT else 1 for k in kinds] and {c.slo_ms for c in prio} == {None}
+
+
+def test_system_names() -> None:
+    assert mixed_system("tiered") == MixedSystem("tiered", ("scheduler.pieces=deadline",))
+    assert mixed_system("tiered-never") == MixedSystem("tiered-never", ("scheduler.pieces=never",))
+    assert mixed_system("tiered-fixed1024") == MixedSystem(
+        "tiered-fixed1024", ("scheduler.pieces=fixed", "scheduler.piece_tokens=1024"))  # fmt: skip
+    s = mixed_system("vllm-chunk2048")
+    assert s is not None and s.is_vllm and s.vllm_step_tokens == 2048 and s.vllm_args == []
+    s = mixed_system("vllm-priority-chunk1024-cap256")
+    assert s is not None and s.vllm_args == ["--scheduling-policy", "priority", "--long-prefill-token-threshold", "256"]
+    for bad in ("vllm", "tiered-fixed", "tiered-fixed0", "vllm-chunk", "vllm-priority", "tiered-fcfs"):
+        assert mixed_system(bad) is None, bad
+
+
+def _hand_made() -> tuple[MixedTrace, list[Record]]:
+    def call(i: int, kind: str, slo: float) -> MixedCall:
+        return MixedCall(Call(f"c{i}", [[1, 2, 3]]), kind, float(i), slo)
+
+    calls = [call(0, SHORT, 1000), call(1, SHORT, 1000), call(2, LONG, 10000), call(3, SHORT, 1000),
+             call(4, SHORT, 1000), call(5, LONG, 10000)]  # fmt: skip
+    records = [
+        Record("c0", 3, 0.0, 0.5, None, 0, 0),
+        Record("c1", 3, 1.0, 1.0, None, 0, 0),  # exactly at its objective: good
+        Record("c2", 3, 2.0, 4.0, None, 0, 0, num_pieces=3, deadline_met=True),
+        Record("c3", 3, 3.0, 1.5, None, 0, 0),  # late
+        Record("c4", 3, 4.0, 0.1, None, 0, 0, error="503: engine restarted"),  # fast, but failed: not good
+        Record("c5", 3, 5.0, 12.0, None, 0, 0, num_pieces=1, deadline_met=False),  # late
+    ]
+    return MixedTrace(0.4, 10.0, calls, []), records
+
+
+def test_goodput_and_percentiles_are_exact_on_hand_made_records(capsys: pytest.CaptureFixture[str]) -> None:
+    trace, records = _hand_made()
+    s = score_run("tiered", trace, list(reversed(records)), alone_seconds=4.0, metrics={"tiered:pieces_total": 2.0})
+    short, long, total = s.short, s.long, s.total
+    assert (short.num_calls, short.num_answered, short.num_good) == (4, 3, 2)
+    assert (short.offered_per_s, short.goodput_per_s) == (0.4, 0.2)
+    assert (short.p50_latency_seconds, short.p99_latency_seconds) == (1.0, 1.5)  # of 0.5, 1.0, 1.5
+    assert (short.num_deadline_met_reported, short.num_pieces) == (None, None)  # the server said nothing
+    assert (long.num_calls, long.num_answered, long.num_good, long.goodput_per_s) == (2, 2, 1, 0.1)
+    assert (long.p50_latency_seconds, long.num_deadline_met_reported, long.num_pieces) == (12.0, 1, 4)
+    assert (total.num_calls, total.num_answered, total.num_good, total.goodput_per_s) == (6, 5, 3, 0.3)
+    assert (total.p50_latency_seconds, total.p99_latency_seconds) == (1.5, 12.0)  # of 0.5, 1.0, 1.5, 4.0, 12.0
+    assert [(x.call_id, x.slowdown, x.good, x.num_pieces) for x in s.longs] == [("c2", 1.0, True, 3),
+                                                                                ("c5", 3.0, False, 1)]  # fmt: skip
+    assert s.num_errors == 1
+    print_goodput([s], MixedParams(short_slo_ms=1000, long_slo_ms=10000))
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("tiered "))
+    assert row.split() == ["tiered", "0.400", "0.200", "0.1000", "0.300", "50%", "50%", "1.00", "1.50", "4.00",
+                           "2.00", "/", "3.00", "2.0", "1"]  # fmt: skip
+    assert "tiered:pieces_total +2" in out
+    failed = [replace(r, error="500: boom", num_pieces=None) for r in records]
+    s = score_run("tiered", trace, failed, alone_seconds=4.0)
+    assert s.total.num_good == 0 and s.longs[0].slowdown is None and s.long.p50_latency_seconds != 0.0
+
+
+def test_usage_fields_are_read_where_reported() -> None:
+    r = Record("a", 10, 0.0, 0.0, None, 0, 0)
+    read_usage({"tiered": {"device_hit_tokens": 5, "host_hit_tokens": 2, "num_pieces": 3, "deadline_met": False}}, r)
+    assert (r.device_hit_tokens, r.host_hit_tokens, r.num_pieces, r.deadline_met) == (5, 2, 3, False)
+    r = Record("b", 10, 0.0, 0.0, None, 0, 0)
+    read_usage({"tiered": {"device_hit_tokens": 1, "host_hit_tokens": 0}}, r)  # a server without the fields
+    assert (r.device_hit_tokens, r.num_pieces, r.deadline_met) == (1, None, None)
+    r = Record("c", 10, 0.0, 0.0, None, 0, 0)
+    read_usage({"prompt_tokens_details": {"cached_tokens": 7}}, r)  # vLLM's
+    assert (r.device_hit_tokens, r.host_hit_tokens, r.num_pieces) == (7, 0, None)
+
+
+def test_bad_systems_and_options_fail_before_anything_starts(tmp_path: Path) -> None:
+    cfg = load_config(DEFAULT_CONFIG, ["model.path=/nowhere/model"])  # would fail if anything started
+
+    def run(systems: list[str], qps: list[float], python: str | None = None) -> None:
+        run_mixed_bench(cfg, SMALL, systems, qps, python, None, tmp_path)
+
+    with pytest.raises(BenchError, match=r"unknown system\(s\) nope, vllm-chunk0; known: tiered, tiered-never, "):
+        run(["tiered", "nope", "vllm-chunk0"], [1.0])
+    with pytest.raises(BenchError, match="--short-qps needs values > 0, got 1,0"):
+        run(["tiered"], [1.0, 0.0])
+    with pytest.raises(BenchError, match="--vllm-python"):
+        run(["tiered", "vllm-chunk512"], [1.0])
+    with pytest.raises(BenchError, match="engine.memory_budget_bytes=0"):
+        cfg = load_config(DEFAULT_CONFIG, ["engine.memory_budget_bytes=1000000000"])
+        run(["vllm-chunk512"], [1.0], str(tmp_path))
+    with pytest.raises(BenchError, match="^--long-tokens must be >= 1; --alone-repeats must be >= 1$"):
+        MixedParams(long_tokens=0, alone_repeats=0)
+    with pytest.raises(BenchError, match="one of --minutes and --calls"):
+        MixedParams(minutes=None)
+    assert main(["bench", "mixed", "--systems", "tiered,vllm-fast", "--plots", str(tmp_path)]) != 0
+    assert main(["bench", "mixed", "--long-tokens", "0", "--plots", str(tmp_path)]) != 0
+    with pytest.raises(SystemExit):
+        main(["bench", "mixed", "--minutes", "1", "--calls", "4"])
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "cache.block_tokens=16",
+                                       "scheduler.profile_tokens=[64,256]",
+                                       f"scheduler.profile_cache_dir={tmp_path / 'jct'}"])  # fmt: skip
+    params = MixedParams(short_slo_ms=5000, long_tokens=200, long_per_minute=40, long_slo_ms=20000, minutes=0.1,
+                         users=3, profile_tokens=48, post_tokens=8, alone_repeats=1)  # fmt: skip
+    doc = run_mixed_bench(cfg, params, ["tiered-fixed32"], [2.0], None, str(tmp_path / "m.json"), tmp_path)
+    saved = json.loads((tmp_path / "m.json").read_text())
+    trace = build_trace(ordinary_token_ids(tiny_dir), params, 2.0)
+    assert saved["bench"] == "mixed" and saved["params"]["long_tokens"] == 200
+    assert saved["traces"] == [{"short_qps": 2.0, "window_seconds": 6.0, "short_calls": len(trace.of(SHORT)),
+                                "long_calls": len(trace.of(LONG))}]  # fmt: skip
+    (score,) = saved["scores"]
+    assert score["system"] == "tiered-fixed32" and score["alone_seconds"] > 0
+    assert score["total"]["num_calls"] == len(trace.calls) == score["total"]["num_answered"]  # all answered
+    for kind in ("short", "long", "total"):
+        assert 0 <= score[kind]["goodput_per_s"] <= score[kind]["offered_per_s"]
+    assert len(score["longs"]) == len(trace.of(LONG)) and all(x["slowdown"] > 0 for x in score["longs"])
+    (run,) = saved["runs"]
+    assert [(r["request_id"], r["kind"]) for r in run["records"]] == [(c.call.call_id, c.kind) for c in trace.calls]
+    assert all(r["num_pieces"] is None or r["num_pieces"] >= 1 for r in run["records"])
+    assert (tmp_path / "tiered-fixed32.yaml").read_text().count("piece_tokens: 32") == 1
+    assert saved["summaries"][0]["num_requests"] == len(trace.of(SHORT))
+    from tiered.bench.plots import plot_goodput
+
+    assert plot_goodput(doc, tmp_path / "plots").name == "goodput.png"

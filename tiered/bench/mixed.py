@@ -1,0 +1,171 @@
+"""`tiered bench mixed`: short calls with a tight latency objective among long uncached prompts.
+
+The traffic (`mixed_trace.py`) goes over loopback HTTP to each system in turn, the same seeded
+calls at the same times for every system, one run per offered load (--short-qps), all on one
+server per system. Every run has its own `cache_salt` (and vLLM's prefix cache is reset): nothing
+is cached across runs or systems; within a run popular users' profiles are, long prompts never.
+
+Per system, first: a prompt of --long-tokens alone on the idle server (fresh prompts, best of
+--alone-repeats), the reference for each long call's completion time. Then per load: goodput at
+the objectives per class and in all, the short calls' P50 / P99, each long call's slowdown
+(`goodput.py`), and, ours, pieces per long call (`usage.tiered.num_pieces`) and the /metrics
+samples on pieces, yields and parked KV (`goodput.PIECE_METRICS`, after minus before the run;
+absent: not shown). Then `tiered bench load`'s per-load table of the short calls and their
+sustainable QPS at P99 / mean latency <= the short objective.
+
+Systems (`systems.mixed_system`): `tiered` (`scheduler.pieces=deadline`: SLOWeave), `tiered-fixedN`
+(pieces of N tokens whatever the deadlines), `tiered-never` (one pass); `vllm-chunkN` (chunked
+prefill, --max-num-batched-tokens N), `vllm-priority-chunkN` (the same with --scheduling-policy
+priority, short calls `priority` 0 and long ones 1), and either with `-capM`
+(--long-prefill-token-threshold M: a long prefill takes at most M tokens of a step while other
+requests wait; without it vLLM schedules its running prefill first, and a step's budget can go to
+it whole). Ours get each call's objective as `slo_ms`; vLLM has no such field and gets none.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from tiered.bench.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
+from tiered.bench.load import Call, kv_bytes_per_token, print_tables, run_http, sustainable_table
+from tiered.bench.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
+from tiered.bench.report import write_report
+from tiered.bench.servers import prometheus_totals, serve_tiered, serve_vllm
+from tiered.bench.stats import Record, Summary, summarize
+from tiered.bench.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
+from tiered.bench.traces import BenchError, ordinary_token_ids
+from tiered.bench.vllm import VLLMServer
+from tiered.config import Config, with_overrides
+from tiered.embedded import resolve_model_path
+from tiered.hybrid.loader import resolve_device
+from tiered.hybrid.precision import config_precision
+
+log = logging.getLogger(__name__)
+
+
+def check_options(cfg: Config, names: list[str], short_qps: list[float], vllm_python: str | None) -> list[MixedSystem]:
+    """The systems `names` stand for; a BenchError naming what is wrong, before anything starts."""
+    systems = {name: mixed_system(name) for name in names}
+    unknown = [name for name, s in systems.items() if s is None]
+    if unknown or not names:
+        raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: "
+                         f"{', '.join(MIXED_SYSTEM_FORMS)} (N, M: tokens)")  # fmt: skip
+    if len(systems) < len(names):
+        raise BenchError(f"a system is named twice in {','.join(names)}")
+    if not short_qps or min(short_qps) <= 0:
+        raise BenchError(f"--short-qps needs values > 0, got {','.join(f'{q:g}' for q in short_qps) or '(none)'}")
+    if any(s.is_vllm for s in systems.values() if s is not None):
+        check_vllm_sizing(cfg, vllm_python)
+    return [s for s in systems.values() if s is not None]
+
+
+@contextmanager
+def _serve(system: MixedSystem, cfg: Config, vllm_python: str | None, max_len: int,
+           out_dir: Path) -> Iterator[tuple[str, VLLMServer | None]]:  # fmt: skip
+    """The system's server, warmed up: its URL, and the vLLM handle for a vLLM system."""
+    if not system.is_vllm:
+        with serve_tiered(with_overrides(cfg, list(system.overrides)), system.name, out_dir) as url:
+            yield url, None
+        return
+    assert vllm_python is not None
+    kv_tokens = cfg.cache.device_tier_bytes // kv_bytes_per_token(cfg)  # as many KV tokens as our device tier
+    vllm = VLLMServer(vllm_python, Path(cfg.model.path), config_precision(cfg).compute, max_len, kv_tokens, True,
+                      system.vllm_step_tokens, system.vllm_args)  # fmt: skip
+    with serve_vllm(vllm, system.name, out_dir) as url:
+        yield url, vllm
+
+
+def alone_seconds(url: str, vllm: VLLMServer | None, prompts: list[list[int]], label: str) -> float:
+    """The best latency of `prompts` sent one at a time to the idle server, each with its own salt."""
+    best = math.inf
+    for i, prompt in enumerate(prompts):
+        if vllm is not None:
+            vllm.reset()
+        (record,), _ = run_http(url, "model", [Call(f"alone-{i}", [prompt])], [0.0], label, None, f"alone-{i}")
+        if record.error is not None:
+            raise BenchError(f"{label}: a {len(prompt)}-token prompt alone failed: {record.error}")
+        best = min(best, record.latency_seconds)
+    return best
+
+
+def _measure(url: str, vllm: VLLMServer | None, calls: list[Call], trace: MixedTrace, salt: str,
+             label: str) -> tuple[list[Record], dict[str, float]]:  # fmt: skip
+    """One run of the trace: its records, and the change of ours' piece metrics over it."""
+    if vllm is not None:
+        vllm.reset()
+    keep = PIECE_METRICS.match
+    before = {} if vllm is not None else prometheus_totals(url, lambda name: bool(keep(name)))
+    records, _ = run_http(url, "model", calls, [c.arrival_seconds for c in trace.calls], label, None, salt)
+    after = {} if vllm is not None else prometheus_totals(url, lambda name: bool(keep(name)))
+    return records, {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
+def short_summary(score: RunScore, trace: MixedTrace, records: list[Record]) -> Summary:
+    """The short calls as `tiered bench load` sums a run up (`multiple`: the short QPS itself)."""
+    short = {c.call.call_id for c in trace.of(SHORT)}
+    return summarize(score.system, score.short_qps, score.short_qps, [r for r in records if r.request_id in short],
+                     trace.window_seconds)  # fmt: skip
+
+
+def run_mixed_bench(
+    cfg: Config, params: MixedParams, names: list[str], short_qps: list[float], vllm_python: str | None,
+    json_path: str | None, out_dir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the mixed traffic at each short QPS on each system (see the module docstring); returns the JSON document."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    systems = check_options(cfg, names, short_qps, vllm_python)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
+    vocab = ordinary_token_ids(model_dir)
+    traces = [build_trace(vocab, params, q) for q in short_qps]
+    max_len = max(t.max_tokens for t in traces) + 16
+    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir), max_model_len=max(cfg.model.max_model_len,
+                                                                                        max_len)))  # fmt: skip
+    for s in systems:  # every system's config is built before anything runs: a bad key fails now
+        with_overrides(cfg, list(s.overrides))
+    for t in traces:
+        print(t.describe())
+    scores: list[RunScore] = []
+    summaries: list[Summary] = []
+    runs: list[dict[str, Any]] = []
+    for system in systems:
+        with _serve(system, cfg, vllm_python, max_len, out_dir) as (url, vllm):
+            alone = alone_seconds(url, vllm, traces[0].alone_prompts, f"{system.name} alone")
+            print(f"{system.name}: a {params.long_tokens}-token prompt alone on the idle server: {alone:.2f} s")
+            for k, trace in enumerate(traces):
+                label = f"{system.name} {trace.short_qps:g}/s"
+                records, metrics = _measure(url, vllm, calls_for(trace, system), trace, f"run-{k}", label)
+                score = score_run(system.name, trace, records, alone, metrics)
+                scores.append(score)
+                summaries.append(short_summary(score, trace, records))
+                runs.append({"system": system.name, "short_qps": trace.short_qps, "records": [
+                    {**asdict(r), "kind": c.kind, "slo_ms": c.slo_ms, "user": c.user, "returning": c.returning}
+                    for c, r in zip(trace.calls, records, strict=True)]})  # run_http's records: in call order
+                log.info("%s: short goodput %.3f/s of %.3f, long %.4f/s of %.4f", label, score.short.goodput_per_s,
+                         score.short.offered_per_s, score.long.goodput_per_s, score.long.offered_per_s)  # fmt: skip
+    return _report(cfg, params, systems, short_qps, traces, scores, summaries, runs, json_path)
+
+
+def _report(cfg: Config, params: MixedParams, systems: list[MixedSystem], short_qps: list[float],
+            traces: list[MixedTrace], scores: list[RunScore], summaries: list[Summary], runs: list[dict[str, Any]],
+            json_path: str | None) -> dict[str, Any]:  # fmt: skip
+    """Print the goodput table, the short calls' per-load and sustainable-QPS tables; write the JSON."""
+    print_goodput(scores, params)
+    slo = [params.short_slo_ms / 1e3]
+    table = sustainable_table(summaries, [s.name for s in systems], slo, slo)
+    if summaries:
+        print("short calls per offered load (x and QPS: short calls/s offered; SLO: the short objective)")
+        print_tables(summaries, table, slo, slo)
+    return write_report(json_path, "mixed", resolve_device(cfg.device), {
+        "config": asdict(cfg), "params": asdict(params), "systems": [asdict(s) for s in systems],
+        "short_qps": short_qps,
+        "traces": [{"short_qps": t.short_qps, "window_seconds": t.window_seconds, "short_calls": len(t.of(SHORT)),
+                    "long_calls": len(t.of(LONG))} for t in traces],
+        "scores": [asdict(s) for s in scores], "summaries": [asdict(s) for s in summaries],
+        "sustainable_short_qps": table, "runs": runs,
+    })  # fmt: skip
