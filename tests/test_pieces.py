@@ -78,13 +78,19 @@ def test_fixed_pieces_equal_one_pass_parked_on_the_device_or_reloaded_from_the_h
     assert host.num_hit_tokens == (64 if evict else 0)
 
 
-def test_a_long_request_yields_to_a_request_that_would_miss_its_deadline(tiny_dir: Path, tmp_path: Path) -> None:
-    """fcfs, 1 ms per computed token predicted: a 2,000-token request (2 s) ahead of a 50-token one
+@pytest.mark.parametrize("policy", ["fcfs", "srjf", "calibrated"])
+def test_a_long_request_yields_to_a_request_that_would_miss_its_deadline(
+    tiny_dir: Path, tmp_path: Path, policy: str
+) -> None:
+    """1 ms per computed token predicted: a 2,000-token request (2 s) ahead of a 50-token one
     whose objective is 60 ms. Not one block of the long one fits before it: the short one runs
-    first, the long one after, whole (nothing else is urgent). Without pieces, fcfs runs the long first."""
+    first, the long one after, whole (nothing else is urgent), whatever the policy. Without
+    pieces, fcfs runs the long one first."""
     long_ids, short_ids = _ids(2000, 2), _ids(50, 3)
     for pieces in ("deadline", "never"):
-        with _engine(tiny_dir, tmp_path, "scheduler.policy=fcfs", f"scheduler.pieces={pieces}",
+        if pieces == "never" and policy != "fcfs":
+            continue  # srjf and calibrated run the short one first anyway
+        with _engine(tiny_dir, tmp_path, f"scheduler.policy={policy}", f"scheduler.pieces={pieces}",
                      "model.max_model_len=4096") as engine:  # fmt: skip
             long_id = engine.submit(long_ids, TOP)
             short_id = engine.submit(short_ids, TOP, slo_ms=60_000 if pieces == "never" else 60)
@@ -92,13 +98,12 @@ def test_a_long_request_yields_to_a_request_that_would_miss_its_deadline(tiny_di
         first = min(done.values(), key=lambda r: r.finished_at).request_id
         assert first == (short_id if pieces == "deadline" else long_id)
         assert done[long_id].num_pieces == 1 and done[short_id].deadline_met is not None
-    assert engine.pieces.num_deferrals == 0
 
 
 def test_pieces_sized_by_deadline_leave_room_for_the_urgent_and_equal_one_pass(tiny_dir: Path, tmp_path: Path) -> None:
     """The short one's objective (1 s) leaves room for ~900 of the long one's tokens first: the long
-    one yields after a piece, the short one runs before the long one ends, and the long one's
-    answer equals one pass."""
+    one yields after a piece, the short one meets its deadline, and the long one's answer equals
+    one pass."""
     long_ids, short_ids = _ids(2000, 4), _ids(50, 5)
     with _engine(tiny_dir, tmp_path, "scheduler.policy=fcfs", "scheduler.pieces=never",
                  "model.max_model_len=4096") as one:  # fmt: skip
@@ -109,8 +114,10 @@ def test_pieces_sized_by_deadline_leave_room_for_the_urgent_and_equal_one_pass(t
         done = {r.request_id: r for r in engine.run()}
         assert engine.pieces.num_pieces >= 1
     # Its deadline holds as far as the JCT model predicts this machine (here: a fixed 1 ms per
-    # token); what the choice guarantees is the order: the short one before the long one's end.
-    assert done[long_id].num_pieces >= 2 and done[short_id].finished_at < done[long_id].finished_at
+    # token, slower than the tiny model): it is met, or, where the machine ran slower than that
+    # (a loaded one), the short one at least went ahead of the long one's end.
+    short, long_ = done[short_id], done[long_id]
+    assert long_.num_pieces >= 2 and (short.deadline_met or short.finished_at < long_.finished_at)
     _same(done[long_id], whole)
 
 
@@ -155,3 +162,24 @@ def test_expired_requests_fail_clearly_only_with_drop_expired(tiny_dir: Path, tm
 def test_bad_objectives_are_refused_by_name(tiny_dir: Path, tmp_path: Path, bad: object) -> None:
     with _engine(tiny_dir, tmp_path) as engine, pytest.raises(ForwardInputError, match="slo_ms"):
         engine.submit(_ids(10, 8), slo_ms=bad)  # type: ignore[arg-type]
+
+
+def test_pieces_with_adapters_and_batches_equal_one_pass(
+    tiny_dir: Path, tmp_path: Path, adapter_dirs: dict[tuple[str, str], Path]
+) -> None:
+    """A long request under a LoRA adapter, in fixed pieces (its parked KV keyed by the adapter),
+    with short requests of the base model and of the adapter batched between its pieces: every
+    answer equals its one-pass answer under the same adapter."""
+    adapter = f"lora.modules.small={adapter_dirs[('tiny', 'small')]}"
+    prompts = [(_ids(300, 9), "small"), (_ids(40, 10), None), (_ids(40, 11), "small"), (_ids(40, 12), None)]
+    results = {}
+    for pieces in ("never", "fixed"):
+        with _engine(tiny_dir, tmp_path, f"scheduler.pieces={pieces}", "scheduler.piece_tokens=64",
+                     "scheduler.max_batch_tokens=256", "lora.enabled=true", adapter) as engine:  # fmt: skip
+            ids = [engine.submit(p, TOP, adapter=a) for p, a in prompts]
+            by_id = {r.request_id: r for r in engine.run()}
+            results[pieces] = [by_id[i] for i in ids]
+    assert results["fixed"][0].num_pieces == 5 and results["never"][0].num_pieces == 1
+    assert max(r.batch_size for r in results["fixed"][1:]) >= 2  # the short ones were batched
+    for one, pieced in zip(results["never"], results["fixed"], strict=True):
+        _same(pieced, one)
