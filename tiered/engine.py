@@ -159,8 +159,11 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.scheduler:
             raise ForwardInputError(f"request id {request_id!r} is already waiting")
-        self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt, identity), priority=priority,
-                           params=params, slo_seconds=None if slo_ms is None else slo_ms / 1e3)  # fmt: skip
+        slo_s = None if slo_ms is None else slo_ms / 1e3
+        w = self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt, identity), priority=priority,
+                               params=params, slo_seconds=slo_s)  # fmt: skip
+        if slo_s is not None:
+            self.pieces.saw(w.arrival, slo_s, w.jct)
         return request_id
 
     def cancel(self, request_id: str) -> bool:

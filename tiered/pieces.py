@@ -6,12 +6,19 @@ again with its arrival, its order and its deadline, holding pins on its parked d
 they are not evicted before it resumes. Its next piece finds them as its own cached prefix
 (device hits, or host loads for what went to the host tier); its last piece computes the logits
 and its result reports the hits it had before its first piece.
+
+A piece is chosen when it starts, and a forward is not preempted: a request that arrives during a
+whole long prefill would wait for all of it. So `deadline` also plans for the requests likely to
+arrive: the tightest slack (objective minus predicted time) among the objectives seen in the last
+minute stands for one more urgent request arriving now, and a long prefill runs in pieces no
+longer than that slack even when nobody waits (at least MIN_ANTICIPATED_BLOCKS blocks a piece).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -24,6 +31,11 @@ from tiered.scheduler.scheduler import Decision, Scheduler
 from tiered.score import Result
 
 log = logging.getLogger(__name__)
+
+HORIZON_S = 60.0  # objectives seen this recently stand for the arrivals a piece must leave room for
+# Pieces cut for arrivals that have not happened are at least this many blocks: each piece costs a
+# gather of its prefix and a step, and a guess must not turn one forward into hundreds.
+MIN_ANTICIPATED_BLOCKS = 4
 
 
 class Engine(Protocol):
@@ -53,6 +65,22 @@ class Pieces:
         self.num_deferrals = 0  # heads that waited before starting, an urgent request ahead
         self.parked_device_bytes = 0  # KV of finished pieces held on the device for their request
         self.parked_host_bytes = 0  # ... and put in the host tier where the device lacked room
+        self._objectives: deque[tuple[float, float, float]] = deque()  # (arrival, objective s, predicted s)
+
+    def saw(self, arrival: float, slo_seconds: float, jct: float) -> None:
+        """A request with an objective arrived (requests like it may arrive during a long prefill)."""
+        self._objectives.append((arrival, slo_seconds, jct))
+        while self._objectives and self._objectives[0][0] < arrival - HORIZON_S:
+            self._objectives.popleft()
+
+    def _anticipated(self, now: float) -> Urgent | None:
+        """One request arriving now with the tightest slack seen lately (lost causes, whose predicted
+        time exceeds their objective, left out); None when no objective was seen in HORIZON_S."""
+        slack = [(slo - jct, jct) for t, slo, jct in self._objectives if t >= now - HORIZON_S and jct < slo]
+        if not slack:
+            return None
+        least, jct = min(slack)
+        return Urgent("(an arrival)", now + least + jct, jct)
 
     def decide(self, d: Decision) -> PieceChoice | None:
         """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole."""
@@ -71,9 +99,13 @@ class Pieces:
             whole = e.jct.piece_seconds(split, split.num_miss_tokens)
             urgent = [Urgent(u.request_id, u.deadline, u.jct) for u in e.scheduler.by_deadline()
                       if u.deadline is not None and now + u.jct <= u.deadline < now + whole + u.jct]  # fmt: skip
-            if not urgent:
+            arrival = self._anticipated(now)
+            if not urgent and arrival is None:
                 return None
-            n = choose_piece(now, split, urgent, e.jct, bt)
+            planned = sorted(urgent + ([arrival] if arrival is not None else []), key=lambda u: u.deadline)
+            n = choose_piece(now, split, planned, e.jct, bt)
+            if not urgent:  # only an anticipated arrival: never a wait, never a sliver of a piece
+                n = max(n, MIN_ANTICIPATED_BLOCKS * bt)
             choice = PieceChoice(take=urgent[0].request_id) if n == 0 else PieceChoice(n)
             if n >= split.num_miss_tokens:
                 return None
