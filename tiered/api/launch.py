@@ -44,7 +44,7 @@ def start_server(
         )
     proc.log_path = Path(log_path)
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(proc, url, timeout_s, "tiered serve", f"log: {log_path}", proc.log_tail)
+    wait_healthy(proc, url, timeout_s, "tiered serve", f"log: {log_path}", proc.log_tail)
     return proc, url
 
 
@@ -89,11 +89,11 @@ def start_router(worker_urls: list[str], policy: str, timeout_s: float = 60) -> 
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(proc, url, timeout_s, "vllm-router")
+    wait_healthy(proc, url, timeout_s, "vllm-router")
     return proc, url
 
 
-def _wait_healthy(
+def wait_healthy(
     proc: subprocess.Popen[bytes], url: str, timeout_s: float, what: str, where: str = "",
     tail: Callable[[int], str] = lambda n: "",
 ) -> None:  # fmt: skip

@@ -9,13 +9,12 @@ import math
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from tiered.api.launch import free_port
+from tiered.api.launch import free_port, wait_healthy
 
 
 class VLLMServer:
@@ -63,18 +62,12 @@ class VLLMServer:
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"vllm serve did not become healthy within {timeout_s:.0f} s; see {log_path}")
+        try:
+            wait_healthy(self.proc, self.url, timeout_s, "vllm serve", f"see {log_path}",
+                         lambda n: f"see {log_path}")  # fmt: skip
+        except RuntimeError:
+            self.stop()  # its whole process group: vLLM's workers too
+            raise
 
     def reset(self) -> None:
         """Empty vLLM's prefix cache, so every run starts cold (as ours do)."""
