@@ -202,3 +202,15 @@ def test_a_long_prefill_leaves_room_for_the_arrivals_its_recent_objectives_annou
         pieced = _one(engine, long_ids)
     assert alone.num_pieces == 1 and 2000 / 448 <= pieced.num_pieces <= 2000 / 64 + 1
     _same(pieced, alone)
+
+
+def test_the_deadline_counts_from_the_arrival_the_caller_gives(tiny_dir: Path, tmp_path: Path) -> None:
+    """The API process stamps a request when it receives it; the engine, busy with a forward, reads
+    it later: its deadline counts from the stamp, so a request that waited out its objective in
+    the socket is already late when the engine sees it."""
+    with _engine(tiny_dir, tmp_path, "scheduler.drop_expired=true") as engine:
+        late = engine.submit(_ids(40, 30), TOP, slo_ms=500, arrival=time.monotonic() - 1.0)
+        fresh = engine.submit(_ids(40, 31), TOP, slo_ms=500)
+        done = {r.request_id: r for r in engine.run()}
+    assert done[late].expired and done[late].queued_seconds >= 1.0
+    assert done[fresh].error is None and done[fresh].deadline_met is True

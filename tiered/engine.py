@@ -1,9 +1,9 @@
 """`tiered.Engine`: the in-process API. Submit requests, run the loop, get results.
 
-Each step runs one forward over a batch: the scheduler re-scores what changed
-and picks a head plus the waiting requests that share its prefix, up to
-`scheduler.max_batch_tokens` computed tokens (0: one request per forward, PrefillOnly's way; a
-long uncached request runs alone, chunk by chunk). The likely next pick's host-resident prefix
+Each step runs one forward over a batch: the scheduler re-scores what changed and picks a head
+plus the waiting requests that share its prefix, up to `scheduler.max_batch_tokens` computed
+tokens (0: one request per forward, PrefillOnly's way; a long uncached request runs alone, and
+may yield between pieces: `pieces.py`). The likely next pick's host-resident prefix
 starts loading in the background; each request of the batch waits for its own prefetch (if
 any), and one forward computes every request's misses on top of its cached prefix; each
 request's KV goes to the tiers by policy. Results carry the hit split per tier and a timing
@@ -93,11 +93,9 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self.pieces = Pieces(self)
         self.num_cancelled = 0
-        log.info(
-            "engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s",
-            folder.name, device, self.precision.compute, kernel, config.scheduler.policy, config.scheduler.fairness,
-            config.scheduler.prefetch,
-        )  # fmt: skip
+        sc = config.scheduler
+        log.info("engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s, pieces %s",
+                 folder.name, device, self.precision.compute, kernel, sc.policy, sc.fairness, sc.prefetch, sc.pieces)
 
     # ---- start-up --------------------------------------------------------------------------
 
@@ -134,13 +132,15 @@ class Engine:
         cache_salt: str | None = None,
         adapter: str | None = None,
         slo_ms: float | None = None,
+        arrival: float | None = None,
     ) -> str:
         """Queue a request; returns its id. Bad input raises ForwardInputError naming the value.
 
         `priority`: lower runs first (vLLM's field); `cache_salt`: cached KV is shared only with
         requests of the same salt (vLLM's field), in both tiers; `adapter`: the name of a LoRA
         adapter to compute with (UnknownAdapterError if it is not served); `slo_ms`: its latency
-        objective, ms from now (default `scheduler.default_slo_ms`): its deadline."""
+        objective, ms from its arrival (default `scheduler.default_slo_ms`): its deadline; `arrival`:
+        when it arrived (time.monotonic(); default now), for a caller that queued it first."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         vocab = self.model.args.vocab_size
         try:  # the API process already checked; an in-process caller is checked by the same rule here
@@ -160,8 +160,8 @@ class Engine:
         if request_id in self.scheduler:
             raise ForwardInputError(f"request id {request_id!r} is already waiting")
         slo_s = None if slo_ms is None else slo_ms / 1e3
-        w = self.scheduler.add(self.tiers.new_request(request_id, ids, cache_salt, identity), priority=priority,
-                               params=params, slo_seconds=slo_s)  # fmt: skip
+        req = self.tiers.new_request(request_id, ids, cache_salt, identity)
+        w = self.scheduler.add(req, arrival, priority, params, slo_s)
         if slo_s is not None:
             self.pieces.saw(w.arrival, slo_s, w.jct)
         return request_id

@@ -171,8 +171,10 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel | AdapterCommand, res
         tuple(req.logprob_token_ids), req.top_logprobs, tuple(req.allowed_token_ids), tuple(req.logit_bias)
     )
     try:
+        now = time.monotonic()  # the API's receipt on this process's clock (the same machine or NTP)
+        arrival = None if req.arrival_unix is None else now - min(max(0.0, time.time() - req.arrival_unix), 3600.0)
         engine.submit(req.token_ids, params, req.request_id, priority=req.priority, cache_salt=req.cache_salt,
-                      adapter=req.lora_name, slo_ms=req.slo_ms)  # fmt: skip
+                      adapter=req.lora_name, slo_ms=req.slo_ms, arrival=arrival)  # fmt: skip
     except ForwardInputError as exc:
         status = getattr(exc, "status", 400)  # 404: an unknown adapter
         responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc), error_status=status)))

@@ -20,6 +20,9 @@ class ScoreRequest:
     cache_salt: str | None = None
     lora_name: str | None = None  # the LoRA adapter to compute with (None: the base model)
     slo_ms: float | None = None  # latency objective, ms from arrival (None: the server's default)
+    # When the API received it (wall clock, time.time()): its arrival, and so its deadline, count
+    # from there, not from when the engine, busy with a forward, read the message.
+    arrival_unix: float | None = None
 
 
 @dataclass(slots=True)

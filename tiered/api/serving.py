@@ -148,6 +148,7 @@ class Serving:
         self, prompts: list[list[int]], body: EngineFields, param: str, wanted: list[int], top: int = 0
     ) -> list[ScoreRequest]:
         """Validate the prompts and the choice fields; one engine request per prompt."""
+        received = time.time()  # the requests' arrival, as the engine will count it
         adapter = self.adapter(body.model)  # an unknown model is a 404 before anything else, as in vLLM
         if body.cache_salt is not None and not body.cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string when given", "cache_salt")
@@ -176,7 +177,7 @@ class Serving:
                 raise APIError(400, str(exc), param) from None
         return [
             ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt, adapter,
-                         body.slo_ms)  # fmt: skip
+                         body.slo_ms, received)  # fmt: skip
             for ids in prompts
         ]
 
