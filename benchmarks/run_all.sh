@@ -131,3 +131,4 @@ $T bench load --config configs/bench-m.yaml --kind credit_verification --users 6
 $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25,0.5 --minutes 5 \
   --systems tiered,tiered-fixed1024,tiered-never,vllm-chunk1024,vllm-priority-chunk1024,vllm-chunk2048-cap1024 \
   --vllm-python "$VLLM_PY" --json benchmarks/out/mixed-bench-m.json --plots benchmarks/out/mixed-bench-m
+$T bench pipeline-sim --json benchmarks/out/pipeline-sim.json --plots benchmarks  # WavePP, simulated (seconds)

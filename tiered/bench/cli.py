@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from tiered.bench import pipeline_sim
 from tiered.bench.commands import (
     _add_model_args,
     _add_trace_args,
@@ -43,6 +44,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     _add_soak_parser(bsub)
     _add_plot_parser(bsub)
     _add_server_parser(bsub)
+    pipeline_sim.add_parser(bsub)
 
 
 def _add_mil_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
