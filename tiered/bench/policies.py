@@ -25,6 +25,7 @@ from tiered.bench.stats import percentile, poisson_arrivals
 from tiered.bench.traces import Trace, ordinary_token_ids, post_recommendation
 from tiered.config import Config
 from tiered.engine import Engine, Result
+from tiered.scheduler.scheduler import Decision
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,9 @@ def _with_policy(cfg: Config, policy: str) -> Config:
 
 
 def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: int) -> dict[str, dict[int, float]]:
-    """Mean ms per pick at each queue depth, right after one user's blocks changed in the device tier."""
+    """Mean ms per pick at each queue depth, right after one user's blocks changed in the device tier;
+    and ("pieces") per decision of whether and where a long head yields, every waiting request
+    carrying a latency objective."""
     out: dict[str, dict[int, float]] = {}
     for policy in ("calibrated", "hrrn"):
         engine = Engine(_with_policy(cfg, policy))
@@ -100,11 +103,24 @@ def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: i
             torch.randint(0, engine.model.args.vocab_size, (request_tokens,), generator=g) for _ in range(users)
         ]
         n_added = 0
+        long_head = sched.add(tiers.new_request("long", torch.randint(0, engine.model.args.vocab_size,
+                                                                     (request_tokens,), generator=g)))  # fmt: skip
+        head = Decision(sched.remove("long") or long_head, long_head.jct, 0.0)
+        out.setdefault("pieces", {})
         for depth in depths:
             while len(sched) < depth + picks:
                 post = torch.randint(0, engine.model.args.vocab_size, (32,), generator=g)
-                sched.add(tiers.new_request(f"d{n_added}", torch.cat([profiles[n_added % users], post])))
+                # Every waiting request has an objective of 1-10 s: the pieces decision scans the urgent.
+                sched.add(tiers.new_request(f"d{n_added}", torch.cat([profiles[n_added % users], post])),
+                          slo_seconds=1.0 + n_added % 10)  # fmt: skip
                 n_added += 1
+            if policy == "calibrated":  # SLOWeave's choice for a long head, as `step` makes it
+                start = time.perf_counter()
+                for _ in range(picks):
+                    head.waiting.yield_until = None  # its bound, set by a yield, would end the search
+                    engine.pieces.decide(head)
+                out["pieces"][depth] = 1e3 * (time.perf_counter() - start) / picks
+                log.info("pieces     queue depth %6d: %.3f ms per decision", depth, out["pieces"][depth])
             total = 0.0
             for i in range(picks):
                 # A job just ran: one user's profile blocks entered the device tier.
