@@ -261,6 +261,7 @@ class Engine:
             if not _out_of_memory(exc):
                 raise
             self._release_memory()
+            self.tiers.device_tier.unpin(decision.waiting.parked)  # a request that yielded: its hold too
             req = decision.waiting.request
             n = req.token_ids.numel()
             log.error("request %s (%d tokens) ran out of memory: %s", req.request_id, n, str(exc)[:200])
