@@ -37,7 +37,7 @@ from tiered.profile import profile_jct
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
 from tiered.score import DEFAULT_PARAMS, Result, ScoreParams
-from tiered.validation import InputError, check_prompt, check_token_ids
+from tiered.validation import InputError, check_prompt, check_slo_ms, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class Engine:
         try:  # the API process already checked; an in-process caller is checked by the same rule here
             check_prompt(ids.tolist(), vocab, self.max_model_len)
             check_token_ids(params.token_ids(), vocab)
+            check_slo_ms(slo_ms)
         except InputError as exc:
             raise ForwardInputError(str(exc)) from None
         identity = None
@@ -154,8 +155,6 @@ class Engine:
                 raise UnknownAdapterError(f"The model `{adapter}` does not exist (LoRA is not enabled).")
             identity = self.adapters.spec(adapter).identity
         slo_ms = self.config.scheduler.default_slo_ms if slo_ms is None else slo_ms
-        if slo_ms is not None and not (isinstance(slo_ms, int | float) and 0 < slo_ms <= 1e9):
-            raise ForwardInputError(f"slo_ms must be a number of milliseconds in (0, 1e9], got {slo_ms!r}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.scheduler:
             raise ForwardInputError(f"request id {request_id!r} is already waiting")
@@ -168,13 +167,17 @@ class Engine:
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting request (timed out, client gone). False if it is not waiting."""
+        dropped = self._drop(request_id) is not None
+        self.num_cancelled += dropped
+        return dropped
+
+    def _drop(self, request_id: str) -> Waiting | None:
+        """Take a waiting request out: its hold on parked blocks and its prefetch go with it."""
         w = self.scheduler.remove(request_id)
-        if w is None:
-            return False
-        self.tiers.device_tier.unpin(w.parked)
-        self.tiers.drop_prefetch(request_id)
-        self.num_cancelled += 1
-        return True
+        if w is not None:
+            self.tiers.device_tier.unpin(w.parked)
+            self.tiers.drop_prefetch(request_id)
+        return w
 
     @property
     def num_waiting(self) -> int:
@@ -221,12 +224,9 @@ class Engine:
         """`drop_expired`: fail the waiting requests whose deadline has passed."""
         now = time.monotonic()
         out = []
-        while (first := self.scheduler.by_deadline(limit=1)) and (w := first[0]).deadline is not None:
-            if w.deadline >= now:
-                break
-            self.cancel(w.request_id)
-            self.num_cancelled -= 1
-            late = 1e3 * (now - w.deadline)
+        while (first := self.scheduler.by_deadline(limit=1)) and (deadline := first[0].deadline or now) < now:
+            self._drop((w := first[0]).request_id)
+            late = 1e3 * (now - deadline)
             out.append(Result.failed(w.request_id, w.request.token_ids.numel(),
                                      f"deadline exceeded: {late:.0f} ms past its latency objective while it waited "
                                      "(scheduler.drop_expired)", now - w.arrival, expired=True))  # fmt: skip

@@ -7,6 +7,7 @@ smallest and largest id through the same function. The messages are vLLM's where
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -38,3 +39,12 @@ def check_prompt(ids: Sequence[int], vocab_size: int, max_model_len: int, param:
             param,
         )
     check_token_ids(ids, vocab_size, param)
+
+
+def check_slo_ms(value: object, param: str = "slo_ms") -> None:
+    """A latency objective: None (none), or a finite number of milliseconds in (0, 1e9]; else
+    InputError naming it."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and 0 < value <= 1e9):
+        raise InputError(f"{param} must be a number of milliseconds in (0, 1e9], got {value!r}", param)

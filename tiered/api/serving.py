@@ -21,7 +21,7 @@ from tiered.api.metrics import Metrics
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse, cached_tokens
 from tiered.api.schemas import ChoiceFields, EngineFields, ScoreBody
 from tiered.config import Config
-from tiered.validation import InputError, check_prompt, check_token_ids
+from tiered.validation import InputError, check_prompt, check_slo_ms, check_token_ids
 
 
 class Client(Protocol):
@@ -152,8 +152,10 @@ class Serving:
         adapter = self.adapter(body.model)  # an unknown model is a 404 before anything else, as in vLLM
         if body.cache_salt is not None and not body.cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string when given", "cache_salt")
-        if body.slo_ms is not None and not (math.isfinite(body.slo_ms) and 0 < body.slo_ms <= 1e9):
-            raise APIError(400, f"slo_ms must be a number of milliseconds in (0, 1e9], got {body.slo_ms}", "slo_ms")
+        try:
+            check_slo_ms(body.slo_ms)
+        except InputError as exc:
+            raise APIError(400, str(exc), exc.param) from None
         allowed: list[int] = []
         bias: list[tuple[int, float]] = []
         if isinstance(body, ChoiceFields):

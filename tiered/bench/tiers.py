@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
+from tiered.bench.load import kv_bytes_per_token
 from tiered.bench.report import write_report
 from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
 from tiered.engine import Engine
-from tiered.hybrid.loader import DTYPES, read_args
+from tiered.hybrid.loader import read_args
 from tiered.hybrid.precision import config_precision
 from tiered.offload.host_tier import HostTierStats
 from tiered.scheduler.jct import JCTModel
@@ -122,7 +123,7 @@ def load_vs_compute(cfg: Config, lengths: list[int], repeats: int) -> tuple[list
     back from the host tier against computing it (the storing-nothing engine's forward)."""
     out, stages = [], []
     cache = cfg.cache
-    kv_per_token = read_args(cfg.model.path).kv_bytes_per_token(DTYPES[config_precision(cfg).kv])
+    kv_per_token = kv_bytes_per_token(cfg)
     for n in lengths:
         size = (n + cache.block_tokens) * kv_per_token * 2
         sized = replace(cache, device_tier_bytes=size, retention="none")
@@ -264,8 +265,7 @@ def run_tiers_bench(
     device_fraction: float, repeats: int, json_path: str | None,
 ) -> dict[str, object]:  # fmt: skip
     costs, stages = load_vs_compute(cfg, lengths, repeats)
-    kv_per_token = read_args(cfg.model.path).kv_bytes_per_token(DTYPES[config_precision(cfg).kv])
-    device_bytes = int(device_fraction * users * profile_tokens * kv_per_token)
+    device_bytes = int(device_fraction * users * profile_tokens * kv_bytes_per_token(cfg))
     sized = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
     vocab = read_args(cfg.model.path).vocab_size
     trace = revisit_trace(vocab, users, profile_tokens, post_tokens, rounds, seed=0)

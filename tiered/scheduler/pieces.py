@@ -66,7 +66,6 @@ def choose_piece(
     (yield before starting). `split`: the head's hits and misses now; `urgent`: in deadline order,
     only requests that can still meet their deadline when run at once."""
     miss = split.num_miss_tokens
-    cached = split.num_tokens - miss
     if not urgent or miss <= block_tokens:
         return miss
 
@@ -75,15 +74,18 @@ def choose_piece(
 
     if fits(now, seconds(miss), urgent):
         return miss
-    # The last piece holds the final token (its logits): a piece before it ends on a block boundary.
-    last_boundary = (split.num_tokens - 1) // block_tokens * block_tokens - cached
-    return largest_feasible(block_tokens, last_boundary, lambda p: fits(now, seconds(p), urgent))
+    return largest_feasible(block_tokens, _longest_piece(split, block_tokens), lambda p: fits(now, seconds(p), urgent))
 
 
 def fixed_piece(split: HitSplit, piece_tokens: int, block_tokens: int) -> int:
     """`fixed`: `piece_tokens` rounded down to blocks (at least one), or all misses if fewer."""
     miss = split.num_miss_tokens
     piece = max(block_tokens, piece_tokens // block_tokens * block_tokens)
-    cached = split.num_tokens - miss
-    last_boundary = (split.num_tokens - 1) // block_tokens * block_tokens - cached
-    return miss if piece >= miss or last_boundary < block_tokens else min(piece, last_boundary)
+    longest = _longest_piece(split, block_tokens)
+    return miss if piece >= miss or longest < block_tokens else min(piece, longest)
+
+
+def _longest_piece(split: HitSplit, block_tokens: int) -> int:
+    """The longest piece that is not the last: the last holds the final token (its logits), so a
+    piece before it ends on the last block boundary before that token."""
+    return (split.num_tokens - 1) // block_tokens * block_tokens - split.num_hit_tokens
