@@ -92,9 +92,11 @@ def run_attention_bench(
     dtype = DTYPES[dtype_name]
     names = kernels or available(device)
     shapes = tuple(s for s in ATTENTION_SHAPES if s.new_tokens + s.prefix_tokens <= max_tokens)
-    matmul = matmul_flops_per_s(dtype, device) / 1e9
-    matmul_bf16 = matmul if dtype == torch.bfloat16 else matmul_flops_per_s(torch.bfloat16, device, 1024, 1) / 1e9
-    best = max(matmul, matmul_bf16)  # the machine's matmul roofline in its fastest dtype
+    rates = {d: matmul_flops_per_s(d, device, 1024, 1) / 1e9 for d in (torch.float32, torch.bfloat16) if d != dtype}
+    # n = 1,024 for half precisions: a CPU without native bf16 takes ~1 min per 2,048^3 product.
+    rates[dtype] = matmul_flops_per_s(dtype, device, *((2048, 5) if dtype == torch.float32 else (1024, 2))) / 1e9
+    matmul, matmul_bf16 = rates[dtype], rates[torch.bfloat16]
+    best = max(rates.values())  # the machine's matmul roofline in its fastest dtype (fp32 or bf16)
     timings = time_kernels(names, shapes, a.num_heads, a.num_kv_heads, a.head_dim, dtype, device)
     doc = {
         "machine": machine(), "device": device, "dtype": dtype_name, "model": model_dir,
@@ -104,7 +106,8 @@ def run_attention_bench(
     }  # fmt: skip
     m = machine()
     print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; "
-          f"{dtype_name} matmul {matmul:.0f} GFLOP/s, bf16 matmul {matmul_bf16:.1f} GFLOP/s (best {best:.0f}); "
+          f"{dtype_name} matmul {matmul:.1f} GFLOP/s, bf16 {matmul_bf16:.1f}, fp32 {rates[torch.float32]:.0f} "
+          f"(best {best:.0f}); "
           f"heads {a.num_heads} / {a.num_kv_heads} of {a.head_dim}")  # fmt: skip
     print(f"{'kernel':11} {'shape':22} {'ms':>8} {'GFLOP/s':>8} {'of matmul':>9} {'of best':>8} {'max error':>9}")
     for t in timings:

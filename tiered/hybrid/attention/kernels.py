@@ -10,6 +10,9 @@ Kernels that split the keys in parts and merge them by log-sum-exp share `_by_pa
 differ in the part they call:
 - `flash-head`: PyTorch's CPU flash kernel, one call per KV head (the first kernel we had);
 - `flash`: the same kernel, one call for all heads (it takes GQA as is: more parallel tasks);
+- `flash-f32`: `flash` on fp32 copies of half-precision inputs (a CPU whose bf16 flash runs far
+  below its bf16 matmul rate may still run the fp32 flash near its fp32 rate; the copies are
+  linear in the tokens, the attention quadratic, and the error is the fp32 kernel's);
 - `masked`: SDPA over the concatenated keys with a lower-right causal mask (any device; the
   slow, simple one; also the reference's shape).
 `reference_` is `masked` in fp32: the truth every kernel is tested against.
@@ -126,6 +129,13 @@ def _flash_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | N
     _by_parts_(_flash_part, None, q, k, v, pieces, pk, pv)
 
 
+def _flash_f32_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
+    q32 = q.float()
+    pk32, pv32 = (None, None) if pk is None or pv is None else (pk.float(), pv.float())
+    _by_parts_(_flash_part, None, q32, k.float(), v.float(), pieces, pk32, pv32)
+    q.copy_(q32)
+
+
 def masked_(
     q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
@@ -197,6 +207,7 @@ KERNELS: dict[str, Kernel] = {
     for kernel in (
         Kernel("flash-head", _flash_head_, ("cpu",)),
         Kernel("flash", _flash_, ("cpu",)),
+        Kernel("flash-f32", _flash_f32_, ("cpu",), (torch.bfloat16, torch.float16)),  # fp32 is `flash` itself
         Kernel("masked", masked_, ("cpu", "cuda")),
         Kernel("varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16)),  # FA2: half precisions only
     )
