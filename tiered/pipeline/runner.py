@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -33,12 +34,6 @@ STOP_TIMEOUT_S = 10.0
 
 class PipelineStartError(RuntimeError):
     """A stage process could not start (its own log names the reason)."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stage_device(device: str, stage: int) -> str:
@@ -69,7 +64,9 @@ class PipelineRunner:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter per stage: no state forked from the engine
         self._inbox: list[list[object]] = [[] for _ in self._specs]
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        # A file rendezvous: no port to find free (and race for); each start gets a fresh one.
+        self._rendezvous = Path(tempfile.mkdtemp(prefix="tiered-pipeline-"))
+        init = f"file://{self._rendezvous / 'store'}"
         started = time.monotonic()
         for spec in self._specs:
             parent, child = ctx.Pipe()
@@ -159,6 +156,7 @@ class PipelineRunner:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def close(self) -> None:
         self._stop()

@@ -47,7 +47,7 @@ class StageSpec:
     block_tokens: int
     num_blocks: int  # the coordinator's device tier's: the same block ids on every stage
     threads: int
-    init_method: str  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
+    init_method: str  # torch.distributed rendezvous (file://... on this machine)
     mode: ForwardMode
     chunk_tokens: int
 
