@@ -21,11 +21,14 @@ non-blocking sends: stage s computes micro-batch i + 1 while stage s + 1 compute
 
 Transport. Activations go stage to stage over `torch.distributed` point-to-point send/recv (the
 gloo backend on CPU; NCCL with one device per stage on CUDA: the same code, the backend follows
-the device). It moves tensors without a copy through pickling, it comes with torch (no new
-dependency), and NCCL's send/recv is the fast path between GPUs. Ray's channels (compiled graphs)
-would do the same on a Ray cluster, but they bring Ray into every engine, and `tiered serve
---replicas` is the only place Ray is used. Control messages and logits go over
-multiprocessing Pipes: small, and a Pipe's end tells the coordinator when a stage process dies.
+the device). Point-to-point send/recv moves a tensor's raw buffer into one the receiver
+preallocated (no pickling), non-blocking sends let a stage compute while its last output
+travels, it comes with torch (no new dependency), and the same code runs on NCCL, the fast path
+between GPUs. Ray's channels (compiled graphs) would do the same, but they bring Ray into every
+engine (today only `tiered serve --replicas` uses it) and a second scheduler of processes.
+Control messages and logits go over multiprocessing Pipes: small, and a Pipe's end tells the
+coordinator when a stage process dies. The JCT model is profiled on the whole model in the
+coordinator (which loads it once for that): a proxy of a batch's time through the stages.
 
 Failure. A stage that dies (or raises) fails the batch in flight: the coordinator kills the
 others, starts a new pipeline, forgets the device tier's contents (the pools are gone) and raises
