@@ -11,7 +11,7 @@ from typing import Any
 
 from tiered import __version__
 from tiered.api.args import add_serve_args
-from tiered.cli_options import DEFAULT_CONFIG, add_config_args, config_from_args, resolve_device
+from tiered.cli_options import DEFAULT_CONFIG, add_config_args, add_pipeline_args, config_from_args, resolve_device
 from tiered.config import Config, ConfigError, load_config
 
 log = logging.getLogger("tiered")
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batch computed for it (shared), what it computed, its batch size, its latency and P(label) per label.",
     )
     add_config_args(run)
+    add_pipeline_args(run)
     run.add_argument("--prompts", help="JSON file shaped like tiered/data/examples.json (default: the bundled one)")
     run.set_defaults(func=cmd_run)
 

@@ -67,10 +67,22 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_pipeline_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="S",
+                   help="split the model's layers over S stage processes (engine.pipeline_stages; vLLM's flag); "
+                   "S > 1 needs cache.suffix=discard (no host tier yet), see tiered/pipeline")  # fmt: skip
+
+
+def engine_overrides(args: argparse.Namespace) -> list[str]:
+    """`add_pipeline_args`' flags as `key=value` overrides (they win over the YAML and --set)."""
+    size = getattr(args, "pipeline_parallel_size", None)
+    return [] if size is None else [f"engine.pipeline_stages={size}"]
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The config `--config` names (default: the packaged default.yaml) with `--set` applied."""
+    """The config `--config` names (default: the packaged default.yaml) with `--set` and the flags applied."""
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
-    return load_config(path, args.overrides)
+    return load_config(path, list(args.overrides) + engine_overrides(args))
 
 
 def resolve_device(device: str) -> str:

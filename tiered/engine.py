@@ -25,15 +25,17 @@ from tiered.adapters import Adapters, UnknownAdapterError
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention.select import choose_kernel
-from tiered.hybrid.forward import BatchItem, ForwardInputError, forward_batch
+from tiered.hybrid.forward import ForwardInputError
 from tiered.hybrid.loader import DTYPES, load_model, model_identity, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
 from tiered.hybrid.model import use_attention
 from tiered.hybrid.precision import precision_for
-from tiered.offload.request import PrefixKV, Prepared
+from tiered.offload.request import Prepared
 from tiered.offload.tiers import KVTiers
 from tiered.pieces import Pieces
+from tiered.pipeline import start_pipeline
 from tiered.profile import profile_jct
+from tiered.runner import ForwardUnavailable, LocalRunner, Runner, plan_batch
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
 from tiered.score import DEFAULT_PARAMS, Result, ScoreParams
@@ -47,15 +49,6 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(exc)
 
 
-def _common_prefix_len(a: Tensor, b: Tensor, limit: int) -> int:
-    """Leading tokens a and b have in common, at most `limit`."""
-    n = min(limit, a.numel(), b.numel())
-    if n <= 0:
-        return 0
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if differ.numel() else n
-
-
 class EngineStartError(RuntimeError):
     """The engine cannot start with this configuration (the message says by how much)."""
 
@@ -65,8 +58,9 @@ class Engine:
 
     def __init__(self, config: Config, jct_model: JCTModel | None = None) -> None:
         self.config = config
-        if config.engine.threads:
-            torch.set_num_threads(config.engine.threads)
+        stages = config.engine.pipeline_stages
+        if config.engine.threads or stages > 1:  # with stages, the cores are theirs
+            torch.set_num_threads(config.engine.threads or 1)
         device = resolve_device(config.device)
         self.device = device
         folder = resolve_model_path(config.model.path, config.model.models_dir)
@@ -85,11 +79,15 @@ class Engine:
             cache = replace(cache, device_tier_bytes=self._split_memory(config.engine.memory_budget_bytes))
         self.model_identity = model_identity(folder, self.precision.identity, cache.block_tokens)
         self.tiers = KVTiers(cache, self.model.args, DTYPES[self.precision.kv], device,
-                             f"engine-{uuid.uuid4().hex[:8]}", self.model_identity)  # fmt: skip
+                             f"engine-{uuid.uuid4().hex[:8]}", self.model_identity, hold_kv=stages == 1)  # fmt: skip
         lora = config.lora
         compute = DTYPES[self.precision.compute]
         self.adapters = Adapters(lora, self.model.args, compute, device) if lora.enabled else None
-        self.jct = jct_model or profile_jct(self)
+        self.runner: Runner = LocalRunner(self.model, self.tiers, self.adapters, config.forward)
+        self.jct = jct_model or profile_jct(self)  # with stages: of the whole model in this process
+        if stages > 1:
+            self.runner = start_pipeline(config, folder, a.num_layers, self.precision, kernel, device,
+                                         self.tiers.device_tier)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self.pieces = Pieces(self)
         self.num_cancelled = 0
@@ -207,18 +205,24 @@ class Engine:
             batch = [d for d in batch if d.waiting.request_id not in gone]
             if not batch:
                 return failed
-        if piece is not None and piece.num_tokens is not None:
-            return failed + self.pieces.run(batch[0], piece.num_tokens, started)
-        if len(batch) == 1:
-            return failed + self.run_alone(batch[0], started)
         try:
-            return failed + self._run_batch(batch, started)
-        except BaseException as exc:
-            if not _out_of_memory(exc):
-                raise
-            self._release_memory()
-            log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
-            return failed + [r for d in batch for r in self.run_alone(d, started)]
+            if piece is not None and piece.num_tokens is not None:
+                return failed + self.pieces.run(batch[0], piece.num_tokens, started)
+            if len(batch) == 1:
+                return failed + self.run_alone(batch[0], started)
+            try:
+                return failed + self._run_batch(batch, started)
+            except BaseException as exc:
+                if not _out_of_memory(exc):
+                    raise
+                self._release_memory()
+                log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
+                return failed + [r for d in batch for r in self.run_alone(d, started)]
+        except ForwardUnavailable as exc:  # a pipeline stage died (and was restarted): the batch fails, 503
+            for d in batch:
+                self.tiers.device_tier.unpin(d.waiting.parked)
+            return failed + [Result.failed(w.request_id, w.request.token_ids.numel(), str(exc), started - w.arrival,
+                                           unavailable=True) for d in batch if (w := d.waiting)]  # fmt: skip
 
     def _expire(self) -> list[Result]:
         """`drop_expired`: fail the waiting requests whose deadline has passed."""
@@ -338,36 +342,12 @@ class Engine:
         return results
 
     def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
-        """One forward over the prepared requests. Requests with the same prefix blocks share one
-        prefix object, read once per layer; the first of them leads, and each other one whose
-        next tokens equal the lead's follows it: those tokens are computed once (a profile's tail
-        that fills no whole block, or a whole profile on a user's first visit). Returns logits
-        [B, V] and each request's tokens computed by its lead."""
-        f = self.config.forward
-        prefixes: dict[tuple[int, ...], PrefixKV | None] = {}
-        # per prefix and adapter: the requests that compute all their tokens
-        leads: dict[tuple[tuple[int, ...], str | None], list[int]] = {}
-        items: list[BatchItem] = []
-        shared: list[int] = []
-        for p in prepared:
-            blocks = tuple(p.prefix_blocks)  # block keys include the adapter: one prefix, one adapter
-            if blocks not in prefixes:
-                prefixes[blocks] = self.tiers.prefix_kv(p)
-            adapter = p.request.adapter
-            new = p.request.token_ids[p.num_prefix_tokens :]
-            # Follow the lead that shares the most tokens (two new users' prompts in one batch
-            # each follow their own user's first prompt).
-            m, lead = max(((_common_prefix_len(items[i].token_ids, new, new.numel() - 1), i)
-                           for i in leads.get((blocks, adapter), ())), default=(0, -1))  # fmt: skip
-            sink = self.tiers.sink(p)
-            weights = self.adapters.weights(adapter) if adapter and self.adapters else None
-            if m:
-                items.append(BatchItem(new[m:], prefixes[blocks], sink, lead=lead, num_shared=m, adapter=weights))
-            else:
-                leads.setdefault((blocks, adapter), []).append(len(items))
-                items.append(BatchItem(new, prefixes[blocks], sink, adapter=weights))
-            shared.append(m)
-        return forward_batch(self.model, items, mode=f.mode, chunk_tokens=f.chunk_tokens), shared
+        """One forward over the prepared requests, planned by `runner.plan_batch` (requests on one
+        prefix read it once; a follower's tokens equal to its lead's are computed once) and run by
+        the runner (this process, or the pipeline's stages). Returns logits [B, V] and each
+        request's tokens computed by its lead."""
+        plans = plan_batch(prepared, self.tiers.block_tokens)
+        return self.runner.forward(prepared, plans), [p.num_shared for p in plans]
 
     # ---- adapters --------------------------------------------------------------------------
 
@@ -391,6 +371,7 @@ class Engine:
         return results
 
     def close(self) -> None:
+        self.runner.close()
         self.tiers.close()
 
     def __enter__(self) -> Engine:

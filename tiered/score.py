@@ -68,13 +68,15 @@ class Result:
     num_pieces: int = 1  # forwards its new tokens took (more than one: it yielded between pieces)
     deadline_met: bool | None = None  # answered by its deadline (None: it had no latency objective)
     expired: bool = False  # failed because its deadline passed while it waited (scheduler.drop_expired)
+    unavailable: bool = False  # failed because a pipeline stage died under its batch (503: retry it)
 
     @classmethod
     def failed(
-        cls, request_id: str, num_tokens: int, error: str, queued_seconds: float, expired: bool = False
-    ) -> Result:
+        cls, request_id: str, num_tokens: int, error: str, queued_seconds: float, expired: bool = False,
+        unavailable: bool = False,
+    ) -> Result:  # fmt: skip
         return cls(request_id, num_tokens, HitSplit(0, 0, num_tokens), 0, {}, [], queued_seconds, 0.0, 0.0, 0.0,
-                   0.0, 0.0, time.monotonic(), error, expired=expired)  # fmt: skip
+                   0.0, 0.0, time.monotonic(), error, expired=expired, unavailable=unavailable)  # fmt: skip
 
     @property
     def latency_seconds(self) -> float:

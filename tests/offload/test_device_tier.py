@@ -100,3 +100,21 @@ def test_layer_data_round_trips_through_the_pool() -> None:
     got_k, got_v = tier.layer_kv(1, blocks[::-1])
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
     assert torch.count_nonzero(tier.layer_kv(0, blocks)[0]) == 0
+
+
+def test_forget_drops_every_key_and_keeps_pinned_blocks_allocated_until_unpinned() -> None:
+    """A pipeline stage died with the pool: nothing hits any more; a block a request still pins is
+    freed only when its last pin goes (its holder unpins what it pinned)."""
+    tier = _tier(4)
+    tokens = list(range(12))
+    blocks = _fill(tier, tokens)
+    held = tier.match(block_keys(tokens, BT), tokens + [0], pin=True)
+    assert held == blocks and tier.stats().num_pinned_blocks == 3
+    changed: list[int] = []
+    tier.on_change = changed.append
+    tier.forget()
+    assert sorted(changed) == sorted(block_keys(tokens, BT))
+    assert tier.match(block_keys(tokens, BT), tokens + [0]) == []
+    assert tier.stats().num_used_blocks == 3 and tier.stats().num_pinned_blocks == 3
+    tier.unpin(held)
+    assert tier.stats().num_used_blocks == 0 and len(tier.allocate(4)) == 4

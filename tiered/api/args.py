@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from tiered.cli_options import add_pipeline_args, engine_overrides
 from tiered.config import Config, ConfigError
 
 API_KEY_VARIABLES = ("TIERED_API_KEY", "VLLM_API_KEY")
@@ -80,6 +81,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="cache prefix KV (on by default); --no-enable-prefix-caching keeps nothing on the device "
         "(cache.retention=none) and has no host tier (cache.suffix=discard, cache.host.enabled=false)",
     )
+    add_pipeline_args(g)
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, as a file or inline (default: the tokenizer's, else a documented "
                    "role-tagged one)")  # fmt: skip
@@ -146,7 +148,7 @@ def serve_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"cluster.replicas={args.replicas}")
     if args.ray_address is not None:
         out.append(f"cluster.address={json.dumps(args.ray_address)}")
-    return out
+    return out + engine_overrides(args)
 
 
 def served_model_names(args: argparse.Namespace, cfg: Config) -> list[str]:

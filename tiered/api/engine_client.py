@@ -97,9 +97,12 @@ class EngineClient:
         if self.restarts:
             self._drop_unreadable_adapters()
         config = replace(self.config, lora=replace(self.config.lora, modules=dict(self.adapters)))
+        # A daemonic process may not start children, and with pipeline stages the engine starts them;
+        # `stop` ends it either way, and it exits by itself once the API process is gone.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=serve_engine, args=(config, *self._addrs), name="tiered-engine", daemon=True
-        )
+            target=serve_engine, args=(config, *self._addrs), name="tiered-engine",
+            daemon=config.engine.pipeline_stages == 1,
+        )  # fmt: skip
         self.process.start()
 
     async def _wait_ready(self) -> None:

@@ -125,8 +125,8 @@ def _stats(engine: Engine) -> EngineStats:
 
 
 def _response(result: Result) -> ScoreResponse:
-    if result.error is not None:  # past its deadline (drop_expired): 429, the load was too high for it
-        status = 429 if result.expired else 500
+    if result.error is not None:  # past its deadline (drop_expired): 429, the load was too high for it;
+        status = 429 if result.expired else 503 if result.unavailable else 500  # a pipeline stage died: 503
         return ScoreResponse(request_id=result.request_id, error=result.error, error_status=status)
     return ScoreResponse(
         request_id=result.request_id,

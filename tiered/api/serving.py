@@ -204,8 +204,8 @@ class Serving:
                 self.metrics.failed.labels(label).inc()
         for out in outs:
             if out.error:
-                type_ = {429: "deadline_exceeded"}.get(out.error_status, "invalid_request_error")
-                type_ = "server_error" if out.error_status >= 500 else type_
+                type_ = {429: "deadline_exceeded", 503: "service_unavailable"}.get(out.error_status)
+                type_ = type_ or ("server_error" if out.error_status >= 500 else "invalid_request_error")
                 raise APIError(out.error_status, out.error, param if out.error_status < 500 else None, type_)
         return outs
 

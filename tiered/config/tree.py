@@ -189,10 +189,25 @@ class EngineConfig:
     memory_budget_bytes: int = 0
     # torch threads of the engine process's forward. 0: torch's default (one per core).
     threads: int = 0
+    # Pipeline parallelism (vLLM's --pipeline-parallel-size): the decoder layers split into this
+    # many contiguous ranges, one worker process per stage (tiered/pipeline). 1: one process.
+    pipeline_stages: int = 1
+    # torch threads of each stage process. 0: the machine's cores // pipeline_stages (at least 1).
+    threads_per_stage: int = 0
+    # How a batch goes through the stages: `waves` (cut into micro-batches of even computed tokens
+    # that follow one another, stage s on micro-batch i while stage s + 1 is on i - 1) or
+    # `fill-drain` (the whole batch through every stage in turn: GPipe's baseline with one micro-batch).
+    pipeline_schedule: Literal["waves", "fill-drain"] = "waves"
+    # Micro-batches per batch with `waves`. 0: pipeline_stages.
+    pipeline_microbatches: int = 0
 
     def __post_init__(self) -> None:
         require(self.memory_budget_bytes >= 0, "engine.memory_budget_bytes", "must be >= 0")
         require(self.threads >= 0, "engine.threads", f"must be >= 0, got {self.threads}")
+        require(self.pipeline_stages >= 1, "engine.pipeline_stages", f"must be >= 1, got {self.pipeline_stages}")
+        require(self.threads_per_stage >= 0, "engine.threads_per_stage", f"must be >= 0, got {self.threads_per_stage}")
+        require(self.pipeline_microbatches >= 0, "engine.pipeline_microbatches",
+                f"must be >= 0, got {self.pipeline_microbatches}")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -294,3 +309,16 @@ class Config:
     def __post_init__(self) -> None:
         ok = self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         require(ok, "device", f"must be cpu, cuda, cuda:N or auto, got '{self.device}'")
+        if self.engine.pipeline_stages > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What a pipeline of stages does not support yet, refused by name rather than ignored."""
+        later = "is not yet supported with engine.pipeline_stages > 1"
+        require(self.cache.suffix == "discard", "cache.suffix",
+                f"'offload' (the host tier) {later}: set cache.suffix: discard")  # fmt: skip
+        require(not self.lora.enabled, "lora.enabled", f"LoRA adapters {later}")
+        require(self.engine.memory_budget_bytes == 0, "engine.memory_budget_bytes",
+                f"{later}: size the device tier with cache.device_tier_bytes")  # fmt: skip
+        require(self.forward.mode != "chunked", "forward.mode", f"'chunked' {later} (use hybrid or vanilla)")
+        require(self.cluster.replicas == 1, "cluster.replicas", f"replicas {later}")

@@ -138,29 +138,52 @@ def forward(
 
 @torch.inference_mode()
 def forward_batch(
-    model: CausalLM, items: Sequence[BatchItem], *, mode: ForwardMode = "hybrid", chunk_tokens: int = 1024
+    model: CausalLM,
+    items: Sequence[BatchItem],
+    *,
+    mode: ForwardMode = "hybrid",
+    chunk_tokens: int = 1024,
+    hidden: Tensor | None = None,
+    last_stage: bool = True,
 ) -> Tensor:
-    """One forward over every item; returns each item's last-token logits [len(items), V] (fp32)."""
+    """One forward over every item; returns each item's last-token logits [len(items), V] (fp32).
+
+    A pipeline stage (tiered/pipeline) runs it over its own layers: `hidden` [N, D] is the residual
+    stream of the packed tokens from the stage before (not their embeddings); a stage before the
+    last (`last_stage=False`) returns its residual stream [N, D] (packed alike on every stage)."""
     if not items:
         raise ForwardInputError("a batch needs at least one request")
     for i in range(len(items)):
         _check_lead(items, i)
     prefix_lens = [_num_prefix_tokens(model, it) for it in items]
+    if mode == "chunked" and (hidden is not None or not last_stage):
+        raise ValueError("forward mode 'chunked' runs the whole model per chunk: it cannot run as a pipeline stage")
     if mode == "chunked":  # a comparison mode: request by request, a follower computing its shared tokens
         device = model.inv_freq.device
-        hidden = []
+        last_hidden = []
         for it, num_before in zip(items, prefix_lens, strict=True):
             ids = it.token_ids
             if it.lead is not None:
                 ids = torch.cat([items[it.lead].token_ids[: it.num_shared], ids])
                 num_before -= it.num_shared
-            hidden.append(
+            last_hidden.append(
                 _chunked(model, ids.to(device), chunk_tokens, it.prefix_kv, num_before, it.kv_sink, it.adapter)
             )
-        return model.last_token_logits(torch.stack(hidden))
+        return model.last_token_logits(torch.stack(last_hidden))
     if mode not in ("hybrid", "vanilla"):
         raise ValueError(f"unknown forward mode '{mode}' (expected vanilla, chunked or hybrid)")
-    return model.last_token_logits(_layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla"))
+    x = _layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla", hidden)
+    return x if not last_stage else model.last_token_logits(x[_last_rows(items).to(x.device)])
+
+
+def _last_rows(items: Sequence[BatchItem]) -> Tensor:
+    """Each item's last row among the packed tokens, in item order."""
+    order, groups = _pack(items)
+    rows = [seg for g in groups for seg in g.segments]
+    last = torch.empty(len(items), dtype=torch.long)
+    for idx, (_, e) in zip(order, rows, strict=True):
+        last[idx] = e - 1
+    return last
 
 
 @dataclass(slots=True)
@@ -200,22 +223,24 @@ def _pack(items: Sequence[BatchItem]) -> tuple[list[int], list[_Group]]:
 
 
 def _layer_by_layer(
-    model: CausalLM, items: Sequence[BatchItem], prefix_lens: list[int], chunk: int, hold_kv: bool
-) -> Tensor:
+    model: CausalLM, items: Sequence[BatchItem], prefix_lens: list[int], chunk: int, hold_kv: bool,
+    hidden: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """hybrid (chunk < N, KV dropped per layer) and vanilla (chunk = N, KV held to the end).
 
     Per layer: K,V of all packed tokens, chunk by chunk; then, chunk by chunk, the chunk's
     queries, their attention (over each request's prefix, its earlier tokens and, causally, its
     own tokens in the chunk), o_proj and the MLP, updating the residual in place. Keys are
     complete before any residual changes, so updating chunk by chunk is exact; queries exist for
-    one chunk at a time. Returns the last token's hidden state of each item, in order: [B, D]."""
+    one chunk at a time. Returns the residual stream of the packed tokens [N, D] (`hidden`, if
+    given, is updated in place)."""
     a = model.args
     order, groups = _pack(items)
     device = model.inv_freq.device
     token_ids = torch.cat([items[i].token_ids for i in order]).to(device)
     positions = torch.cat([torch.arange(prefix_lens[i], prefix_lens[i] + items[i].token_ids.numel()) for i in order])
     N = token_ids.numel()
-    x = model.model.embed_tokens(token_ids)  # [N, D] residual stream, updated in place
+    x = model.model.embed_tokens(token_ids) if hidden is None else hidden  # [N, D], updated in place
     chunk = N if hold_kv else min(chunk, N)
     bounds = [(s, min(s + chunk, N)) for s in range(0, N, chunk)]
     q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=x.dtype, device=device)  # one chunk's queries
@@ -249,10 +274,7 @@ def _layer_by_layer(
         del k, v, prefixes
     for i, (k, v) in enumerate(held):
         _to_sinks(items, order, rows, shared, i, k, v)
-    last = torch.empty(len(items), dtype=torch.long)
-    for idx, (_, e) in zip(order, rows, strict=True):
-        last[idx] = e - 1
-    return x[last.to(device)]
+    return x
 
 
 def _lora_runs(

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from tiered.config import ConfigError
 from tiered.hybrid.args import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelArgs
@@ -131,21 +132,32 @@ def model_identity(folder: str | Path, dtype: str, block_tokens: int) -> str:
     return f"tiered-{h.hexdigest()[:20]}"
 
 
-def load_model(folder: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> CausalLM:
-    """Build the model for `folder` and load its weights in `dtype` on `device`."""
+def load_model(
+    folder: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", layers: range | None = None
+) -> CausalLM:
+    """Build the model for `folder` and load its weights in `dtype` on `device`.
+
+    `layers`: a pipeline stage's part (tiered/pipeline): only these decoder layers, renumbered from
+    0 (`args.num_layers` is their count), the embedding if the range starts at layer 0 and the
+    final norm and LM head if it ends at the last; the parts a stage does not run stay on the
+    meta device (no memory). Only the tensors loaded are read from the files."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype '{dtype}' is not supported (supported: {', '.join(DTYPES)})")
     folder = Path(folder)
     args = read_args(folder)
+    layers = range(args.num_layers) if layers is None else layers
+    first, last = layers.start == 0, layers.stop == args.num_layers
+    if not (0 <= layers.start < layers.stop <= args.num_layers and layers.step == 1):
+        raise ModelLoadError(f"layers {layers} are not a range of the model's {args.num_layers} layers")
+    args = replace(args, num_layers=len(layers))
     with torch.device("meta"):
         model = CausalLM(args)
-    state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(folder):
-        state.update(load_file(str(path), device=str(device)))
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if args.tie_word_embeddings:
+    tied = args.tie_word_embeddings
+    state = _read_state(folder, device, layers, first, last, tied)
+    if tied:
         state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
+    expected = {k for k in expected if _local_name(k, range(len(layers)), first, last, tied) is not None}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
         raise ModelLoadError(
@@ -155,9 +167,35 @@ def load_model(folder: str | Path, dtype: str = "float32", device: str | torch.d
         )
     target = DTYPES[dtype]
     model.load_state_dict({k: v.to(target) for k, v in state.items()}, strict=False, assign=True)
-    if args.tie_word_embeddings:
+    if args.tie_word_embeddings and last:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The module was built on the meta device: the RoPE buffer is computed again for real.
     model.register_buffer("inv_freq", rope_inv_freq(args).to(device), persistent=False)
     use_attention(model)
     return model.eval()
+
+
+def _read_state(
+    folder: Path, device: str | torch.device, layers: range, first: bool, last: bool, tied: bool
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors a model of `layers` holds (`_local_name`), and only those are read."""
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(folder):
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                local = None if name.endswith("rotary_emb.inv_freq") else _local_name(name, layers, first, last, tied)
+                if local is not None:
+                    state[local] = f.get_tensor(name)
+    return state
+
+
+def _local_name(name: str, layers: range, first: bool, last: bool, tied: bool) -> str | None:
+    """A checkpoint tensor's name in a model of `layers` (decoder layers renumbered from 0), or
+    None if that model does not hold it: the embedding belongs to the first stage (and to the
+    last of a model whose LM head is the embedding), the final norm and LM head to the last."""
+    if name.startswith("model.layers."):
+        index, _, rest = name[len("model.layers.") :].partition(".")
+        return f"model.layers.{int(index) - layers.start}.{rest}" if int(index) in layers else None
+    if name.startswith("model.embed_tokens."):
+        return name if first or (last and tied) else None
+    return name if last else None

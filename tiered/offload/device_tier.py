@@ -76,12 +76,17 @@ class DeviceTier:
     """
 
     def __init__(
-        self, args: ModelArgs, block_tokens: int, budget_bytes: int, dtype: torch.dtype, device: str | torch.device
-    ) -> None:
+        self, args: ModelArgs, block_tokens: int, budget_bytes: int, dtype: torch.dtype, device: str | torch.device,
+        *, num_blocks: int | None = None, hold_kv: bool = True,
+    ) -> None:  # fmt: skip
+        """`num_blocks`: the pool's size (default: what `budget_bytes` holds). `hold_kv=False`: the
+        index alone, with a pool of no layers: a pipeline's coordinator decides, and each stage
+        process keeps its layers' KV in a pool of the same block ids (tiered/pipeline)."""
         self.block_tokens = block_tokens
         self.bytes_per_block = block_tokens * args.kv_bytes_per_token(dtype)
-        self.num_blocks = budget_bytes // self.bytes_per_block
-        shape = (self.num_blocks, 2, args.num_layers, block_tokens, args.num_kv_heads, args.head_dim)
+        self.num_blocks = budget_bytes // self.bytes_per_block if num_blocks is None else num_blocks
+        layers = args.num_layers if hold_kv else 0
+        shape = (self.num_blocks, 2, layers, block_tokens, args.num_kv_heads, args.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self._lock = threading.RLock()
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
@@ -205,6 +210,23 @@ class DeviceTier:
         with self._lock:
             while self._evict_one():
                 pass
+
+    def forget(self) -> None:
+        """The pool's contents are lost (a pipeline stage process died): no key hits any more. Unpinned
+        blocks are freed; pinned ones stay allocated, uncached, until their last pin goes."""
+        with self._lock:
+            keys = [block.key for block in self._blocks.values()]
+            for block_id, block in self._blocks.items():
+                if block.ref_count:
+                    self._pins[block_id] = block.ref_count
+                else:
+                    self._free.append(block_id)
+            self._blocks.clear()
+            self._index.clear()
+            self._lru.clear()
+        if self.on_change is not None:
+            for key in keys:
+                self.on_change(key)
 
     # ---- data ------------------------------------------------------------------------------
 

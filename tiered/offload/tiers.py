@@ -54,14 +54,16 @@ class KVTiers:
         device: str,
         instance_id: str,
         model_identity: str | None = None,
+        hold_kv: bool = True,
     ) -> None:
         """`model_identity` names the model in the host tier's keys (LMCache's model name): engines
-        that share a remote store share chunks when they give the same one. Default: `instance_id`."""
+        that share a remote store share chunks when they give the same one. Default: `instance_id`.
+        `hold_kv=False`: the device tier's index alone (`DeviceTier`; a pipeline's stages hold the KV)."""
         self.cfg = cfg
         self.args = args
         self.device = torch.device(device)
         self.block_tokens = cfg.block_tokens
-        self.device_tier = DeviceTier(args, cfg.block_tokens, cfg.device_tier_bytes, dtype, device)
+        self.device_tier = DeviceTier(args, cfg.block_tokens, cfg.device_tier_bytes, dtype, device, hold_kv=hold_kv)
         self.host_tier: HostTier | None = None
         if cfg.suffix == "offload":
             self.host_tier = HostTier(

@@ -1,0 +1,139 @@
+"""A 2-stage engine (two stage processes over gloo) against the one-process engine on the tiny
+model in fp32: equal answers (batches, followers, device-tier hits), the hit rule across stages,
+micro-batches or fill-and-drain, a stage killed mid-service, and refused configurations."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiered.api.engine_process import _response
+from tiered.config import ConfigError, load_config
+from tiered.engine import Engine, ScoreParams
+from tiered.pipeline import PipelineRunner
+from tiered.score import Result
+
+TOL = 1e-4
+PARAMS = ScoreParams(logprob_token_ids=tuple(range(0, 2048, 37)), top_logprobs=5)
+
+
+def _cfg(tiny_dir: Path, jct_dir: Path, *overrides: str):
+    fixed = [f"model.path={tiny_dir}", "model.dtype=float32", "cache.block_tokens=16", "model.max_model_len=2048",
+             "cache.suffix=discard", "cache.retention=all", "cache.device_tier_bytes=262144",
+             "scheduler.profile_tokens=[64, 256]", f"scheduler.profile_cache_dir={jct_dir}"]  # fmt: skip
+    return load_config(None, [*fixed, *overrides])
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """(one process, two stages), sharing a JCT profile; the pipeline is started once for the module."""
+    jct = tmp_path_factory.mktemp("jct")
+    one = Engine(_cfg(tiny_dir, jct))
+    two = Engine(_cfg(tiny_dir, jct, "engine.pipeline_stages=2", "engine.threads_per_stage=1"), jct_model=one.jct)
+    yield one, two
+    two.close()
+    one.close()
+
+
+def _prompts(seed: int, num: int, prefix_tokens: int = 300) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 1300, (prefix_tokens,), generator=g)
+    return [torch.cat([prefix, torch.randint(0, 1300, (20 + 7 * i,), generator=g)]) for i in range(num)]
+
+
+def _run(engine: Engine, prompts: list[torch.Tensor]) -> list[Result]:
+    """Results in prompt order, each request answered exactly once."""
+    ids = [engine.submit(p, PARAMS) for p in prompts]
+    results = engine.run()
+    assert sorted(r.request_id for r in results) == sorted(ids)
+    by_id = {r.request_id: r for r in results}
+    return [by_id[i] for i in ids]
+
+
+def _assert_equal(got: list[Result], ref: list[Result]) -> None:
+    for a, b in zip(got, ref, strict=True):
+        assert a.error is None and b.error is None
+        assert max(abs(a.logprobs[t] - b.logprobs[t]) for t in b.logprobs) < TOL
+        assert max(abs(x[1] - y[1]) for x, y in zip(a.top_logprobs, b.top_logprobs, strict=True)) < TOL
+        assert a.token_id == b.token_id and a.split == b.split and a.num_shared_tokens == b.num_shared_tokens
+
+
+def test_two_stages_answer_as_one_process_in_batches_and_from_the_device_tier(engines: tuple[Engine, Engine]) -> None:
+    one, two = engines
+    assert isinstance(two.runner, PipelineRunner) and len(two.runner.pids) == 2
+    assert two.tiers.device_tier.kv.numel() == 0  # the coordinator keeps the index; the stages the KV
+    prompts = _prompts(0, 5)
+    first_one, first_two = _run(one, prompts), _run(two, prompts)
+    # One forward: the first prompt computes the shared 300 tokens for the four others (followers).
+    assert [r.batch_size for r in first_two] == [5] * 5
+    assert sorted(r.num_shared_tokens for r in first_two) == [0] + [300] * 4
+    _assert_equal(first_two, first_one)
+    hits = two.tiers.device_tier.num_hit_tokens
+    again_one, again_two = _run(one, prompts), _run(two, prompts)
+    assert all(r.split.num_device_hit_tokens >= 288 for r in again_two)  # every prompt hits the cached prefix
+    assert two.tiers.device_tier.num_hit_tokens - hits == sum(r.split.num_device_hit_tokens for r in again_two)
+    _assert_equal(again_two, again_one)
+
+
+def test_fill_and_drain_answers_as_waves(engines: tuple[Engine, Engine]) -> None:
+    one, two = engines
+    assert isinstance(two.runner, PipelineRunner) and two.runner.num_microbatches == 2  # waves: one per stage
+    prompts = _prompts(7, 4, prefix_tokens=40)
+    ref = _run(one, prompts)
+    two.runner.num_microbatches = 1  # engine.pipeline_schedule: fill-drain
+    try:
+        _assert_equal(_run(two, prompts), ref)
+    finally:
+        two.runner.num_microbatches = 2
+
+
+def test_an_evicted_block_is_recomputed_on_every_stage(engines: tuple[Engine, Engine]) -> None:
+    """The coordinator evicts; the freed block ids are overwritten on both stages by other prompts;
+    the evicted prompts then miss everywhere and are recomputed, never read from a stale pool."""
+    one, two = engines
+    prompts = _prompts(11, 3)
+    _run(two, prompts)
+    for engine in engines:
+        engine.tiers.device_tier.clear()  # evicts every unpinned block
+    _run(two, _prompts(12, 6, prefix_tokens=500))  # reuses the freed ids, on every stage
+    ref = _run(one, prompts)
+    for engine in engines:
+        engine.tiers.device_tier.clear()
+    got = _run(two, prompts)
+    assert all(r.split.num_device_hit_tokens == 0 for r in got)
+    _assert_equal(got, ref)
+
+
+def test_refused_configurations_name_the_key(tiny_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'engine.pipeline_stages': must be >= 1, got 0"):
+        _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=0")
+    with pytest.raises(ConfigError, match=r"'cache.suffix': 'offload' \(the host tier\) is not yet supported"):
+        _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=2", "cache.suffix=offload")
+    with pytest.raises(ConfigError, match="'lora.enabled': LoRA adapters is not yet supported"):
+        _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=2", "lora.enabled=true")
+    with pytest.raises(ConfigError, match="'engine.pipeline_stages': must be <= the model's 2 layers, got 3"):
+        Engine(_cfg(tiny_dir, tmp_path, "engine.pipeline_stages=3"))
+
+
+def test_a_killed_stage_fails_its_batch_with_503_and_the_pipeline_restarts(engines: tuple[Engine, Engine]) -> None:
+    one, two = engines
+    runner = two.runner
+    assert isinstance(runner, PipelineRunner)
+    _run(two, _prompts(21, 2))  # cached on both stages
+    assert two.tiers.device_tier.stats().num_used_blocks > 0
+    old = runner.pids
+    os.kill(old[1], signal.SIGKILL)
+    ids = [two.submit(p, PARAMS) for p in _prompts(21, 3)]
+    failed = two.run()
+    assert sorted(r.request_id for r in failed) == sorted(ids)  # each answered once, with the failure
+    assert all(r.error is not None and r.unavailable and "pipeline stage failed" in r.error for r in failed)
+    assert {_response(r).error_status for r in failed} == {503}
+    assert runner.num_restarts == 1 and set(runner.pids).isdisjoint(old) and len(runner.pids) == 2
+    assert two.tiers.device_tier.stats().num_used_blocks == 0  # the pools are gone: nothing hits
+    prompts = _prompts(22, 3)
+    _assert_equal(_run(two, prompts), _run(one, prompts))  # later requests are served

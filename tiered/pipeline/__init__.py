@@ -1,0 +1,45 @@
+"""Pipeline-parallel prefill: the decoder layers split over S stage processes (`engine.pipeline_stages`).
+
+Processes. The engine (scheduler, block index, the tiers' bookkeeping) stays in the coordinating
+process, with one view of what is cached. Stage s is a process of its own (spawned) that holds
+layers `stage_layers(L, S)[s]` (the embedding on stage 0, the final norm and LM head on the
+last) and a KV pool for those layers only, indexed by the SAME block ids as the coordinator's
+device tier (`DeviceTier(hold_kv=False)`: the index without a pool). The coordinator allocates,
+pins and evicts; a stage reads its prefixes and writes its retained blocks at the ids it is told.
+So a block is a hit on every stage or on none, by construction, and an eviction decided once
+applies everywhere (the next writer of a freed id overwrites it on every stage).
+
+Messages. Per batch the coordinator sends every stage the same `Forward` over a Pipe: the
+micro-batches, each a list of `runner.ItemPlan` (the tokens each request computes, its prefix
+block ids, its lead and shared tokens, its retained block ids and where they start). Stage 0
+embeds the tokens and runs its layers; it sends the residual stream of the computed tokens
+[N, D] to stage 1, ..., and the last stage computes the norm and LM head at each request's last
+token and answers the coordinator with the logits [B, V]. With `pipeline_schedule: waves` a
+batch is cut into micro-batches of even computed tokens (`scheduler/waves.py`), sent with
+non-blocking sends: stage s computes micro-batch i + 1 while stage s + 1 computes micro-batch i.
+`fill-drain` sends the batch as one micro-batch (GPipe's baseline: one stage busy at a time).
+
+Transport. Activations go stage to stage over `torch.distributed` point-to-point send/recv (the
+gloo backend on CPU; NCCL with one device per stage on CUDA: the same code, the backend follows
+the device). Point-to-point send/recv moves a tensor's raw buffer into one the receiver
+preallocated (no pickling), non-blocking sends let a stage compute while its last output
+travels, it comes with torch (no new dependency), and the same code runs on NCCL, the fast path
+between GPUs. Ray's channels (compiled graphs) would do the same, but they bring Ray into every
+engine (today only `tiered serve --replicas` uses it) and a second scheduler of processes.
+Control messages and logits go over multiprocessing Pipes: small, and a Pipe's end tells the
+coordinator when a stage process dies. The JCT model is profiled on the whole model in the
+coordinator (which loads it once for that): a proxy of a batch's time through the stages.
+
+Failure. A stage that dies (or raises) fails the batch in flight: the coordinator kills the
+others, starts a new pipeline, forgets the device tier's contents (the pools are gone) and raises
+`runner.ForwardUnavailable`, which the engine turns into a 503 for each request of the batch.
+
+Not yet: the host tier (LMCache) per stage, LoRA adapters, a per-stage memory budget (the config
+refuses them with S > 1), and micro-batches of different batches in flight at once (the engine
+decides a batch from the tiers that the batch before it left).
+"""
+
+from tiered.pipeline.runner import PipelineRunner, start_pipeline
+from tiered.pipeline.split import cut_microbatches, stage_layers
+
+__all__ = ["PipelineRunner", "cut_microbatches", "stage_layers", "start_pipeline"]

@@ -1,0 +1,181 @@
+"""The coordinator's side of the pipeline: start the stage processes, send each batch through
+them, and restart them when one dies (the package docstring tells the design)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tiered.config import Config, ConfigError
+from tiered.hybrid.precision import Precision
+from tiered.offload.device_tier import DeviceTier
+from tiered.offload.request import Prepared
+from tiered.pipeline.split import cut_microbatches, microbatch_plans, stage_layers
+from tiered.pipeline.stage import Forward, StageFailed, StageReady, StageSpec, run_stage
+from tiered.runner import ForwardUnavailable, ItemPlan
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # a stage imports torch and loads its layers
+STOP_TIMEOUT_S = 10.0
+
+
+class PipelineStartError(RuntimeError):
+    """A stage process could not start (its own log names the reason)."""
+
+
+def _stage_device(device: str, stage: int) -> str:
+    """cpu for every stage; on CUDA one device per stage, from the configured one on."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + stage}"
+
+
+class PipelineRunner:
+    """Runs planned batches through S stage processes (`runner.Runner`). Not thread-safe: the
+    engine's loop is its one caller. `device_tier` is the coordinator's index of the blocks every
+    stage's pool holds: forgotten when the pipeline restarts."""
+
+    def __init__(self, specs: list[StageSpec], device_tier: DeviceTier, num_microbatches: int) -> None:
+        self._specs, self.device_tier, self.num_microbatches = specs, device_tier, num_microbatches
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        self.num_restarts = 0
+        self._start()
+
+    @property
+    def pids(self) -> list[int]:
+        """The stage processes' ids, stage 0 first."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter per stage: no state forked from the engine
+        self._inbox: list[list[object]] = [[] for _ in self._specs]
+        # A file rendezvous: no port to find free (and race for); each start gets a fresh one.
+        self._rendezvous = Path(tempfile.mkdtemp(prefix="tiered-pipeline-"))
+        init = f"file://{self._rendezvous / 'store'}"
+        started = time.monotonic()
+        for spec in self._specs:
+            parent, child = ctx.Pipe()
+            spec = replace(spec, init_method=init)
+            proc = ctx.Process(target=run_stage, args=(spec, child), name=f"tiered-stage-{spec.stage}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        for s in range(len(self._conns)):
+            message = self._receive(s, deadline=started + START_TIMEOUT_S)
+            if not isinstance(message, StageReady):
+                self._stop(kill=True)
+                why = f"stage {message.stage}: {message.error}" if isinstance(message, StageFailed) else message
+                raise PipelineStartError(f"the pipeline did not start: {why} (its log says more)")
+        log.info("pipeline: %d stages (layers %s) ready in %.1f s, %d threads each", len(self._specs),
+                 ", ".join(f"{sp.layers.start}-{sp.layers.stop - 1}" for sp in self._specs),
+                 time.monotonic() - started, self._specs[0].threads)  # fmt: skip
+
+    def _receive(self, stage: int, deadline: float | None = None) -> object:
+        """Stage `stage`'s next message; a stage that fails or dies first: a StageFailed naming it.
+        Other stages' messages wait in their inbox (stages start in any order)."""
+        if self._inbox[stage]:
+            return self._inbox[stage].pop(0)
+        watch: list[Connection | int] = [*self._conns, *(p.sentinel for p in self._procs)]
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(watch, timeout)
+            if not ready:
+                return f"stage {stage}: no answer in {START_TIMEOUT_S:.0f} s"
+            for s, conn in enumerate(self._conns):
+                if conn in ready:
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        watch.remove(conn)  # its process ended: its sentinel says so
+                        continue
+                    if s == stage or isinstance(message, StageFailed):
+                        return message
+                    self._inbox[s].append(message)
+            for s, proc in enumerate(self._procs):
+                if proc.sentinel in ready:
+                    proc.join(STOP_TIMEOUT_S)
+                    return StageFailed(s, f"its process (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
+        """The batch's logits [B, V] (fp32); ForwardUnavailable if a stage failed (the pipeline
+        was restarted and the device tier forgotten)."""
+        cut = cut_microbatches(plans, self.num_microbatches) if self.num_microbatches > 1 else [list(range(len(plans)))]
+        message = Forward([microbatch_plans(plans, indices) for indices in cut])
+        try:
+            for conn in self._conns:
+                conn.send(message)
+        except OSError as exc:
+            self._fail(f"sending the batch failed ({exc})")
+        out = self._receive(len(self._conns) - 1)
+        if not isinstance(out, Tensor):
+            self._fail(str(out.error) if isinstance(out, StageFailed) else str(out))
+        assert isinstance(out, Tensor)
+        order = torch.tensor([i for indices in cut for i in indices])
+        logits = torch.empty_like(out)
+        logits[order] = out
+        return logits
+
+    def _fail(self, why: str) -> None:
+        log.error("pipeline failed: %s; restarting it (its device-tier blocks are forgotten)", why)
+        self._stop(kill=True)
+        self.device_tier.forget()
+        self._start()
+        self.num_restarts += 1
+        raise ForwardUnavailable(f"a pipeline stage failed ({why}); the pipeline was restarted: retry the request")
+
+    def _stop(self, kill: bool = False) -> None:
+        for conn in self._conns:
+            try:
+                if not kill:
+                    conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            if kill and proc.is_alive():
+                proc.kill()
+            proc.join(STOP_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+    def close(self) -> None:
+        self._stop()
+
+
+def start_pipeline(config: Config, model_dir: Path, num_layers: int, precision: Precision, attention: str,
+                   device: str, device_tier: DeviceTier) -> PipelineRunner:  # fmt: skip
+    """The engine's pipeline of `engine.pipeline_stages` stage processes (ConfigError: more stages than layers)."""
+    e = config.engine
+    stages = e.pipeline_stages
+    if stages > num_layers:
+        raise ConfigError(f"config key 'engine.pipeline_stages': must be <= the model's {num_layers} layers, "
+                          f"got {stages}")  # fmt: skip
+    threads = e.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // stages)
+    specs = [
+        StageSpec(s, stages, layers, str(model_dir), precision.compute, precision.kv, _stage_device(device, s),
+                  attention, config.cache.block_tokens, device_tier.num_blocks, threads, "", config.forward.mode,
+                  config.forward.chunk_tokens)
+        for s, layers in enumerate(stage_layers(num_layers, stages))
+    ]  # fmt: skip
+    microbatches = 1 if e.pipeline_schedule == "fill-drain" else (e.pipeline_microbatches or stages)
+    return PipelineRunner(specs, device_tier, microbatches)

@@ -1,0 +1,159 @@
+"""A stage process: its layers of the model and their KV pool; forwards what the coordinator sends.
+
+Stage s receives the residual stream of each micro-batch's computed tokens from stage s - 1
+(stage 0 embeds the tokens), runs its layers over it and sends it to stage s + 1 without
+waiting for the send to complete (the next micro-batch computes meanwhile); the last stage
+answers the coordinator with the logits of the whole batch. Any exception is reported to the
+coordinator and ends the process: the coordinator restarts the pipeline (a stage that stopped
+mid-batch leaves the others waiting on it).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from tiered import logs
+from tiered.config import ForwardMode
+from tiered.hybrid.forward import BatchItem, KVSink, forward_batch
+from tiered.hybrid.loader import DTYPES, load_model
+from tiered.hybrid.model import use_attention
+from tiered.offload.device_tier import DeviceTier
+from tiered.offload.request import PrefixKV
+from tiered.runner import ItemPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """Everything a stage process needs to start (pickled to it at spawn)."""
+
+    stage: int
+    num_stages: int
+    layers: range  # of the whole model's decoder layers
+    model_dir: str
+    compute_dtype: str
+    kv_dtype: str
+    device: str  # this stage's: cpu, or cuda:N (one device per stage)
+    attention: str  # the kernel the coordinator chose
+    block_tokens: int
+    num_blocks: int  # the coordinator's device tier's: the same block ids on every stage
+    threads: int
+    init_method: str  # torch.distributed rendezvous (file://... on this machine)
+    mode: ForwardMode
+    chunk_tokens: int
+
+    @property
+    def backend(self) -> str:
+        """NCCL between GPUs, gloo between CPU processes."""
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """One batch, cut into micro-batches that follow one another through the stages."""
+
+    microbatches: list[list[ItemPlan]]
+
+
+@dataclass(frozen=True, slots=True)
+class StageReady:
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageFailed:
+    stage: int
+    error: str
+
+
+class Stage:
+    def __init__(self, spec: StageSpec) -> None:
+        self.spec = spec
+        self.model = load_model(spec.model_dir, spec.compute_dtype, spec.device, spec.layers)
+        use_attention(self.model, spec.attention)
+        self.pool = DeviceTier(self.model.args, spec.block_tokens, 0, DTYPES[spec.kv_dtype], spec.device,
+                               num_blocks=spec.num_blocks)  # fmt: skip
+        self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
+
+    @torch.inference_mode()
+    def forward(self, message: Forward) -> Tensor | None:
+        """Every micro-batch through this stage's layers; the last stage returns the logits [B, V]."""
+        s, a = self.spec, self.model.args
+        sends, logits = [], []
+        for plans in message.microbatches:
+            hidden = None
+            if not self.first:
+                num_tokens = sum(p.num_computed_tokens for p in plans)
+                hidden = torch.empty((num_tokens, a.hidden_size), dtype=DTYPES[s.compute_dtype], device=s.device)
+                dist.recv(hidden, src=s.stage - 1)
+            out = forward_batch(self.model, self._items(plans), mode=s.mode, chunk_tokens=s.chunk_tokens,
+                                hidden=hidden, last_stage=self.last)  # fmt: skip
+            if self.last:
+                logits.append(out)
+            else:  # keep `out` alive until its send completes
+                sends.append((out, dist.isend(out, dst=s.stage + 1)))
+        for _, work in sends:
+            work.wait()  # type: ignore[union-attr]
+        return torch.cat(logits).cpu() if self.last else None
+
+    def _items(self, plans: list[ItemPlan]) -> list[BatchItem]:
+        prefixes: dict[tuple[int, ...], PrefixKV] = {}
+        items = []
+        for plan in plans:
+            if plan.prefix_blocks and plan.prefix_blocks not in prefixes:
+                prefixes[plan.prefix_blocks] = PrefixKV(self.pool, list(plan.prefix_blocks), self.model.args.num_layers)
+            items.append(BatchItem(plan.token_ids, prefixes.get(plan.prefix_blocks), self._sink(plan),
+                                   lead=plan.lead, num_shared=plan.num_shared))  # fmt: skip
+        return items
+
+    def _sink(self, plan: ItemPlan) -> KVSink | None:
+        """Writes the request's retained blocks of this stage's layers into the pool."""
+        blocks = list(plan.retained_blocks)
+        if not blocks:
+            return None
+        start = plan.first_retained_row
+        end = start + len(blocks) * self.spec.block_tokens
+        pool = self.pool
+
+        def sink(layer: int, k: Tensor, v: Tensor) -> None:
+            pool.write_layer(layer, blocks, k[start:end], v[start:end])
+
+        return sink
+
+
+def run_stage(spec: StageSpec, conn: Connection) -> None:
+    """A stage process's main: join the group, load, then forward until told to stop (None)."""
+    logs.setup()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the coordinator stops us
+    torch.set_num_threads(spec.threads)
+    try:
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(spec.device)
+        dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.stage,
+                                world_size=spec.num_stages)  # fmt: skip
+        stage = Stage(spec)
+        conn.send(StageReady(spec.stage))
+        while (message := conn.recv()) is not None:
+            out = stage.forward(message)
+            if out is not None:
+                conn.send(out)
+    except EOFError:  # the coordinator is gone
+        pass
+    except BaseException as exc:
+        log.error("stage %d failed: %s", spec.stage, traceback.format_exc())
+        try:
+            conn.send(StageFailed(spec.stage, f"{type(exc).__name__}: {exc}"))
+        finally:
+            raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

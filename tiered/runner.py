@@ -1,0 +1,111 @@
+"""What runs a batch's forward for the engine: the model in this process (`LocalRunner`), or a
+pipeline of stage processes (`tiered.pipeline.PipelineRunner`). The engine plans the batch the
+same way for both (`plan_batch`: each request's tokens to compute, its prefix and retained blocks
+by id, the lead whose tokens it shares), so the two compute the same forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from tiered.adapters import Adapters
+from tiered.config import ForwardConfig
+from tiered.hybrid.forward import BatchItem, forward_batch
+from tiered.hybrid.model import CausalLM
+from tiered.offload.request import PrefixKV, Prepared
+from tiered.offload.tiers import KVTiers
+
+
+class ForwardUnavailable(RuntimeError):
+    """The forward's workers failed (a pipeline stage process died) and were restarted: the batch's
+    requests fail with a 503 (the client may retry them); the engine goes on."""
+
+
+@dataclass(frozen=True, slots=True)
+class ItemPlan:
+    """One request of a batched forward, by block ids: all a worker needs to compute it.
+
+    `token_ids` are the tokens it computes: after its prefix (`prefix_blocks`, `num_prefix_tokens`
+    cached tokens) and, for a follower, after the `num_shared` tokens its `lead` (an earlier item
+    of the batch, same prefix and adapter) computes for both. Its computed blocks kept on the
+    device go to `retained_blocks`, from row `first_retained_row` of its K,V after the prefix."""
+
+    token_ids: Tensor  # [T]
+    prefix_blocks: tuple[int, ...]
+    num_prefix_tokens: int
+    lead: int | None = None
+    num_shared: int = 0
+    adapter: str | None = None
+    retained_blocks: tuple[int, ...] = ()
+    first_retained_row: int = 0
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.token_ids.numel()
+
+
+def _common_prefix_len(a: Tensor, b: Tensor, limit: int) -> int:
+    """Leading tokens a and b have in common, at most `limit`."""
+    n = min(limit, a.numel(), b.numel())
+    if n <= 0:
+        return 0
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
+
+
+def plan_batch(prepared: Sequence[Prepared], block_tokens: int) -> list[ItemPlan]:
+    """The batch's plan. Requests with the same prefix blocks share one prefix, read once per
+    layer; the first of them leads, and each other one whose next tokens equal the lead's follows
+    it: those tokens are computed once (a profile's tail that fills no whole block, or a whole
+    profile on a user's first visit)."""
+    leads: dict[tuple[tuple[int, ...], str | None], list[int]] = {}  # per prefix and adapter
+    plans: list[ItemPlan] = []
+    for p in prepared:
+        blocks = tuple(p.prefix_blocks)  # block keys include the adapter: one prefix, one adapter
+        adapter = p.request.adapter
+        new = p.request.token_ids[p.num_prefix_tokens :]
+        # Follow the lead that shares the most tokens (two new users' prompts in one batch
+        # each follow their own user's first prompt).
+        m, lead = max(((_common_prefix_len(plans[i].token_ids, new, new.numel() - 1), i)
+                       for i in leads.get((blocks, adapter), ())), default=(0, -1))  # fmt: skip
+        retained = tuple(p.retained_blocks), p.first_retained_block * block_tokens - p.num_prefix_tokens
+        if m:
+            plans.append(ItemPlan(new[m:], blocks, p.num_prefix_tokens, lead, m, adapter, *retained))
+        else:
+            leads.setdefault((blocks, adapter), []).append(len(plans))
+            plans.append(ItemPlan(new, blocks, p.num_prefix_tokens, None, 0, adapter, *retained))
+    return plans
+
+
+class Runner(Protocol):
+    """Computes a planned batch: each request's last-token logits [B, V] (fp32)."""
+
+    def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class LocalRunner:
+    """The whole model in this process, its KV read from and written to the tiers directly (the
+    sinks also copy stored chunks into the host tier's memory)."""
+
+    def __init__(self, model: CausalLM, tiers: KVTiers, adapters: Adapters | None, config: ForwardConfig) -> None:
+        self.model, self.tiers, self.adapters, self.config = model, tiers, adapters, config
+
+    def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
+        prefixes: dict[tuple[int, ...], PrefixKV | None] = {}
+        items = []
+        for p, plan in zip(prepared, plans, strict=True):
+            if plan.prefix_blocks not in prefixes:
+                prefixes[plan.prefix_blocks] = self.tiers.prefix_kv(p)
+            weights = self.adapters.weights(plan.adapter) if plan.adapter and self.adapters else None
+            items.append(BatchItem(plan.token_ids, prefixes[plan.prefix_blocks], self.tiers.sink(p), lead=plan.lead,
+                                   num_shared=plan.num_shared, adapter=weights))  # fmt: skip
+        return forward_batch(self.model, items, mode=self.config.mode, chunk_tokens=self.config.chunk_tokens)
+
+    def close(self) -> None:
+        pass
