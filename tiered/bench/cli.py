@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from tiered.bench import pipeline_sim
+from tiered.bench import pipeline_sim, stages
 from tiered.bench.commands import (
     _add_model_args,
     _add_trace_args,
@@ -45,6 +45,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     _add_plot_parser(bsub)
     _add_server_parser(bsub)
     pipeline_sim.add_parser(bsub)
+    stages.add_parser(bsub)
 
 
 def _add_mil_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

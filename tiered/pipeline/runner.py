@@ -23,7 +23,7 @@ from tiered.hybrid.precision import Precision
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.request import Prepared
 from tiered.pipeline.split import cut_microbatches, microbatch_plans, stage_layers
-from tiered.pipeline.stage import Forward, StageFailed, StageReady, StageSpec, run_stage
+from tiered.pipeline.stage import Forward, StageFailed, StageReady, StageSpec, StageStats, StatsRequest, run_stage
 from tiered.runner import ForwardUnavailable, ItemPlan
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class PipelineRunner:
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self.num_restarts = 0
+        self.forward_seconds = 0.0  # wall time inside forward(), since the pipeline (re)started
         self._start()
 
     @property
@@ -117,6 +118,7 @@ class PipelineRunner:
         was restarted and the device tier forgotten)."""
         cut = cut_microbatches(plans, self.num_microbatches) if self.num_microbatches > 1 else [list(range(len(plans)))]
         message = Forward([microbatch_plans(plans, indices) for indices in cut])
+        start = time.perf_counter()
         try:
             for conn in self._conns:
                 conn.send(message)
@@ -126,15 +128,27 @@ class PipelineRunner:
         if not isinstance(out, Tensor):
             self._fail(str(out.error) if isinstance(out, StageFailed) else str(out))
         assert isinstance(out, Tensor)
+        self.forward_seconds += time.perf_counter() - start
         order = torch.tensor([i for indices in cut for i in indices])
         logits = torch.empty_like(out)
         logits[order] = out
         return logits
 
+    def stats(self) -> list[StageStats]:
+        """Each stage's busy seconds since the pipeline (re)started: 1 - busy / forward_seconds is
+        its bubble fraction (time in a forward it spent waiting for its inputs or its successor)."""
+        for conn in self._conns:
+            conn.send(StatsRequest())
+        out = [self._receive(s) for s in range(len(self._conns))]
+        if not all(isinstance(st, StageStats) for st in out):
+            self._fail(f"a stage did not report its statistics: {out}")
+        return out  # type: ignore[return-value]
+
     def _fail(self, why: str) -> None:
         log.error("pipeline failed: %s; restarting it (its device-tier blocks are forgotten)", why)
         self._stop(kill=True)
         self.device_tier.forget()
+        self.forward_seconds = 0.0
         self._start()
         self.num_restarts += 1
         raise ForwardUnavailable(f"a pipeline stage failed ({why}); the pipeline was restarted: retry the request")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -65,6 +66,20 @@ class Forward:
 
 
 @dataclass(frozen=True, slots=True)
+class StatsRequest:
+    """Asks every stage for its StageStats."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageStats:
+    """Seconds a stage spent computing (its layers' forwards, not waiting for its inputs) since it started."""
+
+    stage: int
+    busy_seconds: float
+    num_microbatches: int
+
+
+@dataclass(frozen=True, slots=True)
 class StageReady:
     stage: int
 
@@ -83,6 +98,7 @@ class Stage:
         self.pool = DeviceTier(self.model.args, spec.block_tokens, 0, DTYPES[spec.kv_dtype], spec.device,
                                num_blocks=spec.num_blocks)  # fmt: skip
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
+        self.busy_seconds, self.num_microbatches = 0.0, 0
 
     @torch.inference_mode()
     def forward(self, message: Forward) -> Tensor | None:
@@ -95,8 +111,11 @@ class Stage:
                 num_tokens = sum(p.num_computed_tokens for p in plans)
                 hidden = torch.empty((num_tokens, a.hidden_size), dtype=DTYPES[s.compute_dtype], device=s.device)
                 dist.recv(hidden, src=s.stage - 1)
+            start = time.perf_counter()
             out = forward_batch(self.model, self._items(plans), mode=s.mode, chunk_tokens=s.chunk_tokens,
                                 hidden=hidden, last_stage=self.last)  # fmt: skip
+            self.busy_seconds += time.perf_counter() - start
+            self.num_microbatches += 1
             if self.last:
                 logits.append(out)
             else:  # keep `out` alive until its send completes
@@ -143,8 +162,9 @@ def run_stage(spec: StageSpec, conn: Connection) -> None:
         stage = Stage(spec)
         conn.send(StageReady(spec.stage))
         while (message := conn.recv()) is not None:
-            out = stage.forward(message)
-            if out is not None:
+            if isinstance(message, StatsRequest):
+                conn.send(StageStats(spec.stage, stage.busy_seconds, stage.num_microbatches))
+            elif (out := stage.forward(message)) is not None:
                 conn.send(out)
     except EOFError:  # the coordinator is gone
         pass

@@ -1,0 +1,144 @@
+"""`tiered bench stages`: pipeline stages measured on this machine (issue 25).
+
+The same visits (Zipf users, each visit a profile + `posts` posts, every prompt queued at once:
+saturation) through one engine after another, in this process: `1xN` (one process, N threads:
+the machine's cores) and `Sx1-<schedule>` (S stage processes of N / S threads each: `fill-drain`
+or `waves-M`, M micro-batches per batch). Per system: visits/s, computed tokens/s, each
+stage's bubble fraction (1 - its busy seconds / the coordinator's seconds in forwards) and the
+max |logprob - the first system's| over every prompt. Every engine runs with `cache.suffix:
+discard` (the host tier is not yet per stage) and the same device tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from tiered.bench.traces import BenchError
+from tiered.cli_options import add_config_args
+
+log = logging.getLogger(__name__)
+
+SYSTEM = re.compile(r"^(?:1x(?P<threads>\d+)|(?P<stages>\d+)x(?P<per>\d+)-(?:(?P<fd>fill-drain)|waves-(?P<m>\d+)))$")
+
+
+def system_overrides(name: str) -> list[str]:
+    """The config keys a system name sets (BenchError naming it when it is not of a known form)."""
+    m = SYSTEM.match(name)
+    if m is None:
+        raise BenchError(f"--systems: '{name}' is not 1xN, SxN-fill-drain or SxN-waves-M")
+    if m["threads"]:
+        return ["engine.pipeline_stages=1", f"engine.threads={m['threads']}"]
+    out = [f"engine.pipeline_stages={m['stages']}", f"engine.threads_per_stage={m['per']}"]
+    if m["fd"]:
+        return [*out, "engine.pipeline_schedule=fill-drain"]
+    return [*out, "engine.pipeline_schedule=waves", f"engine.pipeline_microbatches={m['m']}"]
+
+
+def _config_path(args: argparse.Namespace) -> Any:
+    from tiered.cli_options import DEFAULT_CONFIG
+
+    return args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+
+
+def _run_system(args: argparse.Namespace, name: str, requests: list[Any]) -> dict[str, Any]:
+    from tiered.config import load_config
+    from tiered.engine import Engine
+    from tiered.pipeline.runner import PipelineRunner
+    from tiered.score import ScoreParams
+
+    cfg = load_config(_config_path(args), [*args.overrides, "cache.suffix=discard", *system_overrides(name)])
+    params = ScoreParams(logprob_token_ids=tuple(args.token_ids))
+    with Engine(cfg) as engine:
+        warm = engine.submit(requests[0].token_ids[: args.post_tokens], params)  # a forward of every stage
+        engine.run()
+        engine.tiers.device_tier.clear()
+        runner = engine.runner
+        before = runner.stats() if isinstance(runner, PipelineRunner) else []
+        forward_before = runner.forward_seconds if isinstance(runner, PipelineRunner) else 0.0
+        start = time.perf_counter()
+        for r in requests:
+            engine.submit(r.token_ids, params, request_id=r.request_id)
+        results = [res for res in engine.run() if res.request_id != warm]
+        seconds = time.perf_counter() - start
+        bubbles: list[float] = []
+        if isinstance(runner, PipelineRunner):
+            in_forwards = runner.forward_seconds - forward_before
+            bubbles = [1 - (a.busy_seconds - b.busy_seconds) / in_forwards for a, b in zip(runner.stats(), before,
+                                                                                             strict=True)]  # fmt: skip
+    failed = [res.request_id for res in results if res.error]
+    if failed:
+        raise BenchError(f"{name}: {len(failed)} requests failed, e.g. {failed[0]}")
+    computed = sum(res.split.num_miss_tokens - res.num_shared_tokens for res in results)
+    visits = len({r.visit for r in requests})
+    out = {"system": name, "seconds": seconds, "visits_per_s": visits / seconds, "computed_tokens": computed,
+           "tokens_per_s": computed / seconds, "bubbles": bubbles,
+           "logprobs": {res.request_id: res.logprobs for res in results}}  # fmt: skip
+    log.info("%s: %.1f s, %.3f visits/s, %.0f computed tokens/s, bubbles %s", name, seconds, out["visits_per_s"],
+             out["tokens_per_s"], ", ".join(f"{b:.0%}" for b in bubbles) or "-")  # fmt: skip
+    return out
+
+
+def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tiered.bench.report import write_report
+    from tiered.bench.traces import ordinary_token_ids, visits
+    from tiered.config import load_config
+    from tiered.embedded import resolve_model_path
+
+    cfg = load_config(_config_path(args), list(args.overrides))
+    vocab = ordinary_token_ids(resolve_model_path(cfg.model.path, cfg.model.models_dir))
+    args.token_ids = vocab[:2]
+    n = args.profile_tokens  # sd 1/6 of the mean, within 2/3 and 4/3 of it (as the visit workload)
+    trace = visits(vocab, users=args.users, visits=args.visits, posts=args.posts, profile_mean=n, profile_sd=n // 6,
+                   profile_min=2 * n // 3, profile_max=4 * n // 3, post_tokens=args.post_tokens, zipf=args.zipf,
+                   seed=args.seed)  # fmt: skip
+    rows = [_run_system(args, name, trace.requests) for name in args.systems]
+    first = rows[0]["logprobs"]
+    for row in rows:
+        logprobs = row.pop("logprobs")
+        row["max_logprob_diff"] = max(abs(v - first[rid][t]) for rid, lp in logprobs.items() for t, v in lp.items())
+        row["throughput_vs_first"] = row["visits_per_s"] / rows[0]["visits_per_s"]
+    print(f"{os.cpu_count()} cores; {args.visits} visits x {args.posts} posts, {args.users} Zipf users")
+    print(f"{'system':22} {'s':>7} {'visits/s':>9} {'tokens/s':>9} {'vs first':>8} {'max |dlogp|':>11}  bubbles")
+    for r in rows:
+        print(f"{r['system']:22} {r['seconds']:>7.1f} {r['visits_per_s']:>9.3f} {r['tokens_per_s']:>9.0f} "
+              f"{r['throughput_vs_first']:>7.2f}x {r['max_logprob_diff']:>11.1e}  "
+              f"{', '.join(f'{b:.0%}' for b in r['bubbles']) or '-'}")  # fmt: skip
+    return write_report(args.json, "stages", cfg.device, {"trace": trace.params, "systems": rows})
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`tiered bench stages` (this module imports no torch at CLI start)."""
+    p = bsub.add_parser(
+        "stages", help="pipeline stages on this machine: S processes x N/S threads against one process x N",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    add_config_args(p)
+    cores = len(os.sched_getaffinity(0))
+    half = max(1, cores // 2)
+    p.add_argument("--systems", type=lambda s: s.split(","),
+                   default=[f"1x{cores}", f"2x{half}-fill-drain", f"2x{half}-waves-2", f"2x{half}-waves-8"],
+                   help="comma-separated: 1xN, SxN-fill-drain, SxN-waves-M (the first is the reference)")  # fmt: skip
+    p.add_argument("--users", type=int, default=8, help="distinct users (profiles)")
+    p.add_argument("--visits", type=int, default=12, help="visits, all queued at once")
+    p.add_argument("--posts", type=int, default=8, help="prompts per visit")
+    p.add_argument("--profile-tokens", type=int, default=1800, help="mean profile length")
+    p.add_argument("--post-tokens", type=int, default=150, help="mean post length")
+    p.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.set_defaults(func=cmd_stages)
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    for name in args.systems:
+        system_overrides(name)
+    if min(args.users, args.visits, args.posts, args.profile_tokens, args.post_tokens) < 1:
+        raise BenchError("--users, --visits, --posts, --profile-tokens and --post-tokens must be >= 1")
+    run_stages_bench(args)
+    return 0
