@@ -173,8 +173,9 @@ class AttentionConfig:
     """Which attention kernel computes (tiered/hybrid/attention)."""
 
     # auto: the fastest correct kernel on this machine, measured at start-up on the engine's
-    # shapes and cached; a name forces one (flash-head, flash: cpu; masked: any; varlen: cuda).
-    kernel: Literal["auto", "flash-head", "flash", "masked", "varlen"] = "auto"
+    # shapes and cached; a name forces one (flash-head, flash: cpu; native: cpu, where its C++
+    # library builds; masked: any; varlen: cuda).
+    kernel: Literal["auto", "flash-head", "flash", "native", "masked", "varlen"] = "auto"
     # Where the measured choice is cached (keyed by CPU, torch, threads, dtype and head shapes).
     profile_cache_dir: str = ".cache/attention"
 

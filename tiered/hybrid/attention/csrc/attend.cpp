@@ -1,0 +1,638 @@
+// The `native` attention kernel of tiered: every piece's attention in one call.
+//
+// Contract (tiered/hybrid/attention/kernels.py, native.py): q [L, H, Dh] is overwritten with
+// softmax(q k^T / sqrt(Dh)) v, where each query of a piece sees (1) the shared prefix, read from
+// a pool [blocks, block_tokens, Hkv, Dh] through a block-id list, (2) its piece's visible key
+// ranges, (3) its own keys causally. GQA: the H / Hkv query heads of a KV head form a group.
+//
+// Work: one task = (piece, KV head, block of query positions); its rows are the block's
+// positions x the group's heads, so every K/V tile is loaded (and converted from bf16) once for
+// the whole group. Per key tile: S = Q K^T (a small GEMM against K packed transposed), an online
+// fp32 softmax in base 2 (log2(e) folded into Q's scale), acc += P V. Tasks are handed out
+// largest first from an atomic counter inside at::parallel_for (causal blocks differ in cost).
+//
+// ISA paths, chosen at run time (__builtin_cpu_supports) or forced by the `isa` argument:
+// scalar (portable C++), avx2 (AVX2 + FMA), avx512 (AVX-512F), avx512bf16 (avx512, with
+// Q K^T of bf16 inputs by _mm512_dpbf16_ps). Each ISA's functions carry a target attribute,
+// so this file compiles with plain -O3 and the library runs on any x86-64 CPU.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define TIERED_X86 1
+#else
+#define TIERED_X86 0
+#endif
+
+namespace {
+
+constexpr int kKeyTile = 64;         // keys per tile (a multiple of every path's column step)
+constexpr int kRowsPerTask = 64;     // query rows (positions x group heads) per task
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// One ISA path: the three inner operations the driver calls per key tile.
+struct Ops {
+  const char* name;
+  int column_step;  // gemm's N must be a multiple of this (and Dh too)
+  // C[M, N] (+)= A[M, K] B[K, N]
+  void (*gemm)(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int M, int N, int K,
+               bool accumulate);
+  // For each row r < M: m' = max(m[r], max S[r, :n]); S[r, :n] = 2^(S - m'); l[r] = l[r] 2^(m - m') + sum;
+  // acc[r, :Dh] *= 2^(m - m'); m[r] = m'.
+  void (*softmax)(float* S, int64_t lds, int M, int n, float* m, float* l, float* acc, int64_t ldacc, int Dh);
+  // S[M, N] = scale (Qb[M, Dh] . Kp) for bf16 Q rows and K packed in pairs [Dh / 2][N][2]; null if absent.
+  void (*scores_bf16)(const uint16_t* Qb, int64_t ldq, const uint16_t* Kp, float* S, int64_t lds, int M, int N,
+                      int Dh, float scale);
+};
+
+// ---- scalar: portable C++ ------------------------------------------------------------------------
+
+void gemm_scalar(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int M, int N, int K,
+                 bool accumulate) {
+  for (int i = 0; i < M; ++i) {
+    float* c = C + i * ldc;
+    if (!accumulate) std::fill(c, c + N, 0.f);
+    for (int k = 0; k < K; ++k) {
+      const float a = A[i * lda + k];
+      const float* b = B + k * ldb;
+      for (int j = 0; j < N; ++j) c[j] += a * b[j];
+    }
+  }
+}
+
+// The part of a softmax row update after its new maximum; shared by every path's row tail.
+inline void finish_row(float sum, float m_new, float* m, float* l, float* acc, int Dh) {
+  const float alpha = std::exp2(*m - m_new);  // m = -inf on the first tile: 0
+  *l = *l * alpha + sum;
+  *m = m_new;
+  if (alpha != 1.f)
+    for (int d = 0; d < Dh; ++d) acc[d] *= alpha;
+}
+
+void softmax_scalar(float* S, int64_t lds, int M, int n, float* m, float* l, float* acc, int64_t ldacc, int Dh) {
+  for (int r = 0; r < M; ++r) {
+    float* s = S + r * lds;
+    float m_new = m[r];
+    for (int j = 0; j < n; ++j) m_new = std::max(m_new, s[j]);
+    if (m_new == kNegInf) {  // every key so far masked: nothing to add yet
+      std::fill(s, s + n, 0.f);
+      continue;
+    }
+    float sum = 0.f;
+    for (int j = 0; j < n; ++j) sum += (s[j] = std::exp2(s[j] - m_new));
+    finish_row(sum, m_new, m + r, l + r, acc + r * ldacc, Dh);
+  }
+}
+
+const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr};
+
+#if TIERED_X86
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define TARGET_AVX512 __attribute__((target("avx512f")))
+#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16")))
+
+// ---- avx2: AVX2 + FMA, 8 floats a register -------------------------------------------------------
+
+// A tile of R rows x 16 columns of C in 2R accumulators; B's 16 columns loaded once per k for all rows.
+template <int R>
+TARGET_AVX2 inline void tile_avx2(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                                  int K, bool accumulate) {
+  __m256 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) {
+    c0[r] = accumulate ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
+    c1[r] = accumulate ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_setzero_ps();
+  }
+  for (int k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(C + r * ldc, c0[r]);
+    _mm256_storeu_ps(C + r * ldc + 8, c1[r]);
+  }
+}
+
+TARGET_AVX2 void gemm_avx2(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int M,
+                           int N, int K, bool accumulate) {
+  for (int j = 0; j < N; j += 16) {
+    int i = 0;
+    for (; i + 6 <= M; i += 6) tile_avx2<6>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    const float* a = A + i * lda;
+    float* c = C + i * ldc + j;
+    switch (M - i) {
+      case 5: tile_avx2<5>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
+      case 4: tile_avx2<4>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
+      case 3: tile_avx2<3>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
+      case 2: tile_avx2<2>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
+      case 1: tile_avx2<1>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
+      default: break;
+    }
+  }
+}
+
+// 2^x for x <= 0: 2^round(x) by the exponent bits times a degree-7 polynomial of the rest
+// (|rest| <= 1/2; relative error ~1e-8 before rounding). x below -126 (and -inf) gives 2^-126.
+TARGET_AVX2 inline __m256 exp2_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.5252734e-5f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+TARGET_AVX2 inline float hmax_avx2(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+TARGET_AVX2 inline float hsum_avx2(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+TARGET_AVX2 void softmax_avx2(float* S, int64_t lds, int M, int n, float* m, float* l, float* acc, int64_t ldacc,
+                              int Dh) {
+  for (int r = 0; r < M; ++r) {
+    float* s = S + r * lds;
+    __m256 vmax = _mm256_set1_ps(m[r]);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+    float m_new = hmax_avx2(vmax);
+    for (int t = j; t < n; ++t) m_new = std::max(m_new, s[t]);
+    if (m_new == kNegInf) {
+      std::fill(s, s + n, 0.f);
+      continue;
+    }
+    const __m256 vm = _mm256_set1_ps(m_new);
+    __m256 vsum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+      const __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+      _mm256_storeu_ps(s + j, p);
+      vsum = _mm256_add_ps(vsum, p);
+    }
+    float sum = hsum_avx2(vsum);
+    for (; j < n; ++j) sum += (s[j] = std::exp2(s[j] - m_new));
+    const float alpha = std::exp2(m[r] - m_new);
+    l[r] = l[r] * alpha + sum;
+    m[r] = m_new;
+    if (alpha != 1.f) {
+      float* a = acc + r * ldacc;
+      const __m256 va = _mm256_set1_ps(alpha);
+      for (int d = 0; d < Dh; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), va));
+    }
+  }
+}
+
+const Ops kAvx2{"avx2", 16, gemm_avx2, softmax_avx2, nullptr};
+
+// ---- avx512: AVX-512F, 16 floats a register ------------------------------------------------------
+
+template <int R>
+TARGET_AVX512 inline void tile_avx512(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                                      int64_t ldc, int K, bool accumulate) {
+  __m512 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) {
+    c0[r] = accumulate ? _mm512_loadu_ps(C + r * ldc) : _mm512_setzero_ps();
+    c1[r] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int k = 0; k < K; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(B + k * ldb), b1 = _mm512_loadu_ps(B + k * ldb + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * lda + k]);
+      c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(C + r * ldc, c0[r]);
+    _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
+  }
+}
+
+TARGET_AVX512 void gemm_avx512(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int M,
+                               int N, int K, bool accumulate) {
+  for (int j = 0; j < N; j += 32) {
+    int i = 0;
+    for (; i + 12 <= M; i += 12) tile_avx512<12>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    for (; i + 4 <= M; i += 4) tile_avx512<4>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    for (; i < M; ++i) tile_avx512<1>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+  }
+}
+
+// 2^x for x <= 0 as in exp2_avx2; scalef applies 2^round(x).
+TARGET_AVX512 inline __m512 exp2_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5252734e-5f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+TARGET_AVX512 void softmax_avx512(float* S, int64_t lds, int M, int n, float* m, float* l, float* acc, int64_t ldacc,
+                                  int Dh) {
+  for (int r = 0; r < M; ++r) {
+    float* s = S + r * lds;
+    __m512 vmax = _mm512_set1_ps(m[r]);
+    for (int j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    const float m_new = _mm512_reduce_max_ps(vmax);
+    if (m_new == kNegInf) {
+      std::fill(s, s + n, 0.f);
+      continue;
+    }
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm));
+      _mm512_mask_storeu_ps(s + j, k, p);
+      vsum = _mm512_mask_add_ps(vsum, k, vsum, p);
+    }
+    const float alpha = std::exp2(m[r] - m_new);
+    l[r] = l[r] * alpha + _mm512_reduce_add_ps(vsum);
+    m[r] = m_new;
+    if (alpha != 1.f) {
+      float* a = acc + r * ldacc;
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int d = 0; d < Dh; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
+    }
+  }
+}
+
+const Ops kAvx512{"avx512", 32, gemm_avx512, softmax_avx512, nullptr};
+
+// ---- avx512bf16: Q K^T of bf16 inputs by dot products of bf16 pairs into fp32 ------------------
+
+template <int R>
+TARGET_AVX512BF16 inline void scores_tile_bf16(const uint16_t* Qb, int64_t ldq, const uint16_t* Kp, int N, float* S,
+                                               int64_t lds, int Dh, float scale) {
+  __m512 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  for (int d2 = 0; d2 < Dh / 2; ++d2) {
+    const __m512i k0 = _mm512_loadu_si512(Kp + 2 * (int64_t(d2) * N));
+    const __m512i k1 = _mm512_loadu_si512(Kp + 2 * (int64_t(d2) * N + 16));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, Qb + r * ldq + 2 * d2, sizeof pair);
+      const __m512i a = _mm512_set1_epi32(pair);
+      c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)a, (__m512bh)k0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], (__m512bh)a, (__m512bh)k1);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(S + r * lds, _mm512_mul_ps(c0[r], vs));
+    _mm512_storeu_ps(S + r * lds + 16, _mm512_mul_ps(c1[r], vs));
+  }
+}
+
+TARGET_AVX512BF16 void scores_bf16_avx512(const uint16_t* Qb, int64_t ldq, const uint16_t* Kp, float* S, int64_t lds,
+                                          int M, int N, int Dh, float scale) {
+  for (int j = 0; j < N; j += 32) {
+    int i = 0;
+    for (; i + 12 <= M; i += 12) scores_tile_bf16<12>(Qb + i * ldq, ldq, Kp + 2 * j, N, S + i * lds + j, lds, Dh, scale);
+    for (; i + 4 <= M; i += 4) scores_tile_bf16<4>(Qb + i * ldq, ldq, Kp + 2 * j, N, S + i * lds + j, lds, Dh, scale);
+    for (; i < M; ++i) scores_tile_bf16<1>(Qb + i * ldq, ldq, Kp + 2 * j, N, S + i * lds + j, lds, Dh, scale);
+  }
+}
+
+const Ops kAvx512Bf16{"avx512bf16", 32, gemm_avx512, softmax_avx512, scores_bf16_avx512};
+#endif  // TIERED_X86
+
+bool cpu_runs(const std::string& isa) {
+  if (isa == "scalar") return true;
+#if TIERED_X86
+  __builtin_cpu_init();
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f");
+  if (isa == "avx512bf16") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#endif
+  return false;
+}
+
+const Ops* ops_named(const std::string& isa) {
+  if (isa == "scalar") return &kScalar;
+#if TIERED_X86
+  if (isa == "avx2") return &kAvx2;
+  if (isa == "avx512") return &kAvx512;
+  if (isa == "avx512bf16") return &kAvx512Bf16;
+#endif
+  return nullptr;
+}
+
+const char* const kPaths[] = {"avx512bf16", "avx512", "avx2", "scalar"};  // best first
+
+// The path for `isa` ("auto": the best this CPU runs at this head dim); errors name the reason.
+const Ops* choose_ops(const std::string& isa, int Dh) {
+  if (isa == "auto") {
+    for (const char* name : kPaths) {
+      const Ops* ops = ops_named(name);
+      if (ops && cpu_runs(name) && Dh % ops->column_step == 0) return ops;
+    }
+  }
+  const Ops* ops = ops_named(isa);
+  TORCH_CHECK(ops != nullptr, "native attention: unknown isa '", isa, "' (scalar, avx2, avx512, avx512bf16, auto)");
+  TORCH_CHECK(cpu_runs(isa), "native attention: this CPU cannot run the ", isa, " path");
+  TORCH_CHECK(Dh % ops->column_step == 0, "native attention: the ", isa, " path needs a head dim multiple of ",
+              ops->column_step, ", got ", Dh);
+  return ops;
+}
+
+// ---- the driver: tasks, tiles, packing -----------------------------------------------------------
+
+template <typename T>
+struct Args {
+  T* q;
+  int64_t q_row, q_head;
+  const T *k, *v;
+  int64_t k_row, k_head, v_row, v_head;
+  const T *pool_k, *pool_v;  // null: no prefix
+  int64_t pk_block, pk_row, pk_head, pv_block, pv_row, pv_head;
+  const int64_t* block_ids;
+  int64_t num_ids, block_tokens, prefix_tokens;
+  const int64_t* pieces;   // [n, 5]: q_start, k_start, num, first visible, end visible
+  const int64_t* visible;  // [m, 2]: begin, end
+  int group, Dh, rows_per_block;
+  float scale;  // 1 / sqrt(Dh) x log2(e)
+};
+
+struct Task {
+  int64_t piece, head, q0, nq, cost;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, s, m, l, kt, vt;
+  std::vector<uint16_t> qb, kp;
+  Scratch(int rows, int Dh)
+      : q(size_t(rows) * Dh), acc(size_t(rows) * Dh), s(size_t(rows) * kKeyTile), m(rows), l(rows),
+        kt(size_t(kKeyTile) * Dh), vt(size_t(kKeyTile) * Dh), qb(size_t(rows) * Dh), kp(size_t(kKeyTile) * Dh) {}
+};
+
+inline uint16_t bits(float) { return 0; }  // unused: bf16 packing only reads bf16 inputs
+inline uint16_t bits(c10::BFloat16 x) { return x.x; }
+
+template <typename T>
+struct TaskRunner {
+  const Args<T>& a;
+  const Ops& ops;
+  Scratch& sc;
+  bool bf16_dot;
+
+  // One tile of nk keys (rows `kb`, `vb` of stride ks, vs): scores, optional causal mask, softmax, P V.
+  void tile(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0) {
+    const int R = int(t.nq) * a.group, Dh = a.Dh;
+    float* S = sc.s.data();
+    if (bf16_dot) {
+      uint16_t* kp = sc.kp.data();
+      for (int d2 = 0; d2 < Dh / 2; ++d2)
+        for (int j = 0; j < kKeyTile; ++j)
+          for (int e = 0; e < 2; ++e) kp[(d2 * kKeyTile + j) * 2 + e] = j < nk ? bits(kb[j * ks + 2 * d2 + e]) : 0;
+      ops.scores_bf16(sc.qb.data(), Dh, kp, S, kKeyTile, R, kKeyTile, Dh, a.scale);
+    } else {
+      float* kt = sc.kt.data();
+      for (int j = 0; j < kKeyTile; ++j)
+        for (int d = 0; d < Dh; ++d) kt[d * kKeyTile + j] = j < nk ? static_cast<float>(kb[j * ks + d]) : 0.f;
+      ops.gemm(sc.q.data(), Dh, kt, kKeyTile, S, kKeyTile, R, kKeyTile, Dh, false);
+    }
+    if (causal_j0 >= 0 && causal_j0 + nk - 1 > t.q0) {  // own keys past some row's position
+      for (int r = 0; r < R; ++r) {
+        const int64_t pos = t.q0 + r / a.group;
+        for (int j = 0; j < nk; ++j)
+          if (causal_j0 + j > pos) S[r * kKeyTile + j] = kNegInf;
+      }
+    }
+    ops.softmax(S, kKeyTile, R, nk, sc.m.data(), sc.l.data(), sc.acc.data(), Dh, Dh);
+    const float* V;
+    int64_t ldv;
+    if constexpr (std::is_same_v<T, float>) {
+      V = vb;
+      ldv = vs;
+    } else {
+      float* vt = sc.vt.data();
+      for (int j = 0; j < nk; ++j)
+        for (int d = 0; d < Dh; ++d) vt[j * Dh + d] = static_cast<float>(vb[j * vs + d]);
+      V = vt;
+      ldv = Dh;
+    }
+    ops.gemm(S, kKeyTile, V, ldv, sc.acc.data(), Dh, R, Dh, nk, true);
+  }
+
+  // n keys from `kb` / `vb`; causal_j0 >= 0: they are the piece's own keys (key j at position j).
+  void keys(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal) {
+    for (int64_t j0 = 0; j0 < n; j0 += kKeyTile)
+      tile(t, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1);
+  }
+
+  void run(const Task& t) {
+    const int G = a.group, Dh = a.Dh, R = int(t.nq) * G;
+    const int64_t* p = a.pieces + 5 * t.piece;
+    const int64_t q_start = p[0], k_start = p[1];
+    for (int r = 0; r < R; ++r) {
+      const T* src = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
+      for (int d = 0; d < Dh; ++d) {
+        sc.q[r * Dh + d] = static_cast<float>(src[d]) * a.scale;
+        sc.qb[r * Dh + d] = bits(src[d]);
+      }
+    }
+    std::fill(sc.m.begin(), sc.m.begin() + R, kNegInf);
+    std::fill(sc.l.begin(), sc.l.begin() + R, 0.f);
+    std::fill(sc.acc.begin(), sc.acc.begin() + size_t(R) * Dh, 0.f);
+    if (a.pool_k) {
+      for (int64_t b = 0; b < a.num_ids; ++b) {
+        const int64_t n = std::min(a.block_tokens, a.prefix_tokens - b * a.block_tokens), id = a.block_ids[b];
+        if (n <= 0) break;
+        keys(t, a.pool_k + id * a.pk_block + t.head * a.pk_head, a.pk_row,
+             a.pool_v + id * a.pv_block + t.head * a.pv_head, a.pv_row, n, false);
+      }
+    }
+    for (int64_t i = p[3]; i < p[4]; ++i) {
+      const int64_t begin = a.visible[2 * i], end = a.visible[2 * i + 1];
+      keys(t, a.k + begin * a.k_row + t.head * a.k_head, a.k_row, a.v + begin * a.v_row + t.head * a.v_head,
+           a.v_row, end - begin, false);
+    }
+    keys(t, a.k + k_start * a.k_row + t.head * a.k_head, a.k_row, a.v + k_start * a.v_row + t.head * a.v_head,
+         a.v_row, t.q0 + t.nq, true);
+    for (int r = 0; r < R; ++r) {
+      T* dst = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
+      const float inv = 1.f / sc.l[r];
+      for (int d = 0; d < Dh; ++d) dst[d] = static_cast<T>(sc.acc[r * Dh + d] * inv);
+    }
+  }
+};
+
+template <typename T>
+void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_kv_heads) {
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < num_pieces; ++i) {
+    const int64_t* p = a.pieces + 5 * i;
+    int64_t shared = a.pool_k ? a.prefix_tokens : 0;
+    for (int64_t v = p[3]; v < p[4]; ++v) shared += a.visible[2 * v + 1] - a.visible[2 * v];
+    for (int64_t q0 = 0; q0 < p[2]; q0 += a.rows_per_block)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t nq = std::min<int64_t>(a.rows_per_block, p[2] - q0);
+        tasks.push_back({i, h, q0, nq, nq * (shared + q0 + nq)});
+      }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = int64_t(tasks.size());
+  const bool bf16_dot = ops.scores_bf16 != nullptr && std::is_same_v<T, c10::BFloat16>;
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)), 1,
+                   [&](int64_t, int64_t) {
+                     Scratch sc(a.rows_per_block * a.group, a.Dh);
+                     TaskRunner<T> runner{a, ops, sc, bf16_dot};
+                     for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) runner.run(tasks[i]);
+                   });
+}
+
+// ---- the op --------------------------------------------------------------------------------------
+
+void check_rows(const at::Tensor& t, const char* name, int64_t heads, int64_t Dh, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == heads && t.size(2) == Dh, "native attention: ", name,
+              " must be [*, ", heads, ", ", Dh, "], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype && t.stride(2) == 1 && t.device().is_cpu(), "native attention: ", name,
+              " must be a CPU tensor of q's dtype with unit stride in its last dim");
+}
+
+template <typename T>
+Args<T> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pieces,
+                  const at::Tensor& visible, const std::optional<at::Tensor>& pool_k,
+                  const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& ids, int64_t prefix_tokens) {
+  const int64_t Dh = q.size(2), group = q.size(1) / k.size(1);
+  Args<T> a{};
+  a.q = q.data_ptr<T>(), a.q_row = q.stride(0), a.q_head = q.stride(1);
+  a.k = k.const_data_ptr<T>(), a.k_row = k.stride(0), a.k_head = k.stride(1);
+  a.v = v.const_data_ptr<T>(), a.v_row = v.stride(0), a.v_head = v.stride(1);
+  if (pool_k && prefix_tokens > 0) {
+    a.pool_k = pool_k->const_data_ptr<T>(), a.pool_v = pool_v->const_data_ptr<T>();
+    a.pk_block = pool_k->stride(0), a.pk_row = pool_k->stride(1), a.pk_head = pool_k->stride(2);
+    a.pv_block = pool_v->stride(0), a.pv_row = pool_v->stride(1), a.pv_head = pool_v->stride(2);
+    a.block_ids = ids->const_data_ptr<int64_t>(), a.num_ids = ids->numel();
+    a.block_tokens = pool_k->size(1), a.prefix_tokens = prefix_tokens;
+  }
+  a.pieces = pieces.const_data_ptr<int64_t>(), a.visible = visible.const_data_ptr<int64_t>();
+  a.group = int(group), a.Dh = int(Dh), a.rows_per_block = int(std::max<int64_t>(1, kRowsPerTask / group));
+  a.scale = float(1.0 / std::sqrt(double(Dh))) * kLog2e;
+  return a;
+}
+
+void check_prefix(const at::Tensor& pool_k, const at::Tensor& pool_v, const at::Tensor& ids, int64_t prefix_tokens,
+                  int64_t kv_heads, int64_t Dh, at::ScalarType dtype) {
+  for (const auto* t : {&pool_k, &pool_v}) {
+    TORCH_CHECK(t->dim() == 4 && t->size(2) == kv_heads && t->size(3) == Dh && t->sizes() == pool_k.sizes(),
+                "native attention: the prefix pools must be [blocks, block_tokens, ", kv_heads, ", ", Dh, "]");
+    TORCH_CHECK(t->scalar_type() == dtype && t->stride(3) == 1 && t->device().is_cpu(),
+                "native attention: the prefix pools must be CPU tensors of q's dtype, unit stride in the last dim");
+  }
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.device().is_cpu(),
+              "native attention: block_ids must be a contiguous int64 CPU vector");
+  TORCH_CHECK(prefix_tokens <= ids.numel() * pool_k.size(1), "native attention: ", prefix_tokens,
+              " prefix tokens do not fit in ", ids.numel(), " blocks of ", pool_k.size(1));
+  const int64_t* p = ids.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < pool_k.size(0), "native attention: block id ", p[i], " is not in the pool");
+}
+
+void check_pieces(const at::Tensor& pieces, const at::Tensor& visible, int64_t num_q, int64_t num_k) {
+  TORCH_CHECK(pieces.dim() == 2 && pieces.size(1) == 5 && pieces.scalar_type() == at::kLong &&
+                  pieces.is_contiguous() && visible.dim() == 2 && visible.size(1) == 2 &&
+                  visible.scalar_type() == at::kLong && visible.is_contiguous(),
+              "native attention: pieces must be int64 [n, 5] and visible int64 [m, 2], contiguous");
+  const int64_t* p = pieces.const_data_ptr<int64_t>();
+  const int64_t* vis = visible.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < pieces.size(0); ++i, p += 5) {
+    TORCH_CHECK(p[2] >= 0 && p[0] >= 0 && p[0] + p[2] <= num_q && p[1] >= 0 && p[1] + p[2] <= num_k,
+                "native attention: piece ", i, " reaches past q or k");
+    TORCH_CHECK(0 <= p[3] && p[3] <= p[4] && p[4] <= visible.size(0), "native attention: piece ", i,
+                " names visible ranges that do not exist");
+    for (int64_t j = p[3]; j < p[4]; ++j)
+      TORCH_CHECK(0 <= vis[2 * j] && vis[2 * j] <= vis[2 * j + 1] && vis[2 * j + 1] <= num_k,
+                  "native attention: visible range ", j, " reaches past k");
+  }
+}
+
+// Returns the name of the path that ran.
+std::string attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pieces,
+                   const at::Tensor& visible, const std::optional<at::Tensor>& pool_k,
+                   const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& block_ids,
+                   int64_t prefix_tokens, std::string isa) {
+  TORCH_CHECK(q.dim() == 3, "native attention: q must be [L, H, Dh]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "native attention: float32 or bfloat16 only, got ", q.scalar_type());
+  const int64_t H = q.size(1), Dh = q.size(2), Hkv = k.dim() == 3 ? k.size(1) : 0;
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "native attention: k must be [N, Hkv, Dh] with Hkv dividing H = ", H);
+  check_rows(q, "q", H, Dh, q.scalar_type());
+  check_rows(k, "k", Hkv, Dh, q.scalar_type());
+  check_rows(v, "v", Hkv, Dh, q.scalar_type());
+  TORCH_CHECK(v.size(0) == k.size(0), "native attention: k and v differ in rows");
+  check_pieces(pieces, visible, q.size(0), k.size(0));
+  const bool has_prefix = pool_k.has_value() && prefix_tokens > 0;
+  if (has_prefix) {
+    TORCH_CHECK(pool_v.has_value() && block_ids.has_value(), "native attention: a prefix needs pool_v and block_ids");
+    check_prefix(*pool_k, *pool_v, *block_ids, prefix_tokens, Hkv, Dh, q.scalar_type());
+  }
+  const Ops* ops = choose_ops(isa, int(Dh));
+  if (q.scalar_type() == at::kFloat)
+    run_all(make_args<float>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens), *ops,
+            pieces.size(0), Hkv);
+  else
+    run_all(make_args<c10::BFloat16>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens), *ops,
+            pieces.size(0), Hkv);
+  return ops->name;
+}
+
+// The paths this CPU runs, best first, comma-separated.
+std::string isas() {
+  std::string out;
+  for (const char* name : kPaths)
+    if (ops_named(name) && cpu_runs(name)) out += (out.empty() ? "" : ",") + std::string(name);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tiered_native, m) {
+  m.def(
+      "attend_(Tensor(a!) q, Tensor k, Tensor v, Tensor pieces, Tensor visible, Tensor? pool_k, Tensor? pool_v, "
+      "Tensor? block_ids, int prefix_tokens, str isa) -> str");
+  m.def("isas() -> str", &isas);
+}
+
+TORCH_LIBRARY_IMPL(tiered_native, CPU, m) { m.impl("attend_", &attend); }
