@@ -39,69 +39,73 @@
 
 namespace {
 
-constexpr int kKeyTile = 64;         // keys per tile (a multiple of every path's column step)
-constexpr int kRowsPerTask = 64;     // query rows (positions x group heads) per task
+constexpr int kKeyTile = 64;      // keys per tile
+constexpr int kRowsPerTask = 64;  // query rows (positions x group heads) per task
+constexpr int kRowStep = 32;      // rows are padded to a multiple of this (every path's column step divides it)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// One ISA path: the three inner operations the driver calls per key tile.
+// One ISA path: the inner operations the driver calls per key tile. Scores are kept transposed,
+// St[key][row], so K is read in place (no per-tile transpose: Q is packed once per task) and the
+// softmax over keys runs down columns, vectorized across query rows with no horizontal reduction.
 struct Ops {
   const char* name;
-  int column_step;  // gemm's N must be a multiple of this (and Dh too)
-  // C[M, N] (+)= A[M, K] B[K, N]
-  void (*gemm)(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int M, int N, int K,
-               bool accumulate);
-  // For each row r < M: m' = max(m[r], max S[r, :n]); S[r, :n] = 2^(S - m'); l[r] = l[r] 2^(m - m') + sum;
-  // acc[r, :Dh] *= 2^(m - m'); m[r] = m'.
-  void (*softmax)(float* S, int64_t lds, int M, int n, float* m, float* l, float* acc, int64_t ldacc, int Dh);
-  // S[M, N] = scale (Qb[M, Dh] . Kp) for bf16 Q rows and K packed in pairs [Dh / 2][N][2]; null if absent.
-  void (*scores_bf16)(const uint16_t* Qb, int64_t ldq, const uint16_t* Kp, float* S, int64_t lds, int M, int N,
-                      int Dh, float scale);
+  int column_step;  // gemm's N must be a multiple of this (the head dim too)
+  // C[M, N] (+)= A[M, K] B[K, N], A's element (i, k) at A[i * a_row + k * a_col].
+  void (*gemm)(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C, int64_t ldc,
+               int M, int N, int K, bool accumulate);
+  // Per row r < R (a multiple of kRowStep), over keys j < n of St[j * R + r]: m' = max(m, max_j St);
+  // St = 2^(St - m'); l = l 2^(m - m') + sum_j St; acc[r, :Dh] *= 2^(m - m'); m = m'.
+  void (*softmax)(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh);
+  // St[n, R] = scale (K[n, Dh] . Q^T) for bf16 K rows (stride ks) and Q packed in pairs [Dh / 2][R][2];
+  // null where the path has no bf16 dot product.
+  void (*scores_bf16)(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh,
+                      float scale);
 };
+
+// The acc rows whose alpha is not 1, rescaled (alpha from the softmax).
+inline void rescale_rows(const float* alpha, int R, float* acc, int Dh) {
+  for (int r = 0; r < R; ++r)
+    if (alpha[r] != 1.f)
+      for (int d = 0; d < Dh; ++d) acc[r * Dh + d] *= alpha[r];
+}
 
 // ---- scalar: portable C++ ------------------------------------------------------------------------
 
-void gemm_scalar(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int M, int N, int K,
-                 bool accumulate) {
+void gemm_scalar(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C, int64_t ldc,
+                 int M, int N, int K, bool accumulate) {
   for (int i = 0; i < M; ++i) {
     float* c = C + i * ldc;
     if (!accumulate) std::fill(c, c + N, 0.f);
     for (int k = 0; k < K; ++k) {
-      const float a = A[i * lda + k];
+      const float a = A[i * a_row + k * a_col];
       const float* b = B + k * ldb;
       for (int j = 0; j < N; ++j) c[j] += a * b[j];
     }
   }
 }
 
-// The part of a softmax row update after its new maximum; shared by every path's row tail.
-inline void finish_row(float sum, float m_new, float* m, float* l, float* acc, int Dh) {
-  const float alpha = std::exp2(*m - m_new);  // m = -inf on the first tile: 0
-  *l = *l * alpha + sum;
-  *m = m_new;
-  if (alpha != 1.f)
-    for (int d = 0; d < Dh; ++d) acc[d] *= alpha;
-}
-
-void softmax_scalar(float* S, int64_t lds, int M, int n, float* m, float* l, float* acc, int64_t ldacc, int Dh) {
-  for (int r = 0; r < M; ++r) {
-    float* s = S + r * lds;
+void softmax_scalar(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+  for (int r = 0; r < R; ++r) {
     float m_new = m[r];
-    for (int j = 0; j < n; ++j) m_new = std::max(m_new, s[j]);
-    if (m_new == kNegInf) {  // every key so far masked: nothing to add yet
-      std::fill(s, s + n, 0.f);
-      continue;
-    }
+    for (int j = 0; j < n; ++j) m_new = std::max(m_new, St[j * R + r]);
+    const float safe = m_new == kNegInf ? 0.f : m_new;  // every key so far masked: no NaN from -inf - -inf
     float sum = 0.f;
-    for (int j = 0; j < n; ++j) sum += (s[j] = std::exp2(s[j] - m_new));
-    finish_row(sum, m_new, m + r, l + r, acc + r * ldacc, Dh);
+    for (int j = 0; j < n; ++j) sum += (St[j * R + r] = std::exp2(St[j * R + r] - safe));
+    alpha[r] = std::exp2(m[r] - safe);
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = m_new;
   }
+  rescale_rows(alpha, R, acc, Dh);
 }
 
 const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr};
 
 #if TIERED_X86
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
+// Register tiles are arrays of vectors indexed by constant-trip loops: unrolled early, GCC keeps
+// them in registers; otherwise it stores every accumulator to the stack on every step.
+#define UNROLL _Pragma("GCC unroll 16")
 #define TARGET_AVX512 __attribute__((target("avx512f")))
 #define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16")))
 
@@ -109,40 +113,40 @@ const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr};
 
 // A tile of R rows x 16 columns of C in 2R accumulators; B's 16 columns loaded once per k for all rows.
 template <int R>
-TARGET_AVX2 inline void tile_avx2(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
-                                  int K, bool accumulate) {
+TARGET_AVX2 inline void tile_avx2(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C,
+                                  int64_t ldc, int K, bool accumulate) {
   __m256 c0[R], c1[R];
-  for (int r = 0; r < R; ++r) {
+  UNROLL for (int r = 0; r < R; ++r) {
     c0[r] = accumulate ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
     c1[r] = accumulate ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_setzero_ps();
   }
   for (int k = 0; k < K; ++k) {
     const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + r * a_row + k * a_col);
       c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
       c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
+  UNROLL for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(C + r * ldc, c0[r]);
     _mm256_storeu_ps(C + r * ldc + 8, c1[r]);
   }
 }
 
-TARGET_AVX2 void gemm_avx2(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int M,
-                           int N, int K, bool accumulate) {
+TARGET_AVX2 void gemm_avx2(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C,
+                           int64_t ldc, int M, int N, int K, bool accumulate) {
   for (int j = 0; j < N; j += 16) {
     int i = 0;
-    for (; i + 6 <= M; i += 6) tile_avx2<6>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
-    const float* a = A + i * lda;
+    for (; i + 6 <= M; i += 6) tile_avx2<6>(A + i * a_row, a_row, a_col, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    const float* a = A + i * a_row;
     float* c = C + i * ldc + j;
     switch (M - i) {
-      case 5: tile_avx2<5>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
-      case 4: tile_avx2<4>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
-      case 3: tile_avx2<3>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
-      case 2: tile_avx2<2>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
-      case 1: tile_avx2<1>(a, lda, B + j, ldb, c, ldc, K, accumulate); break;
+      case 5: tile_avx2<5>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      case 4: tile_avx2<4>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      case 3: tile_avx2<3>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      case 2: tile_avx2<2>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      case 1: tile_avx2<1>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
       default: break;
     }
   }
@@ -166,48 +170,28 @@ TARGET_AVX2 inline __m256 exp2_avx2(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-TARGET_AVX2 inline float hmax_avx2(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
-}
-
-TARGET_AVX2 inline float hsum_avx2(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
-}
-
-TARGET_AVX2 void softmax_avx2(float* S, int64_t lds, int M, int n, float* m, float* l, float* acc, int64_t ldacc,
-                              int Dh) {
-  for (int r = 0; r < M; ++r) {
-    float* s = S + r * lds;
-    __m256 vmax = _mm256_set1_ps(m[r]);
-    int j = 0;
-    for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
-    float m_new = hmax_avx2(vmax);
-    for (int t = j; t < n; ++t) m_new = std::max(m_new, s[t]);
-    if (m_new == kNegInf) {
-      std::fill(s, s + n, 0.f);
-      continue;
+TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf), zero = _mm256_setzero_ps();
+  for (int r = 0; r < R; r += 8) {
+    const __m256 m_old = _mm256_loadu_ps(m + r);
+    __m256 m_new = m_old;
+    for (int j = 0; j < n; ++j) m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(St + j * R + r));
+    const __m256 safe = _mm256_blendv_ps(m_new, zero, _mm256_cmp_ps(m_new, ninf, _CMP_EQ_OQ));
+    __m256 sum = zero;
+    for (int j = 0; j < n; ++j) {
+      const __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(St + j * R + r), safe));
+      _mm256_storeu_ps(St + j * R + r, p);
+      sum = _mm256_add_ps(sum, p);
     }
-    const __m256 vm = _mm256_set1_ps(m_new);
-    __m256 vsum = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= n; j += 8) {
-      const __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-      _mm256_storeu_ps(s + j, p);
-      vsum = _mm256_add_ps(vsum, p);
-    }
-    float sum = hsum_avx2(vsum);
-    for (; j < n; ++j) sum += (s[j] = std::exp2(s[j] - m_new));
-    const float alpha = std::exp2(m[r] - m_new);
-    l[r] = l[r] * alpha + sum;
-    m[r] = m_new;
-    if (alpha != 1.f) {
-      float* a = acc + r * ldacc;
-      const __m256 va = _mm256_set1_ps(alpha);
-      for (int d = 0; d < Dh; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), va));
-    }
+    const __m256 a = exp2_avx2(_mm256_sub_ps(m_old, safe));
+    _mm256_storeu_ps(alpha + r, a);
+    _mm256_storeu_ps(l + r, _mm256_fmadd_ps(_mm256_loadu_ps(l + r), a, sum));
+    _mm256_storeu_ps(m + r, m_new);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (alpha[r] == 1.f) continue;
+    const __m256 a = _mm256_set1_ps(alpha[r]);
+    for (int d = 0; d < Dh; d += 8) _mm256_storeu_ps(acc + r * Dh + d, _mm256_mul_ps(_mm256_loadu_ps(acc + r * Dh + d), a));
   }
 }
 
@@ -216,34 +200,36 @@ const Ops kAvx2{"avx2", 16, gemm_avx2, softmax_avx2, nullptr};
 // ---- avx512: AVX-512F, 16 floats a register ------------------------------------------------------
 
 template <int R>
-TARGET_AVX512 inline void tile_avx512(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                                      int64_t ldc, int K, bool accumulate) {
+TARGET_AVX512 inline void tile_avx512(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
+                                      float* C, int64_t ldc, int K, bool accumulate) {
   __m512 c0[R], c1[R];
-  for (int r = 0; r < R; ++r) {
+  UNROLL for (int r = 0; r < R; ++r) {
     c0[r] = accumulate ? _mm512_loadu_ps(C + r * ldc) : _mm512_setzero_ps();
     c1[r] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16) : _mm512_setzero_ps();
   }
   for (int k = 0; k < K; ++k) {
     const __m512 b0 = _mm512_loadu_ps(B + k * ldb), b1 = _mm512_loadu_ps(B + k * ldb + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(A[r * lda + k]);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * a_row + k * a_col]);
       c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
       c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
+  UNROLL for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(C + r * ldc, c0[r]);
     _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
   }
 }
 
-TARGET_AVX512 void gemm_avx512(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int M,
-                               int N, int K, bool accumulate) {
+TARGET_AVX512 void gemm_avx512(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C,
+                               int64_t ldc, int M, int N, int K, bool accumulate) {
   for (int j = 0; j < N; j += 32) {
     int i = 0;
-    for (; i + 12 <= M; i += 12) tile_avx512<12>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
-    for (; i + 4 <= M; i += 4) tile_avx512<4>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
-    for (; i < M; ++i) tile_avx512<1>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    for (; i + 12 <= M; i += 12)
+      tile_avx512<12>(A + i * a_row, a_row, a_col, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    for (; i + 4 <= M; i += 4)
+      tile_avx512<4>(A + i * a_row, a_row, a_col, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    for (; i < M; ++i) tile_avx512<1>(A + i * a_row, a_row, a_col, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
   }
 }
 
@@ -263,73 +249,67 @@ TARGET_AVX512 inline __m512 exp2_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-TARGET_AVX512 void softmax_avx512(float* S, int64_t lds, int M, int n, float* m, float* l, float* acc, int64_t ldacc,
-                                  int Dh) {
-  for (int r = 0; r < M; ++r) {
-    float* s = S + r * lds;
-    __m512 vmax = _mm512_set1_ps(m[r]);
-    for (int j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-      vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, s + j));
+TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int r = 0; r < R; r += 16) {
+    const __m512 m_old = _mm512_loadu_ps(m + r);
+    __m512 m_new = m_old;
+    for (int j = 0; j < n; ++j) m_new = _mm512_max_ps(m_new, _mm512_loadu_ps(St + j * R + r));
+    const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ), m_new, zero);
+    __m512 sum = zero;
+    for (int j = 0; j < n; ++j) {
+      const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(St + j * R + r), safe));
+      _mm512_storeu_ps(St + j * R + r, p);
+      sum = _mm512_add_ps(sum, p);
     }
-    const float m_new = _mm512_reduce_max_ps(vmax);
-    if (m_new == kNegInf) {
-      std::fill(s, s + n, 0.f);
-      continue;
-    }
-    const __m512 vm = _mm512_set1_ps(m_new);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-      const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm));
-      _mm512_mask_storeu_ps(s + j, k, p);
-      vsum = _mm512_mask_add_ps(vsum, k, vsum, p);
-    }
-    const float alpha = std::exp2(m[r] - m_new);
-    l[r] = l[r] * alpha + _mm512_reduce_add_ps(vsum);
-    m[r] = m_new;
-    if (alpha != 1.f) {
-      float* a = acc + r * ldacc;
-      const __m512 va = _mm512_set1_ps(alpha);
-      for (int d = 0; d < Dh; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
-    }
+    const __m512 a = exp2_avx512(_mm512_sub_ps(m_old, safe));
+    _mm512_storeu_ps(alpha + r, a);
+    _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), a, sum));
+    _mm512_storeu_ps(m + r, m_new);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (alpha[r] == 1.f) continue;
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int d = 0; d < Dh; d += 16)
+      _mm512_storeu_ps(acc + r * Dh + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * Dh + d), a));
   }
 }
 
 const Ops kAvx512{"avx512", 32, gemm_avx512, softmax_avx512, nullptr};
 
-// ---- avx512bf16: Q K^T of bf16 inputs by dot products of bf16 pairs into fp32 ------------------
+// ---- avx512bf16: scores of bf16 inputs by dot products of bf16 pairs into fp32 ------------------
 
-template <int R>
-TARGET_AVX512BF16 inline void scores_tile_bf16(const uint16_t* Qb, int64_t ldq, const uint16_t* Kp, int N, float* S,
-                                               int64_t lds, int Dh, float scale) {
-  __m512 c0[R], c1[R];
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+// NR keys x 32 rows of St: each key's pair (d, d + 1) broadcast against 16 rows' pairs a register.
+template <int NR>
+TARGET_AVX512BF16 inline void scores_tile_bf16(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int R,
+                                               int Dh, float scale) {
+  __m512 c0[NR], c1[NR];
+  UNROLL for (int i = 0; i < NR; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
   for (int d2 = 0; d2 < Dh / 2; ++d2) {
-    const __m512i k0 = _mm512_loadu_si512(Kp + 2 * (int64_t(d2) * N));
-    const __m512i k1 = _mm512_loadu_si512(Kp + 2 * (int64_t(d2) * N + 16));
-    for (int r = 0; r < R; ++r) {
+    const __m512i q0 = _mm512_loadu_si512(Qp + 2 * (int64_t(d2) * R));
+    const __m512i q1 = _mm512_loadu_si512(Qp + 2 * (int64_t(d2) * R + 16));
+    UNROLL for (int i = 0; i < NR; ++i) {
       int32_t pair;
-      std::memcpy(&pair, Qb + r * ldq + 2 * d2, sizeof pair);
+      std::memcpy(&pair, K + i * ks + 2 * d2, sizeof pair);
       const __m512i a = _mm512_set1_epi32(pair);
-      c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)a, (__m512bh)k0);
-      c1[r] = _mm512_dpbf16_ps(c1[r], (__m512bh)a, (__m512bh)k1);
+      c0[i] = _mm512_dpbf16_ps(c0[i], (__m512bh)a, (__m512bh)q0);
+      c1[i] = _mm512_dpbf16_ps(c1[i], (__m512bh)a, (__m512bh)q1);
     }
   }
   const __m512 vs = _mm512_set1_ps(scale);
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(S + r * lds, _mm512_mul_ps(c0[r], vs));
-    _mm512_storeu_ps(S + r * lds + 16, _mm512_mul_ps(c1[r], vs));
+  UNROLL for (int i = 0; i < NR; ++i) {
+    _mm512_storeu_ps(St + i * R, _mm512_mul_ps(c0[i], vs));
+    _mm512_storeu_ps(St + i * R + 16, _mm512_mul_ps(c1[i], vs));
   }
 }
 
-TARGET_AVX512BF16 void scores_bf16_avx512(const uint16_t* Qb, int64_t ldq, const uint16_t* Kp, float* S, int64_t lds,
-                                          int M, int N, int Dh, float scale) {
-  for (int j = 0; j < N; j += 32) {
+TARGET_AVX512BF16 void scores_bf16_avx512(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R,
+                                          int Dh, float scale) {
+  for (int c = 0; c < R; c += 32) {
     int i = 0;
-    for (; i + 12 <= M; i += 12) scores_tile_bf16<12>(Qb + i * ldq, ldq, Kp + 2 * j, N, S + i * lds + j, lds, Dh, scale);
-    for (; i + 4 <= M; i += 4) scores_tile_bf16<4>(Qb + i * ldq, ldq, Kp + 2 * j, N, S + i * lds + j, lds, Dh, scale);
-    for (; i < M; ++i) scores_tile_bf16<1>(Qb + i * ldq, ldq, Kp + 2 * j, N, S + i * lds + j, lds, Dh, scale);
+    for (; i + 12 <= n; i += 12) scores_tile_bf16<12>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
+    for (; i + 4 <= n; i += 4) scores_tile_bf16<4>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
+    for (; i < n; ++i) scores_tile_bf16<1>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
   }
 }
 
@@ -397,16 +377,31 @@ struct Task {
   int64_t piece, head, q0, nq, cost;
 };
 
+// A thread's buffers, for `rows` query rows (a multiple of kRowStep).
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, kt, vt;
-  std::vector<uint16_t> qb, kp;
+  std::vector<float> qt, acc, st, m, l, alpha, kf, vf;
+  std::vector<uint16_t> qp;
   Scratch(int rows, int Dh)
-      : q(size_t(rows) * Dh), acc(size_t(rows) * Dh), s(size_t(rows) * kKeyTile), m(rows), l(rows),
-        kt(size_t(kKeyTile) * Dh), vt(size_t(kKeyTile) * Dh), qb(size_t(rows) * Dh), kp(size_t(kKeyTile) * Dh) {}
+      : qt(size_t(rows) * Dh), acc(size_t(rows) * Dh), st(size_t(rows) * kKeyTile), m(rows), l(rows), alpha(rows),
+        kf(size_t(kKeyTile) * Dh), vf(size_t(kKeyTile) * Dh), qp(size_t(rows) * Dh) {}
 };
 
-inline uint16_t bits(float) { return 0; }  // unused: bf16 packing only reads bf16 inputs
+inline uint16_t bits(float) { return 0; }  // unused: only bf16 inputs take the bf16 dot product
 inline uint16_t bits(c10::BFloat16 x) { return x.x; }
+
+// n rows of Dh values at stride `stride`, widened to fp32 rows of Dh (fp32 inputs: read in place).
+template <typename T>
+const float* widen(const T* src, int64_t stride, int n, int Dh, float* buffer, int64_t* ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    *ld = stride;
+    return src;
+  } else {
+    for (int j = 0; j < n; ++j)
+      for (int d = 0; d < Dh; ++d) buffer[j * Dh + d] = static_cast<float>(src[j * stride + d]);
+    *ld = Dh;
+    return buffer;
+  }
+}
 
 template <typename T>
 struct TaskRunner {
@@ -415,79 +410,72 @@ struct TaskRunner {
   Scratch& sc;
   bool bf16_dot;
 
-  // One tile of nk keys (rows `kb`, `vb` of stride ks, vs): scores, optional causal mask, softmax, P V.
-  void tile(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0) {
-    const int R = int(t.nq) * a.group, Dh = a.Dh;
-    float* S = sc.s.data();
+  // One tile of nk keys (rows `kb`, `vb` of stride ks, vs), Rp rows: scores, causal mask, softmax, P V.
+  void tile(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0) {
+    const int Dh = a.Dh;
+    float* St = sc.st.data();
     if (bf16_dot) {
-      uint16_t* kp = sc.kp.data();
-      for (int d2 = 0; d2 < Dh / 2; ++d2)
-        for (int j = 0; j < kKeyTile; ++j)
-          for (int e = 0; e < 2; ++e) kp[(d2 * kKeyTile + j) * 2 + e] = j < nk ? bits(kb[j * ks + 2 * d2 + e]) : 0;
-      ops.scores_bf16(sc.qb.data(), Dh, kp, S, kKeyTile, R, kKeyTile, Dh, a.scale);
+      ops.scores_bf16(reinterpret_cast<const uint16_t*>(kb), ks, sc.qp.data(), St, nk, Rp, Dh, a.scale);
     } else {
-      float* kt = sc.kt.data();
-      for (int j = 0; j < kKeyTile; ++j)
-        for (int d = 0; d < Dh; ++d) kt[d * kKeyTile + j] = j < nk ? static_cast<float>(kb[j * ks + d]) : 0.f;
-      ops.gemm(sc.q.data(), Dh, kt, kKeyTile, S, kKeyTile, R, kKeyTile, Dh, false);
+      int64_t ldk;
+      const float* K = widen(kb, ks, nk, Dh, sc.kf.data(), &ldk);
+      ops.gemm(K, ldk, 1, sc.qt.data(), Rp, St, Rp, nk, Rp, Dh, false);
     }
     if (causal_j0 >= 0 && causal_j0 + nk - 1 > t.q0) {  // own keys past some row's position
-      for (int r = 0; r < R; ++r) {
-        const int64_t pos = t.q0 + r / a.group;
-        for (int j = 0; j < nk; ++j)
-          if (causal_j0 + j > pos) S[r * kKeyTile + j] = kNegInf;
-      }
-    }
-    ops.softmax(S, kKeyTile, R, nk, sc.m.data(), sc.l.data(), sc.acc.data(), Dh, Dh);
-    const float* V;
-    int64_t ldv;
-    if constexpr (std::is_same_v<T, float>) {
-      V = vb;
-      ldv = vs;
-    } else {
-      float* vt = sc.vt.data();
       for (int j = 0; j < nk; ++j)
-        for (int d = 0; d < Dh; ++d) vt[j * Dh + d] = static_cast<float>(vb[j * vs + d]);
-      V = vt;
-      ldv = Dh;
+        for (int r = 0; r < Rp; ++r)
+          if (causal_j0 + j > t.q0 + r / a.group) St[j * Rp + r] = kNegInf;
     }
-    ops.gemm(S, kKeyTile, V, ldv, sc.acc.data(), Dh, R, Dh, nk, true);
+    ops.softmax(St, nk, Rp, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dh);
+    int64_t ldv;
+    const float* V = widen(vb, vs, nk, Dh, sc.vf.data(), &ldv);
+    ops.gemm(St, 1, Rp, V, ldv, sc.acc.data(), Dh, Rp, Dh, nk, true);
   }
 
-  // n keys from `kb` / `vb`; causal_j0 >= 0: they are the piece's own keys (key j at position j).
-  void keys(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal) {
+  // n keys from `kb` / `vb`; causal: they are the piece's own keys (key j at position j).
+  void keys(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal) {
     for (int64_t j0 = 0; j0 < n; j0 += kKeyTile)
-      tile(t, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1);
+      tile(t, Rp, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1);
   }
 
-  void run(const Task& t) {
+  // Q^T [Dh][Rp] scaled (fp32 scores) or Q in bf16 pairs [Dh / 2][Rp][2] (bf16 dot); padded rows 0.
+  void load_q(const Task& t, int Rp, int64_t q_start) {
     const int G = a.group, Dh = a.Dh, R = int(t.nq) * G;
-    const int64_t* p = a.pieces + 5 * t.piece;
-    const int64_t q_start = p[0], k_start = p[1];
+    std::fill(sc.qt.begin(), sc.qt.begin() + size_t(Rp) * Dh, 0.f);
+    std::fill(sc.qp.begin(), sc.qp.begin() + size_t(Rp) * Dh, uint16_t(0));
     for (int r = 0; r < R; ++r) {
       const T* src = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
       for (int d = 0; d < Dh; ++d) {
-        sc.q[r * Dh + d] = static_cast<float>(src[d]) * a.scale;
-        sc.qb[r * Dh + d] = bits(src[d]);
+        if (bf16_dot)
+          sc.qp[(d / 2 * Rp + r) * 2 + d % 2] = bits(src[d]);
+        else
+          sc.qt[d * Rp + r] = static_cast<float>(src[d]) * a.scale;
       }
     }
-    std::fill(sc.m.begin(), sc.m.begin() + R, kNegInf);
-    std::fill(sc.l.begin(), sc.l.begin() + R, 0.f);
-    std::fill(sc.acc.begin(), sc.acc.begin() + size_t(R) * Dh, 0.f);
+  }
+
+  void run(const Task& t) {
+    const int G = a.group, Dh = a.Dh, R = int(t.nq) * G, Rp = (R + kRowStep - 1) / kRowStep * kRowStep;
+    const int64_t* p = a.pieces + 5 * t.piece;
+    const int64_t q_start = p[0], k_start = p[1];
+    load_q(t, Rp, q_start);
+    std::fill(sc.m.begin(), sc.m.begin() + Rp, kNegInf);
+    std::fill(sc.l.begin(), sc.l.begin() + Rp, 0.f);
+    std::fill(sc.acc.begin(), sc.acc.begin() + size_t(Rp) * Dh, 0.f);
     if (a.pool_k) {
       for (int64_t b = 0; b < a.num_ids; ++b) {
         const int64_t n = std::min(a.block_tokens, a.prefix_tokens - b * a.block_tokens), id = a.block_ids[b];
         if (n <= 0) break;
-        keys(t, a.pool_k + id * a.pk_block + t.head * a.pk_head, a.pk_row,
+        keys(t, Rp, a.pool_k + id * a.pk_block + t.head * a.pk_head, a.pk_row,
              a.pool_v + id * a.pv_block + t.head * a.pv_head, a.pv_row, n, false);
       }
     }
     for (int64_t i = p[3]; i < p[4]; ++i) {
       const int64_t begin = a.visible[2 * i], end = a.visible[2 * i + 1];
-      keys(t, a.k + begin * a.k_row + t.head * a.k_head, a.k_row, a.v + begin * a.v_row + t.head * a.v_head,
+      keys(t, Rp, a.k + begin * a.k_row + t.head * a.k_head, a.k_row, a.v + begin * a.v_row + t.head * a.v_head,
            a.v_row, end - begin, false);
     }
-    keys(t, a.k + k_start * a.k_row + t.head * a.k_head, a.k_row, a.v + k_start * a.v_row + t.head * a.v_head,
+    keys(t, Rp, a.k + k_start * a.k_row + t.head * a.k_head, a.k_row, a.v + k_start * a.v_row + t.head * a.v_head,
          a.v_row, t.q0 + t.nq, true);
     for (int r = 0; r < R; ++r) {
       T* dst = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
@@ -516,7 +504,7 @@ void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_k
   const bool bf16_dot = ops.scores_bf16 != nullptr && std::is_same_v<T, c10::BFloat16>;
   at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)), 1,
                    [&](int64_t, int64_t) {
-                     Scratch sc(a.rows_per_block * a.group, a.Dh);
+                     Scratch sc((a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep, a.Dh);
                      TaskRunner<T> runner{a, ops, sc, bf16_dot};
                      for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) runner.run(tasks[i]);
                    });
