@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-NATIVE_SRC   := tiered/hybrid/attention/csrc/attend.cpp tiered/hybrid/attention/build.py
+NATIVE_SRC   := $(wildcard tiered/hybrid/attention/csrc/*) tiered/hybrid/attention/build.py
 NATIVE_STAMP := .cache/native/.made
 
 .PHONY: venv run test lint bench-mil bench-env clean

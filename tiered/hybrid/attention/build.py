@@ -1,4 +1,4 @@
-"""Builds the `native` attention kernel (csrc/attend.cpp) into a shared library, once, cached.
+"""Builds the `native` attention kernel (csrc/attend.cpp, csrc/isa.h) into a shared library, once, cached.
 
 One compiler call (the `CXX` compiler, else `c++`) against torch's headers and libraries, no
 ninja and no pybind: the library registers its ops with `TORCH_LIBRARY` and is loaded with
@@ -8,7 +8,7 @@ on any x86-64 CPU, and a cache folder shared by machines of different CPUs (a co
 network home) never holds a library that faults with an illegal instruction. -fopenmp makes
 `at::parallel_for` parallel; the library then uses the OpenMP runtime torch already loaded.
 
-The cache folder is keyed by the source's hash, torch's version, the compiler and the flags:
+The cache folder is keyed by the sources' hash, torch's version, the compiler and the flags:
 `<repo>/.cache/native/<key>/attend.so` in a source checkout (ignored by git), else
 `~/.cache/tiered/native/<key>/`. Builds take a file lock and move the library into place when
 complete, so concurrent processes build once and never load a half-written file.
@@ -34,6 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "attend.cpp"
+HEADERS = (SOURCE.parent / "isa.h",)
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
 BUILD_TIMEOUT_S = 600
 
@@ -69,7 +70,9 @@ def _command(output: Path) -> list[str]:
 
 def library_path(cache_dir: str | Path | None = None) -> Path:
     """Where the library of this source x torch x compiler x flags lives (built or not)."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in (SOURCE, *HEADERS):
+        digest.update(source.read_bytes())
     for part in (torch.__version__, *compiler(), *FLAGS, sys.platform):
         digest.update(b"\0" + part.encode())
     return Path(cache_dir or default_cache_dir()) / digest.hexdigest()[:16] / "attend.so"
@@ -77,8 +80,9 @@ def library_path(cache_dir: str | Path | None = None) -> Path:
 
 def build(cache_dir: str | Path | None = None) -> Path:
     """The library's path, built first unless cached. Raises BuildError with the reason."""
-    if not SOURCE.exists():
-        raise BuildError(f"its source {SOURCE} is missing from this installation")
+    missing = [str(p) for p in (SOURCE, *HEADERS) if not p.exists()]
+    if missing:
+        raise BuildError(f"its sources are missing from this installation: {', '.join(missing)}")
     target = library_path(cache_dir)
     if target.exists():
         return target
