@@ -22,13 +22,25 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # kernels.py registers this module's kernel
-    from tiered.hybrid.attention.kernels import Piece
+
+class Piece(Protocol):
+    """What this module reads of kernels.Piece (kernels.py imports this module to register it)."""
+
+    @property
+    def q_start(self) -> int: ...
+    @property
+    def k_start(self) -> int: ...
+    @property
+    def num(self) -> int: ...
+    @property
+    def visible(self) -> tuple[tuple[int, int], ...]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +76,7 @@ def cpu_isas() -> list[str]:
     return str(ops.isas()).split(",") if ops is not None else []
 
 
-def _encode(pieces: list[Piece]) -> tuple[Tensor, Tensor]:
+def _encode(pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
     """Pieces as int64 [n, 5] (q_start, k_start, num, first and end index of its visible ranges)
     and the visible ranges as int64 [m, 2]."""
     rows: list[tuple[int, ...]] = []
@@ -83,7 +95,7 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def attend_paged_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pool_k: Tensor | None, pool_v: Tensor | None,
+    q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], pool_k: Tensor | None, pool_v: Tensor | None,
     block_ids: Tensor | None, prefix_tokens: int, isa: str = "auto",
 ) -> str:  # fmt: skip
     """`attend_` with the shared prefix read through a block table: its token t is row
@@ -108,7 +120,7 @@ def attend_paged_(
 
 
 def attend_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
     """The AttendFn: a contiguous prefix [P, Hkv, Dh] is the pool of one block of P tokens."""
     if prefix_k is None or prefix_v is None or prefix_k.shape[0] == 0:
