@@ -4,16 +4,25 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+NATIVE_SRC   := $(wildcard tiered/hybrid/attention/csrc/*) tiered/hybrid/attention/build.py
+NATIVE_STAMP := .cache/native/.made
 
 .PHONY: venv run test lint bench-mil bench-env clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# The C++ attention kernel (`native`), built into .cache/native/ keyed by source, torch and compiler.
+# Never fails: without a compiler it logs why, and the engine keeps the PyTorch kernels (it also
+# builds on first use if this did not run). Redone when the source, its builder or the venv changes.
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
+	$(PY) -m tiered.hybrid.attention.build || echo "native attention kernel: its build step failed; the PyTorch kernels remain"
+	mkdir -p $(@D) && touch $@
 
 run: venv
 	$(VENV)/bin/tiered run

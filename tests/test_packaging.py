@@ -31,7 +31,8 @@ def test_the_wheel_holds_data_configs_and_the_typing_marker(tmp_path: Path) -> N
     assert wheel.name.startswith(f"tiered-{__version__}-")  # the version has one source
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("tiered/data/examples.json", "tiered/data/corpus.txt", "tiered/configs/default.yaml",
-                   "tiered/configs/bench-m.yaml", "tiered/py.typed"):  # fmt: skip
+                   "tiered/configs/bench-m.yaml", "tiered/py.typed",
+                   "tiered/hybrid/attention/csrc/attend.cpp", "tiered/hybrid/attention/csrc/isa.h"):  # fmt: skip
         assert needed in names, f"{needed} is not in {wheel.name}"
 
 

@@ -174,8 +174,9 @@ class AttentionConfig:
 
     # auto: the fastest correct kernel on this machine, measured at start-up on the engine's
     # shapes and cached; a name forces one (flash-head, flash: cpu; flash-f32: cpu, computes
-    # half-precision inputs in fp32; masked: any; varlen: cuda).
-    kernel: Literal["auto", "flash-head", "flash", "flash-f32", "masked", "varlen"] = "auto"
+    # half-precision inputs in fp32; native: cpu, where its C++ library builds; masked: any;
+    # varlen: cuda).
+    kernel: Literal["auto", "flash-head", "flash", "flash-f32", "native", "masked", "varlen"] = "auto"
     # Where the measured choice is cached (keyed by CPU, torch, threads, dtype and head shapes).
     profile_cache_dir: str = ".cache/attention"
 

@@ -15,6 +15,8 @@ differ in the part they call:
   linear in the tokens, the attention quadratic, and the error is the fp32 kernel's);
 - `masked`: SDPA over the concatenated keys with a lower-right causal mask (any device; the
   slow, simple one; also the reference's shape).
+`native` (native.py) is ours in C++: every piece in one call, no merges; it runs only where its
+library could be built (`Kernel.ready`).
 `reference_` is `masked` in fp32: the truth every kernel is tested against.
 """
 
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
+
+from tiered.hybrid.attention import native
 
 
 class Piece(NamedTuple):
@@ -49,15 +53,21 @@ PartFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor]]
 Causal is lower-right aligned: query i sees keys up to S - n + i."""
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class Kernel:
     name: str
     attend_: AttendFn
     devices: tuple[str, ...]  # device types it runs on
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    ready: Callable[[], bool] = _always  # whether it can run in this process (a compiled kernel: built and loaded)
 
     def runs_on(self, device: str, dtype: torch.dtype | None = None) -> bool:
-        return torch.device(device).type in self.devices and (dtype is None or dtype in self.dtypes)
+        return (torch.device(device).type in self.devices and (dtype is None or dtype in self.dtypes)
+                and self.ready())  # fmt: skip
 
 
 # ---- the shared driver: parts merged by log-sum-exp --------------------------------------------
@@ -208,6 +218,7 @@ KERNELS: dict[str, Kernel] = {
         Kernel("flash-head", _flash_head_, ("cpu",)),
         Kernel("flash", _flash_, ("cpu",)),
         Kernel("flash-f32", _flash_f32_, ("cpu",), (torch.bfloat16, torch.float16)),  # fp32 is `flash` itself
+        Kernel("native", native.attend_, ("cpu",), native.DTYPES, native.available),
         Kernel("masked", masked_, ("cpu", "cuda")),
         Kernel("varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16)),  # FA2: half precisions only
     )

@@ -1,0 +1,150 @@
+"""The C++ kernel (`native`): each ISA path this CPU runs against the fp32 reference, the prefix
+read through a block table, its errors, and the fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from test_attention import SHAPES, TOLERANCE, _case
+
+from tiered.hybrid.attention import KERNELS, Piece, native, reference_
+from tiered.hybrid.attention.build import build, library_path
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_native = pytest.mark.skipif(not native.available(), reason="the native kernel's library could not be built here")
+
+
+def _isa_or_skip(isa: str) -> str:
+    if isa not in native.cpu_isas():
+        pytest.skip(f"this CPU does not run the {isa} path (it runs: {', '.join(native.cpu_isas())})")
+    return isa
+
+
+@needs_native
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (16, 4, 64), (8, 1, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_isa_path_equals_the_fp32_reference(
+    isa: str, shape: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    _isa_or_skip(isa)
+    pieces, num_keys, prefix = SHAPES[shape]
+    q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
+    expected = q.clone().float()
+    reference_(expected, k, v, pieces, pk, pv)
+    got = q.clone()
+    one_block = torch.zeros(1, dtype=torch.int64)
+    pools = (pk[None], pv[None], one_block) if pk is not None and pv is not None else (None, None, None)
+    assert native.attend_paged_(got, k, v, pieces, *pools, prefix, isa=isa) == isa
+    assert got.dtype == dtype
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+@needs_native
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefix_is_read_through_a_block_table(isa: str, dtype: torch.dtype) -> None:
+    """Blocks scattered in a pool among others' blocks, out of order, the last one partly used:
+    the same answer as the prefix gathered into one contiguous tensor."""
+    _isa_or_skip(isa)
+    pieces = [Piece(0, 0, 40), Piece(40, 40, 25, ((0, 12),))]
+    q, k, v, _, _ = _case(pieces, 65, 0, 16, 4, 64, dtype)
+    g = torch.Generator().manual_seed(7)
+    pool_k, pool_v = (torch.randn(9, 16, 4, 64, generator=g).to(dtype) for _ in range(2))
+    block_ids = torch.tensor([5, 0, 7, 2])
+    prefix_tokens = 3 * 16 + 5
+    prefix_k, prefix_v = (pool[block_ids].flatten(0, 1)[:prefix_tokens] for pool in (pool_k, pool_v))
+    expected = q.clone().float()
+    reference_(expected, k, v, pieces, prefix_k, prefix_v)
+    got = q.clone()
+    native.attend_paged_(got, k, v, pieces, pool_k, pool_v, block_ids, prefix_tokens, isa=isa)
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+@needs_native
+def test_auto_takes_the_best_path_here_and_strided_views_are_read_in_place() -> None:
+    pieces, num_keys, prefix = SHAPES["shared prefix"]
+    q, k, v, pk, pv = _case(pieces, num_keys, prefix, 16, 4, 64, torch.float32)
+    kv = torch.stack([k, v], 1)  # [N, 2, Hkv, Dh]: k and v as strided views of one tensor
+    expected = q.clone()
+    reference_(expected, k, v, pieces, pk, pv)
+    got = q.clone()
+    assert native.attend_paged_(got, kv[:, 0], kv[:, 1], pieces, pk[None], pv[None],  # type: ignore[index]
+                                torch.zeros(1, dtype=torch.int64), prefix) == native.cpu_isas()[0]  # fmt: skip
+    assert (got - expected).abs().max().item() <= TOLERANCE[torch.float32]
+
+
+@needs_native
+def test_bad_inputs_are_errors_that_say_what_is_wrong() -> None:
+    q, k, v, _, _ = _case([Piece(0, 0, 8)], 8, 0, 4, 2, 64, torch.float32)
+    pool = torch.zeros(2, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="block id 3 is not in the pool"):
+        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], pool, pool, torch.tensor([3]), 10)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], pool, pool, torch.tensor([0]), 17)
+    with pytest.raises(RuntimeError, match="reaches past"):
+        native.attend_paged_(q, k, v, [Piece(0, 4, 8)], None, None, None, 0)
+    with pytest.raises(RuntimeError, match="unknown isa"):
+        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, None, None, 0, isa="neon")
+    missing = [isa for isa in native.ISAS if isa not in native.cpu_isas()]
+    if missing:
+        with pytest.raises(RuntimeError, match=f"cannot run the {missing[0]} path"):
+            native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, None, None, 0, isa=missing[0])
+
+
+@needs_native
+def test_the_library_is_cached_by_source_torch_and_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = library_path()
+    assert path.exists() and path.is_relative_to(ROOT / ".cache" / "native")
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert build() == path
+    monkeypatch.setenv("CXX", "clang++")
+    assert library_path() != path
+
+
+FALLBACK = """
+import logging, sys
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+from tiered.hybrid.attention import build, select
+from tiered.config import ConfigError
+build.default_cache_dir = lambda: Path(sys.argv[1])
+build.main()
+print("available:", ",".join(select.available("cpu")))
+try:
+    select.choose_kernel("native", 4, 2, 64, __import__("torch").float32, "cpu", sys.argv[1], 256)
+except ConfigError as e:
+    print("config error:", e)
+"""
+
+
+def test_without_a_compiler_the_engine_keeps_the_pytorch_kernels(tmp_path: Path) -> None:
+    """CXX=/bin/false is the only fault: the build says why, exits 0 (what `make venv` runs), and
+    `native` is not among the kernels here; forcing it is a config error."""
+    env = {**os.environ, "CXX": "/bin/false"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FALLBACK), str(tmp_path)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "WARNING native attention kernel not built: '/bin/false' failed (exit 1)" in out
+    assert "the engine uses the PyTorch kernels" in out
+    assert "available: flash-head,flash,masked" in out
+    assert "config error: config key 'attention.kernel': 'native' does not run on cpu" in out
+    assert not list(tmp_path.glob("*/attend.so"))
+
+
+def test_native_is_registered_beside_the_pytorch_kernels() -> None:
+    assert KERNELS["native"].dtypes == (torch.float32, torch.bfloat16)
+    assert KERNELS["native"].runs_on("cpu") == native.available()
+    assert not KERNELS["native"].runs_on("cpu", torch.float16)

@@ -1,0 +1,130 @@
+"""Builds the `native` attention kernel (csrc/attend.cpp, csrc/isa.h) into a shared library, once, cached.
+
+One compiler call (the `CXX` compiler, else `c++`) against torch's headers and libraries, no
+ninja and no pybind: the library registers its ops with `TORCH_LIBRARY` and is loaded with
+`torch.ops.load_library`. Flags are `-O3 -fopenmp`, never `-march=native`: the source picks its
+ISA path at run time (every SIMD function carries its own target attribute), so one library runs
+on any x86-64 CPU, and a cache folder shared by machines of different CPUs (a container image, a
+network home) never holds a library that faults with an illegal instruction. -fopenmp makes
+`at::parallel_for` parallel; the library then uses the OpenMP runtime torch already loaded.
+
+The cache folder is keyed by the sources' hash, torch's version, the compiler and the flags:
+`<repo>/.cache/native/<key>/attend.so` in a source checkout (ignored by git), else
+`~/.cache/tiered/native/<key>/`. Builds take a file lock and move the library into place when
+complete, so concurrent processes build once and never load a half-written file.
+
+`make venv` runs `python -m tiered.hybrid.attention.build`, which builds or logs why it cannot
+and exits 0 either way: a machine without a compiler still gets an engine, without `native`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "attend.cpp"
+HEADERS = (SOURCE.parent / "isa.h",)
+FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
+BUILD_TIMEOUT_S = 600
+
+
+class BuildError(RuntimeError):
+    """The library could not be built here; the message says why (it is logged, never raised to the engine)."""
+
+
+def compiler() -> list[str]:
+    """The C++ compiler command: `CXX` as torch's extension builder reads it, else `c++`."""
+    return shlex.split(os.environ.get("CXX", "") or "c++")
+
+
+def default_cache_dir() -> Path:
+    package_root = Path(__file__).resolve().parents[3]
+    if (package_root / "pyproject.toml").exists() and os.access(package_root, os.W_OK):
+        return package_root / ".cache" / "native"
+    return Path.home() / ".cache" / "tiered" / "native"
+
+
+def _command(output: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        *compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in include_paths()),
+        str(SOURCE), "-o", str(output),
+        *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu",
+        *(f"-Wl,-rpath,{p}" for p in library_paths()),
+    ]  # fmt: skip
+
+
+def library_path(cache_dir: str | Path | None = None) -> Path:
+    """Where the library of this source x torch x compiler x flags lives (built or not)."""
+    digest = hashlib.sha256()
+    for source in (SOURCE, *HEADERS):
+        digest.update(source.read_bytes())
+    for part in (torch.__version__, *compiler(), *FLAGS, sys.platform):
+        digest.update(b"\0" + part.encode())
+    return Path(cache_dir or default_cache_dir()) / digest.hexdigest()[:16] / "attend.so"
+
+
+def build(cache_dir: str | Path | None = None) -> Path:
+    """The library's path, built first unless cached. Raises BuildError with the reason."""
+    missing = [str(p) for p in (SOURCE, *HEADERS) if not p.exists()]
+    if missing:
+        raise BuildError(f"its sources are missing from this installation: {', '.join(missing)}")
+    target = library_path(cache_dir)
+    if target.exists():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait for it
+            if not target.exists():
+                _compile(target)
+    except OSError as e:
+        raise BuildError(f"cannot write {target.parent}: {e}") from e
+    return target
+
+
+def _compile(target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    command = _command(Path(tmp))
+    log.info("building the native attention kernel (once; cached in %s)", target.parent)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        os.unlink(tmp)
+        raise BuildError(f"the compiler '{command[0]}' did not run: {e}") from e
+    if done.returncode != 0:
+        os.unlink(tmp)
+        tail = (done.stderr or done.stdout).strip()[-1500:]
+        raise BuildError(f"'{command[0]}' failed (exit {done.returncode}): {tail or 'no output'}")
+    os.replace(tmp, target)
+
+
+def main() -> int:
+    """`python -m tiered.hybrid.attention.build` (what `make venv` runs): build, or say why not; exit 0."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        path = build()
+    except BuildError as e:
+        log.warning("native attention kernel not built: %s; the engine uses the PyTorch kernels", e)
+        return 0
+    log.info("native attention kernel: %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+// The `native` attention kernel of tiered: every piece's attention in one call.
+//
+// Contract (tiered/hybrid/attention/kernels.py, native.py): q [L, H, Dh] is overwritten with
+// softmax(q k^T / sqrt(Dh)) v, where each query of a piece sees (1) the shared prefix, read from
+// a pool [blocks, block_tokens, Hkv, Dh] through a block-id list, (2) its piece's visible key
+// ranges, (3) its own keys causally. GQA: the H / Hkv query heads of a KV head form a group.
+//
+// Work: one task = (piece, KV head, block of query positions); its rows are the block's
+// positions x the group's heads, so every K/V tile is loaded (and converted from bf16) once for
+// the whole group. Per key tile: S = Q K^T (a small GEMM against K packed transposed), an online
+// fp32 softmax in base 2 (log2(e) folded into Q's scale), acc += P V. Tasks are handed out
+// largest first from an atomic counter inside at::parallel_for (causal blocks differ in cost).
+//
+// ISA paths, chosen at run time (__builtin_cpu_supports) or forced by the `isa` argument:
+// scalar (portable C++), avx2 (AVX2 + FMA), avx512 (AVX-512F), avx512bf16 (avx512, with
+// Q K^T of bf16 inputs by _mm512_dpbf16_ps). Each ISA's functions carry a target attribute,
+// so this file compiles with plain -O3 and the library runs on any x86-64 CPU.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "isa.h"
+
+namespace {
+
+using namespace tiered_native;
+
+bool cpu_runs(const std::string& isa) {
+  if (isa == "scalar") return true;
+#if TIERED_X86
+  __builtin_cpu_init();
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f");
+  if (isa == "avx512bf16") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#endif
+  return false;
+}
+
+const Ops* ops_named(const std::string& isa) {
+  if (isa == "scalar") return &kScalar;
+#if TIERED_X86
+  if (isa == "avx2") return &kAvx2;
+  if (isa == "avx512") return &kAvx512;
+  if (isa == "avx512bf16") return &kAvx512Bf16;
+#endif
+  return nullptr;
+}
+
+const char* const kPaths[] = {"avx512bf16", "avx512", "avx2", "scalar"};  // best first
+
+// The path for `isa` ("auto": the best this CPU runs at this head dim); errors name the reason.
+const Ops* choose_ops(const std::string& isa, int Dh) {
+  if (isa == "auto") {
+    for (const char* name : kPaths) {
+      const Ops* ops = ops_named(name);
+      if (ops && cpu_runs(name) && Dh % ops->column_step == 0) return ops;
+    }
+  }
+  const Ops* ops = ops_named(isa);
+  TORCH_CHECK(ops != nullptr, "native attention: unknown isa '", isa, "' (scalar, avx2, avx512, avx512bf16, auto)");
+  TORCH_CHECK(cpu_runs(isa), "native attention: this CPU cannot run the ", isa, " path");
+  TORCH_CHECK(Dh % ops->column_step == 0, "native attention: the ", isa, " path needs a head dim multiple of ",
+              ops->column_step, ", got ", Dh);
+  return ops;
+}
+
+// ---- the driver: tasks, tiles, packing -----------------------------------------------------------
+
+template <typename T>
+struct Args {
+  T* q;
+  int64_t q_row, q_head;
+  const T *k, *v;
+  int64_t k_row, k_head, v_row, v_head;
+  const T *pool_k, *pool_v;  // null: no prefix
+  int64_t pk_block, pk_row, pk_head, pv_block, pv_row, pv_head;
+  const int64_t* block_ids;
+  int64_t num_ids, block_tokens, prefix_tokens;
+  const int64_t* pieces;   // [n, 5]: q_start, k_start, num, first visible, end visible
+  const int64_t* visible;  // [m, 2]: begin, end
+  int group, Dh, rows_per_block;
+  float scale;  // 1 / sqrt(Dh) x log2(e)
+};
+
+struct Task {
+  int64_t piece, head, q0, nq, cost;
+};
+
+// A thread's buffers, for `rows` query rows (a multiple of kRowStep).
+struct Scratch {
+  std::vector<float> qt, acc, st, m, l, alpha, kf, vf;
+  std::vector<uint16_t> qp;
+  Scratch(int rows, int Dh)
+      : qt(size_t(rows) * Dh), acc(size_t(rows) * Dh), st(size_t(rows) * kKeyTile), m(rows), l(rows), alpha(rows),
+        kf(size_t(kKeyTile) * Dh), vf(size_t(kKeyTile) * Dh), qp(size_t(rows) * Dh) {}
+};
+
+inline uint16_t bits(float) { return 0; }  // unused: only bf16 inputs take the bf16 dot product
+inline uint16_t bits(c10::BFloat16 x) { return x.x; }
+
+// n rows of Dh values at stride `stride`, widened to fp32 rows of Dh (fp32 inputs: read in place).
+template <typename T>
+const float* widen(const T* src, int64_t stride, int n, int Dh, float* buffer, int64_t* ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    *ld = stride;
+    return src;
+  } else {
+    for (int j = 0; j < n; ++j)
+      for (int d = 0; d < Dh; ++d) buffer[j * Dh + d] = static_cast<float>(src[j * stride + d]);
+    *ld = Dh;
+    return buffer;
+  }
+}
+
+template <typename T>
+struct TaskRunner {
+  const Args<T>& a;
+  const Ops& ops;
+  Scratch& sc;
+  bool bf16_dot;
+
+  // One tile of nk keys (rows `kb`, `vb` of stride ks, vs), Rp rows: scores, causal mask, softmax, P V.
+  void tile(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0) {
+    const int Dh = a.Dh;
+    float* St = sc.st.data();
+    if (bf16_dot) {
+      ops.scores_bf16(reinterpret_cast<const uint16_t*>(kb), ks, sc.qp.data(), St, nk, Rp, Dh, a.scale);
+    } else {
+      int64_t ldk;
+      const float* K = widen(kb, ks, nk, Dh, sc.kf.data(), &ldk);
+      ops.gemm(K, ldk, 1, sc.qt.data(), Rp, St, Rp, nk, Rp, Dh, false);
+    }
+    if (causal_j0 >= 0 && causal_j0 + nk - 1 > t.q0) {  // own keys past some row's position
+      for (int j = 0; j < nk; ++j)
+        for (int r = 0; r < Rp; ++r)
+          if (causal_j0 + j > t.q0 + r / a.group) St[j * Rp + r] = kNegInf;
+    }
+    ops.softmax(St, nk, Rp, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dh);
+    int64_t ldv;
+    const float* V = widen(vb, vs, nk, Dh, sc.vf.data(), &ldv);
+    ops.gemm(St, 1, Rp, V, ldv, sc.acc.data(), Dh, Rp, Dh, nk, true);
+  }
+
+  // n keys from `kb` / `vb`; causal: they are the piece's own keys (key j at position j).
+  void keys(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal) {
+    for (int64_t j0 = 0; j0 < n; j0 += kKeyTile)
+      tile(t, Rp, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1);
+  }
+
+  // Q^T [Dh][Rp] scaled (fp32 scores) or Q in bf16 pairs [Dh / 2][Rp][2] (bf16 dot); padded rows 0.
+  void load_q(const Task& t, int Rp, int64_t q_start) {
+    const int G = a.group, Dh = a.Dh, R = int(t.nq) * G;
+    std::fill(sc.qt.begin(), sc.qt.begin() + size_t(Rp) * Dh, 0.f);
+    std::fill(sc.qp.begin(), sc.qp.begin() + size_t(Rp) * Dh, uint16_t(0));
+    for (int r = 0; r < R; ++r) {
+      const T* src = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
+      for (int d = 0; d < Dh; ++d) {
+        if (bf16_dot)
+          sc.qp[(d / 2 * Rp + r) * 2 + d % 2] = bits(src[d]);
+        else
+          sc.qt[d * Rp + r] = static_cast<float>(src[d]) * a.scale;
+      }
+    }
+  }
+
+  void run(const Task& t) {
+    const int G = a.group, Dh = a.Dh, R = int(t.nq) * G, Rp = (R + kRowStep - 1) / kRowStep * kRowStep;
+    const int64_t* p = a.pieces + 5 * t.piece;
+    const int64_t q_start = p[0], k_start = p[1];
+    load_q(t, Rp, q_start);
+    std::fill(sc.m.begin(), sc.m.begin() + Rp, kNegInf);
+    std::fill(sc.l.begin(), sc.l.begin() + Rp, 0.f);
+    std::fill(sc.acc.begin(), sc.acc.begin() + size_t(Rp) * Dh, 0.f);
+    if (a.pool_k) {
+      for (int64_t b = 0; b < a.num_ids; ++b) {
+        const int64_t n = std::min(a.block_tokens, a.prefix_tokens - b * a.block_tokens), id = a.block_ids[b];
+        if (n <= 0) break;
+        keys(t, Rp, a.pool_k + id * a.pk_block + t.head * a.pk_head, a.pk_row,
+             a.pool_v + id * a.pv_block + t.head * a.pv_head, a.pv_row, n, false);
+      }
+    }
+    for (int64_t i = p[3]; i < p[4]; ++i) {
+      const int64_t begin = a.visible[2 * i], end = a.visible[2 * i + 1];
+      keys(t, Rp, a.k + begin * a.k_row + t.head * a.k_head, a.k_row, a.v + begin * a.v_row + t.head * a.v_head,
+           a.v_row, end - begin, false);
+    }
+    keys(t, Rp, a.k + k_start * a.k_row + t.head * a.k_head, a.k_row, a.v + k_start * a.v_row + t.head * a.v_head,
+         a.v_row, t.q0 + t.nq, true);
+    for (int r = 0; r < R; ++r) {
+      T* dst = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
+      const float inv = 1.f / sc.l[r];
+      for (int d = 0; d < Dh; ++d) dst[d] = static_cast<T>(sc.acc[r * Dh + d] * inv);
+    }
+  }
+};
+
+template <typename T>
+void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_kv_heads) {
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < num_pieces; ++i) {
+    const int64_t* p = a.pieces + 5 * i;
+    int64_t shared = a.pool_k ? a.prefix_tokens : 0;
+    for (int64_t v = p[3]; v < p[4]; ++v) shared += a.visible[2 * v + 1] - a.visible[2 * v];
+    for (int64_t q0 = 0; q0 < p[2]; q0 += a.rows_per_block)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t nq = std::min<int64_t>(a.rows_per_block, p[2] - q0);
+        tasks.push_back({i, h, q0, nq, nq * (shared + q0 + nq)});
+      }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = int64_t(tasks.size());
+  const bool bf16_dot = ops.scores_bf16 != nullptr && std::is_same_v<T, c10::BFloat16>;
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)), 1,
+                   [&](int64_t, int64_t) {
+                     Scratch sc((a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep, a.Dh);
+                     TaskRunner<T> runner{a, ops, sc, bf16_dot};
+                     for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) runner.run(tasks[i]);
+                   });
+}
+
+// ---- the op --------------------------------------------------------------------------------------
+
+void check_rows(const at::Tensor& t, const char* name, int64_t heads, int64_t Dh, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == heads && t.size(2) == Dh, "native attention: ", name,
+              " must be [*, ", heads, ", ", Dh, "], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype && t.stride(2) == 1 && t.device().is_cpu(), "native attention: ", name,
+              " must be a CPU tensor of q's dtype with unit stride in its last dim");
+}
+
+template <typename T>
+Args<T> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pieces,
+                  const at::Tensor& visible, const std::optional<at::Tensor>& pool_k,
+                  const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& ids, int64_t prefix_tokens) {
+  const int64_t Dh = q.size(2), group = q.size(1) / k.size(1);
+  Args<T> a{};
+  a.q = q.data_ptr<T>(), a.q_row = q.stride(0), a.q_head = q.stride(1);
+  a.k = k.const_data_ptr<T>(), a.k_row = k.stride(0), a.k_head = k.stride(1);
+  a.v = v.const_data_ptr<T>(), a.v_row = v.stride(0), a.v_head = v.stride(1);
+  if (pool_k && prefix_tokens > 0) {
+    a.pool_k = pool_k->const_data_ptr<T>(), a.pool_v = pool_v->const_data_ptr<T>();
+    a.pk_block = pool_k->stride(0), a.pk_row = pool_k->stride(1), a.pk_head = pool_k->stride(2);
+    a.pv_block = pool_v->stride(0), a.pv_row = pool_v->stride(1), a.pv_head = pool_v->stride(2);
+    a.block_ids = ids->const_data_ptr<int64_t>(), a.num_ids = ids->numel();
+    a.block_tokens = pool_k->size(1), a.prefix_tokens = prefix_tokens;
+  }
+  a.pieces = pieces.const_data_ptr<int64_t>(), a.visible = visible.const_data_ptr<int64_t>();
+  a.group = int(group), a.Dh = int(Dh), a.rows_per_block = int(std::max<int64_t>(1, kRowsPerTask / group));
+  a.scale = float(1.0 / std::sqrt(double(Dh))) * kLog2e;
+  return a;
+}
+
+void check_prefix(const at::Tensor& pool_k, const at::Tensor& pool_v, const at::Tensor& ids, int64_t prefix_tokens,
+                  int64_t kv_heads, int64_t Dh, at::ScalarType dtype) {
+  for (const auto* t : {&pool_k, &pool_v}) {
+    TORCH_CHECK(t->dim() == 4 && t->size(2) == kv_heads && t->size(3) == Dh && t->sizes() == pool_k.sizes(),
+                "native attention: the prefix pools must be [blocks, block_tokens, ", kv_heads, ", ", Dh, "]");
+    TORCH_CHECK(t->scalar_type() == dtype && t->stride(3) == 1 && t->device().is_cpu(),
+                "native attention: the prefix pools must be CPU tensors of q's dtype, unit stride in the last dim");
+  }
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.device().is_cpu(),
+              "native attention: block_ids must be a contiguous int64 CPU vector");
+  TORCH_CHECK(prefix_tokens <= ids.numel() * pool_k.size(1), "native attention: ", prefix_tokens,
+              " prefix tokens do not fit in ", ids.numel(), " blocks of ", pool_k.size(1));
+  const int64_t* p = ids.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < pool_k.size(0), "native attention: block id ", p[i], " is not in the pool");
+}
+
+void check_pieces(const at::Tensor& pieces, const at::Tensor& visible, int64_t num_q, int64_t num_k) {
+  TORCH_CHECK(pieces.dim() == 2 && pieces.size(1) == 5 && pieces.scalar_type() == at::kLong &&
+                  pieces.is_contiguous() && visible.dim() == 2 && visible.size(1) == 2 &&
+                  visible.scalar_type() == at::kLong && visible.is_contiguous(),
+              "native attention: pieces must be int64 [n, 5] and visible int64 [m, 2], contiguous");
+  const int64_t* p = pieces.const_data_ptr<int64_t>();
+  const int64_t* vis = visible.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < pieces.size(0); ++i, p += 5) {
+    TORCH_CHECK(p[2] >= 0 && p[0] >= 0 && p[0] + p[2] <= num_q && p[1] >= 0 && p[1] + p[2] <= num_k,
+                "native attention: piece ", i, " reaches past q or k");
+    TORCH_CHECK(0 <= p[3] && p[3] <= p[4] && p[4] <= visible.size(0), "native attention: piece ", i,
+                " names visible ranges that do not exist");
+    for (int64_t j = p[3]; j < p[4]; ++j)
+      TORCH_CHECK(0 <= vis[2 * j] && vis[2 * j] <= vis[2 * j + 1] && vis[2 * j + 1] <= num_k,
+                  "native attention: visible range ", j, " reaches past k");
+  }
+}
+
+// Returns the name of the path that ran.
+std::string attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pieces,
+                   const at::Tensor& visible, const std::optional<at::Tensor>& pool_k,
+                   const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& block_ids,
+                   int64_t prefix_tokens, std::string isa) {
+  TORCH_CHECK(q.dim() == 3, "native attention: q must be [L, H, Dh]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "native attention: float32 or bfloat16 only, got ", q.scalar_type());
+  const int64_t H = q.size(1), Dh = q.size(2), Hkv = k.dim() == 3 ? k.size(1) : 0;
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "native attention: k must be [N, Hkv, Dh] with Hkv dividing H = ", H);
+  check_rows(q, "q", H, Dh, q.scalar_type());
+  check_rows(k, "k", Hkv, Dh, q.scalar_type());
+  check_rows(v, "v", Hkv, Dh, q.scalar_type());
+  TORCH_CHECK(v.size(0) == k.size(0), "native attention: k and v differ in rows");
+  check_pieces(pieces, visible, q.size(0), k.size(0));
+  const bool has_prefix = pool_k.has_value() && prefix_tokens > 0;
+  if (has_prefix) {
+    TORCH_CHECK(pool_v.has_value() && block_ids.has_value(), "native attention: a prefix needs pool_v and block_ids");
+    check_prefix(*pool_k, *pool_v, *block_ids, prefix_tokens, Hkv, Dh, q.scalar_type());
+  }
+  const Ops* ops = choose_ops(isa, int(Dh));
+  if (q.scalar_type() == at::kFloat)
+    run_all(make_args<float>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens), *ops,
+            pieces.size(0), Hkv);
+  else
+    run_all(make_args<c10::BFloat16>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens), *ops,
+            pieces.size(0), Hkv);
+  return ops->name;
+}
+
+// The paths this CPU runs, best first, comma-separated.
+std::string isas() {
+  std::string out;
+  for (const char* name : kPaths)
+    if (ops_named(name) && cpu_runs(name)) out += (out.empty() ? "" : ",") + std::string(name);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tiered_native, m) {
+  m.def(
+      "attend_(Tensor(a!) q, Tensor k, Tensor v, Tensor pieces, Tensor visible, Tensor? pool_k, Tensor? pool_v, "
+      "Tensor? block_ids, int prefix_tokens, str isa) -> str");
+  m.def("isas() -> str", &isas);
+}
+
+TORCH_LIBRARY_IMPL(tiered_native, CPU, m) { m.impl("attend_", &attend); }

@@ -1,0 +1,301 @@
+// The ISA paths of the native attention kernel (attend.cpp): per path, the small GEMM, the
+// online-softmax step and (avx512bf16) the bf16 scores, behind one table of function pointers.
+// Every SIMD function carries its own target attribute: the file compiles with plain -O3 and a
+// path runs only where attend.cpp's dispatch found the CPU flags for it.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define TIERED_X86 1
+#else
+#define TIERED_X86 0
+#endif
+
+namespace tiered_native {
+
+constexpr int kKeyTile = 64;      // keys per tile
+constexpr int kRowsPerTask = 64;  // query rows (positions x group heads) per task
+constexpr int kRowStep = 32;      // rows are padded to a multiple of this (every path's column step divides it)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// One ISA path: the inner operations the driver calls per key tile. Scores are kept transposed,
+// St[key][row], so K is read in place (no per-tile transpose: Q is packed once per task) and the
+// softmax over keys runs down columns, vectorized across query rows with no horizontal reduction.
+struct Ops {
+  const char* name;
+  int column_step;  // gemm's N must be a multiple of this (the head dim too)
+  // C[M, N] (+)= A[M, K] B[K, N], A's element (i, k) at A[i * a_row + k * a_col].
+  void (*gemm)(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C, int64_t ldc,
+               int M, int N, int K, bool accumulate);
+  // Per row r < R (a multiple of kRowStep), over keys j < n of St[j * R + r]: m' = max(m, max_j St);
+  // St = 2^(St - m'); l = l 2^(m - m') + sum_j St; acc[r, :Dh] *= 2^(m - m'); m = m'.
+  void (*softmax)(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh);
+  // St[n, R] = scale (K[n, Dh] . Q^T) for bf16 K rows (stride ks) and Q packed in pairs [Dh / 2][R][2];
+  // null where the path has no bf16 dot product.
+  void (*scores_bf16)(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh,
+                      float scale);
+};
+
+// The acc rows whose alpha is not 1, rescaled (alpha from the softmax).
+inline void rescale_rows(const float* alpha, int R, float* acc, int Dh) {
+  for (int r = 0; r < R; ++r)
+    if (alpha[r] != 1.f)
+      for (int d = 0; d < Dh; ++d) acc[r * Dh + d] *= alpha[r];
+}
+
+// ---- scalar: portable C++ ------------------------------------------------------------------------
+
+void gemm_scalar(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C, int64_t ldc,
+                 int M, int N, int K, bool accumulate) {
+  for (int i = 0; i < M; ++i) {
+    float* c = C + i * ldc;
+    if (!accumulate) std::fill(c, c + N, 0.f);
+    for (int k = 0; k < K; ++k) {
+      const float a = A[i * a_row + k * a_col];
+      const float* b = B + k * ldb;
+      for (int j = 0; j < N; ++j) c[j] += a * b[j];
+    }
+  }
+}
+
+void softmax_scalar(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+  for (int r = 0; r < R; ++r) {
+    float m_new = m[r];
+    for (int j = 0; j < n; ++j) m_new = std::max(m_new, St[j * R + r]);
+    const float safe = m_new == kNegInf ? 0.f : m_new;  // every key so far masked: no NaN from -inf - -inf
+    float sum = 0.f;
+    for (int j = 0; j < n; ++j) sum += (St[j * R + r] = std::exp2(St[j * R + r] - safe));
+    alpha[r] = std::exp2(m[r] - safe);
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = m_new;
+  }
+  rescale_rows(alpha, R, acc, Dh);
+}
+
+const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr};
+
+#if TIERED_X86
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+// Register tiles are arrays of vectors indexed by constant-trip loops: unrolled early, GCC keeps
+// them in registers; otherwise it stores every accumulator to the stack on every step.
+#define UNROLL _Pragma("GCC unroll 16")
+#define TARGET_AVX512 __attribute__((target("avx512f")))
+#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16")))
+
+// ---- avx2: AVX2 + FMA, 8 floats a register -------------------------------------------------------
+
+// A tile of R rows x 16 columns of C in 2R accumulators; B's 16 columns loaded once per k for all rows.
+template <int R>
+TARGET_AVX2 inline void tile_avx2(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C,
+                                  int64_t ldc, int K, bool accumulate) {
+  __m256 c0[R], c1[R];
+  UNROLL for (int r = 0; r < R; ++r) {
+    c0[r] = accumulate ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
+    c1[r] = accumulate ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_setzero_ps();
+  }
+  for (int k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + r * a_row + k * a_col);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(C + r * ldc, c0[r]);
+    _mm256_storeu_ps(C + r * ldc + 8, c1[r]);
+  }
+}
+
+TARGET_AVX2 void gemm_avx2(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C,
+                           int64_t ldc, int M, int N, int K, bool accumulate) {
+  for (int j = 0; j < N; j += 16) {
+    int i = 0;
+    for (; i + 6 <= M; i += 6) tile_avx2<6>(A + i * a_row, a_row, a_col, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    const float* a = A + i * a_row;
+    float* c = C + i * ldc + j;
+    switch (M - i) {
+      case 5: tile_avx2<5>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      case 4: tile_avx2<4>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      case 3: tile_avx2<3>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      case 2: tile_avx2<2>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      case 1: tile_avx2<1>(a, a_row, a_col, B + j, ldb, c, ldc, K, accumulate); break;
+      default: break;
+    }
+  }
+}
+
+// 2^x for x <= 0: 2^round(x) by the exponent bits times a degree-7 polynomial of the rest
+// (|rest| <= 1/2; relative error ~1e-8 before rounding). x below -126 (and -inf) gives 2^-126.
+TARGET_AVX2 inline __m256 exp2_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.5252734e-5f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf), zero = _mm256_setzero_ps();
+  for (int r = 0; r < R; r += 8) {
+    const __m256 m_old = _mm256_loadu_ps(m + r);
+    __m256 m_new = m_old;
+    for (int j = 0; j < n; ++j) m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(St + j * R + r));
+    const __m256 safe = _mm256_blendv_ps(m_new, zero, _mm256_cmp_ps(m_new, ninf, _CMP_EQ_OQ));
+    __m256 sum = zero;
+    for (int j = 0; j < n; ++j) {
+      const __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(St + j * R + r), safe));
+      _mm256_storeu_ps(St + j * R + r, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    const __m256 a = exp2_avx2(_mm256_sub_ps(m_old, safe));
+    _mm256_storeu_ps(alpha + r, a);
+    _mm256_storeu_ps(l + r, _mm256_fmadd_ps(_mm256_loadu_ps(l + r), a, sum));
+    _mm256_storeu_ps(m + r, m_new);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (alpha[r] == 1.f) continue;
+    const __m256 a = _mm256_set1_ps(alpha[r]);
+    for (int d = 0; d < Dh; d += 8) _mm256_storeu_ps(acc + r * Dh + d, _mm256_mul_ps(_mm256_loadu_ps(acc + r * Dh + d), a));
+  }
+}
+
+const Ops kAvx2{"avx2", 16, gemm_avx2, softmax_avx2, nullptr};
+
+// ---- avx512: AVX-512F, 16 floats a register ------------------------------------------------------
+
+template <int R>
+TARGET_AVX512 inline void tile_avx512(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
+                                      float* C, int64_t ldc, int K, bool accumulate) {
+  __m512 c0[R], c1[R];
+  UNROLL for (int r = 0; r < R; ++r) {
+    c0[r] = accumulate ? _mm512_loadu_ps(C + r * ldc) : _mm512_setzero_ps();
+    c1[r] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int k = 0; k < K; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(B + k * ldb), b1 = _mm512_loadu_ps(B + k * ldb + 16);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * a_row + k * a_col]);
+      c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(C + r * ldc, c0[r]);
+    _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
+  }
+}
+
+TARGET_AVX512 void gemm_avx512(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C,
+                               int64_t ldc, int M, int N, int K, bool accumulate) {
+  for (int j = 0; j < N; j += 32) {
+    int i = 0;
+    for (; i + 12 <= M; i += 12)
+      tile_avx512<12>(A + i * a_row, a_row, a_col, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    for (; i + 4 <= M; i += 4)
+      tile_avx512<4>(A + i * a_row, a_row, a_col, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+    for (; i < M; ++i) tile_avx512<1>(A + i * a_row, a_row, a_col, B + j, ldb, C + i * ldc + j, ldc, K, accumulate);
+  }
+}
+
+// 2^x for x <= 0 as in exp2_avx2; scalef applies 2^round(x).
+TARGET_AVX512 inline __m512 exp2_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5252734e-5f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int r = 0; r < R; r += 16) {
+    const __m512 m_old = _mm512_loadu_ps(m + r);
+    __m512 m_new = m_old;
+    for (int j = 0; j < n; ++j) m_new = _mm512_max_ps(m_new, _mm512_loadu_ps(St + j * R + r));
+    const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ), m_new, zero);
+    __m512 sum = zero;
+    for (int j = 0; j < n; ++j) {
+      const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(St + j * R + r), safe));
+      _mm512_storeu_ps(St + j * R + r, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    const __m512 a = exp2_avx512(_mm512_sub_ps(m_old, safe));
+    _mm512_storeu_ps(alpha + r, a);
+    _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), a, sum));
+    _mm512_storeu_ps(m + r, m_new);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (alpha[r] == 1.f) continue;
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int d = 0; d < Dh; d += 16)
+      _mm512_storeu_ps(acc + r * Dh + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * Dh + d), a));
+  }
+}
+
+const Ops kAvx512{"avx512", 32, gemm_avx512, softmax_avx512, nullptr};
+
+// ---- avx512bf16: scores of bf16 inputs by dot products of bf16 pairs into fp32 ------------------
+
+// NR keys x 32 rows of St: each key's pair (d, d + 1) broadcast against 16 rows' pairs a register.
+template <int NR>
+TARGET_AVX512BF16 inline void scores_tile_bf16(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int R,
+                                               int Dh, float scale) {
+  __m512 c0[NR], c1[NR];
+  UNROLL for (int i = 0; i < NR; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+  for (int d2 = 0; d2 < Dh / 2; ++d2) {
+    const __m512i q0 = _mm512_loadu_si512(Qp + 2 * (int64_t(d2) * R));
+    const __m512i q1 = _mm512_loadu_si512(Qp + 2 * (int64_t(d2) * R + 16));
+    UNROLL for (int i = 0; i < NR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, K + i * ks + 2 * d2, sizeof pair);
+      const __m512i a = _mm512_set1_epi32(pair);
+      c0[i] = _mm512_dpbf16_ps(c0[i], (__m512bh)a, (__m512bh)q0);
+      c1[i] = _mm512_dpbf16_ps(c1[i], (__m512bh)a, (__m512bh)q1);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  UNROLL for (int i = 0; i < NR; ++i) {
+    _mm512_storeu_ps(St + i * R, _mm512_mul_ps(c0[i], vs));
+    _mm512_storeu_ps(St + i * R + 16, _mm512_mul_ps(c1[i], vs));
+  }
+}
+
+TARGET_AVX512BF16 void scores_bf16_avx512(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R,
+                                          int Dh, float scale) {
+  for (int c = 0; c < R; c += 32) {
+    int i = 0;
+    for (; i + 12 <= n; i += 12) scores_tile_bf16<12>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
+    for (; i + 4 <= n; i += 4) scores_tile_bf16<4>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
+    for (; i < n; ++i) scores_tile_bf16<1>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
+  }
+}
+
+const Ops kAvx512Bf16{"avx512bf16", 32, gemm_avx512, softmax_avx512, scores_bf16_avx512};
+#endif  // TIERED_X86
+
+}  // namespace tiered_native
