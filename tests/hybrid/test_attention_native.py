@@ -139,7 +139,7 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_kernels(tmp_path: Path)
     out = done.stdout
     assert "WARNING native attention kernel not built: '/bin/false' failed (exit 1)" in out
     assert "the engine uses the PyTorch kernels" in out
-    assert "available: flash-head,flash,masked" in out
+    assert "available: flash-head,flash,flash-f32,masked" in out
     assert "config error: config key 'attention.kernel': 'native' does not run on cpu" in out
     assert not list(tmp_path.glob("*/attend.so"))
 
