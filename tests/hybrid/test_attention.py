@@ -2,19 +2,47 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tiered.config import ConfigError
-from tiered.hybrid.attention import KERNELS, Piece, reference_
+from tiered.hybrid.attention import KERNELS, Piece, reference_, vllm_cpu
 from tiered.hybrid.attention import select as select_module
 from tiered.hybrid.attention.select import KernelTiming, ShapeClass, choose_kernel, fastest
 
 CPU_KERNELS = [name for name, kernel in KERNELS.items() if kernel.runs_on("cpu")]
+# Every CPU kernel, including those whose library this interpreter lacks (skipped, with the reason, where absent).
+ALL_CPU_KERNELS = [name for name, kernel in KERNELS.items() if "cpu" in kernel.devices]
 # Max |out - fp32 reference| (outputs are averages of V rows drawn from N(0, 1)).
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def vllm_library() -> str:
+    """vllm-cpu's site-packages for the tests: TIERED_VLLM_LIBRARY, else `make bench-env`'s venv."""
+    if given := os.environ.get("TIERED_VLLM_LIBRARY"):
+        return given
+    found = sorted(Path(os.environ.get("VLLM_VENV", "/tmp/vllmenv")).glob("lib/python3*/site-packages"))
+    return str(found[0]) if found else "none"
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded() -> Iterator[str | None]:
+    """Points the vllm-cpu kernel at vllm_library() for this module; yields why it is unavailable (None: loaded)."""
+    vllm_cpu.use_library(vllm_library())
+    yield vllm_cpu.unavailable_reason()
+    vllm_cpu.use_library("auto")
+
+
+@pytest.fixture
+def cpu_kernel(request: pytest.FixtureRequest, vllm_loaded: str | None) -> str:
+    name: str = request.param
+    if name == "vllm-cpu" and vllm_loaded is not None:
+        pytest.skip(f"vllm-cpu unavailable: {vllm_loaded} (make bench-env, or TIERED_VLLM_LIBRARY=<site-packages>)")
+    return name
 
 
 def _case(
@@ -44,13 +72,14 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("cpu_kernel", ALL_CPU_KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (16, 4, 64), (8, 1, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_kernel_equals_the_fp32_reference(
-    kernel: str, shape: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    cpu_kernel: str, shape: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
+    kernel = cpu_kernel
     pieces, num_keys, prefix = SHAPES[shape]
     q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
     expected = q.clone().float()

