@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tiered.config import ConfigError
-from tiered.hybrid.attention import KERNELS, Piece, reference_, vllm_cpu
+from tiered.hybrid.attention import KERNELS, Piece, reference_
 from tiered.hybrid.attention import select as select_module
 from tiered.hybrid.attention.select import KernelTiming, ShapeClass, choose_kernel, fastest
 
@@ -21,27 +19,11 @@ ALL_CPU_KERNELS = [name for name, kernel in KERNELS.items() if "cpu" in kernel.d
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
-def vllm_library() -> str:
-    """vllm-cpu's site-packages for the tests: TIERED_VLLM_LIBRARY, else `make bench-env`'s venv."""
-    if given := os.environ.get("TIERED_VLLM_LIBRARY"):
-        return given
-    found = sorted(Path(os.environ.get("VLLM_VENV", "/tmp/vllmenv")).glob("lib/python3*/site-packages"))
-    return str(found[0]) if found else "none"
-
-
-@pytest.fixture(scope="module")
-def vllm_loaded() -> Iterator[str | None]:
-    """Points the vllm-cpu kernel at vllm_library() for this module; yields why it is unavailable (None: loaded)."""
-    vllm_cpu.use_library(vllm_library())
-    yield vllm_cpu.unavailable_reason()
-    vllm_cpu.use_library("auto")
-
-
 @pytest.fixture
 def cpu_kernel(request: pytest.FixtureRequest, vllm_loaded: str | None) -> str:
     name: str = request.param
     if name == "vllm-cpu" and vllm_loaded is not None:
-        pytest.skip(f"vllm-cpu unavailable: {vllm_loaded} (make bench-env, or TIERED_VLLM_LIBRARY=<site-packages>)")
+        pytest.skip(vllm_loaded)
     return name
 
 

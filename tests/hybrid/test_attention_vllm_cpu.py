@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from tiered.config import ConfigError
+from tiered.config import ConfigError, load_config
 from tiered.config.tree import AttentionConfig
+from tiered.engine import Engine, ScoreParams
 from tiered.hybrid.attention import KERNELS, Piece, reference_, vllm_cpu
 from tiered.hybrid.attention.select import available, choose_kernel
 from tiered.hybrid.attention.vllm_cpu import LibraryError, PagedPlan, Write, find_library, library_file, plan_pages
@@ -163,3 +164,32 @@ def test_head_dims_vllm_does_not_take_rule_the_kernel_out() -> None:
     kernel = KERNELS["vllm-cpu"]
     assert kernel.head_dims is not None and 64 in kernel.head_dims and 48 not in kernel.head_dims
     assert not kernel.runs_on("cpu", torch.float32, 48) and not kernel.runs_on("cuda")
+
+
+def test_an_engine_forced_onto_vllm_cpu_answers_as_one_on_flash(
+    vllm_loaded: str | None, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Through the forward: q, k, v are views of the projections' buffers; batches share a cached prefix."""
+    if vllm_loaded is not None:
+        pytest.skip(vllm_loaded)
+    g = torch.Generator().manual_seed(0)
+    profile = torch.randint(3, 1300, (150,), generator=g)  # 150: not a multiple of 32
+    prompts = [torch.cat([profile, torch.randint(3, 1300, (10 + i,), generator=g)]) for i in range(4)]
+    params = ScoreParams(logprob_token_ids=(11, 12), top_logprobs=2)
+    answers = {}
+    for kernel in ("flash", "vllm-cpu"):
+        cfg = load_config(None, [f"model.path={tiny_dir}", "cache.block_tokens=16", "model.max_model_len=1024",
+                                 "scheduler.profile_tokens=[64, 256]", f"scheduler.profile_cache_dir={tmp_path}",
+                                 "scheduler.prefetch=false", f"attention.kernel={kernel}",
+                                 f"attention.vllm_library={vllm_cpu._LOADER.source}"])  # fmt: skip
+        engine = Engine(cfg)
+        ids = [engine.submit(prompts[0], params)]
+        engine.run()  # the profile is now cached: the next three run as one batch on it
+        ids += [engine.submit(p, params) for p in prompts[1:]]
+        by_id = {r.request_id: r for r in engine.run()}
+        engine.close()
+        answers[kernel] = [by_id[i] for i in ids[1:]]
+    assert max(r.batch_size for r in answers["vllm-cpu"]) > 1
+    for a, b in zip(answers["flash"], answers["vllm-cpu"], strict=True):
+        assert a.split == b.split
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -81,7 +81,7 @@ class PagedPlan:
     block_table: list[list[int]]  # per piece, its blocks in sequence order (shared prefix blocks first)
     seq_lens: list[int]  # per piece: prefix + visible + own keys
     query_start_loc: list[int]  # cumulative query counts, from 0
-    last_blocks: list[int] = field(default_factory=list)  # each piece's last block (may be partly unwritten)
+    last_blocks: list[int]  # each piece's last block (may be partly unwritten)
 
 
 def plan_pages(pieces: list[Piece], prefix_tokens: int, block_tokens: int) -> PagedPlan:
