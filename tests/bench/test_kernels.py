@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiered.bench import kernels as kernels_module
 from tiered.cli import main
@@ -25,6 +26,7 @@ def test_attention_bench_times_every_kernel_on_every_shape(
     assert doc["vllm_cpu_unavailable"] == "disabled (attention.vllm_library: none)"
     assert doc["dtype"] == "float32" and doc["machine"]["threads"] >= 1
     got = {(t["kernel"], t["shape"]) for t in doc["timings"]}
-    assert got == {(k, s) for k in available("cpu", None) for s in ("shared", "causal")}  # "too long" skipped
+    here = available("cpu", torch.float32, 32)  # the tiny model's head dim; kernels of other dtypes are left out
+    assert got == {(k, s) for k in here for s in ("shared", "causal")}  # "too long" skipped
     assert all(t["ok"] and t["max_error"] < 1e-4 and t["gflops"] > 0 for t in doc["timings"])
-    assert doc["fastest"] in available("cpu", None)
+    assert doc["fastest"] in here
