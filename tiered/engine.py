@@ -72,7 +72,7 @@ class Engine:
         a = self.model.args
         kernel = choose_kernel(config.attention.kernel, a.num_heads, a.num_kv_heads, a.head_dim,
                                DTYPES[self.precision.compute], device, config.attention.profile_cache_dir,
-                               self.max_model_len)  # fmt: skip
+                               self.max_model_len, config.attention.vllm_library)  # fmt: skip
         use_attention(self.model, kernel)
         cache = config.cache
         if config.engine.memory_budget_bytes:

