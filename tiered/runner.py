@@ -32,7 +32,12 @@ class ItemPlan:
     `token_ids` are the tokens it computes: after its prefix (`prefix_blocks`, `num_prefix_tokens`
     cached tokens) and, for a follower, after the `num_shared` tokens its `lead` (an earlier item
     of the batch, same prefix and adapter) computes for both. Its computed blocks kept on the
-    device go to `retained_blocks`, from row `first_retained_row` of its K,V after the prefix."""
+    device go to `retained_blocks`, from row `first_retained_row` of its K,V after the prefix.
+
+    A pipeline may put a follower in a later micro-batch than its lead (tiered/pipeline/split.py):
+    the lead then keeps the K,V of its first `stash_rows` computed tokens under `stash_key` (each
+    stage, until the batch ends), and the follower (`reads_stash`: that key, `lead` None) reads
+    its `num_shared` tokens from there, as the end of its prefix."""
 
     token_ids: Tensor  # [T]
     prefix_blocks: tuple[int, ...]
@@ -42,6 +47,9 @@ class ItemPlan:
     adapter: str | None = None
     retained_blocks: tuple[int, ...] = ()
     first_retained_row: int = 0
+    stash_key: int | None = None
+    stash_rows: int = 0
+    reads_stash: int | None = None
 
     @property
     def num_computed_tokens(self) -> int:

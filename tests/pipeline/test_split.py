@@ -11,6 +11,7 @@ import torch
 from tiered.hybrid.forward import BatchItem, forward_batch
 from tiered.hybrid.loader import load_model
 from tiered.pipeline import cut_microbatches, stage_layers
+from tiered.pipeline.split import microbatch_plans
 from tiered.runner import ItemPlan
 
 
@@ -26,7 +27,7 @@ def _plan(tokens: int, lead: int | None = None, cached: int = 0) -> ItemPlan:
     return ItemPlan(torch.zeros(tokens, dtype=torch.long), (), cached, lead, 5 if lead is not None else 0)
 
 
-def test_microbatches_are_even_in_computed_tokens_and_keep_followers_with_their_lead() -> None:
+def test_microbatches_are_even_in_computed_tokens_and_never_put_a_follower_before_its_lead() -> None:
     # Computed tokens after hits, not prompt lengths: a 2,000-token prompt with 1,900 cached computes 100.
     plans = [_plan(n, cached=c) for n, c in [(100, 1900), (90, 0), (80, 300), (70, 0), (60, 0), (50, 0), (40, 0),
                                               (30, 0)]]  # fmt: skip
@@ -36,10 +37,26 @@ def test_microbatches_are_even_in_computed_tokens_and_keep_followers_with_their_
     eps = max(p.num_computed_tokens for p in plans) / mean
     assert sorted(i for mb in cut for i in mb) == list(range(8))  # each request once
     assert max(loads) <= (1 + eps) * mean and loads == [260, 260]  # LPT finds the exact split here
-    # A lead and its followers (they read the lead's K,V of the same forward) stay together.
-    plans = [_plan(300), _plan(10, lead=0), _plan(200), _plan(10, lead=0), _plan(100)]
+    # Followers are jobs of their own, never in an earlier micro-batch than their lead; one in a
+    # later one reads the lead's stash (the lead keeps the longest such follower's shared rows).
+    plans = [_plan(300), _plan(100, lead=0), _plan(200), _plan(90, lead=0), _plan(100, lead=2)]
     cut = cut_microbatches(plans, 3)
-    assert [0, 1, 3] in cut and sorted(i for mb in cut for i in mb) == list(range(5))
+    where = {i: m for m, mb in enumerate(cut) for i in mb}
+    assert sorted(where) == list(range(5)) and all(where[p.lead] <= where[i] for i, p in enumerate(plans) if p.lead)
+    assert where[0] != where[2] and len(cut) == 3  # the two leads spread, not glued to their followers
+    mbs = microbatch_plans(plans, cut)
+    for m, indices in enumerate(cut):
+        for i, got in zip(indices, mbs[m], strict=True):
+            lead = plans[i].lead
+            if lead is None:
+                assert got.lead is None and got.reads_stash is None
+            elif where[lead] == m:  # its lead is here: it follows it by position
+                assert got.lead == indices.index(lead) and got.reads_stash is None
+            else:
+                assert got.lead is None and got.reads_stash == lead and got.num_shared == 5
+    stashing = {p.stash_key: p.stash_rows for mb in mbs for p in mb if p.stash_key is not None}
+    assert stashing == {lead: 5 for lead in {plans[i].lead for i in where if plans[i].lead is not None
+                                             and where[plans[i].lead] < where[i]}}  # fmt: skip
     assert cut_microbatches(plans[:1], 4) == [[0]]  # empty micro-batches are dropped
 
 

@@ -93,8 +93,9 @@ def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
     vocab = ordinary_token_ids(resolve_model_path(cfg.model.path, cfg.model.models_dir))
     args.token_ids = vocab[:2]
     n = args.profile_tokens  # sd 1/6 of the mean, within 2/3 and 4/3 of it (as the visit workload)
-    trace = visits(vocab, users=args.users, visits=args.visits, posts=args.posts, profile_mean=n, profile_sd=n // 6,
-                   profile_min=2 * n // 3, profile_max=4 * n // 3, post_tokens=args.post_tokens, zipf=args.zipf,
+    sd, lo, hi = (n // 6, 2 * n // 3, 4 * n // 3) if not args.exact_profiles else (0, n, n)
+    trace = visits(vocab, users=args.users, visits=args.visits, posts=args.posts, profile_mean=n, profile_sd=sd,
+                   profile_min=lo, profile_max=hi, post_tokens=args.post_tokens, zipf=args.zipf,
                    seed=args.seed)  # fmt: skip
     rows = [_run_system(args, name, trace.requests) for name in args.systems]
     first = rows[0]["logprobs"]
@@ -129,6 +130,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--posts", type=int, default=8, help="prompts per visit")
     p.add_argument("--profile-tokens", type=int, default=1800, help="mean profile length")
     p.add_argument("--post-tokens", type=int, default=150, help="mean post length")
+    p.add_argument("--exact-profiles", action="store_true",
+                   help="every profile exactly --profile-tokens long (a multiple of cache.block_tokens: a returning "
+                   "user's posts then share no uncached tail, so they are independent jobs a micro-batch cut can "
+                   "spread; otherwise they follow the post that computes the tail and travel as one job)")  # fmt: skip
     p.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results as JSON here")

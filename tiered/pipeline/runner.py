@@ -117,7 +117,7 @@ class PipelineRunner:
         """The batch's logits [B, V] (fp32); ForwardUnavailable if a stage failed (the pipeline
         was restarted and the device tier forgotten)."""
         cut = cut_microbatches(plans, self.num_microbatches) if self.num_microbatches > 1 else [list(range(len(plans)))]
-        message = Forward([microbatch_plans(plans, indices) for indices in cut])
+        message = Forward(microbatch_plans(plans, cut))
         start = time.perf_counter()
         try:
             for conn in self._conns:

@@ -26,23 +26,38 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
 def cut_microbatches(plans: Sequence[ItemPlan], num_microbatches: int) -> list[list[int]]:
     """The batch's items per micro-batch (indices, in batch order), of even computed tokens.
 
-    A lead and its followers are one job: a follower reads the K,V its lead computes in the same
-    forward. Jobs go to micro-batches longest first, each to the lightest (`form_waves`), so no
-    micro-batch exceeds the mean by more than one job; empty ones are dropped."""
-    groups: dict[int, list[int]] = {}
-    for i, plan in enumerate(plans):
-        groups.setdefault(i if plan.lead is None else plan.lead, []).append(i)
-    jobs = [
-        Job(str(lead), sum(plans[i].num_computed_tokens for i in members),
-            sum(plans[i].num_prefix_tokens for i in members))
-        for lead, members in groups.items()
-    ]  # fmt: skip
+    Every item is a job of its own, longest first to the lightest micro-batch (`form_waves`), so
+    no micro-batch exceeds the mean by more than one item; a follower never goes to an earlier
+    micro-batch than its lead (it reads K,V its lead computes: in the same forward, or from the
+    lead's stash when it comes later, see `microbatch_plans`). Empty micro-batches are dropped."""
+    jobs = [Job(str(i), plan.num_computed_tokens, plan.num_prefix_tokens, None if plan.lead is None else str(plan.lead))
+            for i, plan in enumerate(plans)]  # fmt: skip
     waves = form_waves(jobs, num_microbatches, cost=lambda job: job.num_computed_tokens)
-    return [sorted(i for job in wave for i in groups[int(job.request_id)]) for wave in waves]
+    return [[int(job.request_id) for job in wave] for wave in waves]
 
 
-def microbatch_plans(plans: Sequence[ItemPlan], indices: list[int]) -> list[ItemPlan]:
-    """The plans of one micro-batch, each follower's lead renumbered within it."""
-    position = {i: n for n, i in enumerate(indices)}
-    return [plans[i] if plans[i].lead is None else replace(plans[i], lead=position[plans[i].lead])  # type: ignore[index]
-            for i in indices]  # fmt: skip
+def microbatch_plans(plans: Sequence[ItemPlan], cut: list[list[int]]) -> list[list[ItemPlan]]:
+    """Each micro-batch's plans. A follower whose lead is in the same micro-batch follows it there
+    (its lead renumbered within the micro-batch); one whose lead ran in an earlier micro-batch
+    reads the shared tokens' K,V from the lead's stash (keyed by the lead's index in the batch),
+    which the lead keeps for the longest such follower."""
+    where = {i: m for m, indices in enumerate(cut) for i in indices}
+    stash_rows: dict[int, int] = {}
+    for i, plan in enumerate(plans):
+        if plan.lead is not None and where[plan.lead] < where[i]:
+            stash_rows[plan.lead] = max(stash_rows.get(plan.lead, 0), plan.num_shared)
+    out = []
+    for indices in cut:
+        position = {i: n for n, i in enumerate(indices)}
+        mb = []
+        for i in indices:
+            plan = plans[i]
+            if i in stash_rows:
+                plan = replace(plan, stash_key=i, stash_rows=stash_rows[i])
+            if plan.lead is not None:
+                lead = plan.lead
+                plan = replace(plan, lead=position[lead]) if lead in position else replace(plan, lead=None,
+                                                                                          reads_stash=lead)  # fmt: skip
+            mb.append(plan)
+        out.append(mb)
+    return out

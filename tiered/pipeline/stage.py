@@ -14,6 +14,7 @@ import logging
 import signal
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from tiered import logs
 from tiered.config import ForwardMode
-from tiered.hybrid.forward import BatchItem, KVSink, forward_batch
+from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.model import use_attention
 from tiered.offload.device_tier import DeviceTier
@@ -99,6 +100,7 @@ class Stage:
                                num_blocks=spec.num_blocks)  # fmt: skip
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
         self.busy_seconds, self.num_microbatches = 0.0, 0
+        self._stash: dict[int, dict[int, LayerKV]] = {}  # lead's index in the batch -> layer -> its first rows
 
     @torch.inference_mode()
     def forward(self, message: Forward) -> Tensor | None:
@@ -122,31 +124,70 @@ class Stage:
                 sends.append((out, dist.isend(out, dst=s.stage + 1)))
         for _, work in sends:
             work.wait()  # type: ignore[union-attr]
+        self._stash.clear()
         return torch.cat(logits).cpu() if self.last else None
 
     def _items(self, plans: list[ItemPlan]) -> list[BatchItem]:
-        prefixes: dict[tuple[int, ...], PrefixKV] = {}
+        prefixes: dict[tuple[object, ...], Sequence[LayerKV]] = {}
         items = []
         for plan in plans:
-            if plan.prefix_blocks and plan.prefix_blocks not in prefixes:
-                prefixes[plan.prefix_blocks] = PrefixKV(self.pool, list(plan.prefix_blocks), self.model.args.num_layers)
-            items.append(BatchItem(plan.token_ids, prefixes.get(plan.prefix_blocks), self._sink(plan),
-                                   lead=plan.lead, num_shared=plan.num_shared))  # fmt: skip
+            key: tuple[object, ...] = (plan.prefix_blocks, plan.reads_stash, plan.num_shared)
+            if key not in prefixes and (plan.prefix_blocks or plan.reads_stash is not None):
+                pool = PrefixKV(self.pool, list(plan.prefix_blocks), self.model.args.num_layers)
+                prefixes[key] = pool if plan.reads_stash is None else _StashedPrefix(
+                    pool, self._stash[plan.reads_stash], plan.num_shared)
+            shared = plan.num_shared if plan.lead is not None else 0  # else read from the stash, or none
+            items.append(BatchItem(plan.token_ids, prefixes.get(key), self._sink(plan), lead=plan.lead,
+                                   num_shared=shared))  # fmt: skip
         return items
 
     def _sink(self, plan: ItemPlan) -> KVSink | None:
-        """Writes the request's retained blocks of this stage's layers into the pool."""
+        """Writes the request's retained blocks of this stage's layers into the pool; a lead whose
+        followers come in later micro-batches also keeps its first rows in the stash; a follower
+        that reads the stash gets its shared rows put back in front (its rows count from the prefix)."""
         blocks = list(plan.retained_blocks)
-        if not blocks:
-            return None
         start = plan.first_retained_row
         end = start + len(blocks) * self.spec.block_tokens
-        pool = self.pool
+        pool, stash = self.pool, self._stash
+        shared = stash[plan.reads_stash] if plan.reads_stash is not None else None
+        if plan.stash_key is not None:
+            stash[plan.stash_key] = {}
+        if not blocks and plan.stash_key is None:
+            return None
 
         def sink(layer: int, k: Tensor, v: Tensor) -> None:
-            pool.write_layer(layer, blocks, k[start:end], v[start:end])
+            if shared is not None:
+                sk, sv = shared[layer]
+                k, v = torch.cat([sk[: plan.num_shared], k]), torch.cat([sv[: plan.num_shared], v])
+            if plan.stash_key is not None:
+                stash[plan.stash_key][layer] = (k[: plan.stash_rows].clone(), v[: plan.stash_rows].clone())
+            if blocks:
+                pool.write_layer(layer, blocks, k[start:end], v[start:end])
 
         return sink
+
+
+class _StashedPrefix(Sequence[LayerKV]):
+    """A follower's prefix when its lead ran in an earlier micro-batch: the pool's prefix blocks,
+    then the first `num_shared` rows the lead stashed."""
+
+    def __init__(self, pool: PrefixKV, stash: dict[int, LayerKV], num_shared: int) -> None:
+        self._pool, self._stash, self._num_shared = pool, stash, num_shared
+
+    def __len__(self) -> int:
+        return len(self._pool)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._pool.num_tokens + self._num_shared
+
+    def __getitem__(self, layer: int) -> LayerKV:  # type: ignore[override]
+        sk, sv = self._stash[layer]
+        sk, sv = sk[: self._num_shared], sv[: self._num_shared]
+        if not self._pool.num_tokens:
+            return sk, sv
+        pk, pv = self._pool[layer]
+        return torch.cat([pk, sk.to(pk.dtype)]), torch.cat([pv, sv.to(pv.dtype)])
 
 
 def run_stage(spec: StageSpec, conn: Connection) -> None:
