@@ -83,11 +83,18 @@ def test_two_stages_answer_as_one_process_in_batches_and_from_the_device_tier(en
 def test_fill_and_drain_answers_as_waves(engines: tuple[Engine, Engine]) -> None:
     one, two = engines
     assert isinstance(two.runner, PipelineRunner) and two.runner.num_microbatches == 2  # waves: one per stage
-    prompts = _prompts(7, 4, prefix_tokens=40)
-    ref = _run(one, prompts)
-    two.runner.num_microbatches = 1  # engine.pipeline_schedule: fill-drain
     try:
-        _assert_equal(_run(two, prompts), ref)
+        # 1: engine.pipeline_schedule fill-drain; 3: followers in the lead's micro-batch and in later ones
+        for seed, microbatches in ((7, 1), (8, 3)):
+            two.runner.num_microbatches = microbatches
+            first = _prompts(seed, 6, prefix_tokens=40)
+            _assert_equal(_run(two, first), _run(one, first))
+            # New posts on the now cached prefix: its 8-token uncached tail is shared with the lead.
+            g = torch.Generator().manual_seed(seed)
+            again = [torch.cat([p[:40], torch.randint(0, 1300, (25,), generator=g)]) for p in first]
+            got, ref = _run(two, again), _run(one, again)
+            assert all(r.split.num_device_hit_tokens == 32 for r in ref) and max(r.num_shared_tokens for r in ref) == 8
+            _assert_equal(got, ref)
     finally:
         two.runner.num_microbatches = 2
 

@@ -131,7 +131,10 @@ class Stage:
         prefixes: dict[tuple[object, ...], Sequence[LayerKV]] = {}
         items = []
         for plan in plans:
-            key: tuple[object, ...] = (plan.prefix_blocks, plan.reads_stash, plan.num_shared)
+            # One prefix object per prefix (a follower and its lead in this micro-batch must share it),
+            # and per stash and shared length for followers whose lead ran before.
+            key: tuple[object, ...] = (plan.prefix_blocks, plan.reads_stash,
+                                       plan.num_shared if plan.reads_stash is not None else 0)  # fmt: skip
             if key not in prefixes and (plan.prefix_blocks or plan.reads_stash is not None):
                 pool = PrefixKV(self.pool, list(plan.prefix_blocks), self.model.args.num_layers)
                 prefixes[key] = pool if plan.reads_stash is None else _StashedPrefix(
