@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from tiered.adapters import Adapters, UnknownAdapterError
+from tiered.batches import Launched, batch_results, expire, load_adapters
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention.select import choose_kernel
@@ -91,6 +93,10 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self.pieces = Pieces(self)
         self.num_cancelled = 0
+        self._in_flight: deque[Launched] = deque()  # batches in the runner, oldest first
+        self._collected: list[Result] = []  # answers not yet returned by step()
+        self._picked: list[Decision] = []  # the step's batch until it is sent (or answered, in step)
+        self._last_done = 0.0  # perf_counter when the runner's last batch ended
         sc = config.scheduler
         log.info("engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s, pieces %s",
                  folder.name, device, self.precision.compute, kernel, sc.policy, sc.fairness, sc.prefetch, sc.pieces)
@@ -179,76 +185,86 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued (not yet in a forward)."""
         return len(self.scheduler)
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests not yet answered: queued, or in a batch in the runner (a pipeline holds up to
+        `engine.pipeline_batches_in_flight`); `step()` until it is 0 answers them all."""
+        return len(self.scheduler) + sum(len(launched.batch) for launched in self._in_flight)
+
     def step(self) -> list[Result]:
-        """Run the next batch (one forward); its results, or [] when nothing waits or the step
-        computed a piece of a request that yields (it waits again, its finished KV parked)."""
+        """Run the next batch (one forward); the results it produced: those of the batch, or, with
+        batches in flight (a pipeline), of the oldest one; [] when nothing waits or the step computed
+        a piece of a request that yields (it waits again, its finished KV parked)."""
+        try:
+            self._step()
+        except ForwardUnavailable as exc:  # a pipeline stage died or hung (restarted): its batches fail, 503
+            self._collected += self._unavailable(str(exc))
+        done, self._collected = self._collected, []
+        return done
+
+    def _step(self) -> None:
         sc = self.config.scheduler
-        expired = self._expire() if sc.drop_expired else []
+        if sc.drop_expired:
+            self._collected += expire(self.scheduler, self._drop)
         batch = self.scheduler.pick_batch(sc.max_batch_tokens, self.max_model_len, self.config.lora.max_loras)
-        if not batch:
-            return expired
         piece = self.pieces.decide(batch[0]) if len(batch) == 1 else None
         if piece is not None and piece.take is not None:  # yield before starting: the most urgent first
             self.scheduler.requeue(batch[0].waiting)
             batch = [self.scheduler.take(piece.take)]
             piece = None
-        if sc.prefetch:
+        if batch and sc.prefetch:
             nxt = self.scheduler.peek()
             if nxt is not None and nxt.split.num_host_hit_tokens > 0 and not self._batch_makes(batch, nxt):
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
-        failed = expired + self._load_adapters(batch, started)
-        if failed:
-            gone = {r.request_id for r in failed}
-            batch = [d for d in batch if d.waiting.request_id not in gone]
-            if not batch:
-                return failed
-        try:
-            if piece is not None and piece.num_tokens is not None:
-                return failed + self.pieces.run(batch[0], piece.num_tokens, started)
-            if len(batch) == 1:
-                return failed + self.run_alone(batch[0], started)
+        failed = load_adapters(self.adapters, batch, started)
+        self._collected += failed
+        gone = {r.request_id for r in failed}
+        self._picked = batch = [d for d in batch if d.waiting.request_id not in gone]
+        if batch and piece is None and self.runner.max_in_flight > 1:
+            self._in_flight.append(self._launch(batch, started))  # into the pipe, then answer the oldest
+            self._picked = []
+            return self._collect(self.runner.max_in_flight - 1)
+        self._collect(0)  # a piece parks KV the next pick must see: the pipe empties first
+        if not batch:
+            return
+        if piece is not None and piece.num_tokens is not None:
+            self._collected += self.pieces.run(batch[0], piece.num_tokens, started)
+        elif len(batch) == 1:
+            self._collected += self.run_alone(batch[0], started)
+        else:
             try:
-                return failed + self._run_batch(batch, started)
+                self._collected += self._run_batch(batch, started)
             except BaseException as exc:
                 if not _out_of_memory(exc):
                     raise
                 self._release_memory()
                 log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
-                return failed + [r for d in batch for r in self.run_alone(d, started)]
-        except ForwardUnavailable as exc:  # a pipeline stage died (and was restarted): the batch fails, 503
-            for d in batch:
-                self.tiers.device_tier.unpin(d.waiting.parked)
-            return failed + [Result.failed(w.request_id, w.request.token_ids.numel(), str(exc), started - w.arrival,
-                                           unavailable=True) for d in batch if (w := d.waiting)]  # fmt: skip
+                self._collected += [r for d in batch for r in self.run_alone(d, started)]
+        self._picked = []
 
-    def _expire(self) -> list[Result]:
-        """`drop_expired`: fail the waiting requests whose deadline has passed."""
-        now = time.monotonic()
-        out = []
-        while (first := self.scheduler.by_deadline(limit=1)) and (deadline := first[0].deadline or now) < now:
-            self._drop((w := first[0]).request_id)
-            late = 1e3 * (now - deadline)
-            out.append(Result.failed(w.request_id, w.request.token_ids.numel(),
-                                     f"deadline exceeded: {late:.0f} ms past its latency objective while it waited "
-                                     "(scheduler.drop_expired)", now - w.arrival, expired=True))  # fmt: skip
-        return out
+    def _collect(self, keep: int) -> None:
+        """Answer the oldest batches in the runner until `keep` remain (into `_collected`)."""
+        while len(self._in_flight) > keep:
+            self._collected += self._complete(self._in_flight[0])
+            self._in_flight.popleft()
 
-    def _load_adapters(self, batch: list[Decision], started: float) -> list[Result]:
-        """Make the batch's adapters resident; fail (only) the requests whose adapter folder can no
-        longer be read as it was checked (changed or deleted since)."""
-        identities = [a for d in batch if (a := d.waiting.request.adapter) is not None]
-        if self.adapters is None or not identities:
-            return []
-        bad = self.adapters.load(identities)
-        for why in bad.values():
-            log.error("%s: its requests fail", why)
-        return [
-            Result.failed(w.request_id, w.request.token_ids.numel(), bad[a], started - w.arrival)
-            for d in batch if (a := (w := d.waiting).request.adapter) in bad
-        ]
+    def _unavailable(self, why: str) -> list[Result]:
+        """The runner lost every batch in it (ForwardUnavailable): each request of those and of the
+        batch picked but not sent fails with a 503; their pins go."""
+        lost, self._picked = self._picked, []
+        while self._in_flight:
+            launched = self._in_flight.popleft()
+            for p in launched.prepared:
+                self.tiers.abort(p)
+            lost += launched.batch
+        for d in lost:
+            self.tiers.device_tier.unpin(d.waiting.parked)
+        return [Result.failed(w.request_id, w.request.token_ids.numel(), why, time.monotonic() - w.arrival,
+                              unavailable=True) for d in lost if (w := d.waiting)]  # fmt: skip
 
     def _batch_makes(self, batch: list[Decision], nxt: Waiting) -> bool:
         """The next request's first host-resident block is one this batch loads or computes: it
@@ -279,19 +295,45 @@ class Engine:
     def _run_batch(self, batch: list[Decision], started: float, park: bool = False) -> list[Result]:
         """Prepare every request (pins, host loads), one forward over all, then finish each.
         `park`: the batch is a piece of a request that resumes later (its KV stays, see `prepare`)."""
+        launched = self._launch(batch, started, park)
+        try:
+            return self._complete(launched)
+        except BaseException:
+            for p in launched.prepared:
+                self.tiers.abort(p)
+            raise
+
+    def _launch(self, batch: list[Decision], started: float, park: bool = False) -> Launched:
+        """Prepare the batch's requests, plan it and hand it to the runner. With batches in flight
+        at once its retained blocks are indexed now: the next batch, planned before this one ends,
+        hits them (every stage computes batches in order, so they are written before they are read)."""
         prepared: list[Prepared] = []
         planned: set[int] = set()  # blocks an earlier request of the batch keeps or stores
         try:
             for d in batch:
                 prepared.append(self.tiers.prepare(d.waiting.request, self.scheduler.waiting_keys(), planned, park))
-            compute_start = time.perf_counter()
-            logits, shared = self.forward(prepared)
-            self.synchronize()
+            plans = plan_batch(prepared, self.tiers.block_tokens)
+            sent = time.perf_counter()
+            ticket = self.runner.submit(prepared, plans)
         except BaseException:
             for p in prepared:
                 self.tiers.abort(p)
             raise
-        compute = time.perf_counter() - compute_start
+        if self.runner.max_in_flight > 1:
+            for p in prepared:
+                self.tiers.commit(p)
+        return Launched(batch, prepared, [p.num_shared for p in plans], ticket, started, sent)
+
+    def _complete(self, launched: Launched) -> list[Result]:
+        """Wait for a launched batch's logits, release its blocks, learn its time and answer it.
+        Its compute time: from when it was sent or the batch before it ended, whichever is later
+        (with batches in flight, what this batch added to the runner's busy time)."""
+        logits = self.runner.collect(launched.ticket)
+        self.synchronize()
+        done = time.perf_counter()
+        compute = done - max(launched.sent, self._last_done)
+        self._last_done = done
+        batch, prepared, shared = launched.batch, launched.prepared, launched.shared
         for p in prepared:
             self.tiers.finish(p)
         for d in batch:  # a request that yielded: its own pins cover what it held
@@ -307,39 +349,8 @@ class Engine:
             for p, m in zip(prepared, shared, strict=True)
         ]
         load = sum(p.load_seconds for p in prepared)
-        store = sum(p.store_seconds for p in prepared)
         predicted = self.jct.observe(splits, load + compute)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        results = []
-        now = time.monotonic()
-        for i, (d, p) in enumerate(zip(batch, prepared, strict=True)):
-            w = d.waiting
-            par, arrival = w.params, w.arrival
-            top = []
-            if par.top_logprobs:
-                values, indices = torch.topk(logprobs[i], par.top_logprobs)
-                top = list(zip(indices.tolist(), values.tolist(), strict=True))
-            results.append(Result(
-                request_id=p.request.request_id,
-                num_tokens=p.request.token_ids.numel(),
-                split=p.split if w.first_split is None else w.first_split,  # hits before its first piece
-                token_id=par.choose(logits[i]),
-                logprobs={t: float(logprobs[i, t]) for t in par.logprob_token_ids},
-                top_logprobs=top,
-                queued_seconds=started - arrival,
-                prefetch_wait_seconds=p.prefetch_wait_seconds,
-                load_seconds=load,
-                compute_seconds=compute,
-                predicted_seconds=predicted,
-                decision_seconds=d.decision_seconds,
-                finished_at=now,
-                batch_size=len(batch),
-                num_shared_tokens=shared[i],
-                store_seconds=store,
-                num_pieces=w.num_pieces + 1,
-                deadline_met=None if w.deadline is None else now <= w.deadline,
-            ))  # fmt: skip
-        return results
+        return batch_results(launched, logits, load, compute, predicted)
 
     def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
         """One forward over the prepared requests, planned by `runner.plan_batch` (requests on one
@@ -366,7 +377,7 @@ class Engine:
     def run(self) -> list[Result]:
         """Run until nothing waits; results in completion order."""
         results = []
-        while self.num_waiting:
+        while self.num_unfinished:
             results += self.step()
         return results
 

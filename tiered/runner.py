@@ -90,7 +90,19 @@ def plan_batch(prepared: Sequence[Prepared], block_tokens: int) -> list[ItemPlan
 
 
 class Runner(Protocol):
-    """Computes a planned batch: each request's last-token logits [B, V] (fp32)."""
+    """Computes planned batches: each request's last-token logits [B, V] (fp32).
+
+    `submit` starts a batch and returns a ticket, `collect` waits for that batch's logits; tickets
+    are collected in the order they were submitted. Up to `max_in_flight` batches may be submitted
+    before the first is collected (a pipeline computes the next batch's first stages while the last
+    stages finish the one before); the engine plans a batch only from what the batches before it
+    will have left in the device tier. `forward` is submit then collect."""
+
+    max_in_flight: int
+
+    def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object: ...
+
+    def collect(self, ticket: object) -> Tensor: ...
 
     def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor: ...
 
@@ -101,8 +113,17 @@ class LocalRunner:
     """The whole model in this process, its KV read from and written to the tiers directly (the
     sinks also copy stored chunks into the host tier's memory)."""
 
+    max_in_flight = 1  # the forward runs in submit(), in the engine's thread
+
     def __init__(self, model: CausalLM, tiers: KVTiers, adapters: Adapters | None, config: ForwardConfig) -> None:
         self.model, self.tiers, self.adapters, self.config = model, tiers, adapters, config
+
+    def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object:
+        return self.forward(prepared, plans)
+
+    def collect(self, ticket: object) -> Tensor:
+        assert isinstance(ticket, Tensor)
+        return ticket
 
     def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
         prefixes: dict[tuple[int, ...], PrefixKV | None] = {}

@@ -19,7 +19,8 @@ def test_system_names_set_the_pipeline_keys_and_bad_ones_are_named() -> None:
         "engine.pipeline_stages=4", "engine.threads_per_stage=2", "engine.pipeline_schedule=waves",
         "engine.pipeline_microbatches=8",
     ]  # fmt: skip
-    for bad in ("2x", "waves-2", "2x1-waves", "2x1-fill"):
+    assert system_overrides("2x1-waves-4-flight1")[-1] == "engine.pipeline_batches_in_flight=1"
+    for bad in ("2x", "waves-2", "2x1-waves", "2x1-fill", "2x1-waves-2-flight"):
         with pytest.raises(BenchError, match=bad):
             system_overrides(bad)
 

@@ -69,7 +69,7 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
             poller.register(requests, zmq.POLLIN)
             reported = 0.0  # when EngineStats were last sent
             while True:
-                busy = engine.num_waiting > 0
+                busy = engine.num_unfinished > 0
                 if dict(poller.poll(0 if busy else 100)):
                     while True:
                         try:
@@ -84,7 +84,7 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
                 now = time.monotonic()
                 # Statistics a few times a second while busy, and once when the queue empties; before
                 # the answers, so a client that reads /metrics after its answer sees them.
-                if (results and (now - reported >= STATS_INTERVAL_S or engine.num_waiting == 0)) or (
+                if (results and (now - reported >= STATS_INTERVAL_S or engine.num_unfinished == 0)) or (
                     not busy and now - reported >= 10 * STATS_INTERVAL_S
                 ):
                     responses.send(encode(_stats(engine)))

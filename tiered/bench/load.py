@@ -97,7 +97,7 @@ def run_engine(
     i = 0
     start = time.monotonic()
     try:
-        while i < len(trace) or engine.num_waiting:
+        while i < len(trace) or engine.num_unfinished:
             now = time.monotonic() - start
             while i < len(trace) and arrivals[i] <= now:
                 r = trace.requests[i]

@@ -3,10 +3,11 @@
 The same visits (Zipf users, each visit a profile + `posts` posts, every prompt queued at once:
 saturation) through one engine after another, in this process: `1xN` (one process, N threads:
 the machine's cores) and `Sx1-<schedule>` (S stage processes of N / S threads each: `fill-drain`
-or `waves-M`, M micro-batches per batch). Per system: visits/s, computed tokens/s, each
-stage's bubble fraction (1 - its busy seconds / the coordinator's seconds in forwards) and the
-max |logprob - the first system's| over every prompt. Every engine runs with `cache.suffix:
-discard` (the host tier is not yet per stage) and the same device tier.
+or `waves-M[-flightK]`, M micro-batches per batch, K batches in the pipe at once). Per system:
+visits/s, computed tokens/s, each stage's bubble fraction (1 - its busy seconds / the seconds
+the pipe held a batch) and the max |logprob - the first system's| over every prompt. Every
+engine runs with `cache.suffix: discard` (the host tier is not yet per stage) and the same
+device tier.
 """
 
 from __future__ import annotations
@@ -23,20 +24,22 @@ from tiered.cli_options import add_config_args
 
 log = logging.getLogger(__name__)
 
-SYSTEM = re.compile(r"^(?:1x(?P<threads>\d+)|(?P<stages>\d+)x(?P<per>\d+)-(?:(?P<fd>fill-drain)|waves-(?P<m>\d+)))$")
+SYSTEM = re.compile(r"^(?:1x(?P<threads>\d+)|(?P<stages>\d+)x(?P<per>\d+)-(?:(?P<fd>fill-drain)|waves-(?P<m>\d+)"
+                    r"(?:-flight(?P<k>\d+))?))$")
 
 
 def system_overrides(name: str) -> list[str]:
     """The config keys a system name sets (BenchError naming it when it is not of a known form)."""
     m = SYSTEM.match(name)
     if m is None:
-        raise BenchError(f"--systems: '{name}' is not 1xN, SxN-fill-drain or SxN-waves-M")
+        raise BenchError(f"--systems: '{name}' is not 1xN, SxN-fill-drain or SxN-waves-M[-flightK]")
     if m["threads"]:
         return ["engine.pipeline_stages=1", f"engine.threads={m['threads']}"]
     out = [f"engine.pipeline_stages={m['stages']}", f"engine.threads_per_stage={m['per']}"]
     if m["fd"]:
         return [*out, "engine.pipeline_schedule=fill-drain"]
-    return [*out, "engine.pipeline_schedule=waves", f"engine.pipeline_microbatches={m['m']}"]
+    out += ["engine.pipeline_schedule=waves", f"engine.pipeline_microbatches={m['m']}"]
+    return [*out, f"engine.pipeline_batches_in_flight={m['k']}"] if m["k"] else out
 
 
 def _config_path(args: argparse.Namespace) -> Any:
@@ -123,8 +126,11 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     cores = len(os.sched_getaffinity(0))
     half = max(1, cores // 2)
     p.add_argument("--systems", type=lambda s: s.split(","),
-                   default=[f"1x{cores}", f"2x{half}-fill-drain", f"2x{half}-waves-2", f"2x{half}-waves-8"],
-                   help="comma-separated: 1xN, SxN-fill-drain, SxN-waves-M (the first is the reference)")  # fmt: skip
+                   default=[f"1x{cores}", f"2x{half}-fill-drain", f"2x{half}-waves-8-flight1", f"2x{half}-waves-2",
+                            f"2x{half}-waves-8"],
+                   help="comma-separated: 1xN, SxN-fill-drain, SxN-waves-M[-flightK] (M micro-batches per batch, "
+                        "K batches in the pipe at once: default engine.pipeline_batches_in_flight); the first is "
+                        "the reference")  # fmt: skip
     p.add_argument("--users", type=int, default=8, help="distinct users (profiles)")
     p.add_argument("--visits", type=int, default=12, help="visits, all queued at once")
     p.add_argument("--posts", type=int, default=8, help="prompts per visit")

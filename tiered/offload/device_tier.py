@@ -211,6 +211,26 @@ class DeviceTier:
             while self._evict_one():
                 pass
 
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Take cached blocks out of the index, keeping their pins (their contents were never
+        written: a batch indexed before its forward ended, then failed); freed on their last unpin."""
+        keys = []
+        with self._lock:
+            for b in block_ids:
+                block = self._blocks.pop(b, None)
+                if block is None:
+                    continue
+                del self._index[block.key]
+                self._lru.pop(b, None)
+                keys.append(block.key)
+                if block.ref_count:
+                    self._pins[b] = block.ref_count
+                else:
+                    self._free.append(b)
+        if self.on_change is not None:
+            for key in keys:
+                self.on_change(key)
+
     def forget(self) -> None:
         """The pool's contents are lost (a pipeline stage process died): no key hits any more. Unpinned
         blocks are freed; pinned ones stay allocated, uncached, until their last pin goes."""

@@ -87,6 +87,7 @@ class Prepared:
     stored_blocks: list[int] = field(default_factory=list)  # block indices of store.keys
     store_allocate_seconds: float = 0.0  # LMCache memory for the stored chunks
     store_copy_seconds: float = 0.0  # the sink's copies into it
+    committed: bool = False  # retained blocks indexed before the forward ended (`KVTiers.commit`)
 
     @property
     def store_seconds(self) -> float:

@@ -250,13 +250,22 @@ class KVTiers:
 
         return sink
 
-    def finish(self, prepared: Prepared) -> None:
-        """Index retained blocks, release pins, and queue computed chunks for the host tier."""
+    def commit(self, prepared: Prepared) -> None:
+        """Index the retained blocks (they stay pinned): hits for requests planned from now on. Before
+        the forward ends only where every reader runs after the writer (a pipeline's stages take
+        batches in order); `finish` does it otherwise."""
+        if prepared.committed:
+            return
         req, bt = prepared.request, self.block_tokens
         first = prepared.first_retained_block
         for i, b in enumerate(prepared.retained_blocks):
             j = first + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
+        prepared.committed = True
+
+    def finish(self, prepared: Prepared) -> None:
+        """Index retained blocks (if not yet), release pins, and queue computed chunks for the host tier."""
+        self.commit(prepared)
         self.device_tier.unpin(prepared.prefix_blocks + prepared.retained_blocks)
         store = prepared.store
         if store is not None and self.host_tier is not None:
@@ -295,6 +304,8 @@ class KVTiers:
 
     def abort(self, prepared: Prepared) -> None:
         """Release a prepared request that did not run (nothing retained or stored)."""
+        if prepared.committed:
+            self.device_tier.uncache(prepared.retained_blocks)
         self.device_tier.unpin(prepared.prefix_blocks + prepared.retained_blocks)
         if prepared.store is not None and self.host_tier is not None:
             self.host_tier.abort_store(prepared.store)

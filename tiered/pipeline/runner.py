@@ -49,12 +49,15 @@ class PipelineRunner:
     engine's loop is its one caller. `device_tier` is the coordinator's index of the blocks every
     stage's pool holds: forgotten when the pipeline restarts."""
 
-    def __init__(self, specs: list[StageSpec], device_tier: DeviceTier, num_microbatches: int) -> None:
+    def __init__(self, specs: list[StageSpec], device_tier: DeviceTier, num_microbatches: int, max_in_flight: int = 1,
+                 timeout_s: float = 600.0) -> None:  # fmt: skip
         self._specs, self.device_tier, self.num_microbatches = specs, device_tier, num_microbatches
+        self.max_in_flight, self.timeout_s = max_in_flight, timeout_s
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self.num_restarts = 0
-        self.forward_seconds = 0.0  # wall time inside forward(), since the pipeline (re)started
+        self.forward_seconds = 0.0  # wall time with a batch in the pipe, since the pipeline (re)started
+        self._in_flight, self._busy_since = 0, 0.0
         self._start()
 
     @property
@@ -81,15 +84,16 @@ class PipelineRunner:
             message = self._receive(s, deadline=started + START_TIMEOUT_S)
             if not isinstance(message, StageReady):
                 self._stop(kill=True)
-                why = f"stage {message.stage}: {message.error}" if isinstance(message, StageFailed) else message
+                why = f"stage {message.stage}: {message.error}" if isinstance(message, StageFailed) else (
+                    f"stage {s} not ready in {START_TIMEOUT_S:.0f} s" if message is None else message)
                 raise PipelineStartError(f"the pipeline did not start: {why} (its log says more)")
         log.info("pipeline: %d stages (layers %s) ready in %.1f s, %d threads each", len(self._specs),
                  ", ".join(f"{sp.layers.start}-{sp.layers.stop - 1}" for sp in self._specs),
                  time.monotonic() - started, self._specs[0].threads)  # fmt: skip
 
     def _receive(self, stage: int, deadline: float | None = None) -> object:
-        """Stage `stage`'s next message; a stage that fails or dies first: a StageFailed naming it.
-        Other stages' messages wait in their inbox (stages start in any order)."""
+        """Stage `stage`'s next message; a stage that fails or dies first: a StageFailed naming it;
+        None past `deadline`. Other stages' messages wait in their inbox (stages start in any order)."""
         if self._inbox[stage]:
             return self._inbox[stage].pop(0)
         watch: list[Connection | int] = [*self._conns, *(p.sentinel for p in self._procs)]
@@ -97,7 +101,7 @@ class PipelineRunner:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait(watch, timeout)
             if not ready:
-                return f"stage {stage}: no answer in {START_TIMEOUT_S:.0f} s"
+                return None
             for s, conn in enumerate(self._conns):
                 if conn in ready:
                     try:
@@ -113,30 +117,47 @@ class PipelineRunner:
                     proc.join(STOP_TIMEOUT_S)
                     return StageFailed(s, f"its process (pid {proc.pid}) exited with code {proc.exitcode}")
 
-    def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
-        """The batch's logits [B, V] (fp32); ForwardUnavailable if a stage failed (the pipeline
-        was restarted and the device tier forgotten)."""
+    def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object:
+        """Send the batch into the pipe (cut into micro-batches); its ticket for `collect`."""
         cut = cut_microbatches(plans, self.num_microbatches) if self.num_microbatches > 1 else [list(range(len(plans)))]
         message = Forward(microbatch_plans(plans, cut))
-        start = time.perf_counter()
+        if not self._in_flight:
+            self._busy_since = time.perf_counter()
         try:
             for conn in self._conns:
-                conn.send(message)
+                conn.send(message)  # a stage's reader thread takes it at once, even mid-forward
         except OSError as exc:
             self._fail(f"sending the batch failed ({exc})")
-        out = self._receive(len(self._conns) - 1)
+        self._in_flight += 1
+        return cut
+
+    def collect(self, ticket: object) -> Tensor:
+        """The logits [B, V] (fp32, batch order) of the oldest batch submitted; ForwardUnavailable if a
+        stage failed or gave no answer in `timeout_s` (the pipeline was restarted, every batch in the
+        pipe lost and the device tier forgotten)."""
+        assert isinstance(ticket, list) and self._in_flight
+        out = self._receive(len(self._conns) - 1, deadline=time.monotonic() + self.timeout_s)
+        if out is None:
+            self._fail(f"no answer in {self.timeout_s:g} s (engine.pipeline_timeout_s): a stage is stuck")
         if not isinstance(out, Tensor):
             self._fail(str(out.error) if isinstance(out, StageFailed) else str(out))
         assert isinstance(out, Tensor)
-        self.forward_seconds += time.perf_counter() - start
-        order = torch.tensor([i for indices in cut for i in indices])
+        self._in_flight -= 1
+        if not self._in_flight:
+            self.forward_seconds += time.perf_counter() - self._busy_since
+        order = torch.tensor([i for indices in ticket for i in indices])
         logits = torch.empty_like(out)
         logits[order] = out
         return logits
 
+    def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
+        return self.collect(self.submit(prepared, plans))
+
     def stats(self) -> list[StageStats]:
         """Each stage's busy seconds since the pipeline (re)started: 1 - busy / forward_seconds is
         its bubble fraction (time in a forward it spent waiting for its inputs or its successor)."""
+        if self._in_flight:
+            raise RuntimeError(f"{self._in_flight} batches in the pipe: collect them before asking for statistics")
         for conn in self._conns:
             conn.send(StatsRequest())
         out = [self._receive(s) for s in range(len(self._conns))]
@@ -145,10 +166,11 @@ class PipelineRunner:
         return out  # type: ignore[return-value]
 
     def _fail(self, why: str) -> None:
-        log.error("pipeline failed: %s; restarting it (its device-tier blocks are forgotten)", why)
+        log.error("pipeline failed: %s; restarting it (%d batches in the pipe lost, its device-tier blocks "
+                  "forgotten)", why, self._in_flight)  # fmt: skip
         self._stop(kill=True)
         self.device_tier.forget()
-        self.forward_seconds = 0.0
+        self.forward_seconds, self._in_flight = 0.0, 0
         self._start()
         self.num_restarts += 1
         raise ForwardUnavailable(f"a pipeline stage failed ({why}); the pipeline was restarted: retry the request")
@@ -173,7 +195,7 @@ class PipelineRunner:
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def close(self) -> None:
-        self._stop()
+        self._stop(kill=self._in_flight > 0)  # batches nobody will collect: do not wait for them
 
 
 def start_pipeline(config: Config, model_dir: Path, num_layers: int, precision: Precision, attention: str,
@@ -191,5 +213,7 @@ def start_pipeline(config: Config, model_dir: Path, num_layers: int, precision: 
                   config.forward.chunk_tokens)
         for s, layers in enumerate(stage_layers(num_layers, stages))
     ]  # fmt: skip
-    microbatches = 1 if e.pipeline_schedule == "fill-drain" else (e.pipeline_microbatches or stages)
-    return PipelineRunner(specs, device_tier, microbatches)
+    fill_drain = e.pipeline_schedule == "fill-drain"
+    microbatches = 1 if fill_drain else (e.pipeline_microbatches or stages)
+    in_flight = 1 if fill_drain else e.pipeline_batches_in_flight
+    return PipelineRunner(specs, device_tier, microbatches, in_flight, e.pipeline_timeout_s)

@@ -11,7 +11,9 @@ mid-batch leaves the others waiting on it).
 from __future__ import annotations
 
 import logging
+import queue
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -101,12 +103,16 @@ class Stage:
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
         self.busy_seconds, self.num_microbatches = 0.0, 0
         self._stash: dict[int, dict[int, LayerKV]] = {}  # lead's index in the batch -> layer -> its first rows
+        # Sends to the next stage not yet known complete, with the tensors they read: a stage goes
+        # on to the next micro-batch, or the next batch, without waiting for its successor.
+        self._sends: list[tuple[Tensor, dist.Work]] = []
 
     @torch.inference_mode()
     def forward(self, message: Forward) -> Tensor | None:
         """Every micro-batch through this stage's layers; the last stage returns the logits [B, V]."""
         s, a = self.spec, self.model.args
-        sends, logits = [], []
+        logits = []
+        self._sends = [(t, work) for t, work in self._sends if not work.is_completed()]
         for plans in message.microbatches:
             hidden = None
             if not self.first:
@@ -121,9 +127,7 @@ class Stage:
             if self.last:
                 logits.append(out)
             else:  # keep `out` alive until its send completes
-                sends.append((out, dist.isend(out, dst=s.stage + 1)))
-        for _, work in sends:
-            work.wait()  # type: ignore[union-attr]
+                self._sends.append((out, dist.isend(out, dst=s.stage + 1)))  # type: ignore[arg-type]
         self._stash.clear()
         return torch.cat(logits).cpu() if self.last else None
 
@@ -193,6 +197,24 @@ class _StashedPrefix(Sequence[LayerKV]):
         return torch.cat([pk, sk.to(pk.dtype)]), torch.cat([pv, sv.to(pv.dtype)])
 
 
+def _reader(conn: Connection) -> queue.Queue[object]:
+    """The coordinator's messages, read as they come by a thread of their own: the coordinator sends
+    the next batch while this stage computes, and a batch's plans can fill the pipe's buffer (a
+    blocked send on both ends would deadlock). None when the coordinator says stop or is gone."""
+    inbox: queue.Queue[object] = queue.Queue()
+
+    def read() -> None:
+        try:
+            while (message := conn.recv()) is not None:
+                inbox.put(message)
+        except (EOFError, OSError):  # the coordinator is gone
+            pass
+        inbox.put(None)
+
+    threading.Thread(target=read, name="stage-inbox", daemon=True).start()
+    return inbox
+
+
 def run_stage(spec: StageSpec, conn: Connection) -> None:
     """A stage process's main: join the group, load, then forward until told to stop (None)."""
     logs.setup()
@@ -205,13 +227,12 @@ def run_stage(spec: StageSpec, conn: Connection) -> None:
                                 world_size=spec.num_stages)  # fmt: skip
         stage = Stage(spec)
         conn.send(StageReady(spec.stage))
-        while (message := conn.recv()) is not None:
+        inbox = _reader(conn)
+        while (message := inbox.get()) is not None:
             if isinstance(message, StatsRequest):
                 conn.send(StageStats(spec.stage, stage.busy_seconds, stage.num_microbatches))
-            elif (out := stage.forward(message)) is not None:
+            elif isinstance(message, Forward) and (out := stage.forward(message)) is not None:
                 conn.send(out)
-    except EOFError:  # the coordinator is gone
-        pass
     except BaseException as exc:
         log.error("stage %d failed: %s", spec.stage, traceback.format_exc())
         try:
