@@ -82,6 +82,10 @@ class Adapters:
             raise UnknownAdapterError(f"The model `{name}` does not exist.")
         return spec
 
+    def spec_of(self, identity: str) -> AdapterSpec:
+        """The adapter folder with this identity (every adapter ever added: waiting requests use them)."""
+        return self._by_identity[identity]
+
     @property
     def names(self) -> list[str]:
         return list(self._by_name)

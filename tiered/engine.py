@@ -89,7 +89,7 @@ class Engine:
         self.jct = jct_model or profile_jct(self)  # with stages: of the whole model in this process
         if stages > 1:
             self.runner = start_pipeline(config, folder, a.num_layers, self.precision, kernel, device,
-                                         self.tiers.device_tier)  # fmt: skip
+                                         self.tiers.device_tier, self.adapters)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self.pieces = Pieces(self)
         self.num_cancelled = 0

@@ -30,11 +30,16 @@ def _cfg(tiny_dir: Path, jct_dir: Path, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
-    """(one process, two stages), sharing a JCT profile; the pipeline is started once for the module."""
+def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+            adapter_dirs: dict[tuple[str, str], Path]) -> Iterator[tuple[Engine, Engine]]:  # fmt: skip
+    """(one process, two stages), sharing a JCT profile, serving two LoRA adapters; the pipeline is
+    started once for the module."""
     jct = tmp_path_factory.mktemp("jct")
-    one = Engine(_cfg(tiny_dir, jct))
-    two = Engine(_cfg(tiny_dir, jct, "engine.pipeline_stages=2", "engine.threads_per_stage=1"), jct_model=one.jct)
+    lora = ["lora.enabled=true", "lora.max_loras=2", *(f"lora.modules.{name}={adapter_dirs[('tiny', name)]}"
+                                                       for name in ("small", "wide"))]  # fmt: skip
+    one = Engine(_cfg(tiny_dir, jct, *lora))
+    two = Engine(_cfg(tiny_dir, jct, *lora, "engine.pipeline_stages=2", "engine.threads_per_stage=1"),
+                 jct_model=one.jct)  # fmt: skip
     yield one, two
     two.close()
     one.close()
@@ -46,9 +51,9 @@ def _prompts(seed: int, num: int, prefix_tokens: int = 300) -> list[torch.Tensor
     return [torch.cat([prefix, torch.randint(0, 1300, (20 + 7 * i,), generator=g)]) for i in range(num)]
 
 
-def _run(engine: Engine, prompts: list[torch.Tensor]) -> list[Result]:
+def _run(engine: Engine, prompts: list[torch.Tensor], adapters: list[str | None] | None = None) -> list[Result]:
     """Results in prompt order, each request answered exactly once."""
-    ids = [engine.submit(p, PARAMS) for p in prompts]
+    ids = [engine.submit(p, PARAMS, adapter=a) for p, a in zip(prompts, adapters or [None] * len(prompts), strict=True)]
     results = engine.run()
     assert sorted(r.request_id for r in results) == sorted(ids)
     by_id = {r.request_id: r for r in results}
@@ -116,13 +121,26 @@ def test_an_evicted_block_is_recomputed_on_every_stage(engines: tuple[Engine, En
     _assert_equal(got, ref)
 
 
+def test_lora_adapters_answer_as_one_process_in_mixed_batches(engines: tuple[Engine, Engine]) -> None:
+    """Requests of two adapters and of the base model on one prefix, in one batch: each stage applies
+    its layers' part of each adapter; an adapter's cached prefix is its own (hits again, same answers)."""
+    one, two = engines
+    prompts = _prompts(51, 6)
+    adapters = ["small", None, "wide", "small", "wide", None]
+    for _ in range(2):  # computed, then from each adapter's own cached prefix
+        got, ref = _run(two, prompts, adapters), _run(one, prompts, adapters)
+        _assert_equal(got, ref)
+    # An adapter's prefix read back from the stages' pools (the small device tier keeps one or two).
+    assert "small" in {a for r, a in zip(got, adapters, strict=True) if r.split.num_device_hit_tokens >= 288}
+    base = _run(two, prompts[:1])[0]
+    assert abs(base.logprobs[0] - got[0].logprobs[0]) > 1e-3  # "small" changes the answer (not the base model)
+
+
 def test_refused_configurations_name_the_key(tiny_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'engine.pipeline_stages': must be >= 1, got 0"):
         _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=0")
     with pytest.raises(ConfigError, match=r"'cache.suffix': 'offload' \(the host tier\) is not yet supported"):
         _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=2", "cache.suffix=offload")
-    with pytest.raises(ConfigError, match="'lora.enabled': LoRA adapters is not yet supported"):
-        _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=2", "lora.enabled=true")
     with pytest.raises(ConfigError, match="'engine.pipeline_stages': must be <= the model's 2 layers, got 3"):
         Engine(_cfg(tiny_dir, tmp_path, "engine.pipeline_stages=3"))
 

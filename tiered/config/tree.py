@@ -336,7 +336,6 @@ class Config:
         later = "is not yet supported with engine.pipeline_stages > 1"
         require(self.cache.suffix == "discard", "cache.suffix",
                 f"'offload' (the host tier) {later}: set cache.suffix: discard")  # fmt: skip
-        require(not self.lora.enabled, "lora.enabled", f"LoRA adapters {later}")
         require(self.engine.memory_budget_bytes == 0, "engine.memory_budget_bytes",
                 f"{later}: size the device tier with cache.device_tier_bytes")  # fmt: skip
         require(self.forward.mode != "chunked", "forward.mode", f"'chunked' {later} (use hybrid or vanilla)")

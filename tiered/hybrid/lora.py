@@ -225,9 +225,12 @@ def _read_adapter(
     return AdapterSpec(name, folder, rank, targets, identity, scales)
 
 
-def load_adapter(spec: AdapterSpec, num_layers: int, dtype: torch.dtype, device: str | torch.device) -> LoraWeights:
+def load_adapter(
+    spec: AdapterSpec, num_layers: int, dtype: torch.dtype, device: str | torch.device, first_layer: int = 0
+) -> LoraWeights:
     """Read a checked adapter's weights onto the device, in the model's dtype. Files that changed
-    since `read_adapter` checked them are refused (their identity, in cached KV keys, would lie)."""
+    since `read_adapter` checked them are refused (their identity, in cached KV keys, would lie).
+    A pipeline stage's part: layers `first_layer` .. `first_layer + num_layers - 1`, renumbered from 0."""
     try:
         weights_bytes = (spec.path / WEIGHTS_FILE).read_bytes()
         if _digest((spec.path / CONFIG_FILE).read_bytes(), weights_bytes) != spec.identity:
@@ -243,6 +246,8 @@ def load_adapter(spec: AdapterSpec, num_layers: int, dtype: torch.dtype, device:
     layers: list[dict[str, tuple[Tensor, Tensor, float]]] = [{} for _ in range(num_layers)]
     for where, ab in parts.items():
         layer, module = where.split(".")
+        if not 0 <= int(layer) - first_layer < num_layers:
+            continue
         a, b = (ab[x].to(device=device, dtype=dtype).contiguous() for x in "AB")
-        layers[int(layer)][module] = (a, b, spec.scales[where])
+        layers[int(layer) - first_layer][module] = (a, b, spec.scales[where])
     return LoraWeights(spec, layers)

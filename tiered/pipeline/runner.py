@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tiered.adapters import Adapters
 from tiered.config import Config, ConfigError
 from tiered.hybrid.precision import Precision
 from tiered.offload.device_tier import DeviceTier
@@ -50,8 +51,9 @@ class PipelineRunner:
     stage's pool holds: forgotten when the pipeline restarts."""
 
     def __init__(self, specs: list[StageSpec], device_tier: DeviceTier, num_microbatches: int, max_in_flight: int = 1,
-                 timeout_s: float = 600.0) -> None:  # fmt: skip
+                 timeout_s: float = 600.0, adapters: Adapters | None = None) -> None:  # fmt: skip
         self._specs, self.device_tier, self.num_microbatches = specs, device_tier, num_microbatches
+        self.adapters = adapters  # the engine's: which folder an adapter identity names
         self.max_in_flight, self.timeout_s = max_in_flight, timeout_s
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -120,7 +122,8 @@ class PipelineRunner:
     def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object:
         """Send the batch into the pipe (cut into micro-batches); its ticket for `collect`."""
         cut = cut_microbatches(plans, self.num_microbatches) if self.num_microbatches > 1 else [list(range(len(plans)))]
-        message = Forward(microbatch_plans(plans, cut))
+        adapters = {a: self.adapters.spec_of(a) for plan in plans if (a := plan.adapter) is not None and self.adapters}
+        message = Forward(microbatch_plans(plans, cut), adapters)
         if not self._in_flight:
             self._busy_since = time.perf_counter()
         try:
@@ -198,8 +201,8 @@ class PipelineRunner:
         self._stop(kill=self._in_flight > 0)  # batches nobody will collect: do not wait for them
 
 
-def start_pipeline(config: Config, model_dir: Path, num_layers: int, precision: Precision, attention: str,
-                   device: str, device_tier: DeviceTier) -> PipelineRunner:  # fmt: skip
+def start_pipeline(config: Config, model_dir: Path, num_layers: int, precision: Precision, attention: str, device: str,
+                   device_tier: DeviceTier, adapters: Adapters | None = None) -> PipelineRunner:  # fmt: skip
     """The engine's pipeline of `engine.pipeline_stages` stage processes (ConfigError: more stages than layers)."""
     e = config.engine
     stages = e.pipeline_stages
@@ -210,10 +213,10 @@ def start_pipeline(config: Config, model_dir: Path, num_layers: int, precision: 
     specs = [
         StageSpec(s, stages, layers, str(model_dir), precision.compute, precision.kv, _stage_device(device, s),
                   attention, config.cache.block_tokens, device_tier.num_blocks, threads, "", config.forward.mode,
-                  config.forward.chunk_tokens)
+                  config.forward.chunk_tokens, config.lora.max_loras)
         for s, layers in enumerate(stage_layers(num_layers, stages))
     ]  # fmt: skip
     fill_drain = e.pipeline_schedule == "fill-drain"
     microbatches = 1 if fill_drain else (e.pipeline_microbatches or stages)
     in_flight = 1 if fill_drain else e.pipeline_batches_in_flight
-    return PipelineRunner(specs, device_tier, microbatches, in_flight, e.pipeline_timeout_s)
+    return PipelineRunner(specs, device_tier, microbatches, in_flight, e.pipeline_timeout_s, adapters)

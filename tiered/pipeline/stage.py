@@ -16,8 +16,9 @@ import signal
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
@@ -28,6 +29,7 @@ from tiered import logs
 from tiered.config import ForwardMode
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
+from tiered.hybrid.lora import AdapterSpec, LoraWeights, load_adapter
 from tiered.hybrid.model import use_attention
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.request import PrefixKV
@@ -54,6 +56,7 @@ class StageSpec:
     init_method: str  # torch.distributed rendezvous (file://... on this machine)
     mode: ForwardMode
     chunk_tokens: int
+    max_loras: int = 1  # LoRA adapters kept resident (lora.max_loras)
 
     @property
     def backend(self) -> str:
@@ -63,9 +66,11 @@ class StageSpec:
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """One batch, cut into micro-batches that follow one another through the stages."""
+    """One batch, cut into micro-batches that follow one another through the stages, and the
+    LoRA adapters its requests use (identity -> the checked folder; a stage reads its layers' part)."""
 
     microbatches: list[list[ItemPlan]]
+    adapters: dict[str, AdapterSpec] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,7 @@ class Stage:
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
         self.busy_seconds, self.num_microbatches = 0.0, 0
         self._stash: dict[int, dict[int, LayerKV]] = {}  # lead's index in the batch -> layer -> its first rows
+        self._adapters: OrderedDict[str, LoraWeights] = OrderedDict()  # by identity, least recent first
         # Sends to the next stage not yet known complete, with the tensors they read: a stage goes
         # on to the next micro-batch, or the next batch, without waiting for its successor.
         self._sends: list[tuple[Tensor, dist.Work]] = []
@@ -111,6 +117,7 @@ class Stage:
     def forward(self, message: Forward) -> Tensor | None:
         """Every micro-batch through this stage's layers; the last stage returns the logits [B, V]."""
         s, a = self.spec, self.model.args
+        self._load_adapters(message.adapters)
         logits = []
         self._sends = [(t, work) for t, work in self._sends if not work.is_completed()]
         for plans in message.microbatches:
@@ -131,6 +138,22 @@ class Stage:
         self._stash.clear()
         return torch.cat(logits).cpu() if self.last else None
 
+    def _load_adapters(self, specs: dict[str, AdapterSpec]) -> None:
+        """Make the batch's adapters resident (this stage's layers of them), least recent out past
+        `max_loras`. The coordinator read each folder just before; one changed since fails the stage."""
+        for identity, spec in specs.items():
+            if identity in self._adapters:
+                self._adapters.move_to_end(identity)
+                continue
+            s = self.spec
+            self._adapters[identity] = load_adapter(spec, len(s.layers), DTYPES[s.compute_dtype], s.device,
+                                                    first_layer=s.layers.start)  # fmt: skip
+        for identity in list(self._adapters):
+            if len(self._adapters) <= max(self.spec.max_loras, len(specs)):
+                break
+            if identity not in specs:
+                del self._adapters[identity]
+
     def _items(self, plans: list[ItemPlan]) -> list[BatchItem]:
         prefixes: dict[tuple[object, ...], Sequence[LayerKV]] = {}
         items = []
@@ -144,8 +167,9 @@ class Stage:
                 prefixes[key] = pool if plan.reads_stash is None else _StashedPrefix(
                     pool, self._stash[plan.reads_stash], plan.num_shared)
             shared = plan.num_shared if plan.lead is not None else 0  # else read from the stash, or none
+            adapter = self._adapters[plan.adapter] if plan.adapter is not None else None
             items.append(BatchItem(plan.token_ids, prefixes.get(key), self._sink(plan), lead=plan.lead,
-                                   num_shared=shared))  # fmt: skip
+                                   num_shared=shared, adapter=adapter))  # fmt: skip
         return items
 
     def _sink(self, plan: ItemPlan) -> KVSink | None:
