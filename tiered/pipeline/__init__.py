@@ -27,19 +27,30 @@ travels, it comes with torch (no new dependency), and the same code runs on NCCL
 between GPUs. Ray's channels (compiled graphs) would do the same, but they bring Ray into every
 engine (today only `tiered serve --replicas` uses it) and a second scheduler of processes.
 Control messages and logits go over multiprocessing Pipes: small, and a Pipe's end tells the
-coordinator when a stage process dies. The JCT model is profiled on the whole model in the
+coordinator when a stage process dies.
+
+Start-up and memory. Each stage loads its layers and reports what it holds (`StageLoaded`); with
+`engine.memory_budget_bytes`, each stage's budget, it also runs a profile forward of
+max_model_len tokens through its layers (from token ids on stage 0, from a residual stream on
+later stages) and reports its peak, weights included. The coordinator then decides one number of
+blocks for every pool, as block ids are shared: the fewest any stage has room for, (budget - its
+peak) // its bytes per block; a stage whose peak reaches the budget fails the start, named with
+its layers and bytes. Without a budget the pools split `cache.device_tier_bytes` by their
+layers. Each stage then allocates its pool (`AllocatePool`, answered by `StageReady`) and the
+coordinator builds its index of that many blocks. So a model whose weights exceed one budget
+serves on stages that each hold a part. The JCT model is profiled on the whole model in the
 coordinator (which loads it once for that): a proxy of a batch's time through the stages.
 
 Failure. A stage that dies (or raises) fails the batch in flight: the coordinator kills the
 others, starts a new pipeline, forgets the device tier's contents (the pools are gone) and raises
 `runner.ForwardUnavailable`, which the engine turns into a 503 for each request of the batch.
 
-Not yet: the host tier (LMCache) per stage, LoRA adapters, a per-stage memory budget (the config
-refuses them with S > 1), and micro-batches of different batches in flight at once (the engine
-decides a batch from the tiers that the batch before it left).
+Not yet: the host tier (LMCache) per stage and LoRA adapters (the config refuses them with
+S > 1), and micro-batches of different batches in flight at once (the engine decides a batch
+from the tiers that the batch before it left).
 """
 
-from tiered.pipeline.runner import PipelineRunner, start_pipeline
+from tiered.pipeline.runner import PipelineRunner, PipelineStartError, start_pipeline
 from tiered.pipeline.split import cut_microbatches, stage_layers
 
-__all__ = ["PipelineRunner", "cut_microbatches", "stage_layers", "start_pipeline"]
+__all__ = ["PipelineRunner", "PipelineStartError", "cut_microbatches", "stage_layers", "start_pipeline"]
