@@ -26,7 +26,7 @@ from tiered.config import Config
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention.select import choose_kernel
 from tiered.hybrid.forward import ForwardInputError
-from tiered.hybrid.loader import DTYPES, load_model, model_identity, resolve_device
+from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
 from tiered.hybrid.model import use_attention
 from tiered.hybrid.precision import precision_for
@@ -67,7 +67,9 @@ class Engine:
         self.model_dir = folder
         self.precision = precision_for(config.model.dtype, config.cache.kv_dtype, folder, device)
         log.info("precision: %s", self.precision.describe())
-        self.model = load_model(folder, self.precision.compute, device)
+        # With stages the coordinator keeps the model's args and structure, not its weights: the
+        # stage processes hold those (the kernel choice needs only the shapes).
+        self.model = load_model(folder, self.precision.compute, device) if stages == 1 else model_on_meta(folder)
         self.max_model_len = config.model.max_model_len
         a = self.model.args
         kernel = choose_kernel(config.attention.kernel, a.num_heads, a.num_kv_heads, a.head_dim,
@@ -89,7 +91,7 @@ class Engine:
         self.adapters = Adapters(lora, a, compute, device) if lora.enabled else None
         self.runner: Runner = pipeline or LocalRunner(self.model, self.tiers, self.adapters, config.forward)
         try:
-            self.jct = jct_model or profile_jct(self)  # with stages: of the whole model in this process
+            self.jct = jct_model or profile_jct(self)  # with stages: through them
         except BaseException:
             self.runner.close()  # no engine to close the stages later
             raise

@@ -176,9 +176,10 @@ def test_a_model_over_one_budget_serves_on_two_stages_as_one_process(tiny_dir: P
         Engine(_budget_cfg(tiny_dir, tmp_path, budget))
     with Engine(_budget_cfg(tiny_dir, tmp_path)) as one, Engine(
         _budget_cfg(tiny_dir, tmp_path, budget, "engine.pipeline_stages=2", "engine.threads_per_stage=1")
-    ) as two:
+    ) as two:  # `two` profiles its JCT model through its stages
         runner = two.runner
         assert isinstance(runner, PipelineRunner)
+        assert all(p.is_meta for p in two.model.parameters())  # the coordinator holds no weights
         # Each stage measured its own part: together, the whole model's weights.
         assert sum(st.weights_bytes for st in runner.loaded) == weights_bytes(one.model) > BUDGET
         assert all(st.weights_bytes < st.peak_bytes < BUDGET for st in runner.loaded)

@@ -29,17 +29,19 @@ engine (today only `tiered serve --replicas` uses it) and a second scheduler of 
 Control messages and logits go over multiprocessing Pipes: small, and a Pipe's end tells the
 coordinator when a stage process dies.
 
-Start-up and memory. Each stage loads its layers and reports what it holds (`StageLoaded`); with
-`engine.memory_budget_bytes`, each stage's budget, it also runs a profile forward of
-max_model_len tokens through its layers (from token ids on stage 0, from a residual stream on
-later stages) and reports its peak, weights included. The coordinator then decides one number of
-blocks for every pool, as block ids are shared: the fewest any stage has room for, (budget - its
-peak) // its bytes per block; a stage whose peak reaches the budget fails the start, named with
-its layers and bytes. Without a budget the pools split `cache.device_tier_bytes` by their
-layers. Each stage then allocates its pool (`AllocatePool`, answered by `StageReady`) and the
-coordinator builds its index of that many blocks. So a model whose weights exceed one budget
-serves on stages that each hold a part. The JCT model is profiled on the whole model in the
-coordinator (which loads it once for that): a proxy of a batch's time through the stages.
+Start-up and memory. The coordinator holds no weights: it reads the model's args and builds its
+modules on the meta device (the attention kernel's choice needs only the shapes). Each stage
+loads its layers and reports what it holds (`StageLoaded`); with `engine.memory_budget_bytes`,
+each stage's budget, it also runs a profile forward of max_model_len tokens through its layers
+(from token ids on stage 0, from a residual stream on later stages) and reports its peak,
+weights included. The coordinator then decides one number of blocks for every pool, as block ids
+are shared: the fewest any stage has room for, (budget - its peak) // its bytes per block; a
+stage whose peak reaches the budget fails the start, named with its layers and bytes. Without a
+budget the pools split `cache.device_tier_bytes` by their layers. Each stage then allocates its
+pool (`AllocatePool`, answered by `StageReady`) and the coordinator builds its index of that
+many blocks. So a model whose weights exceed one budget serves on stages that each hold a part.
+The JCT model is profiled through the stages (`engine.forward`: the time a batch takes end to
+end), after the pipeline has started.
 
 Failure. A stage that dies (or raises) fails the batch in flight: the coordinator kills the
 others, starts a new pipeline, forgets the device tier's contents (the pools are gone) and raises
