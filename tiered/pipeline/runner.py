@@ -70,8 +70,8 @@ def pool_blocks(specs: Sequence[StageSpec], loaded: Sequence[StageLoaded], budge
     if not budget_bytes:
         return device_tier_bytes // sum(st.bytes_per_block for st in loaded)
     over = [
-        f"stage {sp.stage} (layers {sp.layers.start}-{sp.layers.stop - 1}): weights {st.weights_bytes} + one "
-        f"{sp.profile_tokens}-token forward's peak at {st.peak_bytes} bytes, {st.peak_bytes - budget_bytes} "
+        f"stage {sp.stage} (layers {sp.layers.start}-{sp.layers.stop - 1}): weights {st.weights_bytes} bytes, with "
+        f"one {sp.profile_tokens}-token forward {st.peak_bytes} bytes at the peak, {st.peak_bytes - budget_bytes} "
         "bytes over"
         for sp, st in zip(specs, loaded, strict=True) if st.peak_bytes >= budget_bytes
     ]  # fmt: skip
