@@ -183,7 +183,7 @@ def test_a_model_over_one_budget_serves_on_two_stages_as_one_process(tiny_dir: P
         assert all(p.is_meta for p in two.model.parameters())  # the coordinator holds no weights
         # Each stage measured its own part: together, the whole model's weights.
         assert sum(st.weights_bytes for st in runner.loaded) == weights_bytes(one.model) > BUDGET
-        assert all(st.weights_bytes < st.peak_bytes < BUDGET for st in runner.loaded)
+        assert all(st.weights_bytes <= st.peak_bytes < BUDGET for st in runner.loaded)  # 0: no profile run
         blocks = min((BUDGET - st.peak_bytes) // st.bytes_per_block for st in runner.loaded)
         assert blocks > 0 and two.tiers.device_tier.num_blocks == blocks
         for st, ready in zip(runner.loaded, runner.ready, strict=True):  # every pool: those blocks, within budget
