@@ -28,14 +28,14 @@ from tiered.config import Config
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention.select import choose_kernel
 from tiered.hybrid.forward import ForwardInputError
-from tiered.hybrid.loader import DTYPES, load_model, model_identity, resolve_device
+from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, resolve_device
 from tiered.hybrid.memory import measure_forward_peak
 from tiered.hybrid.model import use_attention
 from tiered.hybrid.precision import precision_for
 from tiered.offload.request import Prepared
 from tiered.offload.tiers import KVTiers
 from tiered.pieces import Pieces
-from tiered.pipeline import start_pipeline
+from tiered.pipeline import PipelineStartError, start_pipeline
 from tiered.profile import profile_jct
 from tiered.runner import ForwardUnavailable, LocalRunner, Runner, plan_batch
 from tiered.scheduler.jct import JCTModel
@@ -69,7 +69,9 @@ class Engine:
         self.model_dir = folder
         self.precision = precision_for(config.model.dtype, config.cache.kv_dtype, folder, device)
         log.info("precision: %s", self.precision.describe())
-        self.model = load_model(folder, self.precision.compute, device)
+        # With stages the coordinator keeps the model's args and structure, not its weights: the
+        # stage processes hold those (the kernel choice needs only the shapes).
+        self.model = load_model(folder, self.precision.compute, device) if stages == 1 else model_on_meta(folder)
         self.max_model_len = config.model.max_model_len
         a = self.model.args
         kernel = choose_kernel(config.attention.kernel, a.num_heads, a.num_kv_heads, a.head_dim,
@@ -77,19 +79,25 @@ class Engine:
                                self.max_model_len, config.attention.vllm_library)  # fmt: skip
         use_attention(self.model, kernel)
         cache = config.cache
-        if config.engine.memory_budget_bytes:
+        if config.engine.memory_budget_bytes and stages == 1:  # with stages, each stage measures its own
             cache = replace(cache, device_tier_bytes=self._split_memory(config.engine.memory_budget_bytes))
         self.model_identity = model_identity(folder, self.precision.identity, cache.block_tokens)
-        self.tiers = KVTiers(cache, self.model.args, DTYPES[self.precision.kv], device,
-                             f"engine-{uuid.uuid4().hex[:8]}", self.model_identity, hold_kv=stages == 1)  # fmt: skip
         lora = config.lora
         compute = DTYPES[self.precision.compute]
-        self.adapters = Adapters(lora, self.model.args, compute, device) if lora.enabled else None
-        self.runner: Runner = LocalRunner(self.model, self.tiers, self.adapters, config.forward)
-        self.jct = jct_model or profile_jct(self)  # with stages: of the whole model in this process
-        if stages > 1:
-            self.runner = start_pipeline(config, folder, a.num_layers, self.precision, kernel, device,
-                                         self.tiers.device_tier, self.adapters)  # fmt: skip
+        self.adapters = Adapters(lora, a, compute, device) if lora.enabled else None
+        try:  # the stage processes, their pools sized; one that fails to load or to fit its budget fails the start
+            pipeline = (start_pipeline(config, folder, a, self.precision, kernel, device, self.adapters)
+                        if stages > 1 else None)  # fmt: skip
+        except PipelineStartError as exc:
+            raise EngineStartError(str(exc)) from exc
+        self.tiers = KVTiers(cache, a, DTYPES[self.precision.kv], device, f"engine-{uuid.uuid4().hex[:8]}",
+                             self.model_identity, pipeline.device_tier if pipeline else None)  # fmt: skip
+        self.runner: Runner = pipeline or LocalRunner(self.model, self.tiers, self.adapters, config.forward)
+        try:
+            self.jct = jct_model or profile_jct(self)  # with stages: through them
+        except BaseException:
+            self.runner.close()  # no engine to close the stages later
+            raise
         self.scheduler = Scheduler(config.scheduler.policy, config.scheduler.fairness, self.tiers, self.jct)
         self.pieces = Pieces(self)
         self.num_cancelled = 0

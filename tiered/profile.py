@@ -1,7 +1,11 @@
 """The engine's start-up profile of the JCT model: forwards measured on a grid of lengths and
 cached fractions (plus real host-tier loads when there is a host tier), fitted, and cached per
 exact setup. It drives the engine through its public methods (`forward`, `synchronize`) and the
-tiers' (`prepare`, `finish`, `flush`, `clear`); `scheduler/` keeps the model it fits."""
+tiers' (`prepare`, `finish`, `flush`, `clear`); `scheduler/` keeps the model it fits.
+
+With one process the grid runs the model alone, a cached prefix given as K,V tensors. With
+pipeline stages the coordinator holds no weights: the grid runs through the stages
+(`engine.forward`), each cached prefix computed first and kept in the device tier."""
 
 from __future__ import annotations
 
@@ -63,6 +67,9 @@ def profile_jct(engine: Engine) -> JCTModel:
         "totals": totals, "fractions": sc.profile_miss_fractions, "host": engine.tiers.host_tier is not None,
         "cost_paths": JCT_PROFILE_VERSION,
     }  # fmt: skip
+    e = engine.config.engine
+    if e.pipeline_stages > 1:  # measured through the stages: a fit per pipeline set-up
+        parts["pipeline"] = [e.pipeline_stages, e.threads_per_stage, e.pipeline_schedule, e.pipeline_microbatches]
     key = cache_key(parts)
     cached = load_cached(sc.profile_cache_dir, "jct", key)
     try:
@@ -80,6 +87,8 @@ def profile_jct(engine: Engine) -> JCTModel:
 
 
 def _measure_grid(engine: Engine, totals: list[int], fractions: list[float]) -> list[JCTSample]:
+    if engine.config.engine.pipeline_stages > 1:
+        return _measure_through_stages(engine, totals, fractions)
     a = engine.model.args
     bt = engine.tiers.block_tokens
     dtype = DTYPES[engine.precision.kv]  # a prefix as the tiers hold it: the forward converts it
@@ -103,6 +112,39 @@ def _measure_grid(engine: Engine, totals: list[int], fractions: list[float]) -> 
             samples.append(JCTSample(total, miss, 0, time.perf_counter() - start))
     if engine.tiers.host_tier is not None:
         samples += _measure_host_loads(engine, totals, g, bt)
+    return samples
+
+
+def _measure_through_stages(engine: Engine, totals: list[int], fractions: list[float]) -> list[JCTSample]:
+    """The grid through `engine.forward`, for a pipeline. A job's prefix is computed first and
+    kept in the device tier (`park`: whatever the retention policy), then the job reads it there
+    and computes the rest; a sample records the split the job got (whole blocks of the prefix, as
+    many as the tier holds). The tiers end empty, their counters zeroed."""
+    tiers = engine.tiers
+    g = torch.Generator().manual_seed(0)
+
+    def run(request_id: str, ids: Tensor, park: bool = False) -> tuple[Prepared, float]:
+        prepared = tiers.prepare(tiers.new_request(request_id, ids), park=park)
+        start = time.perf_counter()
+        engine.forward([prepared])
+        engine.synchronize()
+        seconds = time.perf_counter() - start
+        tiers.finish(prepared)
+        return prepared, seconds
+
+    run("profile-warm-up", torch.arange(1, 65))
+    samples = []
+    for total in totals:
+        for fraction in fractions:
+            tiers.device_tier.clear()
+            ids = torch.randint(0, engine.model.args.vocab_size, (total,), generator=g)
+            prefix = total - max(1, int(total * fraction))
+            if prefix:
+                run(f"profile-prefix-{total}-{fraction}", ids[:prefix], park=True)
+            job, seconds = run(f"profile-{total}-{fraction}", ids)
+            samples.append(JCTSample(total, job.split.num_miss_tokens, 0, seconds))
+    tiers.device_tier.clear()
+    tiers.device_tier.reset_stats()
     return samples
 
 

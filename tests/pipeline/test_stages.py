@@ -1,10 +1,13 @@
 """A 2-stage engine (two stage processes over gloo) against the one-process engine on the tiny
 model in fp32: equal answers (batches, followers, device-tier hits), the hit rule across stages,
-micro-batches or fill-and-drain, a stage killed mid-service, and refused configurations."""
+micro-batches or fill-and-drain, a stage killed mid-service, refused configurations, and
+engine.memory_budget_bytes as each stage's budget (the tiny model's 1.42 MB of weights exceed a
+1 MiB budget; each stage holds half)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +17,12 @@ import torch
 
 from tiered.api.engine_process import _response
 from tiered.config import ConfigError, load_config
-from tiered.engine import Engine, ScoreParams
-from tiered.pipeline import PipelineRunner
+from tiered.engine import Engine, EngineStartError, ScoreParams
+from tiered.hybrid.memory import weights_bytes
+from tiered.pipeline import PipelineRunner, PipelineStartError
+from tiered.pipeline.runner import pool_blocks
+from tiered.pipeline.split import stage_layers
+from tiered.pipeline.stage import StageLoaded, StageSpec
 from tiered.score import Result
 
 TOL = 1e-4
@@ -162,3 +169,73 @@ def test_a_killed_stage_fails_its_batch_with_503_and_the_pipeline_restarts(engin
     assert two.tiers.device_tier.stats().num_used_blocks == 0  # the pools are gone: nothing hits
     prompts = _prompts(22, 3)
     _assert_equal(_run(two, prompts), _run(one, prompts))  # later requests are served
+
+
+BUDGET = 2**20  # under the whole model's weights; over a stage's weights + its 128-token forward
+
+# On CPU a forward's peak is read from VmHWM after resetting it; where the kernel does not let a
+# process reset it, the reading is an upper bound (the process's whole high-water mark).
+needs_exact_peaks = pytest.mark.skipif(
+    not os.access("/proc/self/clear_refs", os.W_OK), reason="the resident high-water mark cannot be reset here"
+)
+
+
+def _budget_cfg(tiny_dir: Path, jct_dir: Path, *overrides: str):
+    """128 tokens at most: a forward's peak stays small beside a stage's weights (the kernel is
+    named: `auto` measures shapes of 160 tokens and more)."""
+    return _cfg(tiny_dir, jct_dir, "model.max_model_len=128", "scheduler.profile_tokens=[64, 128]",
+                "attention.kernel=flash", *overrides)  # fmt: skip
+
+
+@needs_exact_peaks
+def test_a_model_over_one_budget_serves_on_two_stages_as_one_process(tiny_dir: Path, tmp_path: Path) -> None:
+    budget = f"engine.memory_budget_bytes={BUDGET}"
+    refused = rf"max_model_len 128 does not fit engine.memory_budget_bytes {BUDGET}: weights \+ one forward peak at"
+    with pytest.raises(EngineStartError, match=refused + r" \d+ bytes, \d+ bytes over"):
+        Engine(_budget_cfg(tiny_dir, tmp_path, budget))
+    with Engine(_budget_cfg(tiny_dir, tmp_path)) as one, Engine(
+        _budget_cfg(tiny_dir, tmp_path, budget, "engine.pipeline_stages=2", "engine.threads_per_stage=1")
+    ) as two:  # `two` profiles its JCT model through its stages
+        runner = two.runner
+        assert isinstance(runner, PipelineRunner)
+        assert all(p.is_meta for p in two.model.parameters())  # the coordinator holds no weights
+        # Each stage measured its own part: together, the whole model's weights.
+        assert sum(st.weights_bytes for st in runner.loaded) == weights_bytes(one.model) > BUDGET
+        assert all(st.weights_bytes <= st.peak_bytes < BUDGET for st in runner.loaded)  # 0: no profile run
+        blocks = min((BUDGET - st.peak_bytes) // st.bytes_per_block for st in runner.loaded)
+        assert blocks > 0 and two.tiers.device_tier.num_blocks == blocks
+        for st, ready in zip(runner.loaded, runner.ready, strict=True):  # every pool: those blocks, within budget
+            assert ready.pool_bytes == blocks * st.bytes_per_block and st.peak_bytes + ready.pool_bytes <= BUDGET
+        prompts = _prompts(31, 4, prefix_tokens=60)
+        _assert_equal(_run(two, prompts), _run(one, prompts))
+        again = _run(two, prompts)
+        assert all(r.split.num_device_hit_tokens >= 48 for r in again)  # at least the shared prefix's blocks
+        _assert_equal(again, _run(one, prompts))
+
+
+@needs_exact_peaks
+def test_a_budget_too_small_for_the_stages_fails_the_start_naming_them(tiny_dir: Path, tmp_path: Path) -> None:
+    cfg = _budget_cfg(tiny_dir, tmp_path, "engine.memory_budget_bytes=600000", "engine.pipeline_stages=2",
+                      "engine.threads_per_stage=1")  # fmt: skip
+    with pytest.raises(EngineStartError) as failed:
+        Engine(cfg)
+    message = str(failed.value)
+    assert message.startswith("model.max_model_len 128 does not fit engine.memory_budget_bytes 600000 (each stage's)")
+    for stage in (0, 1):  # each holds over 700000 bytes of weights
+        assert re.search(rf"stage {stage} \(layers {stage}-{stage}\): weights 7\d{{5}} bytes, with one 128-token "
+                         r"forward \d+ bytes at the peak, \d+ bytes over", message)  # fmt: skip
+
+
+def test_pools_get_the_blocks_the_tightest_stage_has_room_for() -> None:
+    specs = [StageSpec(s, 3, layers, "", "float32", "float32", "cpu", "masked", 16, 128, 1, "", "hybrid", 1024)
+             for s, layers in enumerate(stage_layers(5, 3))]  # layers 0-1, 2-3, 4  # fmt: skip
+    loaded = [StageLoaded(0, 500, 600, 20), StageLoaded(1, 300, 450, 20), StageLoaded(2, 550, 700, 10)]
+    assert pool_blocks(specs, loaded, 1000, 0) == 20  # rooms of 20, 27 and 30 blocks
+    assert pool_blocks(specs, loaded, 0, 1000) == 20  # no budget: 1000 bytes at 50 bytes a block over the stages
+    with pytest.raises(PipelineStartError) as failed:
+        pool_blocks(specs, loaded, 650, 0)
+    assert str(failed.value) == (
+        "model.max_model_len 128 does not fit engine.memory_budget_bytes 650 (each stage's) on stage 2 (layers 4-4): "
+        "weights 550 bytes, with one 128-token forward 700 bytes at the peak, 50 bytes over; lower max_model_len, "
+        "raise the budget or add stages"
+    )

@@ -195,6 +195,8 @@ class EngineConfig:
 
     # Bytes for weights + one forward + the device tier. 0: use cache.device_tier_bytes as is.
     # Otherwise a profile run forwards max_model_len tokens and the device tier gets the rest.
+    # With pipeline_stages > 1, each stage's budget: each measures its own layers' weights and
+    # forward, and every stage's pool gets the blocks the tightest stage has room for.
     memory_budget_bytes: int = 0
     # torch threads of the engine process's forward. 0: torch's default (one per core).
     threads: int = 0
@@ -336,7 +338,5 @@ class Config:
         later = "is not yet supported with engine.pipeline_stages > 1"
         require(self.cache.suffix == "discard", "cache.suffix",
                 f"'offload' (the host tier) {later}: set cache.suffix: discard")  # fmt: skip
-        require(self.engine.memory_budget_bytes == 0, "engine.memory_budget_bytes",
-                f"{later}: size the device tier with cache.device_tier_bytes")  # fmt: skip
         require(self.forward.mode != "chunked", "forward.mode", f"'chunked' {later} (use hybrid or vanilla)")
         require(self.cluster.replicas == 1, "cluster.replicas", f"replicas {later}")

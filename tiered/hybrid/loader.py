@@ -175,6 +175,14 @@ def load_model(
     return model.eval()
 
 
+def model_on_meta(folder: str | Path) -> CausalLM:
+    """The model's modules and args with no weights (every tensor on the meta device): what a
+    pipeline's coordinator keeps of the model, its stage processes holding the weights."""
+    with torch.device("meta"):
+        model = CausalLM(read_args(folder))
+    return model.eval()
+
+
 def _read_state(
     folder: Path, device: str | torch.device, layers: range, first: bool, last: bool, tied: bool
 ) -> dict[str, torch.Tensor]:

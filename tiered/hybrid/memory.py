@@ -45,7 +45,8 @@ def _reset_cpu_peak() -> bool:
 
 
 def weights_bytes(model: CausalLM) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights the model holds (a pipeline stage's parts on the meta device hold none)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
 
 
 class GatheredPrefix(Sequence[LayerKV]):
@@ -65,17 +66,22 @@ class GatheredPrefix(Sequence[LayerKV]):
 
 def measure_forward_peak(
     model: CausalLM, num_tokens: int, mode: ForwardMode, chunk_tokens: int, num_requests: int = 1,
-    prefix_tokens: int = 0,
+    prefix_tokens: int = 0, first_stage: bool = True, last_stage: bool = True,
 ) -> ForwardPeak:  # fmt: skip
     """Run one forward of `num_tokens` random tokens and return its memory peak.
 
     With `num_requests` > 1 it is a batch: that many requests of `num_tokens` new tokens each,
     all on one shared prefix of `prefix_tokens` (held outside the forward, as the device tier
-    holds it; the forward's gather of each layer counts)."""
+    holds it; the forward's gather of each layer counts).
+
+    A pipeline stage's part of the model (tiered/pipeline): a stage after the first
+    (`first_stage=False`) starts from a residual stream [N, D] of random values, allocated inside
+    the measured forward as the stage allocates the buffer it receives into; a stage before the
+    last (`last_stage=False`) ends with its residual stream, not logits."""
     a = model.args
     g = torch.Generator().manual_seed(0)
     device = model.inv_freq.device
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = next(p.dtype for p in model.parameters() if not p.is_meta)
     prefix = None
     if prefix_tokens:
         shape = (prefix_tokens, a.num_kv_heads, a.head_dim)
@@ -83,20 +89,28 @@ def measure_forward_peak(
         prefix = GatheredPrefix(layers)  # type: ignore[arg-type]
     items = [BatchItem(torch.randint(0, a.vocab_size, (num_tokens,), generator=g), prefix) for _ in range(num_requests)]
     warm = [BatchItem(it.token_ids[: min(64, num_tokens)], prefix) for it in items[:2]]
-    forward_batch(model, warm, mode=mode, chunk_tokens=chunk_tokens)  # warm-up
+
+    def run(items: list[BatchItem]) -> None:
+        hidden = None
+        if not first_stage:
+            num_rows = sum(it.token_ids.numel() for it in items)
+            hidden = torch.randn((num_rows, a.hidden_size), generator=g).to(device, dtype)
+        forward_batch(model, items, mode=mode, chunk_tokens=chunk_tokens, hidden=hidden, last_stage=last_stage)
+
+    run(warm)  # warm-up
     weights = weights_bytes(model)
     total = num_requests * num_tokens
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        forward_batch(model, items, mode=mode, chunk_tokens=chunk_tokens)
+        run(items)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         return ForwardPeak(total, torch.cuda.max_memory_allocated(device), weights, seconds, "cuda max allocated")
     baseline = _status_bytes("VmRSS")
     method = "VmHWM after clear_refs" if _reset_cpu_peak() else "VmHWM (not resettable: an upper bound)"
     start = time.perf_counter()
-    forward_batch(model, items, mode=mode, chunk_tokens=chunk_tokens)
+    run(items)
     seconds = time.perf_counter() - start
     return ForwardPeak(total, max(0, _status_bytes("VmHWM") - baseline) + weights, weights, seconds, method)

@@ -269,6 +269,11 @@ class DeviceTier:
         """Views of whole blocks, each [2, layers, block_tokens, kv_heads, head_dim]."""
         return [self.kv[b] for b in block_ids]
 
+    def reset_stats(self) -> None:
+        """Zero the hit, query and eviction counters (after the start-up profile's requests)."""
+        with self._lock:
+            self.num_hit_tokens = self.num_queried_tokens = self.num_evictions = 0
+
     def stats(self) -> DeviceTierStats:
         with self._lock:
             # A cached block is in the LRU exactly when nothing pins it; uncached ones are all pinned.

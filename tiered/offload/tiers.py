@@ -54,16 +54,19 @@ class KVTiers:
         device: str,
         instance_id: str,
         model_identity: str | None = None,
-        hold_kv: bool = True,
+        device_tier: DeviceTier | None = None,
     ) -> None:
         """`model_identity` names the model in the host tier's keys (LMCache's model name): engines
         that share a remote store share chunks when they give the same one. Default: `instance_id`.
-        `hold_kv=False`: the device tier's index alone (`DeviceTier`; a pipeline's stages hold the KV)."""
+        `device_tier`: a pipeline's index (`DeviceTier(hold_kv=False)`: its stages hold the KV and
+        it sized their pools); default: a pool of `cfg.device_tier_bytes` in this process."""
         self.cfg = cfg
         self.args = args
         self.device = torch.device(device)
         self.block_tokens = cfg.block_tokens
-        self.device_tier = DeviceTier(args, cfg.block_tokens, cfg.device_tier_bytes, dtype, device, hold_kv=hold_kv)
+        if device_tier is None:
+            device_tier = DeviceTier(args, cfg.block_tokens, cfg.device_tier_bytes, dtype, device)
+        self.device_tier = device_tier
         self.host_tier: HostTier | None = None
         if cfg.suffix == "offload":
             self.host_tier = HostTier(
@@ -82,7 +85,7 @@ class KVTiers:
             "device tier: %d blocks of %d tokens (%.1f MiB); host tier: %s; retention %s, suffix %s",
             self.device_tier.num_blocks,
             cfg.block_tokens,
-            cfg.device_tier_bytes / 2**20,
+            self.device_tier.num_blocks * self.device_tier.bytes_per_block / 2**20,
             self._describe_host() if self.host_tier else "off",
             cfg.retention,
             cfg.suffix,

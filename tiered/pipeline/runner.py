@@ -1,5 +1,5 @@
-"""The coordinator's side of the pipeline: start the stage processes, send each batch through
-them, and restart them when one dies (the package docstring tells the design)."""
+"""The coordinator's side of the pipeline: start the stage processes and size their pools, send
+each batch through them, and restart them when one dies (the package docstring tells the design)."""
 
 from __future__ import annotations
 
@@ -14,27 +14,43 @@ from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from tiered.adapters import Adapters
 from tiered.config import Config, ConfigError
+from tiered.hybrid.args import ModelArgs
+from tiered.hybrid.loader import DTYPES
 from tiered.hybrid.precision import Precision
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.request import Prepared
 from tiered.pipeline.split import cut_microbatches, microbatch_plans, stage_layers
-from tiered.pipeline.stage import Forward, StageFailed, StageReady, StageSpec, StageStats, StatsRequest, run_stage
+from tiered.pipeline.stage import (
+    AllocatePool,
+    Forward,
+    StageFailed,
+    StageLoaded,
+    StageReady,
+    StageSpec,
+    StageStats,
+    StatsRequest,
+    run_stage,
+)
 from tiered.runner import ForwardUnavailable, ItemPlan
 
 log = logging.getLogger(__name__)
+
+_StartMessage = TypeVar("_StartMessage", StageLoaded, StageReady)
 
 START_TIMEOUT_S = 600.0  # a stage imports torch and loads its layers
 STOP_TIMEOUT_S = 10.0
 
 
 class PipelineStartError(RuntimeError):
-    """A stage process could not start (its own log names the reason)."""
+    """A stage process could not start (its own log names the reason), or its layers do not fit
+    engine.memory_budget_bytes."""
 
 
 def _stage_device(device: str, stage: int) -> str:
@@ -45,14 +61,48 @@ def _stage_device(device: str, stage: int) -> str:
     return f"cuda:{base + stage}"
 
 
+def pool_blocks(specs: Sequence[StageSpec], loaded: Sequence[StageLoaded], budget_bytes: int,
+                device_tier_bytes: int) -> int:  # fmt: skip
+    """The blocks of every stage's pool (the same on all: a block id names the same tokens on every
+    stage). With `budget_bytes` (engine.memory_budget_bytes, each stage's): the fewest any stage
+    has room for, (budget - its weights and profile peak) // its bytes per block; a stage whose
+    peak reaches the budget fails the start (PipelineStartError naming it). Without: the pools
+    share `device_tier_bytes` (cache.device_tier_bytes) by their layers' bytes per block."""
+    if not budget_bytes:
+        return device_tier_bytes // sum(st.bytes_per_block for st in loaded)
+    over = [
+        f"stage {sp.stage} (layers {sp.layers.start}-{sp.layers.stop - 1}): weights {st.weights_bytes} bytes, with "
+        f"one {sp.profile_tokens}-token forward {st.peak_bytes} bytes at the peak, {st.peak_bytes - budget_bytes} "
+        "bytes over"
+        for sp, st in zip(specs, loaded, strict=True) if st.peak_bytes >= budget_bytes
+    ]  # fmt: skip
+    if over:
+        raise PipelineStartError(
+            f"model.max_model_len {specs[0].profile_tokens} does not fit engine.memory_budget_bytes {budget_bytes} "
+            f"(each stage's) on {'; '.join(over)}; lower max_model_len, raise the budget or add stages"
+        )
+    room = [(budget_bytes - st.peak_bytes) // st.bytes_per_block for st in loaded]
+    for sp, st, blocks in zip(specs, loaded, room, strict=True):
+        log.info("stage %d (layers %d-%d): weights %.1f MiB, profile run of %d tokens peak %.1f MiB of a %.1f MiB "
+                 "budget -> room for %d blocks of %.1f KiB", sp.stage, sp.layers.start, sp.layers.stop - 1,
+                 st.weights_bytes / 2**20, sp.profile_tokens, st.peak_bytes / 2**20, budget_bytes / 2**20, blocks,
+                 st.bytes_per_block / 2**10)  # fmt: skip
+    return min(room)
+
+
 class PipelineRunner:
     """Runs planned batches through S stage processes (`runner.Runner`). Not thread-safe: the
-    engine's loop is its one caller. `device_tier` is the coordinator's index of the blocks every
-    stage's pool holds: forgotten when the pipeline restarts."""
+    engine's loop is its one caller.
 
-    def __init__(self, specs: list[StageSpec], device_tier: DeviceTier, num_microbatches: int, max_in_flight: int = 1,
-                 timeout_s: float = 600.0, adapters: Adapters | None = None) -> None:  # fmt: skip
-        self._specs, self.device_tier, self.num_microbatches = specs, device_tier, num_microbatches
+    The first start decides the pools' size (`pool_blocks`) from what the stages report once
+    loaded (`loaded`), and builds `device_tier`: the coordinator's index of the blocks every
+    stage's pool holds (`DeviceTier(hold_kv=False)`, for the engine's tiers). A restart keeps the
+    size and forgets the index's contents; `ready` says what each stage's pool holds."""
+
+    def __init__(self, specs: list[StageSpec], args: ModelArgs, num_microbatches: int, budget_bytes: int,
+                 device_tier_bytes: int, max_in_flight: int = 1, timeout_s: float = 600.0,
+                 adapters: Adapters | None = None) -> None:  # fmt: skip
+        self._specs, self.num_microbatches = specs, num_microbatches
         self.adapters = adapters  # the engine's: which folder an adapter identity names
         self.max_in_flight, self.timeout_s = max_in_flight, timeout_s
         self._procs: list[BaseProcess] = []
@@ -60,7 +110,18 @@ class PipelineRunner:
         self.num_restarts = 0
         self.forward_seconds = 0.0  # wall time with a batch in the pipe, since the pipeline (re)started
         self._in_flight, self._busy_since = 0, 0.0
-        self._start()
+        started = time.monotonic()
+        self.loaded = self._spawn(started)
+        try:
+            num_blocks = pool_blocks(specs, self.loaded, budget_bytes, device_tier_bytes)
+        except PipelineStartError:
+            self._stop()
+            raise
+        # The index holds no K,V (the stages do): it lives in this process's memory, on no device.
+        self.device_tier = DeviceTier(args, specs[0].block_tokens, 0, DTYPES[specs[0].kv_dtype], "cpu",
+                                      num_blocks=num_blocks, hold_kv=False)  # fmt: skip
+        self._allocate(num_blocks, started)
+        self._specs = [replace(sp, profile_tokens=0) for sp in specs]  # a restart keeps the pools' size
 
     @property
     def pids(self) -> list[int]:
@@ -68,12 +129,18 @@ class PipelineRunner:
         return [p.pid for p in self._procs if p.pid is not None]
 
     def _start(self) -> None:
+        """Start the stages again (after one failed), with pools of the size decided at first."""
+        started = time.monotonic()
+        self._spawn(started)
+        self._allocate(self.device_tier.num_blocks, started)
+
+    def _spawn(self, started: float) -> list[StageLoaded]:
+        """Start the stage processes; each loads (and with `profile_tokens` measures) its layers."""
         ctx = mp.get_context("spawn")  # a fresh interpreter per stage: no state forked from the engine
         self._inbox: list[list[object]] = [[] for _ in self._specs]
         # A file rendezvous: no port to find free (and race for); each start gets a fresh one.
         self._rendezvous = Path(tempfile.mkdtemp(prefix="tiered-pipeline-"))
         init = f"file://{self._rendezvous / 'store'}"
-        started = time.monotonic()
         for spec in self._specs:
             parent, child = ctx.Pipe()
             spec = replace(spec, init_method=init)
@@ -82,16 +149,27 @@ class PipelineRunner:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        for s in range(len(self._conns)):
-            message = self._receive(s, deadline=started + START_TIMEOUT_S)
-            if not isinstance(message, StageReady):
-                self._stop(kill=True)
-                why = f"stage {message.stage}: {message.error}" if isinstance(message, StageFailed) else (
-                    f"stage {s} not ready in {START_TIMEOUT_S:.0f} s" if message is None else message)
-                raise PipelineStartError(f"the pipeline did not start: {why} (its log says more)")
-        log.info("pipeline: %d stages (layers %s) ready in %.1f s, %d threads each", len(self._specs),
-                 ", ".join(f"{sp.layers.start}-{sp.layers.stop - 1}" for sp in self._specs),
-                 time.monotonic() - started, self._specs[0].threads)  # fmt: skip
+        return [self._receive_start(s, StageLoaded, started) for s in range(len(self._conns))]
+
+    def _allocate(self, num_blocks: int, started: float) -> None:
+        """Every stage allocates its pool of `num_blocks` blocks."""
+        for conn in self._conns:
+            conn.send(AllocatePool(num_blocks))
+        self.ready = [self._receive_start(s, StageReady, started) for s in range(len(self._conns))]
+        log.info("pipeline: %d stages (layers %s) ready in %.1f s, %d threads each, pools of %d blocks (%s MiB)",
+                 len(self._specs), ", ".join(f"{sp.layers.start}-{sp.layers.stop - 1}" for sp in self._specs),
+                 time.monotonic() - started, self._specs[0].threads, num_blocks,
+                 ", ".join(f"{r.pool_bytes / 2**20:.1f}" for r in self.ready))  # fmt: skip
+
+    def _receive_start(self, stage: int, expected: type[_StartMessage], started: float) -> _StartMessage:
+        """Stage `stage`'s next start-up message; anything else stops the pipeline (PipelineStartError)."""
+        message = self._receive(stage, deadline=started + START_TIMEOUT_S)
+        if not isinstance(message, expected):
+            self._stop(kill=True)
+            why = f"stage {message.stage}: {message.error}" if isinstance(message, StageFailed) else (
+                f"stage {stage} not ready in {START_TIMEOUT_S:.0f} s" if message is None else message)
+            raise PipelineStartError(f"the pipeline did not start: {why} (its log says more)")
+        return message
 
     def _receive(self, stage: int, deadline: float | None = None) -> object:
         """Stage `stage`'s next message; a stage that fails or dies first: a StageFailed naming it;
@@ -201,22 +279,26 @@ class PipelineRunner:
         self._stop(kill=self._in_flight > 0)  # batches nobody will collect: do not wait for them
 
 
-def start_pipeline(config: Config, model_dir: Path, num_layers: int, precision: Precision, attention: str, device: str,
-                   device_tier: DeviceTier, adapters: Adapters | None = None) -> PipelineRunner:  # fmt: skip
-    """The engine's pipeline of `engine.pipeline_stages` stage processes (ConfigError: more stages than layers)."""
+def start_pipeline(config: Config, model_dir: Path, args: ModelArgs, precision: Precision, attention: str,
+                   device: str, adapters: Adapters | None = None) -> PipelineRunner:  # fmt: skip
+    """The engine's pipeline of `engine.pipeline_stages` stage processes, its pools sized
+    (ConfigError: more stages than layers; PipelineStartError: a stage failed or does not fit
+    engine.memory_budget_bytes, each stage's budget)."""
     e = config.engine
-    stages = e.pipeline_stages
+    stages, num_layers = e.pipeline_stages, args.num_layers
     if stages > num_layers:
         raise ConfigError(f"config key 'engine.pipeline_stages': must be <= the model's {num_layers} layers, "
                           f"got {stages}")  # fmt: skip
     threads = e.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // stages)
+    profile_tokens = config.model.max_model_len if e.memory_budget_bytes else 0
     specs = [
         StageSpec(s, stages, layers, str(model_dir), precision.compute, precision.kv, _stage_device(device, s),
-                  attention, config.cache.block_tokens, device_tier.num_blocks, threads, "", config.forward.mode,
+                  attention, config.cache.block_tokens, profile_tokens, threads, "", config.forward.mode,
                   config.forward.chunk_tokens, config.lora.max_loras)
         for s, layers in enumerate(stage_layers(num_layers, stages))
     ]  # fmt: skip
     fill_drain = e.pipeline_schedule == "fill-drain"
     microbatches = 1 if fill_drain else (e.pipeline_microbatches or stages)
     in_flight = 1 if fill_drain else e.pipeline_batches_in_flight
-    return PipelineRunner(specs, device_tier, microbatches, in_flight, e.pipeline_timeout_s, adapters)
+    return PipelineRunner(specs, args, microbatches, e.memory_budget_bytes, config.cache.device_tier_bytes, in_flight,
+                          e.pipeline_timeout_s, adapters)  # fmt: skip

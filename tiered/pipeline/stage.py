@@ -30,7 +30,8 @@ from tiered.config import ForwardMode
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterSpec, LoraWeights, load_adapter
-from tiered.hybrid.model import use_attention
+from tiered.hybrid.memory import measure_forward_peak, weights_bytes
+from tiered.hybrid.model import CausalLM, use_attention
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.request import PrefixKV
 from tiered.runner import ItemPlan
@@ -51,7 +52,9 @@ class StageSpec:
     device: str  # this stage's: cpu, or cuda:N (one device per stage)
     attention: str  # the kernel the coordinator chose
     block_tokens: int
-    num_blocks: int  # the coordinator's device tier's: the same block ids on every stage
+    # With engine.memory_budget_bytes: a profile run of this many tokens (max_model_len) through
+    # its layers at start-up, its peak reported in StageLoaded. 0: none.
+    profile_tokens: int
     threads: int
     init_method: str  # torch.distributed rendezvous (file://... on this machine)
     mode: ForwardMode
@@ -88,8 +91,29 @@ class StageStats:
 
 
 @dataclass(frozen=True, slots=True)
-class StageReady:
+class StageLoaded:
+    """A stage's first answer: its layers are loaded; what its memory holds, for the coordinator
+    to decide the pools' size (one number of blocks on every stage: the block ids are shared)."""
+
     stage: int
+    weights_bytes: int
+    peak_bytes: int  # weights + the profile run's forward peak (0: no profile run)
+    bytes_per_block: int  # of its pool: block_tokens x its layers' K,V bytes per token
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatePool:
+    """The coordinator's answer to every StageLoaded: the blocks of each stage's pool."""
+
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageReady:
+    """A stage's pool is allocated: it forwards from now on."""
+
+    stage: int
+    pool_bytes: int  # its pool's K,V: num_blocks x its bytes per block
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +122,28 @@ class StageFailed:
     error: str
 
 
+def load_stage(spec: StageSpec) -> tuple[CausalLM, StageLoaded]:
+    """The stage's part of the model, and what it holds: its weights and, with `profile_tokens`,
+    the peak of one forward of that many tokens through its layers (the first stage's from token
+    ids, a later one's from a residual stream; the last one's ending in logits)."""
+    model = load_model(spec.model_dir, spec.compute_dtype, spec.device, spec.layers)
+    use_attention(model, spec.attention)
+    peak = 0
+    if spec.profile_tokens:
+        peak = measure_forward_peak(model, spec.profile_tokens, spec.mode, spec.chunk_tokens,
+                                    first_stage=spec.stage == 0,
+                                    last_stage=spec.stage == spec.num_stages - 1).peak_bytes  # fmt: skip
+    bytes_per_block = spec.block_tokens * model.args.kv_bytes_per_token(DTYPES[spec.kv_dtype])
+    return model, StageLoaded(spec.stage, weights_bytes(model), peak, bytes_per_block)
+
+
 class Stage:
-    def __init__(self, spec: StageSpec) -> None:
-        self.spec = spec
-        self.model = load_model(spec.model_dir, spec.compute_dtype, spec.device, spec.layers)
-        use_attention(self.model, spec.attention)
-        self.pool = DeviceTier(self.model.args, spec.block_tokens, 0, DTYPES[spec.kv_dtype], spec.device,
-                               num_blocks=spec.num_blocks)  # fmt: skip
+    def __init__(self, spec: StageSpec, model: CausalLM, num_blocks: int) -> None:
+        """`model`: the stage's part (`load_stage`); `num_blocks`: its pool's, the coordinator's
+        device tier's (the same block ids on every stage)."""
+        self.spec, self.model = spec, model
+        self.pool = DeviceTier(model.args, spec.block_tokens, 0, DTYPES[spec.kv_dtype], spec.device,
+                               num_blocks=num_blocks)  # fmt: skip
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
         self.busy_seconds, self.num_microbatches = 0.0, 0
         self._stash: dict[int, dict[int, LayerKV]] = {}  # lead's index in the batch -> layer -> its first rows
@@ -240,7 +279,9 @@ def _reader(conn: Connection) -> queue.Queue[object]:
 
 
 def run_stage(spec: StageSpec, conn: Connection) -> None:
-    """A stage process's main: join the group, load, then forward until told to stop (None)."""
+    """A stage process's main: join the group, load (and measure) its layers and report them, then
+    allocate the pool the coordinator sizes and forward until told to stop (None, also an answer
+    to StageLoaded: another stage failed or did not fit its budget)."""
     logs.setup()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the coordinator stops us
     torch.set_num_threads(spec.threads)
@@ -249,14 +290,20 @@ def run_stage(spec: StageSpec, conn: Connection) -> None:
             torch.cuda.set_device(spec.device)
         dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.stage,
                                 world_size=spec.num_stages)  # fmt: skip
-        stage = Stage(spec)
-        conn.send(StageReady(spec.stage))
+        model, loaded = load_stage(spec)
+        conn.send(loaded)
+        if (pool := conn.recv()) is None:
+            return
+        stage = Stage(spec, model, pool.num_blocks)
+        conn.send(StageReady(spec.stage, stage.pool.kv.numel() * stage.pool.kv.element_size()))
         inbox = _reader(conn)
         while (message := inbox.get()) is not None:
             if isinstance(message, StatsRequest):
                 conn.send(StageStats(spec.stage, stage.busy_seconds, stage.num_microbatches))
             elif isinstance(message, Forward) and (out := stage.forward(message)) is not None:
                 conn.send(out)
+    except EOFError:  # the coordinator is gone (during start-up; later the reader thread sees it)
+        pass
     except BaseException as exc:
         log.error("stage %d failed: %s", spec.stage, traceback.format_exc())
         try:
