@@ -1,4 +1,4 @@
-"""Two batches in the pipe at once (`engine.pipeline_batches_in_flight: 2`, the default): the engine
+"""Batches in the pipe at once (`engine.pipeline_batches_in_flight`, default stages + 1): the engine
 plans the next batch while the stages still compute the one before, from the blocks that batch
 will have written (indexed when it is sent; every stage takes batches in order). Answers and hit
 splits equal the one-process engine's; a stage that stops answering (SIGSTOP: alive, stuck) fails
@@ -50,14 +50,14 @@ def test_the_next_batch_is_planned_from_the_blocks_the_batch_in_the_pipe_compute
 ) -> None:
     one, two = engines
     runner = two.runner
-    assert isinstance(runner, PipelineRunner) and runner.max_in_flight == 2
+    assert isinstance(runner, PipelineRunner) and runner.max_in_flight == 3  # the default: stages + 1
     seen = _count_in_flight_at_submit(runner)
     try:
         prompts = _prompts(31, 6)
         ref, got = _run(one, prompts), _run(two, prompts)
     finally:
         del runner.submit  # the class's method again
-    assert max(seen) == 1 and len(seen) >= 3  # batches were sent while another was in the pipe
+    assert max(seen) >= 1 and len(seen) >= 3  # batches were sent while others were in the pipe
     # The first prompt computes the prefix; every later one hits it, planned before it was written.
     assert got[0].split.num_device_hit_tokens == 0
     assert all(r.split.num_device_hit_tokens == 288 for r in got[1:])

@@ -126,8 +126,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     cores = len(os.sched_getaffinity(0))
     half = max(1, cores // 2)
     p.add_argument("--systems", type=lambda s: s.split(","),
-                   default=[f"1x{cores}", f"2x{half}-fill-drain", f"2x{half}-waves-8-flight1", f"2x{half}-waves-2",
-                            f"2x{half}-waves-8"],
+                   default=[f"1x{cores}", f"2x{half}-fill-drain", f"2x{half}-waves-2-flight1",
+                            f"2x{half}-waves-2-flight2", f"2x{half}-waves-2"],
                    help="comma-separated: 1xN, SxN-fill-drain, SxN-waves-M[-flightK] (M micro-batches per batch, "
                         "K batches in the pipe at once: default engine.pipeline_batches_in_flight); the first is "
                         "the reference")  # fmt: skip

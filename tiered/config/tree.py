@@ -212,9 +212,10 @@ class EngineConfig:
     # Micro-batches per batch with `waves`. 0: pipeline_stages.
     pipeline_microbatches: int = 0
     # Batches in the pipe at once with `waves`: the engine plans and sends the next batch while
-    # the last stages still compute the one before (each stage takes them in order). 1: a batch
-    # leaves the last stage before the next enters the first. `fill-drain` always uses 1.
-    pipeline_batches_in_flight: int = 2
+    # the last stages still compute the one before (each stage takes them in order). 0: one per
+    # stage plus one waiting at the first; 1: a batch leaves the last stage before the next enters
+    # the first. `fill-drain` always uses 1.
+    pipeline_batches_in_flight: int = 0
     # Seconds the engine waits for a batch's answer from the pipeline before it declares a stage
     # stuck (a process alive but not answering): the batch fails with a 503 and the pipeline restarts.
     pipeline_timeout_s: float = 600.0
@@ -226,8 +227,8 @@ class EngineConfig:
         require(self.threads_per_stage >= 0, "engine.threads_per_stage", f"must be >= 0, got {self.threads_per_stage}")
         require(self.pipeline_microbatches >= 0, "engine.pipeline_microbatches",
                 f"must be >= 0, got {self.pipeline_microbatches}")  # fmt: skip
-        require(self.pipeline_batches_in_flight >= 1, "engine.pipeline_batches_in_flight",
-                f"must be >= 1, got {self.pipeline_batches_in_flight}")  # fmt: skip
+        require(self.pipeline_batches_in_flight >= 0, "engine.pipeline_batches_in_flight",
+                f"must be >= 0, got {self.pipeline_batches_in_flight}")  # fmt: skip
         require(self.pipeline_timeout_s > 0, "engine.pipeline_timeout_s", f"must be > 0, got {self.pipeline_timeout_s}")
 
 

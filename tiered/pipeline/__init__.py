@@ -20,7 +20,7 @@ batch is cut into micro-batches of even computed tokens (`scheduler/waves.py`), 
 non-blocking sends: stage s computes micro-batch i + 1 while stage s + 1 computes micro-batch i.
 `fill-drain` sends the batch as one micro-batch (GPipe's baseline: one stage busy at a time).
 
-Batches back to back. With waves, up to `pipeline_batches_in_flight` batches (default 2) are in
+Batches back to back. With waves, up to `pipeline_batches_in_flight` batches (default S + 1) are in
 the pipe at once: the engine plans and sends the next batch while the last stages still compute
 the one before, so the first stage does not idle while the pipe drains. The next batch is
 planned from what the one before will have left: its retained blocks are indexed when it is

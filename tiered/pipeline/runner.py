@@ -299,6 +299,6 @@ def start_pipeline(config: Config, model_dir: Path, args: ModelArgs, precision: 
     ]  # fmt: skip
     fill_drain = e.pipeline_schedule == "fill-drain"
     microbatches = 1 if fill_drain else (e.pipeline_microbatches or stages)
-    in_flight = 1 if fill_drain else e.pipeline_batches_in_flight
+    in_flight = 1 if fill_drain else (e.pipeline_batches_in_flight or stages + 1)
     return PipelineRunner(specs, args, microbatches, e.memory_budget_bytes, config.cache.device_tier_bytes, in_flight,
                           e.pipeline_timeout_s, adapters)  # fmt: skip
