@@ -228,17 +228,16 @@ class Engine:
             if nxt is not None and nxt.split.num_host_hit_tokens > 0 and not self._batch_makes(batch, nxt):
                 self.tiers.prefetch(nxt.request)
         started = time.monotonic()
-        failed = load_adapters(self.adapters, batch, started)
-        self._collected += failed
+        self._collected += (failed := load_adapters(self.adapters, batch, started))
         gone = {r.request_id for r in failed}
         self._picked = batch = [d for d in batch if d.waiting.request_id not in gone]
         if batch and piece is None and self.runner.max_in_flight > 1:
             self._in_flight.append(self._launch(batch, started))  # into the pipe, then answer the oldest
             self._picked = []
             return self._collect(self.runner.max_in_flight - 1)
+        if not batch:  # nothing to send: answer the oldest batch in the pipe, if any
+            return self._collect(max(0, len(self._in_flight) - 1))
         self._collect(0)  # a piece parks KV the next pick must see: the pipe empties first
-        if not batch:
-            return
         if piece is not None and piece.num_tokens is not None:
             self._collected += self.pieces.run(batch[0], piece.num_tokens, started)
         elif len(batch) == 1:
@@ -334,12 +333,13 @@ class Engine:
 
     def _complete(self, launched: Launched) -> list[Result]:
         """Wait for a launched batch's logits, release its blocks, learn its time and answer it.
-        Its compute time: from when it was sent or the batch before it ended, whichever is later
-        (with batches in flight, what this batch added to the runner's busy time)."""
+        Its answers' compute time: from when it was sent; what the JCT model learns: from when it
+        was sent or the batch before it ended, whichever is later (with batches in flight, what
+        this batch added to the runner's busy time)."""
         logits = self.runner.collect(launched.ticket)
         self.synchronize()
         done = time.perf_counter()
-        compute = done - max(launched.sent, self._last_done)
+        added = done - max(launched.sent, self._last_done)
         self._last_done = done
         batch, prepared, shared = launched.batch, launched.prepared, launched.shared
         for p in prepared:
@@ -357,8 +357,8 @@ class Engine:
             for p, m in zip(prepared, shared, strict=True)
         ]
         load = sum(p.load_seconds for p in prepared)
-        predicted = self.jct.observe(splits, load + compute)
-        return batch_results(launched, logits, load, compute, predicted)
+        predicted = self.jct.observe(splits, load + added)
+        return batch_results(launched, logits, load, done - launched.sent, predicted)
 
     def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
         """One forward over the prepared requests, planned by `runner.plan_batch` (requests on one

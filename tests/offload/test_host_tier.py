@@ -5,8 +5,11 @@ policies, the CPU share, and what happens to the backlog at shutdown."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +67,34 @@ def test_loaded_blocks_are_bit_equal_to_the_computed_ones(model: CausalLM, make_
     assert prepared.split.num_host_hit_tokens == 288
     assert torch.equal(tiers.device_tier.kv[prepared.prefix_blocks], computed)  # stored, then loaded: same bits
     tiers.abort(prepared)
+
+
+_THREADS_AFTER_STORING = """
+import sys, torch
+from tiered.config import load_config
+from tiered.engine import Engine
+cfg = load_config(None, [f"model.path={sys.argv[1]}", "cache.suffix=offload",
+                         f"scheduler.profile_cache_dir={sys.argv[2]}"])
+with Engine(cfg) as engine:
+    started = torch.get_num_threads()
+    engine.submit(list(range(3, 300)))
+    engine.run()
+    engine.tiers.flush()  # the store thread stored the request's chunks
+    print(started, torch.get_num_threads())
+"""
+
+
+def test_the_host_tiers_threads_leave_the_forward_its_threads(tiny_dir: Path, tmp_path: Path) -> None:
+    """torch.set_num_threads in a helper thread can set the whole process's: the store thread once
+    set 1, and every forward after the first stored request ran on one core (16 K tokens of
+    bench-m: 220 s against 114 s). In a fresh process, as the engine's; twice, as the second finds
+    its JCT profile cached and runs no forward before its threads start (the case that failed)."""
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _THREADS_AFTER_STORING, str(tiny_dir), str(tmp_path)],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        started, after = out.stdout.split()[-2:]
+        assert after == started, out.stdout
 
 
 def test_a_stuck_store_thread_never_blocks_a_forward(model: CausalLM, make_tiers, monkeypatch) -> None:

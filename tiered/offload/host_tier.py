@@ -303,7 +303,7 @@ class HostTier:
             self.on_stored(batch)
 
     def _store_loop(self) -> None:
-        torch.set_num_threads(1)  # per thread: no second OpenMP team beside the forward's
+        # Not torch.set_num_threads(1): that would set the whole process's (the forward's) threads.
         share = self.cfg.store_cpu_share
         while True:
             with self._lock:

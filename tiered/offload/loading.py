@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.host_keys import HostKeys
 from tiered.offload.host_tier import HostTier
@@ -25,12 +23,6 @@ from tiered.offload.request import TierRequest
 def max_prefix_blocks(req: TierRequest, block_tokens: int) -> int:
     """Blocks a hit may cover: full blocks, and never the last token (its logits must be computed)."""
     return min(len(req.keys), (req.token_ids.numel() - 1) // block_tokens)
-
-
-def _one_thread() -> None:
-    """Run this thread's torch ops on one core: a second OpenMP team beside the forward's would
-    oversubscribe the cores (and its threads spin after each op), slowing every forward."""
-    torch.set_num_threads(1)
 
 
 class PrefixLoader:
@@ -44,7 +36,9 @@ class PrefixLoader:
         self.device_tier, self.host_tier, self.host_keys = device_tier, host_tier, host_keys
         self.block_tokens = device_tier.block_tokens
         self.on_change = on_change  # keys whose tier changed (the scheduler re-scores their requests)
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch", initializer=_one_thread)
+        # No torch.set_num_threads(1) here: it is the process's setting, not the thread's (torch
+        # 2.13): the engine's forwards would then run on one core (tests/offload/test_threads.py).
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch")
         self._prefetches: dict[str, Future[tuple[list[int], set[int]]]] = {}
 
     def _host_run_end(self, req: TierRequest, first_block: int, use_remote: bool) -> tuple[int, int]:
