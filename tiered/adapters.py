@@ -46,8 +46,11 @@ class AdapterStats:
 class Adapters:
     """Not thread-safe: the engine's loop is its one caller."""
 
-    def __init__(self, config: LoraConfig, args: ModelArgs, dtype: torch.dtype, device: str) -> None:
-        self.args, self.dtype, self.device = args, dtype, device
+    def __init__(self, config: LoraConfig, args: ModelArgs, dtype: torch.dtype, device: str,
+                 first_layer: int = 0) -> None:  # fmt: skip
+        """`first_layer`: a pipeline stage's, whose `args.num_layers` layers start there in the model
+        (its adapters hold those layers' weights only)."""
+        self.args, self.dtype, self.device, self.first_layer = args, dtype, device, first_layer
         self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
         self._by_name: dict[str, AdapterSpec] = {}
         self._by_identity: dict[str, AdapterSpec] = {}  # every adapter ever added (waiting requests use them)
@@ -82,6 +85,11 @@ class Adapters:
             raise UnknownAdapterError(f"The model `{name}` does not exist.")
         return spec
 
+    def know(self, spec: AdapterSpec) -> None:
+        """Accept a folder another process checked (a pipeline stage: its coordinator's adapters),
+        by identity, without a name to serve it under."""
+        self._by_identity.setdefault(spec.identity, spec)
+
     def spec_of(self, identity: str) -> AdapterSpec:
         """The adapter folder with this identity (every adapter ever added: waiting requests use them)."""
         return self._by_identity[identity]
@@ -104,7 +112,7 @@ class Adapters:
             start = time.perf_counter()
             try:
                 self._resident[identity] = load_adapter(
-                    self._by_identity[identity], self.args.num_layers, self.dtype, self.device
+                    self._by_identity[identity], self.args.num_layers, self.dtype, self.device, self.first_layer
                 )
             except AdapterError as exc:
                 failed[identity] = str(exc)

@@ -235,18 +235,8 @@ class DeviceTier:
         """The pool's contents are lost (a pipeline stage process died): no key hits any more. Unpinned
         blocks are freed; pinned ones stay allocated, uncached, until their last pin goes."""
         with self._lock:
-            keys = [block.key for block in self._blocks.values()]
-            for block_id, block in self._blocks.items():
-                if block.ref_count:
-                    self._pins[block_id] = block.ref_count
-                else:
-                    self._free.append(block_id)
-            self._blocks.clear()
-            self._index.clear()
-            self._lru.clear()
-        if self.on_change is not None:
-            for key in keys:
-                self.on_change(key)
+            cached = list(self._blocks)
+        self.uncache(cached)  # notifies on_change outside the lock, as every change here does
 
     # ---- data ------------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ import signal
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -26,10 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tiered import logs
-from tiered.config import ForwardMode
+from tiered.adapters import Adapters
+from tiered.config import ForwardMode, LoraConfig
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
-from tiered.hybrid.lora import AdapterSpec, LoraWeights, load_adapter
+from tiered.hybrid.lora import AdapterError, AdapterSpec
 from tiered.hybrid.memory import measure_forward_peak, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.offload.device_tier import DeviceTier
@@ -147,7 +147,8 @@ class Stage:
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
         self.busy_seconds, self.num_microbatches = 0.0, 0
         self._stash: dict[int, dict[int, LayerKV]] = {}  # lead's index in the batch -> layer -> its first rows
-        self._adapters: OrderedDict[str, LoraWeights] = OrderedDict()  # by identity, least recent first
+        self._adapters = Adapters(LoraConfig(max_loras=spec.max_loras), model.args, DTYPES[spec.compute_dtype],
+                                  spec.device, first_layer=spec.layers.start)  # fmt: skip
         # Sends to the next stage not yet known complete, with the tensors they read: a stage goes
         # on to the next micro-batch, or the next batch, without waiting for its successor.
         self._sends: list[tuple[Tensor, dist.Work]] = []
@@ -180,18 +181,11 @@ class Stage:
     def _load_adapters(self, specs: dict[str, AdapterSpec]) -> None:
         """Make the batch's adapters resident (this stage's layers of them), least recent out past
         `max_loras`. The coordinator read each folder just before; one changed since fails the stage."""
-        for identity, spec in specs.items():
-            if identity in self._adapters:
-                self._adapters.move_to_end(identity)
-                continue
-            s = self.spec
-            self._adapters[identity] = load_adapter(spec, len(s.layers), DTYPES[s.compute_dtype], s.device,
-                                                    first_layer=s.layers.start)  # fmt: skip
-        for identity in list(self._adapters):
-            if len(self._adapters) <= max(self.spec.max_loras, len(specs)):
-                break
-            if identity not in specs:
-                del self._adapters[identity]
+        for spec in specs.values():
+            self._adapters.know(spec)
+        bad = self._adapters.load(specs)
+        if bad:
+            raise AdapterError("; ".join(bad.values()))
 
     def _items(self, plans: list[ItemPlan]) -> list[BatchItem]:
         prefixes: dict[tuple[object, ...], Sequence[LayerKV]] = {}
@@ -206,7 +200,7 @@ class Stage:
                 prefixes[key] = pool if plan.reads_stash is None else _StashedPrefix(
                     pool, self._stash[plan.reads_stash], plan.num_shared)
             shared = plan.num_shared if plan.lead is not None else 0  # else read from the stash, or none
-            adapter = self._adapters[plan.adapter] if plan.adapter is not None else None
+            adapter = self._adapters.weights(plan.adapter) if plan.adapter is not None else None
             items.append(BatchItem(plan.token_ids, prefixes.get(key), self._sink(plan), lead=plan.lead,
                                    num_shared=shared, adapter=adapter))  # fmt: skip
         return items
