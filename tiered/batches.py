@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from tiered.adapters import Adapters
+from tiered.offload.device_tier import DeviceTier
 from tiered.offload.request import Prepared
 from tiered.scheduler.scheduler import Decision, Scheduler
 from tiered.score import Result
@@ -98,3 +99,17 @@ def load_adapters(adapters: Adapters | None, batch: list[Decision], started: flo
         Result.failed(w.request_id, w.request.token_ids.numel(), bad[a], started - w.arrival)
         for d in batch if (a := (w := d.waiting).request.adapter) in bad
     ]
+
+
+def give_back(lost: list[Decision], device_tier: DeviceTier, scheduler: Scheduler | None, why: str) -> list[Result]:
+    """Requests whose batch was lost (their prepared requests already aborted): each waits again with
+    the `scheduler` (as it was: a request that yielded keeps its parked KV), or without one fails
+    with a 503 naming `why` (its parked KV released)."""
+    if scheduler is not None:
+        for d in lost:
+            scheduler.requeue(d.waiting)
+        return []
+    for d in lost:
+        device_tier.unpin(d.waiting.parked)
+    return [Result.failed(w.request_id, w.request.token_ids.numel(), why, time.monotonic() - w.arrival,
+                          unavailable=True) for d in lost if (w := d.waiting)]  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from tiered.adapters import Adapters, UnknownAdapterError
-from tiered.batches import Launched, batch_results, expire, load_adapters
+from tiered.batches import Launched, batch_results, expire, give_back, load_adapters
 from tiered.config import Config
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention.select import choose_kernel
@@ -37,7 +37,7 @@ from tiered.offload.tiers import KVTiers
 from tiered.pieces import Pieces
 from tiered.pipeline import PipelineStartError, start_pipeline
 from tiered.profile import profile_jct
-from tiered.runner import ForwardUnavailable, LocalRunner, Runner, plan_batch
+from tiered.runner import ForwardRetry, ForwardUnavailable, LocalRunner, Runner, plan_batch
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Decision, Scheduler, Waiting
 from tiered.score import DEFAULT_PARAMS, Result, ScoreParams
@@ -86,12 +86,13 @@ class Engine:
         compute = DTYPES[self.precision.compute]
         self.adapters = Adapters(lora, a, compute, device) if lora.enabled else None
         try:  # the stage processes, their pools sized; one that fails to load or to fit its budget fails the start
-            pipeline = (start_pipeline(config, folder, a, self.precision, kernel, device, self.adapters)
-                        if stages > 1 else None)  # fmt: skip
+            pipeline = (start_pipeline(config, folder, a, self.precision, kernel, device, self.adapters,
+                                       self.model_identity) if stages > 1 else None)  # fmt: skip
         except PipelineStartError as exc:
             raise EngineStartError(str(exc)) from exc
         self.tiers = KVTiers(cache, a, DTYPES[self.precision.kv], device, f"engine-{uuid.uuid4().hex[:8]}",
-                             self.model_identity, pipeline.device_tier if pipeline else None)  # fmt: skip
+                             self.model_identity, pipeline.device_tier if pipeline else None,
+                             pipeline.host if pipeline else None)  # fmt: skip
         self.runner: Runner = pipeline or LocalRunner(self.model, self.tiers, self.adapters, config.forward)
         try:
             self.jct = jct_model or profile_jct(self)  # with stages: through them
@@ -209,7 +210,7 @@ class Engine:
         try:
             self._step()
         except ForwardUnavailable as exc:  # a pipeline stage died or hung (restarted): its batches fail, 503
-            self._collected += self._unavailable(str(exc))
+            self._collected += self._unavailable(str(exc), retry=isinstance(exc, ForwardRetry))
         done, self._collected = self._collected, []
         return done
 
@@ -259,19 +260,16 @@ class Engine:
             self._collected += self._complete(self._in_flight[0])
             self._in_flight.popleft()
 
-    def _unavailable(self, why: str) -> list[Result]:
+    def _unavailable(self, why: str, retry: bool = False) -> list[Result]:
         """The runner lost every batch in it (ForwardUnavailable): each request of those and of the
-        batch picked but not sent fails with a 503; their pins go."""
+        batch picked but not sent fails with a 503, or with `retry` (ForwardRetry) waits again."""
         lost, self._picked = self._picked, []
         while self._in_flight:
             launched = self._in_flight.popleft()
             for p in launched.prepared:
                 self.tiers.abort(p)
             lost += launched.batch
-        for d in lost:
-            self.tiers.device_tier.unpin(d.waiting.parked)
-        return [Result.failed(w.request_id, w.request.token_ids.numel(), why, time.monotonic() - w.arrival,
-                              unavailable=True) for d in lost if (w := d.waiting)]  # fmt: skip
+        return give_back(lost, self.tiers.device_tier, self.scheduler if retry else None, why)
 
     def _batch_makes(self, batch: list[Decision], nxt: Waiting) -> bool:
         """The next request's first host-resident block is one this batch loads or computes: it

@@ -25,6 +25,12 @@ class ForwardUnavailable(RuntimeError):
     requests fail with a 503 (the client may retry them); the engine goes on."""
 
 
+class ForwardRetry(ForwardUnavailable):
+    """Every batch in the runner was computed from a host chunk one stage turned out not to hold
+    (tiered/pipeline/host.py): their answers are dropped and their requests wait again; the chunk
+    is forgotten everywhere, so they recompute it."""
+
+
 @dataclass(frozen=True, slots=True)
 class ItemPlan:
     """One request of a batched forward, by block ids: all a worker needs to compute it.
@@ -50,6 +56,10 @@ class ItemPlan:
     stash_key: int | None = None
     stash_rows: int = 0
     reads_stash: int | None = None
+    # With a pipeline's host tier: chunks this request stores, each from row `stored_rows[i]` (as
+    # `first_retained_row` counts) into every stage's LMCache under `stored_keys[i]`.
+    stored_keys: tuple[int, ...] = ()
+    stored_rows: tuple[int, ...] = ()
 
     @property
     def num_computed_tokens(self) -> int:
@@ -81,11 +91,15 @@ def plan_batch(prepared: Sequence[Prepared], block_tokens: int) -> list[ItemPlan
         m, lead = max(((_common_prefix_len(plans[i].token_ids, new, new.numel() - 1), i)
                        for i in leads.get((blocks, adapter), ())), default=(0, -1))  # fmt: skip
         retained = tuple(p.retained_blocks), p.first_retained_block * block_tokens - p.num_prefix_tokens
+        keys = tuple(p.store.keys) if p.store is not None else ()
+        rows = tuple(j * block_tokens - p.num_prefix_tokens for j in p.stored_blocks)
         if m:
-            plans.append(ItemPlan(new[m:], blocks, p.num_prefix_tokens, lead, m, adapter, *retained))
+            plans.append(ItemPlan(new[m:], blocks, p.num_prefix_tokens, lead, m, adapter, *retained, stored_keys=keys,
+                                  stored_rows=rows))  # fmt: skip
         else:
             leads.setdefault((blocks, adapter), []).append(len(plans))
-            plans.append(ItemPlan(new, blocks, p.num_prefix_tokens, None, 0, adapter, *retained))
+            plans.append(ItemPlan(new, blocks, p.num_prefix_tokens, None, 0, adapter, *retained, stored_keys=keys,
+                                  stored_rows=rows))  # fmt: skip
     return plans
 
 

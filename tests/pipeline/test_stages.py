@@ -146,8 +146,9 @@ def test_lora_adapters_answer_as_one_process_in_mixed_batches(engines: tuple[Eng
 def test_refused_configurations_name_the_key(tiny_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'engine.pipeline_stages': must be >= 1, got 0"):
         _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=0")
-    with pytest.raises(ConfigError, match=r"'cache.suffix': 'offload' \(the host tier\) is not yet supported"):
-        _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=2", "cache.suffix=offload")
+    with pytest.raises(ConfigError, match=r"'cache.host.lmcache.remote_url': a shared or disk backend is not yet"):
+        _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=2", "cache.suffix=offload",
+             "cache.host.lmcache={remote_url: 'redis://127.0.0.1:1'}")  # fmt: skip
     with pytest.raises(ConfigError, match="'engine.pipeline_stages': must be <= the model's 2 layers, got 3"):
         Engine(_cfg(tiny_dir, tmp_path, "engine.pipeline_stages=3"))
 

@@ -25,7 +25,7 @@ from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
 from tiered.engine import Engine
 from tiered.hybrid.loader import read_args
 from tiered.hybrid.precision import config_precision
-from tiered.offload.host_tier import HostTierStats
+from tiered.offload.host_base import HostTierStats
 from tiered.scheduler.jct import JCTModel
 from tiered.score import Result
 

@@ -337,7 +337,8 @@ class Config:
     def _check_pipeline(self) -> None:
         """What a pipeline of stages does not support yet, refused by name rather than ignored."""
         later = "is not yet supported with engine.pipeline_stages > 1"
-        require(self.cache.suffix == "discard", "cache.suffix",
-                f"'offload' (the host tier) {later}: set cache.suffix: discard")  # fmt: skip
+        for key in ("remote_url", "local_disk"):  # each stage's LMCache holds its layers' chunks in its memory
+            require(not self.cache.host.lmcache.get(key), f"cache.host.lmcache.{key}",
+                    f"a shared or disk backend {later} (each stage's host tier is in its own memory)")  # fmt: skip
         require(self.forward.mode != "chunked", "forward.mode", f"'chunked' {later} (use hybrid or vanilla)")
         require(self.cluster.replicas == 1, "cluster.replicas", f"replicas {later}")

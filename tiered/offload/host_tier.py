@@ -6,25 +6,20 @@ hashes. A chunk is one LMCache memory object of the device tier's block layout (
 block_tokens, kv_heads*head_dim], LMCache's KV_2LTD), so every transfer is one contiguous copy:
 
 - Store: `begin_store` allocates memory objects from LMCache's allocator; the forward's KV sink
-  writes each layer's K,V straight into them (the only copy a store costs the forward);
-  `submit` hands them to the store thread, whose one job is LMCache's `batched_put` (its
-  Python bookkeeping and, for disk or remote backends, their writes). That thread's CPU share is
-  bounded (`store_cpu_share`): after each put it sleeps long enough to stay under it. Its queue
-  is bounded (`max_pending_stores`): past it a store is dropped (a later request recomputes).
-  A chunk submitted but not yet put is already readable: `get` finds it in `_pending`.
+  writes each layer's K,V straight into them (the only copy a store costs the forward); `submit`
+  hands them to the store thread, whose one job is LMCache's `batched_put` (its bookkeeping and a
+  disk or remote backend's writes), under a CPU share (`store_cpu_share`: it sleeps after each put
+  to stay under it), from a bounded queue (`max_pending_stores`: past it a store is dropped). A
+  chunk submitted but not yet put is already readable: `get` finds it in `_pending`.
 - Load: `get` returns the memory objects of the leading keys it holds (pending first, then
   LMCache's backends); `copy_into` copies each into a device-tier block (one copy per chunk).
 
-LMCache's conventions (its config file and variables, telemetry, logging) are kept by
-`lmcache_setup.py`, imported first.
-
 Every LMCache call is guarded: an exception is logged once per kind, counted, and turns into a
 miss (or a dropped store), so a failing host tier degrades to recomputation and never fails a
-request. Thread safety: the engine, prefetch and store threads all call in; one lock guards the
-queue, `_pending` and the counters and serialises our LMCache calls, except the store thread's
-put, which runs outside it (LMCache's backends and allocator lock themselves) so that a slow
-backend never holds up an allocation or a load. A pending chunk holds a reference of its own,
-so LMCache cannot free it while a load may still read it.
+request. Threads: the engine, prefetch and store threads all call in; one lock guards the queue,
+`_pending` and the counters and serialises our LMCache calls, except the store thread's put
+(LMCache's backends lock themselves: a slow backend never holds up an allocation or a load). A
+pending chunk holds a reference of its own, so LMCache cannot free it while a load may read it.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,6 +37,7 @@ from torch import Tensor
 
 from tiered.config import HostTierConfig
 from tiered.hybrid.args import ModelArgs
+from tiered.offload.host_base import HostTierStats
 from tiered.offload.lmcache_setup import (
     bound_reuse_record,
     drain_remote_puts,
@@ -53,43 +49,6 @@ from tiered.offload.request import StoreBatch
 log = logging.getLogger(__name__)
 
 _KEY_MASK = (1 << 64) - 1  # LMCache prints chunk hashes in hex: keep them unsigned
-
-
-@dataclass(slots=True)
-class HostTierStats:
-    """Counters since start. Seconds are wall time of the named stage, on the thread that ran it."""
-
-    num_hit_tokens: int = 0
-    num_remote_hit_tokens: int = 0  # of those, found in the remote store (`remote_url`) only
-    num_stored_tokens: int = 0
-    num_failures: int = 0
-    num_loads: int = 0
-    num_loaded_bytes: int = 0
-    load_lookup_seconds: float = 0.0  # which backend holds which key
-    load_get_seconds: float = 0.0  # LMCache's batched_get (a disk or remote backend reads here)
-    load_copy_seconds: float = 0.0  # memory objects into device blocks
-    num_stores: int = 0
-    num_stored_bytes: int = 0
-    store_allocate_seconds: float = 0.0  # engine thread: LMCache's allocator
-    store_copy_seconds: float = 0.0  # the forward's KV sink (measured by the caller: `count_store_copy`)
-    store_put_seconds: float = 0.0  # store thread: LMCache's batched_put
-    store_thread_cpu_seconds: float = 0.0  # CPU time the store thread used (thread_time)
-    store_throttle_seconds: float = 0.0  # sleeps that kept the store thread under its CPU share
-    num_dropped_chunks: int = 0  # not stored: queue full, no LMCache memory, or dropped at close
-    num_pending_stores: int = 0  # submitted, not yet put
-
-    @property
-    def load_seconds(self) -> float:
-        return self.load_lookup_seconds + self.load_get_seconds + self.load_copy_seconds
-
-    @property
-    def load_bytes_per_second(self) -> float:
-        return self.num_loaded_bytes / self.load_seconds if self.load_seconds else 0.0
-
-    @property
-    def store_seconds(self) -> float:
-        """Seconds stores cost the forward's thread (allocation and the sink's copies)."""
-        return self.store_allocate_seconds + self.store_copy_seconds
 
 
 class HostTier:
@@ -203,6 +162,11 @@ class HostTier:
             num_remote = sum(1 for r in remote if r < n)
         return out, num_remote
 
+    def load(self, objs: Sequence[Any], block_ids: Sequence[int], views: Callable[[Sequence[int]], list[Tensor]],
+             num_remote: int = 0) -> None:  # fmt: skip
+        """`copy_into` the device-tier blocks `block_ids` (`views` gives their tensors)."""
+        self.copy_into(objs, views(block_ids), num_remote)
+
     def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor], num_remote: int = 0) -> None:
         """Copy chunk i into `blocks[i]` (a device-tier block), then release the objects; the
         last `num_remote` of them came from the remote store."""
@@ -256,6 +220,16 @@ class HostTier:
             return None
         return StoreBatch(keys[: len(objs)], [obj.tensor.view(self.chunk_shape) for obj in objs], objs)
 
+    def write_block(self, store: StoreBatch, block_id: int, views: Callable[[Sequence[int]], list[Tensor]]) -> None:
+        """The device-tier block `block_id` into the store's one chunk (cuda: on the current stream)."""
+        block = views([block_id])[0]
+        if block.device.type != "cuda":
+            store.views[0].copy_(block)
+            return
+        store.views[0].copy_(block, non_blocking=True)
+        store.ready = torch.cuda.Event()
+        store.ready.record(torch.cuda.current_stream(block.device))
+
     def count_store_copy(self, seconds: float) -> None:
         with self._lock:
             self.stats_.store_copy_seconds += seconds
@@ -275,6 +249,14 @@ class HostTier:
             self._release(batch, queued=False)
         self._finished(batch)
         return False
+
+    def remove(self, keys: list[int]) -> None:
+        """Take `keys` out of LMCache after every store queued before (tiered/pipeline/host.py)."""
+        with self._lock:
+            if keys and not self._closed:
+                self._queue.append(batch := StoreBatch(keys, [], [], remove=True))
+                self._last = batch
+                self._wake.notify()
 
     def abort_store(self, batch: StoreBatch) -> None:
         """A batch whose forward did not run: give its memory back (not counted as dropped)."""
@@ -312,6 +294,9 @@ class HostTier:
                 if not self._queue:
                     return
                 batch = self._queue.popleft()  # close() drops only what is still queued
+            if batch.remove:
+                self._remove(batch)
+                continue
             cpu = time.thread_time()
             if batch.ready is not None:
                 batch.ready.synchronize()
@@ -347,6 +332,14 @@ class HostTier:
                     self.stats_.store_throttle_seconds += pause
                 time.sleep(pause)
 
+    def _remove(self, batch: StoreBatch) -> None:
+        try:
+            self._storage.batched_remove([self._key(k) for k in batch.keys])
+        except Exception as exc:  # noqa: BLE001 - a chunk left behind is only memory, evicted in time
+            with self._lock:
+                self._failed("remove", exc)
+        batch.done.set()
+
     def flush(self) -> None:
         """Wait until every batch submitted so far is in LMCache (or dropped)."""
         with self._lock:
@@ -361,6 +354,13 @@ class HostTier:
         self.flush()
         with self._lock:
             self._engine.clear()
+
+    def holds(self, keys: Sequence[int]) -> tuple[list[int], int]:
+        """Of `keys`, those LMCache lacks, and how many chunks its CPU backend holds beyond them."""
+        with self._lock:
+            missing = [k for k in keys if self._storage.contains(self._key(k)) is None]
+            held = sum(len(getattr(b, "hot_cache", ())) for b in self._storage.storage_backends.values())
+        return missing, held - (len(keys) - len(missing))
 
     def reset_stats(self) -> None:
         """Zero the counters (after the engine's start-up profile, so they count served traffic)."""
@@ -378,11 +378,13 @@ class HostTier:
             if self._closed:
                 return
             self._closed = True
-            dropped = list(self._queue) if self.cfg.on_close == "drop" else []
+            dropped = [b for b in self._queue if not b.remove] if self.cfg.on_close == "drop" else []
             for batch in dropped:
                 self._release(batch, queued=True)
                 self.stats_.num_pending_stores -= 1
             if dropped:
+                for batch in self._queue:
+                    batch.done.set()  # removals too: nothing will put or remove anything now
                 self._queue.clear()
             self._wake.notify()
         for batch in dropped:

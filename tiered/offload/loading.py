@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tiered.offload.device_tier import DeviceTier
+from tiered.offload.host_base import Host
 from tiered.offload.host_keys import HostKeys
-from tiered.offload.host_tier import HostTier
 from tiered.offload.request import TierRequest
 
 
@@ -30,7 +30,7 @@ class PrefixLoader:
     during `prepare`) and the one prefetch thread; the device tier and `host_keys` lock for themselves."""
 
     def __init__(
-        self, device_tier: DeviceTier, host_tier: HostTier | None, host_keys: HostKeys,
+        self, device_tier: DeviceTier, host_tier: Host | None, host_keys: HostKeys,
         on_change: Callable[[Iterable[int]], None],
     ) -> None:  # fmt: skip
         self.device_tier, self.host_tier, self.host_keys = device_tier, host_tier, host_keys
@@ -83,7 +83,7 @@ class PrefixLoader:
         if not blocks:
             return [], 0, short
         num_remote = max(0, num_remote - (len(objs) - len(blocks)))
-        self.host_tier.copy_into(objs[: len(blocks)], self.device_tier.blocks(blocks), num_remote)
+        self.host_tier.load(objs[: len(blocks)], blocks, self.device_tier.blocks, num_remote)
         bt = self.block_tokens
         for i, b in enumerate(blocks):
             j = first_block + i

@@ -70,6 +70,7 @@ class StoreBatch:
     ready: torch.cuda.Event | None = None  # cuda: recorded after the last device-to-host copy
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False  # set when `done`: LMCache took the chunks
+    remove: bool = False  # not a store: take `keys` out of LMCache (`HostTier.remove`), in queue order
 
 
 @dataclass(slots=True)

@@ -25,8 +25,9 @@ from tiered.config import CacheConfig
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import KVSink
 from tiered.offload.device_tier import DeviceTier, DeviceTierStats
+from tiered.offload.host_base import Host, HostTierStats
 from tiered.offload.host_keys import HostKeys
-from tiered.offload.host_tier import HostTier, HostTierStats
+from tiered.offload.host_tier import HostTier
 from tiered.offload.loading import PrefixLoader, max_prefix_blocks
 from tiered.offload.request import HitSplit, PrefixKV, Prepared, StoreBatch, TierRequest
 
@@ -55,11 +56,14 @@ class KVTiers:
         instance_id: str,
         model_identity: str | None = None,
         device_tier: DeviceTier | None = None,
+        host_tier: Host | None = None,
     ) -> None:
         """`model_identity` names the model in the host tier's keys (LMCache's model name): engines
         that share a remote store share chunks when they give the same one. Default: `instance_id`.
         `device_tier`: a pipeline's index (`DeviceTier(hold_kv=False)`: its stages hold the KV and
-        it sized their pools); default: a pool of `cfg.device_tier_bytes` in this process."""
+        it sized their pools); default: a pool of `cfg.device_tier_bytes` in this process.
+        `host_tier`: a pipeline's index of its stages' LMCache tiers (`tiered.pipeline.host`);
+        default, with `cfg.suffix: offload`: LMCache in this process."""
         self.cfg = cfg
         self.args = args
         self.device = torch.device(device)
@@ -67,11 +71,10 @@ class KVTiers:
         if device_tier is None:
             device_tier = DeviceTier(args, cfg.block_tokens, cfg.device_tier_bytes, dtype, device)
         self.device_tier = device_tier
-        self.host_tier: HostTier | None = None
+        self.host_tier: Host | None = host_tier
         if cfg.suffix == "offload":
-            self.host_tier = HostTier(
-                cfg.host, cfg.block_tokens, args, dtype, instance_id, model_identity,
-            )  # fmt: skip
+            if self.host_tier is None:
+                self.host_tier = HostTier(cfg.host, cfg.block_tokens, args, dtype, instance_id, model_identity)
             self.host_tier.on_stored = self._stored
             if cfg.host.write_policy == "on-evict":
                 self.device_tier.on_evict = self._evicted
@@ -295,13 +298,7 @@ class KVTiers:
         if store is None:
             return
         start = time.perf_counter()
-        block = self.device_tier.kv[block_id]
-        if self._copy_stream is None:
-            store.views[0].copy_(block)
-        else:  # on the current stream: the block's next writer queues behind this copy
-            store.views[0].copy_(block, non_blocking=True)
-            store.ready = torch.cuda.Event()
-            store.ready.record(torch.cuda.current_stream(self.device))
+        self.host_tier.write_block(store, block_id, self.device_tier.blocks)
         self.host_tier.count_store_copy(time.perf_counter() - start)
         self._submit(store)
 

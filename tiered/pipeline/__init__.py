@@ -59,8 +59,12 @@ Failure. A stage that dies (or raises), or gives no answer within `engine.pipeli
 pipeline, forgets the device tier's contents (the pools are gone) and raises
 `runner.ForwardUnavailable`, which the engine turns into a 503 for each request of those batches.
 
-Not yet: the host tier (LMCache) per stage (the config refuses `cache.suffix: offload` with
-S > 1), `forward.mode: chunked`, and replicas of a pipeline.
+The host tier. With `cache.suffix: offload` each stage keeps its layers' chunks in an LMCache
+tier of its own and the coordinator keeps the one index that decides hits, stores and
+evictions; each batch's `Forward` carries what every stage's tier does with it (`host.py`).
+
+Not yet: the host tier's disk and remote backends with stages, `forward.mode: chunked`, and
+replicas of a pipeline.
 """
 
 from tiered.pipeline.runner import PipelineRunner, PipelineStartError, start_pipeline

@@ -9,8 +9,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -20,16 +21,20 @@ import torch
 from torch import Tensor
 
 from tiered.adapters import Adapters
-from tiered.config import Config, ConfigError
+from tiered.config import Config, ConfigError, HostTierConfig
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.loader import DTYPES
 from tiered.hybrid.precision import Precision
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.request import Prepared
+from tiered.pipeline.host import LOAD, StagedHost, stage_host_config, staged_host
 from tiered.pipeline.split import cut_microbatches, microbatch_plans, stage_layers
 from tiered.pipeline.stage import (
     AllocatePool,
     Forward,
+    HostCheck,
+    HostHeld,
+    StageDone,
     StageFailed,
     StageLoaded,
     StageReady,
@@ -38,7 +43,7 @@ from tiered.pipeline.stage import (
     StatsRequest,
     run_stage,
 )
-from tiered.runner import ForwardUnavailable, ItemPlan
+from tiered.runner import ForwardRetry, ForwardUnavailable, ItemPlan
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +95,15 @@ def pool_blocks(specs: Sequence[StageSpec], loaded: Sequence[StageLoaded], budge
     return min(room)
 
 
+@dataclass(frozen=True, slots=True)
+class _Ticket:
+    """A batch in the pipe: its micro-batches (indices into the batch) and the host chunks it had
+    every stage load (key -> device block id)."""
+
+    cut: list[list[int]]
+    loads: dict[int, int]
+
+
 class PipelineRunner:
     """Runs planned batches through S stage processes (`runner.Runner`). Not thread-safe: the
     engine's loop is its one caller.
@@ -101,13 +115,16 @@ class PipelineRunner:
 
     def __init__(self, specs: list[StageSpec], args: ModelArgs, num_microbatches: int, budget_bytes: int,
                  device_tier_bytes: int, max_in_flight: int = 1, timeout_s: float = 600.0,
-                 adapters: Adapters | None = None) -> None:  # fmt: skip
-        self._specs, self.num_microbatches = specs, num_microbatches
+                 adapters: Adapters | None = None, host: StagedHost | None = None) -> None:  # fmt: skip
+        """`host`: the index of the stages' host tiers (tiered/pipeline/host.py), None: no host tier."""
+        self._specs, self.num_microbatches, self.host = specs, num_microbatches, host
+        self._tickets: deque[_Ticket] = deque()
         self.adapters = adapters  # the engine's: which folder an adapter identity names
         self.max_in_flight, self.timeout_s = max_in_flight, timeout_s
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self.num_restarts = 0
+        self.num_retries = 0  # batches computed again: a stage lacked a host chunk it was told to load
         self.forward_seconds = 0.0  # wall time with a batch in the pipe, since the pipeline (re)started
         self._in_flight, self._busy_since = 0, 0.0
         started = time.monotonic()
@@ -201,7 +218,8 @@ class PipelineRunner:
         """Send the batch into the pipe (cut into micro-batches); its ticket for `collect`."""
         cut = cut_microbatches(plans, self.num_microbatches) if self.num_microbatches > 1 else [list(range(len(plans)))]
         adapters = {a: self.adapters.spec_of(a) for plan in plans if (a := plan.adapter) is not None and self.adapters}
-        message = Forward(microbatch_plans(plans, cut), adapters)
+        ops = self.host.take_ops() if self.host is not None else None
+        message = Forward(microbatch_plans(plans, cut), adapters, ops)
         if not self._in_flight:
             self._busy_since = time.perf_counter()
         try:
@@ -210,26 +228,77 @@ class PipelineRunner:
         except OSError as exc:
             self._fail(f"sending the batch failed ({exc})")
         self._in_flight += 1
-        return cut
+        loads = {key: block for kind, key, block in ops.before if kind == LOAD} if ops is not None else {}
+        self._tickets.append(ticket := _Ticket(cut, loads))
+        return ticket
 
     def collect(self, ticket: object) -> Tensor:
-        """The logits [B, V] (fp32, batch order) of the oldest batch submitted; ForwardUnavailable if a
+        """The logits [B, V] (fp32, batch order) of the oldest batch submitted. ForwardUnavailable if a
         stage failed or gave no answer in `timeout_s` (the pipeline was restarted, every batch in the
-        pipe lost and the device tier forgotten)."""
-        assert isinstance(ticket, list) and self._in_flight
-        out = self._receive(len(self._conns) - 1, deadline=time.monotonic() + self.timeout_s)
-        if out is None:
-            self._fail(f"no answer in {self.timeout_s:g} s (engine.pipeline_timeout_s): a stage is stuck")
-        if not isinstance(out, Tensor):
-            self._fail(str(out.error) if isinstance(out, StageFailed) else str(out))
-        assert isinstance(out, Tensor)
-        self._in_flight -= 1
-        if not self._in_flight:
-            self.forward_seconds += time.perf_counter() - self._busy_since
-        order = torch.tensor([i for indices in ticket for i in indices])
+        pipe lost and the device tier forgotten); ForwardRetry if a stage lacked a host chunk it was
+        told to load (every batch in the pipe is dropped, to be computed again without it)."""
+        assert self._in_flight and ticket is self._tickets[0]
+        out, missed = self._done()
+        if missed:
+            self._retry(missed)
+        assert out is not None
+        order = torch.tensor([i for indices in self._tickets.popleft().cut for i in indices])
         logits = torch.empty_like(out)
         logits[order] = out
         return logits
+
+    def _done(self) -> tuple[Tensor | None, list[int]]:
+        """The oldest batch's logits and the host chunks a stage lacked for it: every stage reports
+        with a host tier (what it could not load or store: gone from the index, dropped everywhere),
+        the last one only without."""
+        deadline = time.monotonic() + self.timeout_s
+        logits, missed, dropped = None, list[int](), list[int]()
+        for s in range(len(self._conns)) if self.host is not None else [len(self._conns) - 1]:
+            out = self._receive(s, deadline)
+            if out is None:
+                self._fail(f"no answer in {self.timeout_s:g} s (engine.pipeline_timeout_s): a stage is stuck")
+            if not isinstance(out, StageDone):
+                self._fail(str(out.error) if isinstance(out, StageFailed) else str(out))
+            assert isinstance(out, StageDone)
+            logits = out.logits if out.logits is not None else logits
+            missed, dropped = missed + out.missed, dropped + out.dropped
+        self._in_flight -= 1
+        if not self._in_flight:
+            self.forward_seconds += time.perf_counter() - self._busy_since
+        if self.host is not None and (missed or dropped):
+            self.host.lost(missed + dropped)
+        return logits, missed
+
+    def _retry(self, missed: list[int]) -> None:
+        """A stage lacked host chunks the batch loaded: the device blocks they went into hold them on
+        some stages only, and every later batch in the pipe may have read them. Those blocks leave
+        the device tier's index, the later batches are drained, and the engine computes them all
+        again (ForwardRetry)."""
+        lost, num_missed = len(self._tickets), len(missed)
+        self.num_retries += lost
+        while True:
+            ticket = self._tickets.popleft()
+            self.device_tier.uncache([ticket.loads[k] for k in missed if k in ticket.loads])
+            if not self._in_flight:
+                break
+            missed = self._done()[1]
+            num_missed += len(missed)
+        log.warning("a stage's host tier lacked %d chunks it was told to load: %d batches computed again, the "
+                    "chunks forgotten on every stage", num_missed, lost)  # fmt: skip
+        raise ForwardRetry(f"a stage's host tier lacked chunks it was told to load; {lost} batches computed again")
+
+    def check_host(self, evict: dict[int, list[int]] | None = None) -> list[HostHeld]:
+        """Each stage's host tier against the index: the index's keys it lacks, and how many chunks it
+        holds beyond them. `evict`: stage -> chunks it takes out of its LMCache first (a fault, for tests)."""
+        if self._in_flight:
+            raise RuntimeError(f"{self._in_flight} batches in the pipe: collect them before checking the host tier")
+        keys = self.host.keys if self.host is not None else []
+        for s, conn in enumerate(self._conns):
+            conn.send(HostCheck(keys, (evict or {}).get(s, [])))
+        out = [self._receive(s) for s in range(len(self._conns))]
+        if not all(isinstance(held, HostHeld) for held in out):
+            self._fail(f"a stage did not report its host tier: {out}")
+        return out  # type: ignore[return-value]
 
     def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
         return self.collect(self.submit(prepared, plans))
@@ -251,6 +320,9 @@ class PipelineRunner:
                   "forgotten)", why, self._in_flight)  # fmt: skip
         self._stop(kill=True)
         self.device_tier.forget()
+        if self.host is not None:
+            self.host.forget()
+        self._tickets.clear()
         self.forward_seconds, self._in_flight = 0.0, 0
         self._start()
         self.num_restarts += 1
@@ -280,10 +352,10 @@ class PipelineRunner:
 
 
 def start_pipeline(config: Config, model_dir: Path, args: ModelArgs, precision: Precision, attention: str,
-                   device: str, adapters: Adapters | None = None) -> PipelineRunner:  # fmt: skip
+                   device: str, adapters: Adapters | None = None, model_name: str = "") -> PipelineRunner:  # fmt: skip
     """The engine's pipeline of `engine.pipeline_stages` stage processes, its pools sized
     (ConfigError: more stages than layers; PipelineStartError: a stage failed or does not fit
-    engine.memory_budget_bytes, each stage's budget)."""
+    engine.memory_budget_bytes, each stage's budget). `model_name`: the host tier's keys name it."""
     e = config.engine
     stages, num_layers = e.pipeline_stages, args.num_layers
     if stages > num_layers:
@@ -291,14 +363,21 @@ def start_pipeline(config: Config, model_dir: Path, args: ModelArgs, precision: 
                           f"got {stages}")  # fmt: skip
     threads = e.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // stages)
     profile_tokens = config.model.max_model_len if e.memory_budget_bytes else 0
+    host = staged_host(config, args, precision.kv, model_name)
+    bt = config.cache.block_tokens
+
+    def stage_host(layers: range) -> HostTierConfig | None:
+        stage_chunk = bt * replace(args, num_layers=len(layers)).kv_bytes_per_token(DTYPES[precision.kv])
+        return stage_host_config(config.cache.host, host.capacity_chunks, stage_chunk) if host else None
+
     specs = [
         StageSpec(s, stages, layers, str(model_dir), precision.compute, precision.kv, _stage_device(device, s),
-                  attention, config.cache.block_tokens, profile_tokens, threads, "", config.forward.mode,
-                  config.forward.chunk_tokens, config.lora.max_loras)
+                  attention, bt, profile_tokens, threads, "", config.forward.mode, config.forward.chunk_tokens,
+                  config.lora.max_loras, stage_host(layers), model_name)
         for s, layers in enumerate(stage_layers(num_layers, stages))
     ]  # fmt: skip
     fill_drain = e.pipeline_schedule == "fill-drain"
     microbatches = 1 if fill_drain else (e.pipeline_microbatches or stages)
     in_flight = 1 if fill_drain else (e.pipeline_batches_in_flight or stages + 1)
     return PipelineRunner(specs, args, microbatches, e.memory_budget_bytes, config.cache.device_tier_bytes, in_flight,
-                          e.pipeline_timeout_s, adapters)  # fmt: skip
+                          e.pipeline_timeout_s, adapters, host)  # fmt: skip

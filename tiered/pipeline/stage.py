@@ -26,14 +26,15 @@ from torch import Tensor
 
 from tiered import logs
 from tiered.adapters import Adapters
-from tiered.config import ForwardMode, LoraConfig
+from tiered.config import ForwardMode, HostTierConfig, LoraConfig
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterError, AdapterSpec
 from tiered.hybrid.memory import measure_forward_peak, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.offload.device_tier import DeviceTier
-from tiered.offload.request import PrefixKV
+from tiered.offload.request import PrefixKV, StoreBatch
+from tiered.pipeline.host import HostOps, StageHost
 from tiered.runner import ItemPlan
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class StageSpec:
     mode: ForwardMode
     chunk_tokens: int
     max_loras: int = 1  # LoRA adapters kept resident (lora.max_loras)
+    host: HostTierConfig | None = None  # this stage's LMCache tier (pipeline/host.py), None: no host tier
+    model_name: str = ""  # the host tier's chunk keys name this model
 
     @property
     def backend(self) -> str:
@@ -74,6 +77,36 @@ class Forward:
 
     microbatches: list[list[ItemPlan]]
     adapters: dict[str, AdapterSpec] = field(default_factory=dict)
+    host: HostOps | None = None  # what every stage's host tier does with this batch
+
+
+@dataclass(frozen=True, slots=True)
+class StageDone:
+    """A stage finished a batch: the last stage's answer (its logits [B, V]); with the host tier,
+    every stage's, naming the chunks it was told to load and lacked (`missed`) and those it found
+    no memory to store (`dropped`)."""
+
+    stage: int
+    logits: Tensor | None = None
+    missed: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class HostCheck:
+    """Asks a stage which of `keys` (the coordinator's index) its host tier lacks, and how many
+    chunks it holds beyond them (`HostHeld`). `evict`: chunks to take out of its LMCache first, as
+    LMCache's own eviction would under memory pressure (a fault, for tests)."""
+
+    keys: list[int]
+    evict: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class HostHeld:
+    stage: int
+    missing: list[int]
+    extra: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +175,9 @@ class Stage:
         """`model`: the stage's part (`load_stage`); `num_blocks`: its pool's, the coordinator's
         device tier's (the same block ids on every stage)."""
         self.spec, self.model = spec, model
+        self.host = StageHost(spec.host, spec.block_tokens, model.args, DTYPES[spec.kv_dtype], spec.stage,
+                              spec.model_name) if spec.host is not None else None  # fmt: skip
+        self._stores: list[StoreBatch] = []  # the micro-batch's stores, submitted after its forward
         self.pool = DeviceTier(model.args, spec.block_tokens, 0, DTYPES[spec.kv_dtype], spec.device,
                                num_blocks=num_blocks)  # fmt: skip
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
@@ -154,10 +190,13 @@ class Stage:
         self._sends: list[tuple[Tensor, dist.Work]] = []
 
     @torch.inference_mode()
-    def forward(self, message: Forward) -> Tensor | None:
-        """Every micro-batch through this stage's layers; the last stage returns the logits [B, V]."""
+    def forward(self, message: Forward) -> StageDone | None:
+        """Every micro-batch through this stage's layers (the host tier's loads before, its drops
+        after); the last stage answers with the logits [B, V], every stage when there is a host tier."""
         s, a = self.spec, self.model.args
         self._load_adapters(message.adapters)
+        if self.host is not None and message.host is not None:
+            self.host.before(message.host, self.pool)
         logits = []
         self._sends = [(t, work) for t, work in self._sends if not work.is_completed()]
         for plans in message.microbatches:
@@ -171,12 +210,25 @@ class Stage:
                                 hidden=hidden, last_stage=self.last)  # fmt: skip
             self.busy_seconds += time.perf_counter() - start
             self.num_microbatches += 1
+            for store in self._stores:
+                self.host.submit(store)  # type: ignore[union-attr]
+            self._stores.clear()
             if self.last:
                 logits.append(out)
             else:  # keep `out` alive until its send completes
                 self._sends.append((out, dist.isend(out, dst=s.stage + 1)))  # type: ignore[arg-type]
         self._stash.clear()
-        return torch.cat(logits).cpu() if self.last else None
+        missed, dropped = self.host.after(message.host or HostOps()) if self.host is not None else ([], [])
+        if self.last:
+            return StageDone(s.stage, torch.cat(logits).cpu(), missed, dropped)
+        return StageDone(s.stage, None, missed, dropped) if self.host is not None else None
+
+    def check(self, message: HostCheck) -> HostHeld:
+        if self.host is None:
+            return HostHeld(self.spec.stage, list(message.keys), 0)
+        if message.evict:
+            self.host.tier.remove(message.evict)
+        return HostHeld(self.spec.stage, *self.host.holds(message.keys))
 
     def _load_adapters(self, specs: dict[str, AdapterSpec]) -> None:
         """Make the batch's adapters resident (this stage's layers of them), least recent out past
@@ -216,8 +268,13 @@ class Stage:
         shared = stash[plan.reads_stash] if plan.reads_stash is not None else None
         if plan.stash_key is not None:
             stash[plan.stash_key] = {}
-        if not blocks and plan.stash_key is None:
+        store = self.host.begin_store(list(plan.stored_keys)) if self.host is not None and plan.stored_keys else None
+        rows = plan.stored_rows[: len(store.keys)] if store is not None else ()
+        if store is not None:
+            self._stores.append(store)
+        if not blocks and plan.stash_key is None and store is None:
             return None
+        bt = self.spec.block_tokens
 
         def sink(layer: int, k: Tensor, v: Tensor) -> None:
             if shared is not None:
@@ -227,6 +284,9 @@ class Stage:
                 stash[plan.stash_key][layer] = (k[: plan.stash_rows].clone(), v[: plan.stash_rows].clone())
             if blocks:
                 pool.write_layer(layer, blocks, k[start:end], v[start:end])
+            if store is not None:
+                dst = [view[0, layer] for view in store.views] + [view[1, layer] for view in store.views]
+                torch._foreach_copy_(dst, [k[r : r + bt] for r in rows] + [v[r : r + bt] for r in rows])
 
         return sink
 
@@ -296,6 +356,8 @@ def run_stage(spec: StageSpec, conn: Connection) -> None:
                 conn.send(StageStats(spec.stage, stage.busy_seconds, stage.num_microbatches))
             elif isinstance(message, Forward) and (out := stage.forward(message)) is not None:
                 conn.send(out)
+            elif isinstance(message, HostCheck):
+                conn.send(stage.check(message))
     except EOFError:  # the coordinator is gone (during start-up; later the reader thread sees it)
         pass
     except BaseException as exc:

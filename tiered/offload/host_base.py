@@ -1,0 +1,88 @@
+"""What every host tier offers the KV tiers: its counters and its calls. Two kinds: LMCache in this
+process (`host_tier.HostTier`), or a pipeline's index of the LMCache tiers its stage processes
+hold (`tiered.pipeline.host.StagedHost`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from tiered.config import HostTierConfig
+from tiered.offload.request import StoreBatch
+
+
+@dataclass(slots=True)
+class HostTierStats:
+    """Counters since start. Seconds are wall time of the named stage, on the thread that ran it."""
+
+    num_hit_tokens: int = 0
+    num_remote_hit_tokens: int = 0  # of those, found in the remote store (`remote_url`) only
+    num_stored_tokens: int = 0
+    num_failures: int = 0
+    num_loads: int = 0
+    num_loaded_bytes: int = 0
+    load_lookup_seconds: float = 0.0  # which backend holds which key
+    load_get_seconds: float = 0.0  # LMCache's batched_get (a disk or remote backend reads here)
+    load_copy_seconds: float = 0.0  # memory objects into device blocks
+    num_stores: int = 0
+    num_stored_bytes: int = 0
+    store_allocate_seconds: float = 0.0  # engine thread: LMCache's allocator
+    store_copy_seconds: float = 0.0  # the forward's KV sink (measured by the caller: `count_store_copy`)
+    store_put_seconds: float = 0.0  # store thread: LMCache's batched_put
+    store_thread_cpu_seconds: float = 0.0  # CPU time the store thread used (thread_time)
+    store_throttle_seconds: float = 0.0  # sleeps that kept the store thread under its CPU share
+    num_dropped_chunks: int = 0  # not stored: queue full, no LMCache memory, or dropped at close
+    num_pending_stores: int = 0  # submitted, not yet put
+
+    @property
+    def load_seconds(self) -> float:
+        return self.load_lookup_seconds + self.load_get_seconds + self.load_copy_seconds
+
+    @property
+    def load_bytes_per_second(self) -> float:
+        return self.num_loaded_bytes / self.load_seconds if self.load_seconds else 0.0
+
+    @property
+    def store_seconds(self) -> float:
+        """Seconds stores cost the forward's thread (allocation and the sink's copies)."""
+        return self.store_allocate_seconds + self.store_copy_seconds
+
+
+class Host(Protocol):
+    """A host tier as `KVTiers` and `PrefixLoader` use it (`HostTier` documents each call)."""
+
+    cfg: HostTierConfig
+    capacity_chunks: int  # chunks its local backends hold
+    remote_url: str | None
+    model_name: str
+    on_stored: Callable[[StoreBatch], None] | None
+
+    def get(self, keys: Sequence[int]) -> tuple[list[Any], int]: ...
+
+    def load(self, objs: Sequence[Any], block_ids: Sequence[int], views: Callable[[Sequence[int]], list[Tensor]],
+             num_remote: int = 0) -> None: ...  # fmt: skip
+
+    def release(self, objs: Sequence[Any]) -> None: ...
+
+    def begin_store(self, keys: list[int]) -> StoreBatch | None: ...
+
+    def write_block(self, store: StoreBatch, block_id: int, views: Callable[[Sequence[int]], list[Tensor]]) -> None: ...
+
+    def count_store_copy(self, seconds: float) -> None: ...
+
+    def submit(self, batch: StoreBatch) -> bool: ...
+
+    def abort_store(self, batch: StoreBatch) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def reset_stats(self) -> None: ...
+
+    def stats(self) -> HostTierStats: ...
+
+    def close(self) -> None: ...

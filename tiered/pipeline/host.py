@@ -1,0 +1,269 @@
+"""The host tier with pipeline stages: one index in the coordinator, one LMCache tier per stage.
+
+Each stage process keeps the K,V of its own layers in an LMCache tier of its own (`StageHost`,
+a `HostTier` of its layers), under the same block keys on every stage. The coordinator keeps
+the one index that decides what the host tier holds (`StagedHost`): an LRU of chunk keys as
+large as the configured host tier holds chunks of the whole model. It answers the KV tiers as
+LMCache would (`offload.host_base.Host`) and turns each decision into an instruction every stage
+executes with the next batch it is sent (`HostOps`), in the order decided:
+
+- before the batch's forward: SAVE (an evicted device block into LMCache, `write_policy:
+  on-evict`) and LOAD (a host chunk into a device block: a host hit), in the order the
+  coordinator made them;
+- during it: the forward's own stores (`runner.ItemPlan.stored_keys`: rows of a request's K,V);
+- after it: DROP (chunks the index evicted or gave up), queued behind the stores.
+
+So the stages' tiers hold the same keys as the index: a chunk is a host hit on every stage or
+on none, and the index alone evicts (each stage's LMCache is sized with room to spare, so it
+never has to evict on its own). Should a stage still lack a chunk it is told to load (LMCache
+evicted it under pressure, or a store found no memory), it says so (`StageDone`); the
+coordinator then forgets the chunk on every stage and uncaches the device block it was loaded
+into, and every batch in the pipe is computed again (`runner.ForwardRetry`), recomputing that
+chunk everywhere: answers never mix a stage's loaded chunk with another's recomputed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tiered.config import Config, ConfigError, HostTierConfig
+from tiered.hybrid.args import ModelArgs
+from tiered.hybrid.loader import DTYPES
+from tiered.offload.device_tier import DeviceTier
+from tiered.offload.host_base import HostTierStats
+from tiered.offload.host_tier import HostTier
+from tiered.offload.request import StoreBatch
+
+log = logging.getLogger(__name__)
+
+SAVE, LOAD = 0, 1
+# Each stage's LMCache holds this much more than its share of the index's chunks: stores land
+# before the drops of the same batch, and its allocator needs room to spare.
+STAGE_ROOM = 1.25
+
+
+@dataclass(frozen=True, slots=True)
+class HostOps:
+    """What every stage's host tier does with one batch (the module docstring gives the order)."""
+
+    before: list[tuple[int, int, int]] = field(default_factory=list)  # (SAVE | LOAD, key, block id)
+    drops: list[int] = field(default_factory=list)
+
+
+class StagedHost:
+    """The coordinator's host tier: the index of the chunks every stage's LMCache holds (`Host`).
+    Threads: the engine loop, the prefetch thread (loads) and nothing else; one lock."""
+
+    def __init__(self, cfg: HostTierConfig, capacity_chunks: int, chunk_bytes: int, block_tokens: int,
+                 model_name: str) -> None:  # fmt: skip
+        self.cfg, self.capacity_chunks, self.model_name = cfg, capacity_chunks, model_name
+        self.chunk_bytes, self.block_tokens = chunk_bytes, block_tokens
+        self.remote_url: str | None = None
+        self.on_stored: Callable[[StoreBatch], None] | None = None
+        self._held: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._ops = HostOps()
+        self._lock = threading.Lock()
+        self.stats_ = HostTierStats()
+
+    # ---- the index, as LMCache would answer ------------------------------------------------
+
+    def get(self, keys: Sequence[int]) -> tuple[list[Any], int]:
+        """The leading `keys` every stage holds (the keys themselves stand for the chunks)."""
+        with self._lock:
+            n = 0
+            while n < len(keys) and keys[n] in self._held:
+                self._held.move_to_end(keys[n])
+                n += 1
+        return list(keys[:n]), 0
+
+    def load(self, objs: Sequence[Any], block_ids: Sequence[int], views: Callable[[Sequence[int]], list[Tensor]],
+             num_remote: int = 0) -> None:  # fmt: skip
+        """Every stage loads chunk `objs[i]` into its block `block_ids[i]` before the next batch."""
+        with self._lock:
+            self._ops.before.extend((LOAD, key, b) for key, b in zip(objs, block_ids, strict=True))
+            s = self.stats_
+            s.num_loads += 1
+            s.num_loaded_bytes += len(objs) * self.chunk_bytes
+            s.num_hit_tokens += len(objs) * self.block_tokens
+
+    def release(self, objs: Sequence[Any]) -> None:
+        pass
+
+    def begin_store(self, keys: list[int]) -> StoreBatch | None:
+        """Admit `keys` (the least recently used ones beyond the capacity are dropped on every stage)."""
+        if not keys:
+            return None
+        with self._lock:
+            admitted = set(keys)
+            self._ops.drops[:] = [k for k in self._ops.drops if k not in admitted]
+            for k in keys:
+                self._held[k] = None
+                self._held.move_to_end(k)
+            while len(self._held) > self.capacity_chunks:
+                self._ops.drops.append(self._held.popitem(last=False)[0])
+        return StoreBatch(list(keys), [], [])
+
+    def write_block(self, store: StoreBatch, block_id: int, views: Callable[[Sequence[int]], list[Tensor]]) -> None:
+        """Every stage stores its device block `block_id` as `store.keys[0]` before the next batch."""
+        with self._lock:
+            self._ops.before.append((SAVE, store.keys[0], block_id))
+
+    def count_store_copy(self, seconds: float) -> None:
+        pass
+
+    def submit(self, batch: StoreBatch) -> bool:
+        """The batch's forward ran (or its SAVE is queued): its chunks count as held, but for those a
+        stage reported it could not store (`lost`) meanwhile."""
+        with self._lock:
+            batch.keys = [k for k in batch.keys if k in self._held]
+            self.stats_.num_stores += 1
+            self.stats_.num_stored_tokens += len(batch.keys) * self.block_tokens
+            self.stats_.num_stored_bytes += len(batch.keys) * self.chunk_bytes
+        batch.ok = True
+        batch.done.set()
+        if self.on_stored is not None:
+            self.on_stored(batch)
+        return True
+
+    def abort_store(self, batch: StoreBatch) -> None:
+        self.lost(batch.keys)
+        batch.done.set()
+
+    def lost(self, keys: Sequence[int]) -> None:
+        """Chunks the host tier no longer has (a stage could not store or load them, or their batch
+        failed): out of the index, and dropped on every stage."""
+        with self._lock:
+            gone = [k for k in keys if k in self._held]
+            for k in gone:
+                del self._held[k]
+            self._ops.drops.extend(gone)
+            self.stats_.num_dropped_chunks += len(gone)
+
+    def take_ops(self) -> HostOps:
+        """The instructions for the batch about to be sent."""
+        with self._lock:
+            ops, self._ops = self._ops, HostOps()
+        return ops
+
+    @property
+    def keys(self) -> list[int]:
+        with self._lock:
+            return list(self._held)
+
+    # ---- the rest --------------------------------------------------------------------------
+
+    def forget(self) -> None:
+        """The stages were restarted: their tiers are empty, and so is the index."""
+        with self._lock:
+            self._held.clear()
+            self._ops = HostOps()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ops.drops.extend(self._held)
+            self._held.clear()
+
+    def flush(self) -> None:
+        pass
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats_ = HostTierStats()
+
+    def stats(self) -> HostTierStats:
+        with self._lock:
+            return replace(self.stats_)
+
+    def close(self) -> None:
+        pass
+
+
+def staged_host(config: Config, args: ModelArgs, kv_dtype: str, model_name: str) -> StagedHost | None:
+    """With `cache.suffix: offload`: the index of the stages' host tiers, as many chunks of the
+    whole model as the configured LMCache size holds (each stage holds its layers' part of each)."""
+    if config.cache.suffix != "offload":
+        return None
+    from tiered.offload.lmcache_setup import lmcache_config
+
+    host, bt = config.cache.host, config.cache.block_tokens
+    chunk_bytes = bt * args.kv_bytes_per_token(DTYPES[kv_dtype])
+    capacity = int(float(lmcache_config(host.lmcache).max_local_cpu_size or 0) * 2**30 // chunk_bytes)
+    if capacity < 1:
+        raise ConfigError(f"config key 'cache.host.lmcache.max_local_cpu_size': holds no {chunk_bytes}-byte chunk "
+                          "of the model")  # fmt: skip
+    log.info("host tier: LMCache in every stage, one index of %d chunks (%.1f MiB of the whole model's K,V)", capacity,
+             capacity * chunk_bytes / 2**20)  # fmt: skip
+    return StagedHost(host, capacity, chunk_bytes, bt, model_name)
+
+
+def stage_host_config(cfg: HostTierConfig, capacity_chunks: int, stage_chunk_bytes: int) -> HostTierConfig:
+    """A stage's LMCache: room for the index's chunks of its layers (and STAGE_ROOM to spare), in
+    its CPU memory; no disk or remote backend (the config refuses them with stages)."""
+    size_gb = capacity_chunks * stage_chunk_bytes * STAGE_ROOM / 2**30 + 1 / 1024
+    lmcache = {**cfg.lmcache, "max_local_cpu_size": size_gb, "local_disk": None, "remote_url": None}
+    # Its stores must not be dropped for a full queue: the index counts them as held.
+    return replace(cfg, lmcache=lmcache, max_pending_stores=max(cfg.max_pending_stores, 1 << 16))
+
+
+class StageHost:
+    """A stage's LMCache tier of its layers, doing what the coordinator's `StagedHost` decided."""
+
+    def __init__(self, cfg: HostTierConfig, block_tokens: int, args: ModelArgs, dtype: torch.dtype, stage: int,
+                 model_name: str) -> None:  # fmt: skip
+        self.tier = HostTier(cfg, block_tokens, args, dtype, f"stage-{stage}-{uuid.uuid4().hex[:8]}", model_name)
+        self.missed: list[int] = []  # this batch's LOADs that found no chunk
+        self.dropped: list[int] = []  # this batch's stores that found no memory
+
+    def before(self, ops: HostOps, pool: DeviceTier) -> None:
+        """The batch's SAVEs and LOADs, in order."""
+        for kind, key, block in ops.before:
+            if kind == SAVE:
+                self._save(key, pool.blocks([block]))
+                continue
+            objs, _ = self.tier.get([key])
+            if objs:
+                self.tier.copy_into(objs, pool.blocks([block]))
+            else:
+                self.missed.append(key)
+
+    def _save(self, key: int, block: list[Tensor]) -> None:
+        store = self.begin_store([key])
+        if store is not None:
+            store.views[0].copy_(block[0])
+            self.submit(store)
+
+    def begin_store(self, keys: list[int]) -> StoreBatch | None:
+        """LMCache memory for `keys` (those it has none for are reported dropped)."""
+        store = self.tier.begin_store(keys)
+        got = len(store.keys) if store is not None else 0
+        self.dropped += keys[got:]
+        return store
+
+    def submit(self, store: StoreBatch) -> None:
+        if not self.tier.submit(store):
+            self.dropped += store.keys
+
+    def after(self, ops: HostOps) -> tuple[list[int], list[int]]:
+        """The batch's DROPs (behind its stores); returns and resets what went wrong (missed, dropped)."""
+        self.tier.remove(ops.drops)
+        out = self.missed, self.dropped
+        self.missed, self.dropped = [], []
+        return out
+
+    def holds(self, keys: Sequence[int]) -> tuple[list[int], int]:
+        """Of `keys`, those this stage's LMCache lacks, and how many chunks it holds beyond them
+        (after its queued stores and drops)."""
+        self.tier.flush()
+        return self.tier.holds(keys)
+
+    def close(self) -> None:
+        self.tier.close()
