@@ -204,6 +204,17 @@ def test_a_long_prefill_leaves_room_for_the_arrivals_its_recent_objectives_annou
     _same(pieced, alone)
 
 
+def test_objectives_nobody_could_meet_still_announce_arrivals(tiny_dir: Path, tmp_path: Path) -> None:
+    """The only request seen lately was a lost cause (40 ms predicted, 20 ms objective: a new user's
+    call). A like request with its prefix cached is expected to need half its objective: pieces
+    leave the other 10 ms free (at 1 ms a token: the 4-block minimum, 64 tokens)."""
+    long_ids = _ids(2000, 22)
+    with _engine(tiny_dir, tmp_path, "model.max_model_len=4096") as engine:
+        _one(engine, _ids(40, 23), slo_ms=20)
+        pieced = _one(engine, long_ids)
+    assert pieced.num_pieces >= 2000 // 64
+
+
 def test_the_deadline_counts_from_the_arrival_the_caller_gives(tiny_dir: Path, tmp_path: Path) -> None:
     """The API process stamps a request when it receives it; the engine, busy with a forward, reads
     it later: its deadline counts from the stamp, so a request that waited out its objective in

@@ -12,6 +12,9 @@ whole long prefill would wait for all of it. So `deadline` also plans for the re
 arrive: the tightest slack (objective minus predicted time) among the objectives seen in the last
 minute stands for one more urgent request arriving now, and a long prefill runs in pieces no
 longer than that slack even when nobody waits (at least MIN_ANTICIPATED_BLOCKS blocks a piece).
+When every request seen lately was a lost cause (predicted past its objective: a new user's call
+whose profile is not cached), their objectives still announce the traffic: a like request whose
+prefix is cached is expected to need LOST_CAUSE_SHARE of its objective, the rest its slack.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ HORIZON_S = 60.0  # objectives seen this recently stand for the arrivals a piece
 # Pieces cut for arrivals that have not happened are at least this many blocks: each piece costs a
 # gather of its prefix and a step, and a guess must not turn one forward into hundreds.
 MIN_ANTICIPATED_BLOCKS = 4
+LOST_CAUSE_SHARE = 0.5  # of a lost cause's objective: the time a like request with a cached prefix needs
 
 
 class Engine(Protocol):
@@ -75,8 +79,11 @@ class Pieces:
 
     def _anticipated(self, now: float) -> Urgent | None:
         """One request arriving now with the tightest slack seen lately (lost causes, whose predicted
-        time exceeds their objective, left out); None when no objective was seen in HORIZON_S."""
-        slack = [(slo - jct, jct) for t, slo, jct in self._objectives if t >= now - HORIZON_S and jct < slo]
+        time exceeds their objective, only when there was nothing else: see the module's docstring);
+        None when no objective was seen in HORIZON_S."""
+        recent = [(slo, jct) for t, slo, jct in self._objectives if t >= now - HORIZON_S]
+        slack = [(slo - jct, jct) for slo, jct in recent if jct < slo]
+        slack = slack or [(slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE) for slo, _ in recent]
         if not slack:
             return None
         least, jct = min(slack)

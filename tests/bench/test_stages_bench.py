@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,15 +14,17 @@ from tiered.cli import main
 
 
 def test_system_names_set_the_pipeline_keys_and_bad_ones_are_named() -> None:
-    assert system_overrides("1x2") == ["engine.pipeline_stages=1", "engine.threads=2"]
+    assert system_overrides("1x2") == ["engine.pipeline_stages=1", "engine.threads=2", "cache.suffix=discard"]
+    assert system_overrides("2x1-waves-2+host")[:3] == [
+        "engine.pipeline_stages=2", "engine.threads_per_stage=1", "cache.suffix=offload"]  # fmt: skip
     assert system_overrides("2x1-fill-drain")[-1] == "engine.pipeline_schedule=fill-drain"
     assert system_overrides("4x2-waves-8") == [
-        "engine.pipeline_stages=4", "engine.threads_per_stage=2", "engine.pipeline_schedule=waves",
-        "engine.pipeline_microbatches=8",
+        "engine.pipeline_stages=4", "engine.threads_per_stage=2", "cache.suffix=discard",
+        "engine.pipeline_schedule=waves", "engine.pipeline_microbatches=8",
     ]  # fmt: skip
     assert system_overrides("2x1-waves-4-flight1")[-1] == "engine.pipeline_batches_in_flight=1"
-    for bad in ("2x", "waves-2", "2x1-waves", "2x1-fill", "2x1-waves-2-flight"):
-        with pytest.raises(BenchError, match=bad):
+    for bad in ("2x", "waves-2", "2x1-waves", "2x1-fill", "2x1-waves-2-flight", "1x2+offload"):
+        with pytest.raises(BenchError, match=re.escape(bad)):
             system_overrides(bad)
 
 
@@ -29,7 +32,7 @@ def test_two_stages_answer_as_one_process_and_report_their_bubbles(tiny_dir: Pat
     out = tmp_path / "stages.json"
     code = main(["bench", "stages", "--set", f"model.path={tiny_dir}", "--set", "model.dtype=float32",
                  "--set", f"attention.profile_cache_dir={tmp_path}", "--set", f"scheduler.profile_cache_dir={tmp_path}",
-                 "--systems", "1x2,2x1-waves-2", "--users", "2", "--visits", "3", "--posts", "3",
+                 "--systems", "1x2,2x1-waves-2,2x1-waves-2+host", "--users", "2", "--visits", "3", "--posts", "3",
                  "--profile-tokens", "120", "--post-tokens", "20", "--json", str(out)])  # fmt: skip
     assert code == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())["systems"]}
@@ -37,3 +40,4 @@ def test_two_stages_answer_as_one_process_and_report_their_bubbles(tiny_dir: Pat
     assert all(0.0 <= b < 1.0 for b in rows["2x1-waves-2"]["bubbles"])
     assert rows["2x1-waves-2"]["max_logprob_diff"] < 1e-4
     assert rows["1x2"]["computed_tokens"] == rows["2x1-waves-2"]["computed_tokens"] > 0
+    assert rows["2x1-waves-2+host"]["max_logprob_diff"] < 1e-4

@@ -5,9 +5,11 @@ saturation) through one engine after another, in this process: `1xN` (one proces
 the machine's cores) and `Sx1-<schedule>` (S stage processes of N / S threads each: `fill-drain`
 or `waves-M[-flightK]`, M micro-batches per batch, K batches in the pipe at once). Per system:
 visits/s, computed tokens/s, each stage's bubble fraction (1 - its busy seconds / the seconds
-the pipe held a batch) and the max |logprob - the first system's| over every prompt. Every
-engine runs with `cache.suffix: discard` (the host tier is not yet per stage) and the same
-device tier.
+the pipe held a batch) and the max |logprob - the first system's| over every prompt, and the
+tokens that came from the host tier. Every engine runs with the same device tier and with
+`cache.suffix: discard`; a name ending in `+host` runs with `offload` (the host tier: LMCache in
+this process, or in every stage), which matters when the device tier is too small for the users'
+profiles (--set cache.device_tier_bytes=...).
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ from tiered.cli_options import add_config_args
 log = logging.getLogger(__name__)
 
 SYSTEM = re.compile(r"^(?:1x(?P<threads>\d+)|(?P<stages>\d+)x(?P<per>\d+)-(?:(?P<fd>fill-drain)|waves-(?P<m>\d+)"
-                    r"(?:-flight(?P<k>\d+))?))$")
+                    r"(?:-flight(?P<k>\d+))?))(?P<host>\+host)?$")
 
 
 def system_overrides(name: str) -> list[str]:
     """The config keys a system name sets (BenchError naming it when it is not of a known form)."""
     m = SYSTEM.match(name)
     if m is None:
-        raise BenchError(f"--systems: '{name}' is not 1xN, SxN-fill-drain or SxN-waves-M[-flightK]")
+        raise BenchError(f"--systems: '{name}' is not 1xN, SxN-fill-drain or SxN-waves-M[-flightK], each optionally "
+                         "+host")  # fmt: skip
+    suffix = f"cache.suffix={'offload' if m['host'] else 'discard'}"
     if m["threads"]:
-        return ["engine.pipeline_stages=1", f"engine.threads={m['threads']}"]
-    out = [f"engine.pipeline_stages={m['stages']}", f"engine.threads_per_stage={m['per']}"]
+        return ["engine.pipeline_stages=1", f"engine.threads={m['threads']}", suffix]
+    out = [f"engine.pipeline_stages={m['stages']}", f"engine.threads_per_stage={m['per']}", suffix]
     if m["fd"]:
         return [*out, "engine.pipeline_schedule=fill-drain"]
     out += ["engine.pipeline_schedule=waves", f"engine.pipeline_microbatches={m['m']}"]
@@ -54,12 +58,12 @@ def _run_system(args: argparse.Namespace, name: str, requests: list[Any]) -> dic
     from tiered.pipeline.runner import PipelineRunner
     from tiered.score import ScoreParams
 
-    cfg = load_config(_config_path(args), [*args.overrides, "cache.suffix=discard", *system_overrides(name)])
+    cfg = load_config(_config_path(args), [*args.overrides, *system_overrides(name)])
     params = ScoreParams(logprob_token_ids=tuple(args.token_ids))
     with Engine(cfg) as engine:
         warm = engine.submit(requests[0].token_ids[: args.post_tokens], params)  # a forward of every stage
         engine.run()
-        engine.tiers.device_tier.clear()
+        engine.tiers.clear()
         runner = engine.runner
         before = runner.stats() if isinstance(runner, PipelineRunner) else []
         forward_before = runner.forward_seconds if isinstance(runner, PipelineRunner) else 0.0
@@ -79,6 +83,7 @@ def _run_system(args: argparse.Namespace, name: str, requests: list[Any]) -> dic
     computed = sum(res.split.num_miss_tokens - res.num_shared_tokens for res in results)
     visits = len({r.visit for r in requests})
     out = {"system": name, "seconds": seconds, "visits_per_s": visits / seconds, "computed_tokens": computed,
+           "host_hit_tokens": sum(res.split.num_host_hit_tokens for res in results),
            "tokens_per_s": computed / seconds, "bubbles": bubbles,
            "logprobs": {res.request_id: res.logprobs for res in results}}  # fmt: skip
     log.info("%s: %.1f s, %.3f visits/s, %.0f computed tokens/s, bubbles %s", name, seconds, out["visits_per_s"],
@@ -107,10 +112,11 @@ def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
         row["max_logprob_diff"] = max(abs(v - first[rid][t]) for rid, lp in logprobs.items() for t, v in lp.items())
         row["throughput_vs_first"] = row["visits_per_s"] / rows[0]["visits_per_s"]
     print(f"{os.cpu_count()} cores; {args.visits} visits x {args.posts} posts, {args.users} Zipf users")
-    print(f"{'system':22} {'s':>7} {'visits/s':>9} {'tokens/s':>9} {'vs first':>8} {'max |dlogp|':>11}  bubbles")
+    print(f"{'system':27} {'s':>7} {'visits/s':>9} {'tokens/s':>9} {'vs first':>8} {'max |dlogp|':>11} {'host hits':>9}"
+          "  bubbles")  # fmt: skip
     for r in rows:
-        print(f"{r['system']:22} {r['seconds']:>7.1f} {r['visits_per_s']:>9.3f} {r['tokens_per_s']:>9.0f} "
-              f"{r['throughput_vs_first']:>7.2f}x {r['max_logprob_diff']:>11.1e}  "
+        print(f"{r['system']:27} {r['seconds']:>7.1f} {r['visits_per_s']:>9.3f} {r['tokens_per_s']:>9.0f} "
+              f"{r['throughput_vs_first']:>7.2f}x {r['max_logprob_diff']:>11.1e} {r['host_hit_tokens']:>9}  "
               f"{', '.join(f'{b:.0%}' for b in r['bubbles']) or '-'}")  # fmt: skip
     return write_report(args.json, "stages", cfg.device, {"trace": trace.params, "systems": rows})
 
@@ -129,8 +135,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    default=[f"1x{cores}", f"2x{half}-fill-drain", f"2x{half}-waves-2-flight1",
                             f"2x{half}-waves-2-flight2", f"2x{half}-waves-2"],
                    help="comma-separated: 1xN, SxN-fill-drain, SxN-waves-M[-flightK] (M micro-batches per batch, "
-                        "K batches in the pipe at once: default engine.pipeline_batches_in_flight); the first is "
-                        "the reference")  # fmt: skip
+                        "K batches in the pipe at once: default engine.pipeline_batches_in_flight), each optionally "
+                        "+host (cache.suffix: offload; else discard); the first is the reference")  # fmt: skip
     p.add_argument("--users", type=int, default=8, help="distinct users (profiles)")
     p.add_argument("--visits", type=int, default=12, help="visits, all queued at once")
     p.add_argument("--posts", type=int, default=8, help="prompts per visit")
