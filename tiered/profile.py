@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 # Part of the JCT profile's cache key. Bump it when the forward's or the tiers' costs change: a
 # profile cached by older code would price jobs (host loads above all) at what they used to cost.
 # 2: the host tier at copy speed (issue 15). 3: the cache file's layout (tiered/measured.py), the precision.
-JCT_PROFILE_VERSION = 3
+# 4: profiles with the host tier on, measured before the fix of 2026-12-01, ran on one core (a host-tier
+# thread set the process's torch threads): ~2x every cost; and the torch thread count is now in the key.
+JCT_PROFILE_VERSION = 4
 
 
 class Engine(Protocol):
@@ -65,7 +67,7 @@ def profile_jct(engine: Engine) -> JCTModel:
         "torch": torch.__version__,
         "mode": f.mode, "chunk": f.chunk_tokens, "block": cache.block_tokens,
         "totals": totals, "fractions": sc.profile_miss_fractions, "host": engine.tiers.host_tier is not None,
-        "cost_paths": JCT_PROFILE_VERSION,
+        "cost_paths": JCT_PROFILE_VERSION, "threads": torch.get_num_threads(),
     }  # fmt: skip
     e = engine.config.engine
     if e.pipeline_stages > 1:  # measured through the stages: a fit per pipeline set-up
