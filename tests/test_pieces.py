@@ -206,8 +206,8 @@ def test_a_long_prefill_leaves_room_for_the_arrivals_its_recent_objectives_annou
 
 def test_objectives_nobody_could_meet_still_announce_arrivals(tiny_dir: Path, tmp_path: Path) -> None:
     """The only request seen lately was a lost cause (40 ms predicted, 20 ms objective: a new user's
-    call). A like request with its prefix cached is expected to need half its objective: pieces
-    leave the other 10 ms free (at 1 ms a token: the 4-block minimum, 64 tokens)."""
+    call). A like request with its prefix cached is expected to need a quarter of its objective:
+    pieces leave the other 15 ms free (at 1 ms a token: under one block, so one-block pieces)."""
     long_ids = _ids(2000, 22)
     with _engine(tiny_dir, tmp_path, "model.max_model_len=4096") as engine:
         _one(engine, _ids(40, 23), slo_ms=20)

@@ -269,6 +269,8 @@ class Engine:
             for p in launched.prepared:
                 self.tiers.abort(p)
             lost += launched.batch
+        if not retry:  # a pipeline restarted: its stages' host tiers are gone with them
+            self.tiers.forget_host()
         return give_back(lost, self.tiers.device_tier, self.scheduler if retry else None, why)
 
     def _batch_makes(self, batch: list[Decision], nxt: Waiting) -> bool:

@@ -11,10 +11,12 @@ A piece is chosen when it starts, and a forward is not preempted: a request that
 whole long prefill would wait for all of it. So `deadline` also plans for the requests likely to
 arrive: the tightest slack (objective minus predicted time) among the objectives seen in the last
 minute stands for one more urgent request arriving now, and a long prefill runs in pieces no
-longer than that slack even when nobody waits (at least MIN_ANTICIPATED_BLOCKS blocks a piece).
-When every request seen lately was a lost cause (predicted past its objective: a new user's call
-whose profile is not cached), their objectives still announce the traffic: a like request whose
-prefix is cached is expected to need LOST_CAUSE_SHARE of its objective, the rest its slack.
+longer than that slack even when nobody waits; but never one whose fixed cost (a forward's own,
+reading its prefix) is over 1 / PIECE_OVERHEAD_SHARE of it, and never under one block.
+A lost cause (predicted past its objective: a new user's call whose profile is not cached) still
+announces the traffic: a like request whose prefix is cached is expected to need LOST_CAUSE_SHARE
+of its objective, the rest being its slack. (Without it, with only new users' calls and the long
+prompts' own loose objectives seen lately, a 16 K prompt ran in pieces of a minute.)
 """
 
 from __future__ import annotations
@@ -26,20 +28,21 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tiered.config import Config
-from tiered.offload.request import TierRequest
+from tiered.offload.request import HitSplit, TierRequest
 from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel
-from tiered.scheduler.pieces import Urgent, choose_piece, fixed_piece
+from tiered.scheduler.pieces import Urgent, choose_piece, fixed_piece, largest_feasible
 from tiered.scheduler.scheduler import Decision, Scheduler
 from tiered.score import Result
 
 log = logging.getLogger(__name__)
 
 HORIZON_S = 60.0  # objectives seen this recently stand for the arrivals a piece must leave room for
-# Pieces cut for arrivals that have not happened are at least this many blocks: each piece costs a
-# gather of its prefix and a step, and a guess must not turn one forward into hundreds.
-MIN_ANTICIPATED_BLOCKS = 4
-LOST_CAUSE_SHARE = 0.5  # of a lost cause's objective: the time a like request with a cached prefix needs
+# A piece cut for arrivals that have not happened costs at least this many times its fixed part
+# (JCTModel.piece_seconds with no tokens: a step, and reading its prefix): a guess may slow the long
+# request by 1 / PIECE_OVERHEAD_SHARE at most (bench-m: one-block pieces over a 16 K prompt, +18% by the model).
+PIECE_OVERHEAD_SHARE = 5
+LOST_CAUSE_SHARE = 0.25  # of a lost cause's objective: the time a like request with a cached prefix needs
 
 
 class Engine(Protocol):
@@ -78,12 +81,10 @@ class Pieces:
             self._objectives.popleft()
 
     def _anticipated(self, now: float) -> Urgent | None:
-        """One request arriving now with the tightest slack seen lately (lost causes, whose predicted
-        time exceeds their objective, only when there was nothing else: see the module's docstring);
-        None when no objective was seen in HORIZON_S."""
-        recent = [(slo, jct) for t, slo, jct in self._objectives if t >= now - HORIZON_S]
-        slack = [(slo - jct, jct) for slo, jct in recent if jct < slo]
-        slack = slack or [(slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE) for slo, _ in recent]
+        """One request arriving now with the tightest slack seen lately (a lost cause's: see the
+        module's docstring); None when no objective was seen in HORIZON_S."""
+        slack = [(slo - jct, jct) if jct < slo else (slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE)
+                 for t, slo, jct in self._objectives if t >= now - HORIZON_S]  # fmt: skip
         if not slack:
             return None
         least, jct = min(slack)
@@ -111,8 +112,8 @@ class Pieces:
                 return None
             planned = sorted(urgent + ([arrival] if arrival is not None else []), key=lambda u: u.deadline)
             n = choose_piece(now, split, planned, e.jct, bt)
-            if not urgent:  # only an anticipated arrival: never a wait, never a sliver of a piece
-                n = max(n, MIN_ANTICIPATED_BLOCKS * bt)
+            if not urgent:  # only an anticipated arrival: never a wait, never a piece mostly overhead
+                n = max(n, self._least_piece(split))
             choice = PieceChoice(take=urgent[0].request_id) if n == 0 else PieceChoice(n)
             if n >= split.num_miss_tokens:
                 return None
@@ -121,6 +122,13 @@ class Pieces:
         if choice is not None and choice.take is not None:
             self.num_deferrals += 1
         return choice
+
+    def _least_piece(self, split: HitSplit) -> int:
+        """The smallest block-aligned piece that costs PIECE_OVERHEAD_SHARE times its fixed part."""
+        jct, bt = self.engine.jct, self.engine.tiers.block_tokens
+        floor = PIECE_OVERHEAD_SHARE * jct.piece_seconds(split, 0)
+        below = largest_feasible(bt, split.num_miss_tokens, lambda p: jct.piece_seconds(split, p) < floor)
+        return below + bt
 
     def run(self, d: Decision, num_tokens: int, started: float) -> list[Result]:
         """Compute the head's next `num_tokens` (block-aligned), park them, queue the head again.

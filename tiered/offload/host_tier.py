@@ -54,18 +54,12 @@ _KEY_MASK = (1 << 64) - 1  # LMCache prints chunk hashes in hex: keep them unsig
 class HostTier:
     """LMCache's storage (CPU, disk, remote backends as configured) keyed by our block keys."""
 
-    def __init__(
-        self,
-        cfg: HostTierConfig,
-        block_tokens: int,
-        args: ModelArgs,
-        dtype: torch.dtype,
-        instance_id: str,
-        model_name: str | None = None,
-    ) -> None:
+    def __init__(self, cfg: HostTierConfig, block_tokens: int, args: ModelArgs, dtype: torch.dtype, instance_id: str,
+                 model_name: str | None = None, evict: bool = True) -> None:  # fmt: skip
         """`instance_id` names this tier's LMCache engine in the process; `model_name` (default:
         the instance id) is LMCache's model name, part of every chunk key: engines that share a
-        remote store (`remote_url`) share chunks when they give the same name (the model's identity)."""
+        remote store (`remote_url`) share chunks when they give the same name (the model's identity).
+        `evict=False`: a store finds no memory rather than evict (a pipeline stage's: tiered/pipeline/host.py)."""
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.memory_management import MemoryFormat
 
@@ -75,7 +69,7 @@ class HostTier:
         self.model_name = model_name = model_name or instance_id
         self.chunk_shape = (2, args.num_layers, block_tokens, args.num_kv_heads, args.head_dim)
         self.chunk_bytes = block_tokens * args.kv_bytes_per_token(dtype)
-        self._dtype = dtype
+        self._dtype, self._evict = dtype, evict
         self._engine, config = start_lmcache(cfg.lmcache, args, block_tokens, dtype, instance_id, model_name)
         local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)
                                                             if config.local_disk else 0.0)  # fmt: skip
@@ -207,7 +201,7 @@ class HostTier:
             try:
                 for _ in keys:
                     obj = self._storage.allocate(
-                        self._obj_shape, self._dtype, self._fmt, eviction=True, busy_loop=False
+                        self._obj_shape, self._dtype, self._fmt, eviction=self._evict, busy_loop=False
                     )
                     if obj is None:
                         break
@@ -254,6 +248,8 @@ class HostTier:
         """Take `keys` out of LMCache after every store queued before (tiered/pipeline/host.py)."""
         with self._lock:
             if keys and not self._closed:
+                for k in keys:  # a store of it not yet put is no longer readable (a later one will be)
+                    self._pending.pop(k, None)
                 self._queue.append(batch := StoreBatch(keys, [], [], remove=True))
                 self._last = batch
                 self._wake.notify()

@@ -310,6 +310,10 @@ class KVTiers:
         if prepared.store is not None and self.host_tier is not None:
             self.host_tier.abort_store(prepared.store)
 
+    def forget_host(self) -> None:
+        """The host tier's contents are lost (a pipeline's stages restarted): no key is a host hit."""
+        self._changed(self.host_keys.clear())
+
     def flush(self) -> None:
         if self.host_tier is not None:
             self.host_tier.flush()

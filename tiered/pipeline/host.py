@@ -8,10 +8,11 @@ LMCache would (`offload.host_base.Host`) and turns each decision into an instruc
 executes with the next batch it is sent (`HostOps`), in the order decided:
 
 - before the batch's forward: SAVE (an evicted device block into LMCache, `write_policy:
-  on-evict`) and LOAD (a host chunk into a device block: a host hit), in the order the
-  coordinator made them;
+  on-evict`), LOAD (a host chunk into a device block: a host hit) and DROP (a chunk the index
+  evicted or gave up: a stage may hold a wrong one, computed by a batch that read a chunk another
+  stage lacked), in the order the coordinator made them;
 - during it: the forward's own stores (`runner.ItemPlan.stored_keys`: rows of a request's K,V);
-- after it: DROP (chunks the index evicted or gave up), queued behind the stores.
+- after it: DROP of chunks this very batch stores and the index evicted while planning it.
 
 So the stages' tiers hold the same keys as the index: a chunk is a host hit on every stage or
 on none, and the index alone evicts (each stage's LMCache is sized with room to spare, so it
@@ -45,7 +46,7 @@ from tiered.offload.request import StoreBatch
 
 log = logging.getLogger(__name__)
 
-SAVE, LOAD = 0, 1
+SAVE, LOAD, DROP = 0, 1, 2
 # Each stage's LMCache holds this much more than its share of the index's chunks: stores land
 # before the drops of the same batch, and its allocator needs room to spare.
 STAGE_ROOM = 1.25
@@ -55,8 +56,8 @@ STAGE_ROOM = 1.25
 class HostOps:
     """What every stage's host tier does with one batch (the module docstring gives the order)."""
 
-    before: list[tuple[int, int, int]] = field(default_factory=list)  # (SAVE | LOAD, key, block id)
-    drops: list[int] = field(default_factory=list)
+    before: list[tuple[int, int, int]] = field(default_factory=list)  # (SAVE | LOAD | DROP, key, block id)
+    drops: list[int] = field(default_factory=list)  # after the forward
 
 
 class StagedHost:
@@ -71,6 +72,7 @@ class StagedHost:
         self.on_stored: Callable[[StoreBatch], None] | None = None
         self._held: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._ops = HostOps()
+        self._fresh: set[int] = set()  # keys admitted since the last batch was sent (stored by it)
         self._lock = threading.Lock()
         self.stats_ = HostTierStats()
 
@@ -104,13 +106,24 @@ class StagedHost:
             return None
         with self._lock:
             admitted = set(keys)
+            # Evicted and admitted again before the batch is sent: its store stands (a DROP before the
+            # forward, of a chunk held earlier, stays: the stage then stores the new one).
             self._ops.drops[:] = [k for k in self._ops.drops if k not in admitted]
+            self._fresh |= admitted
             for k in keys:
                 self._held[k] = None
                 self._held.move_to_end(k)
             while len(self._held) > self.capacity_chunks:
-                self._ops.drops.append(self._held.popitem(last=False)[0])
+                self._drop(self._held.popitem(last=False)[0])
         return StoreBatch(list(keys), [], [])
+
+    def _drop(self, key: int) -> None:
+        """Under the lock: every stage takes `key` out of its LMCache: after the next forward when
+        that forward stores it (admitted since the last batch was sent), else before it."""
+        if key in self._fresh:
+            self._ops.drops.append(key)
+        else:
+            self._ops.before.append((DROP, key, -1))
 
     def write_block(self, store: StoreBatch, block_id: int, views: Callable[[Sequence[int]], list[Tensor]]) -> None:
         """Every stage stores its device block `block_id` as `store.keys[0]` before the next batch."""
@@ -124,6 +137,7 @@ class StagedHost:
         """The batch's forward ran (or its SAVE is queued): its chunks count as held, but for those a
         stage reported it could not store (`lost`) meanwhile."""
         with self._lock:
+            lost = [k for k in batch.keys if k not in self._held]
             batch.keys = [k for k in batch.keys if k in self._held]
             self.stats_.num_stores += 1
             self.stats_.num_stored_tokens += len(batch.keys) * self.block_tokens
@@ -131,6 +145,8 @@ class StagedHost:
         batch.ok = True
         batch.done.set()
         if self.on_stored is not None:
+            if lost:  # not stored after all (the caller counted them as storing)
+                self.on_stored(StoreBatch(lost, [], [], ok=False))
             self.on_stored(batch)
         return True
 
@@ -145,13 +161,14 @@ class StagedHost:
             gone = [k for k in keys if k in self._held]
             for k in gone:
                 del self._held[k]
-            self._ops.drops.extend(gone)
+                self._ops.before.append((DROP, k, -1))  # a stage may hold a wrong one: before anything else
             self.stats_.num_dropped_chunks += len(gone)
 
     def take_ops(self) -> HostOps:
         """The instructions for the batch about to be sent."""
         with self._lock:
             ops, self._ops = self._ops, HostOps()
+            self._fresh.clear()
         return ops
 
     @property
@@ -166,10 +183,12 @@ class StagedHost:
         with self._lock:
             self._held.clear()
             self._ops = HostOps()
+            self._fresh.clear()
 
     def clear(self) -> None:
         with self._lock:
-            self._ops.drops.extend(self._held)
+            for k in list(self._held):
+                self._drop(k)
             self._held.clear()
 
     def flush(self) -> None:
@@ -205,10 +224,12 @@ def staged_host(config: Config, args: ModelArgs, kv_dtype: str, model_name: str)
     return StagedHost(host, capacity, chunk_bytes, bt, model_name)
 
 
-def stage_host_config(cfg: HostTierConfig, capacity_chunks: int, stage_chunk_bytes: int) -> HostTierConfig:
-    """A stage's LMCache: room for the index's chunks of its layers (and STAGE_ROOM to spare), in
-    its CPU memory; no disk or remote backend (the config refuses them with stages)."""
-    size_gb = capacity_chunks * stage_chunk_bytes * STAGE_ROOM / 2**30 + 1 / 1024
+def stage_host_config(cfg: HostTierConfig, capacity_chunks: int, stage_chunk_bytes: int,
+                      in_flight_chunks: int) -> HostTierConfig:  # fmt: skip
+    """A stage's LMCache: room for the index's chunks of its layers, STAGE_ROOM to spare, and the
+    chunks the batches in the pipe may store before their DROPs run (`in_flight_chunks`), in its
+    CPU memory; no disk or remote backend (the config refuses them with stages)."""
+    size_gb = (capacity_chunks * STAGE_ROOM + in_flight_chunks) * stage_chunk_bytes / 2**30 + 1 / 1024
     lmcache = {**cfg.lmcache, "max_local_cpu_size": size_gb, "local_disk": None, "remote_url": None}
     # Its stores must not be dropped for a full queue: the index counts them as held.
     return replace(cfg, lmcache=lmcache, max_pending_stores=max(cfg.max_pending_stores, 1 << 16))
@@ -219,15 +240,20 @@ class StageHost:
 
     def __init__(self, cfg: HostTierConfig, block_tokens: int, args: ModelArgs, dtype: torch.dtype, stage: int,
                  model_name: str) -> None:  # fmt: skip
-        self.tier = HostTier(cfg, block_tokens, args, dtype, f"stage-{stage}-{uuid.uuid4().hex[:8]}", model_name)
+        # LMCache never evicts on its own here (the index does): a store without room is reported dropped.
+        self.tier = HostTier(cfg, block_tokens, args, dtype, f"stage-{stage}-{uuid.uuid4().hex[:8]}", model_name,
+                             evict=False)  # fmt: skip
         self.missed: list[int] = []  # this batch's LOADs that found no chunk
         self.dropped: list[int] = []  # this batch's stores that found no memory
 
     def before(self, ops: HostOps, pool: DeviceTier) -> None:
-        """The batch's SAVEs and LOADs, in order."""
+        """The batch's SAVEs, LOADs and DROPs before its forward, in order."""
         for kind, key, block in ops.before:
             if kind == SAVE:
                 self._save(key, pool.blocks([block]))
+                continue
+            if kind == DROP:
+                self.tier.remove([key])
                 continue
             objs, _ = self.tier.get([key])
             if objs:

@@ -101,7 +101,7 @@ class _Ticket:
     every stage load (key -> device block id)."""
 
     cut: list[list[int]]
-    loads: dict[int, int]
+    loads: list[tuple[int, int]]  # (key, block id): a key twice when the prefetch thread loaded it too
 
 
 class PipelineRunner:
@@ -124,7 +124,7 @@ class PipelineRunner:
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self.num_restarts = 0
-        self.num_retries = 0  # batches computed again: a stage lacked a host chunk it was told to load
+        self.num_retries = 0  # times the pipe's batches were computed again: a stage lacked a host chunk
         self.forward_seconds = 0.0  # wall time with a batch in the pipe, since the pipeline (re)started
         self._in_flight, self._busy_since = 0, 0.0
         started = time.monotonic()
@@ -228,7 +228,7 @@ class PipelineRunner:
         except OSError as exc:
             self._fail(f"sending the batch failed ({exc})")
         self._in_flight += 1
-        loads = {key: block for kind, key, block in ops.before if kind == LOAD} if ops is not None else {}
+        loads = [(key, block) for kind, key, block in ops.before if kind == LOAD] if ops is not None else []
         self._tickets.append(ticket := _Ticket(cut, loads))
         return ticket
 
@@ -275,10 +275,11 @@ class PipelineRunner:
         the device tier's index, the later batches are drained, and the engine computes them all
         again (ForwardRetry)."""
         lost, num_missed = len(self._tickets), len(missed)
-        self.num_retries += lost
+        self.num_retries += 1
         while True:
             ticket = self._tickets.popleft()
-            self.device_tier.uncache([ticket.loads[k] for k in missed if k in ticket.loads])
+            gone = set(missed)
+            self.device_tier.uncache([block for key, block in ticket.loads if key in gone])
             if not self._in_flight:
                 break
             missed = self._done()[1]
@@ -366,9 +367,15 @@ def start_pipeline(config: Config, model_dir: Path, args: ModelArgs, precision: 
     host = staged_host(config, args, precision.kv, model_name)
     bt = config.cache.block_tokens
 
+    fill_drain = e.pipeline_schedule == "fill-drain"
+    microbatches = 1 if fill_drain else (e.pipeline_microbatches or stages)
+    in_flight = 1 if fill_drain else (e.pipeline_batches_in_flight or stages + 1)
+    batch_chunks = (config.scheduler.max_batch_tokens or config.model.max_model_len) // bt + 1
+
     def stage_host(layers: range) -> HostTierConfig | None:
         stage_chunk = bt * replace(args, num_layers=len(layers)).kv_bytes_per_token(DTYPES[precision.kv])
-        return stage_host_config(config.cache.host, host.capacity_chunks, stage_chunk) if host else None
+        return stage_host_config(config.cache.host, host.capacity_chunks, stage_chunk,
+                                 batch_chunks * in_flight) if host else None  # fmt: skip
 
     specs = [
         StageSpec(s, stages, layers, str(model_dir), precision.compute, precision.kv, _stage_device(device, s),
@@ -376,8 +383,5 @@ def start_pipeline(config: Config, model_dir: Path, args: ModelArgs, precision: 
                   config.lora.max_loras, stage_host(layers), model_name)
         for s, layers in enumerate(stage_layers(num_layers, stages))
     ]  # fmt: skip
-    fill_drain = e.pipeline_schedule == "fill-drain"
-    microbatches = 1 if fill_drain else (e.pipeline_microbatches or stages)
-    in_flight = 1 if fill_drain else (e.pipeline_batches_in_flight or stages + 1)
     return PipelineRunner(specs, args, microbatches, e.memory_budget_bytes, config.cache.device_tier_bytes, in_flight,
                           e.pipeline_timeout_s, adapters, host)  # fmt: skip
