@@ -49,9 +49,9 @@ def test_run_with_two_pipeline_stages_answers_as_one_process(
     # follows the JCT fit's order (profiled per thread count), so the hit/shared/computed split may differ.
     assert len(two) == 12 and [r[:3] + r[7:8] + r[9:11] for r in two] == [r[:3] + r[7:8] + r[9:11] for r in one]
     assert sum(int(r[6]) for r in two if r[0] == "1") == sum(int(r[6]) for r in one if r[0] == "1")
-    # The default config has a host tier, which stages do not support yet: refused by name.
-    assert main(["run", "-pp", "2", "--set", f"model.path={tiny_dir}"]) == 2
-    assert "config key 'cache.suffix': 'offload' (the host tier) is not yet supported" in capsys.readouterr().err
+    # What stages do not support yet is refused by name.
+    assert main(["run", "-pp", "2", "--set", f"model.path={tiny_dir}", "--set", "forward.mode=chunked"]) == 2
+    assert "config key 'forward.mode': 'chunked' is not yet supported" in capsys.readouterr().err
 
 
 def test_run_names_a_bad_config_value(capsys: pytest.CaptureFixture[str]) -> None:

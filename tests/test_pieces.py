@@ -205,23 +205,31 @@ def test_a_long_prefill_leaves_room_for_the_arrivals_its_recent_objectives_annou
 
 
 def test_objectives_nobody_could_meet_still_announce_arrivals(tiny_dir: Path, tmp_path: Path) -> None:
-    """The only request seen lately was a lost cause (40 ms predicted, 20 ms objective: a new user's
-    call). A like request with its prefix cached is expected to need a quarter of its objective:
-    pieces leave the other 15 ms free (at 1 ms a token: under one block, so one-block pieces)."""
+    """The only request seen lately was a lost cause (200 ms predicted at 1 ms a token, 100 ms
+    objective: a new user's call). A like request with its prefix cached is expected to need a
+    quarter of its objective: pieces leave the other 75 ms free (64 tokens). An objective a quarter
+    of which is below any request's predicted time (20 ms: a one-block request takes 16) announces
+    nothing: the long one then runs whole."""
     long_ids = _ids(2000, 22)
-    with _engine(tiny_dir, tmp_path, "model.max_model_len=4096") as engine:
-        _one(engine, _ids(40, 23), slo_ms=20)
-        pieced = _one(engine, long_ids)
-    assert pieced.num_pieces >= 2000 // 64
+    for slo_ms, pieces in ((100, range(2000 // 64, 2000 // 48 + 1)), (20, range(1, 2))):
+        with _engine(tiny_dir, tmp_path, "model.max_model_len=4096") as engine:
+            _one(engine, _ids(200, 23), slo_ms=slo_ms)
+            assert _one(engine, long_ids).num_pieces in pieces
 
 
-def test_the_deadline_counts_from_the_arrival_the_caller_gives(tiny_dir: Path, tmp_path: Path) -> None:
-    """The API process stamps a request when it receives it; the engine, busy with a forward, reads
-    it later: its deadline counts from the stamp, so a request that waited out its objective in
-    the socket is already late when the engine sees it."""
-    with _engine(tiny_dir, tmp_path, "scheduler.drop_expired=true") as engine:
-        late = engine.submit(_ids(40, 30), TOP, slo_ms=500, arrival=time.monotonic() - 1.0)
-        fresh = engine.submit(_ids(40, 31), TOP, slo_ms=500)
+def test_a_request_between_pieces_runs_alone(tiny_dir: Path, tmp_path: Path) -> None:
+    """300 tokens in 64-token pieces with short requests waiting and a 256-token batch budget: once
+    its remaining tokens fit the budget, it could ride in a batch, where no piece is cut (its whole
+    rest in one forward, over its long prefix). It runs alone: all five pieces, the answer of one pass."""
+    long_ids = _ids(300, 30)
+    with _engine(tiny_dir, tmp_path, "scheduler.pieces=never") as one:
+        whole = _one(one, long_ids)
+    with _engine(tiny_dir, tmp_path, "scheduler.pieces=fixed", "scheduler.piece_tokens=64",
+                 "scheduler.max_batch_tokens=256", "scheduler.policy=fcfs") as engine:  # fmt: skip
+        long_id = engine.submit(long_ids, TOP)
+        for i in range(3):
+            engine.submit(_ids(20, 31 + i), TOP)
         done = {r.request_id: r for r in engine.run()}
-    assert done[late].expired and done[late].queued_seconds >= 1.0
-    assert done[fresh].error is None and done[fresh].deadline_met is True
+    assert len(done) == 4 and all(r.error is None for r in done.values())
+    assert done[long_id].num_pieces == 5 and done[long_id].batch_size == 1
+    _same(done[long_id], whole)

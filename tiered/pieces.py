@@ -82,9 +82,12 @@ class Pieces:
 
     def _anticipated(self, now: float) -> Urgent | None:
         """One request arriving now with the tightest slack seen lately (a lost cause's: see the
-        module's docstring); None when no objective was seen in HORIZON_S."""
+        module's docstring; but not one whose objective no request could meet, a quarter of it
+        below a one-block request's predicted time); None when no objective was seen in HORIZON_S."""
+        cheapest = self.engine.jct.predict(HitSplit(0, 0, self.engine.tiers.block_tokens))
         slack = [(slo - jct, jct) if jct < slo else (slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE)
-                 for t, slo, jct in self._objectives if t >= now - HORIZON_S]  # fmt: skip
+                 for t, slo, jct in self._objectives
+                 if t >= now - HORIZON_S and (jct < slo or slo * LOST_CAUSE_SHARE >= cheapest)]  # fmt: skip
         if not slack:
             return None
         least, jct = min(slack)

@@ -81,6 +81,8 @@ class KVTiers:
         self._dtype = dtype
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.host_keys = HostKeys(2 * self.host_tier.capacity_chunks + 1024 if self.host_tier else 0)
+        if self.host_tier is not None and hasattr(self.host_tier, "on_forgotten"):  # a pipeline index: exact
+            self.host_tier.on_forgotten = lambda keys: self._changed(self.host_keys.forget(keys))
         self.on_change: Callable[[Iterable[int]], None] | None = None
         self.device_tier.on_change = lambda key: self._changed((key,))
         self.loader = PrefixLoader(self.device_tier, self.host_tier, self.host_keys, self._changed)

@@ -70,6 +70,9 @@ class StagedHost:
         self.chunk_bytes, self.block_tokens = chunk_bytes, block_tokens
         self.remote_url: str | None = None
         self.on_stored: Callable[[StoreBatch], None] | None = None
+        # Keys the index gave up (evicted or lost): the KV tiers forget them at once (LMCache's own
+        # evictions are silent; the index's are known, so the scheduler's estimate stays exact).
+        self.on_forgotten: Callable[[list[int]], None] | None = None
         self._held: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._ops = HostOps()
         self._fresh: set[int] = set()  # keys admitted since the last batch was sent (stored by it)
@@ -105,6 +108,7 @@ class StagedHost:
         if not keys:
             return None
         with self._lock:
+            evicted: list[int] = []
             admitted = set(keys)
             # Evicted and admitted again before the batch is sent: its store stands (a DROP before the
             # forward, of a chunk held earlier, stays: the stage then stores the new one).
@@ -114,8 +118,14 @@ class StagedHost:
                 self._held[k] = None
                 self._held.move_to_end(k)
             while len(self._held) > self.capacity_chunks:
-                self._drop(self._held.popitem(last=False)[0])
+                evicted.append(key := self._held.popitem(last=False)[0])
+                self._drop(key)
+        self._forgotten(evicted)
         return StoreBatch(list(keys), [], [])
+
+    def _forgotten(self, keys: list[int]) -> None:
+        if keys and self.on_forgotten is not None:
+            self.on_forgotten(keys)
 
     def _drop(self, key: int) -> None:
         """Under the lock: every stage takes `key` out of its LMCache: after the next forward when
@@ -163,6 +173,7 @@ class StagedHost:
                 del self._held[k]
                 self._ops.before.append((DROP, k, -1))  # a stage may hold a wrong one: before anything else
             self.stats_.num_dropped_chunks += len(gone)
+        self._forgotten(gone)
 
     def take_ops(self) -> HostOps:
         """The instructions for the batch about to be sent."""

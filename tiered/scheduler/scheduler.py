@@ -280,19 +280,23 @@ class Scheduler:
         and a head over the budget runs alone. `max_total_tokens`: computed tokens plus the
         longest cached prefix, which bounds the forward's memory (the start-up profile run
         proved `max_model_len` tokens fit). `max_adapters`: most distinct LoRA adapters in the
-        batch (0: no bound)."""
+        batch (0: no bound). A request that yielded between pieces runs alone, head or not: its
+        next piece is decided for a batch of one (tiered/pieces.py), and its remaining tokens,
+        however few, read a long prefix."""
         head = self.pick()
         if head is None:
             return []
         batch = [head]
         miss = head.waiting.split.num_miss_tokens
-        if max_batch_tokens <= 0 or miss >= max_batch_tokens:
+        if max_batch_tokens <= 0 or miss >= max_batch_tokens or head.waiting.num_pieces:
             return batch
         start = time.perf_counter()
         computing = set(self._miss_keys(head.waiting))
         longest_prefix = head.waiting.split.num_tokens - miss
         adapters = {head.waiting.request.adapter}
         for w in self._fill_candidates(head.waiting):
+            if w.num_pieces:
+                continue
             adapter = w.request.adapter  # the base model (None) takes no adapter slot
             full = max_adapters and len(adapters - {None}) >= max_adapters
             if full and adapter is not None and adapter not in adapters:
