@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 HORIZON_S = 60.0  # objectives seen this recently stand for the arrivals a piece must leave room for
 # A piece cut for arrivals that have not happened costs at least this many times its fixed part
 # (JCTModel.piece_seconds with no tokens: a step, and reading its prefix): a guess may slow the long
-# request by 1 / PIECE_OVERHEAD_SHARE at most (bench-m: one-block pieces over a 16 K prompt, +18% by the model).
+# request by 1 / PIECE_OVERHEAD_SHARE at most, as the JCT model prices it.
 PIECE_OVERHEAD_SHARE = 5
 LOST_CAUSE_SHARE = 0.25  # of a lost cause's objective: the time a like request with a cached prefix needs
 

@@ -87,7 +87,7 @@ def test_the_index_evicts_on_every_stage(engines: tuple[Engine, Engine]) -> None
         _evict_device(one, two)
         got, ref = _run(two, last), _run(one, last)
     # Some of them come back from every stage's host tier (all of them in most runs; in ~1 run of 4 only
-    # the first 27-60 chunks, the rest recomputed: not yet explained), with equal answers either way.
+    # the first 27-61 chunks, the rest recomputed: not yet explained), with equal answers either way.
     assert max(r.split.num_host_hit_tokens for r in got) > 0
     _equal_answers(got, ref)
 

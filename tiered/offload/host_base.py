@@ -59,6 +59,8 @@ class Host(Protocol):
     remote_url: str | None
     model_name: str
     on_stored: Callable[[StoreBatch], None] | None
+    # Called with keys the tier is known to have given up (a pipeline's index); LMCache evicts silently.
+    on_forgotten: Callable[[list[int]], None] | None
 
     def get(self, keys: Sequence[int]) -> tuple[list[Any], int]: ...
 

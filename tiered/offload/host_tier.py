@@ -92,6 +92,7 @@ class HostTier:
         self.stats_ = HostTierStats()
         # Called on the store thread after each batch was put (`batch.ok`) or dropped.
         self.on_stored: Callable[[StoreBatch], None] | None = None
+        self.on_forgotten: Callable[[list[int]], None] | None = None  # never called: LMCache evicts silently
         self._warned: set[str] = set()
         self._thread = threading.Thread(target=self._store_loop, name="tiered-host-store", daemon=True)
         self._thread.start()

@@ -72,6 +72,13 @@ class StoreBatch:
     ok: bool = False  # set when `done`: LMCache took the chunks
     remove: bool = False  # not a store: take `keys` out of LMCache (`HostTier.remove`), in queue order
 
+    def write_layer(self, layer: int, k: Tensor, v: Tensor, rows: Sequence[int], non_blocking: bool = False) -> None:
+        """Copy `layer`'s K,V of chunk i from rows rows[i] to rows[i] + block_tokens of a forward's k, v."""
+        bt = self.views[0].shape[2] if self.views else 0
+        dst = [view[0, layer] for view in self.views] + [view[1, layer] for view in self.views]
+        torch._foreach_copy_(dst, [k[r : r + bt] for r in rows] + [v[r : r + bt] for r in rows],
+                             non_blocking=non_blocking)  # fmt: skip
+
 
 @dataclass(slots=True)
 class Prepared:

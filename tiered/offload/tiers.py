@@ -81,7 +81,7 @@ class KVTiers:
         self._dtype = dtype
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.host_keys = HostKeys(2 * self.host_tier.capacity_chunks + 1024 if self.host_tier else 0)
-        if self.host_tier is not None and hasattr(self.host_tier, "on_forgotten"):  # a pipeline index: exact
+        if self.host_tier is not None:
             self.host_tier.on_forgotten = lambda keys: self._changed(self.host_keys.forget(keys))
         self.on_change: Callable[[Iterable[int]], None] | None = None
         self.device_tier.on_change = lambda key: self._changed((key,))
@@ -244,14 +244,12 @@ class KVTiers:
             if store is None:
                 return
             start = time.perf_counter()
-            dst = [view[0, layer] for view in store.views] + [view[1, layer] for view in store.views]
-            src = [k[r : r + bt] for r in rows] + [v[r : r + bt] for r in rows]
             if stream is None:
-                torch._foreach_copy_(dst, src)
+                store.write_layer(layer, k, v, rows)
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    torch._foreach_copy_(dst, src, non_blocking=True)
+                    store.write_layer(layer, k, v, rows, non_blocking=True)
                 k.record_stream(stream)  # the forward frees k, v after this call
                 v.record_stream(stream)
             prepared.store_copy_seconds += time.perf_counter() - start

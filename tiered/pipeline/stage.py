@@ -274,7 +274,6 @@ class Stage:
             self._stores.append(store)
         if not blocks and plan.stash_key is None and store is None:
             return None
-        bt = self.spec.block_tokens
 
         def sink(layer: int, k: Tensor, v: Tensor) -> None:
             if shared is not None:
@@ -285,8 +284,7 @@ class Stage:
             if blocks:
                 pool.write_layer(layer, blocks, k[start:end], v[start:end])
             if store is not None:
-                dst = [view[0, layer] for view in store.views] + [view[1, layer] for view in store.views]
-                torch._foreach_copy_(dst, [k[r : r + bt] for r in rows] + [v[r : r + bt] for r in rows])
+                store.write_layer(layer, k, v, rows)
 
         return sink
 
