@@ -63,8 +63,7 @@ class Engine:
         stages = config.engine.pipeline_stages
         if config.engine.threads or stages > 1:  # with stages, the cores are theirs
             torch.set_num_threads(config.engine.threads or 1)
-        device = resolve_device(config.device)
-        self.device = device
+        self.device = device = resolve_device(config.device)
         folder = resolve_model_path(config.model.path, config.model.models_dir)
         self.model_dir = folder
         self.precision = precision_for(config.model.dtype, config.cache.kv_dtype, folder, device)
@@ -96,6 +95,8 @@ class Engine:
         self.runner: Runner = pipeline or LocalRunner(self.model, self.tiers, self.adapters, config.forward)
         try:
             self.jct = jct_model or profile_jct(self)  # with stages: through them
+            if pipeline:  # its stage models start from the profile
+                pipeline.stage_models.use_prior(self.jct)
         except BaseException:
             self.runner.close()  # no engine to close the stages later
             raise
@@ -117,10 +118,9 @@ class Engine:
         f = self.config.forward
         peak = measure_forward_peak(self.model, self.max_model_len, f.mode, f.chunk_tokens)
         left = budget - peak.peak_bytes
-        log.info(
-            "profile run: %d tokens peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f MiB",
-            self.max_model_len, peak.peak_bytes / 2**20, peak.weights_bytes / 2**20, budget / 2**20, left / 2**20,
-        )  # fmt: skip
+        log.info("profile run: %d tokens peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f "
+                 "MiB", self.max_model_len, peak.peak_bytes / 2**20, peak.weights_bytes / 2**20, budget / 2**20,
+                 left / 2**20)  # fmt: skip
         if left <= 0:
             raise EngineStartError(
                 f"model.max_model_len {self.max_model_len} does not fit engine.memory_budget_bytes {budget}: "

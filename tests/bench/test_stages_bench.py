@@ -32,8 +32,9 @@ def test_two_stages_answer_as_one_process_and_report_their_bubbles(tiny_dir: Pat
     out = tmp_path / "stages.json"
     code = main(["bench", "stages", "--set", f"model.path={tiny_dir}", "--set", "model.dtype=float32",
                  "--set", f"attention.profile_cache_dir={tmp_path}", "--set", f"scheduler.profile_cache_dir={tmp_path}",
-                 "--systems", "1x2,2x1-waves-2,2x1-waves-2+host", "--users", "2", "--visits", "3", "--posts", "3",
-                 "--profile-tokens", "120", "--post-tokens", "20", "--json", str(out)])  # fmt: skip
+                 "--set", "cache.block_tokens=16", "--set", "cache.device_tier_bytes=98304",  # 12 blocks: ~1 profile
+                 "--systems", "1x2,2x1-waves-2,2x1-waves-2+host", "--users", "2", "--visits", "4", "--posts", "3",
+                 "--rounds", "4", "--profile-tokens", "120", "--post-tokens", "20", "--json", str(out)])  # fmt: skip
     assert code == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())["systems"]}
     assert rows["1x2"]["bubbles"] == [] and len(rows["2x1-waves-2"]["bubbles"]) == 2
@@ -41,3 +42,7 @@ def test_two_stages_answer_as_one_process_and_report_their_bubbles(tiny_dir: Pat
     assert rows["2x1-waves-2"]["max_logprob_diff"] < 1e-4
     assert rows["1x2"]["computed_tokens"] == rows["2x1-waves-2"]["computed_tokens"] > 0
     assert rows["2x1-waves-2+host"]["max_logprob_diff"] < 1e-4
+    # One visit a round: a user back after the other's visit finds their profile in every stage's host tier.
+    assert rows["2x1-waves-2+host"]["host_hit_tokens"] > 0 and rows["2x1-waves-2"]["host_hit_tokens"] == 0
+    assert all(e is not None and e >= 0 for e in rows["2x1-waves-2"]["stage_jct_errors"])  # each stage's model
+    assert len(rows["2x1-waves-2"]["stage_jct_errors"]) == 2 and rows["1x2"]["stage_jct_errors"] == []

@@ -118,9 +118,17 @@ def test_failing_host_backend_degrades_with_a_warning(model: CausalLM, make_tier
         _run(model, tiers, _tokens(100, 6))
     assert split.num_host_hit_tokens == 0
     _close(logits, forward(model, ids))
-    # One retrieve; two stores: the first request's chunks again (the failed load forgot them), the second's.
-    assert tiers.stats().host.num_failures == 3 and tiers.stats().host.num_dropped_chunks == 12 + 6
+    # One retrieve; one store, the second request's: LMCache still holds the first request's chunks
+    # (its lookup of them answers), so the failed load forgot none of them.
+    assert tiers.stats().host.num_failures == 2 and tiers.stats().host.num_dropped_chunks == 6
     assert "host tier retrieve failed (ConnectionError: backend unreachable)" in caplog.text
+    monkeypatch.setattr(storage, "contains", broken)  # now that fails too: the chunks count as gone
+    with caplog.at_level(logging.WARNING, logger="tiered.offload.host_tier"):
+        logits, split = _run(model, tiers, ids)
+    _close(logits, forward(model, ids))
+    # A retrieve, a lookup, and the store of the 12 chunks again (the failed lookup forgot them).
+    assert tiers.stats().host.num_failures == 2 + 3 and tiers.stats().host.num_dropped_chunks == 6 + 12
+    assert "host tier lookup failed (ConnectionError: backend unreachable)" in caplog.text
 
 
 def test_lmcache_size_limit_evicts_and_the_engine_keeps_working(model: CausalLM, make_tiers) -> None:

@@ -1,15 +1,16 @@
 """`tiered bench stages`: pipeline stages measured on this machine (issue 25).
 
 The same visits (Zipf users, each visit a profile + `posts` posts, every prompt queued at once:
-saturation) through one engine after another, in this process: `1xN` (one process, N threads:
-the machine's cores) and `Sx1-<schedule>` (S stage processes of N / S threads each: `fill-drain`
-or `waves-M[-flightK]`, M micro-batches per batch, K batches in the pipe at once). Per system:
+saturation; or in --rounds of consecutive visits, each queued once the previous is answered)
+through one engine after another, in this process: `1xN` (one process, N threads: the machine's
+cores) and `Sx1-<schedule>` (S stage processes of N / S threads each: `fill-drain` or
+`waves-M[-flightK]`, M micro-batches per batch, K batches in the pipe at once). Per system:
 visits/s, computed tokens/s, each stage's bubble fraction (1 - its busy seconds / the seconds
-the pipe held a batch) and the max |logprob - the first system's| over every prompt, and the
-tokens that came from the host tier. Every engine runs with the same device tier and with
-`cache.suffix: discard`; a name ending in `+host` runs with `offload` (the host tier: LMCache in
-this process, or in every stage), which matters when the device tier is too small for the users'
-profiles (--set cache.device_tier_bytes=...).
+the pipe held a batch) and the error of its JCT model per micro-batch, the max |logprob - the
+first system's| over every prompt, and the tokens that came from the host tier. Every engine
+runs with the same device tier and with `cache.suffix: discard`; a name ending in `+host` runs
+with `offload` (the host tier: LMCache in this process, or in every stage), which matters when
+the device tier is too small for the users' profiles (--set cache.device_tier_bytes=...).
 """
 
 from __future__ import annotations
@@ -68,15 +69,19 @@ def _run_system(args: argparse.Namespace, name: str, requests: list[Any]) -> dic
         before = runner.stats() if isinstance(runner, PipelineRunner) else []
         forward_before = runner.forward_seconds if isinstance(runner, PipelineRunner) else 0.0
         start = time.perf_counter()
-        for r in requests:
-            engine.submit(r.token_ids, params, request_id=r.request_id)
-        results = [res for res in engine.run() if res.request_id != warm]
+        results = []
+        for batch in rounds(requests, args.rounds):  # each round queued at once, after the previous is answered
+            for r in batch:
+                engine.submit(r.token_ids, params, request_id=r.request_id)
+            results += [res for res in engine.run() if res.request_id != warm]
         seconds = time.perf_counter() - start
         bubbles: list[float] = []
+        errors: list[float | None] = []
         if isinstance(runner, PipelineRunner):
             in_forwards = runner.forward_seconds - forward_before
             bubbles = [1 - (a.busy_seconds - b.busy_seconds) / in_forwards for a, b in zip(runner.stats(), before,
                                                                                              strict=True)]  # fmt: skip
+            errors = runner.stage_models.errors
     failed = [res.request_id for res in results if res.error]
     if failed:
         raise BenchError(f"{name}: {len(failed)} requests failed, e.g. {failed[0]}")
@@ -84,11 +89,21 @@ def _run_system(args: argparse.Namespace, name: str, requests: list[Any]) -> dic
     visits = len({r.visit for r in requests})
     out = {"system": name, "seconds": seconds, "visits_per_s": visits / seconds, "computed_tokens": computed,
            "host_hit_tokens": sum(res.split.num_host_hit_tokens for res in results),
-           "tokens_per_s": computed / seconds, "bubbles": bubbles,
+           "tokens_per_s": computed / seconds, "bubbles": bubbles, "stage_jct_errors": errors,
            "logprobs": {res.request_id: res.logprobs for res in results}}  # fmt: skip
     log.info("%s: %.1f s, %.3f visits/s, %.0f computed tokens/s, bubbles %s", name, seconds, out["visits_per_s"],
              out["tokens_per_s"], ", ".join(f"{b:.0%}" for b in bubbles) or "-")  # fmt: skip
     return out
+
+
+def rounds(requests: list[Any], num_rounds: int) -> list[list[Any]]:
+    """The requests in `num_rounds` groups of consecutive visits (as even as they divide, at most
+    one round per visit), in order."""
+    visits = list(dict.fromkeys(r.visit for r in requests))
+    k = min(num_rounds, len(visits))
+    bounds = [round(i * len(visits) / k) for i in range(k + 1)]
+    round_of = {v: n for n in range(k) for v in visits[bounds[n] : bounds[n + 1]]}
+    return [[r for r in requests if round_of[r.visit] == n] for n in range(k)]
 
 
 def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,14 +126,17 @@ def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
         logprobs = row.pop("logprobs")
         row["max_logprob_diff"] = max(abs(v - first[rid][t]) for rid, lp in logprobs.items() for t, v in lp.items())
         row["throughput_vs_first"] = row["visits_per_s"] / rows[0]["visits_per_s"]
-    print(f"{os.cpu_count()} cores; {args.visits} visits x {args.posts} posts, {args.users} Zipf users")
+    print(f"{os.cpu_count()} cores; {args.visits} visits x {args.posts} posts, {args.users} Zipf users, "
+          f"{args.rounds} round(s)")
     print(f"{'system':27} {'s':>7} {'visits/s':>9} {'tokens/s':>9} {'vs first':>8} {'max |dlogp|':>11} {'host hits':>9}"
-          "  bubbles")  # fmt: skip
+          "  bubbles  stage JCT error")  # fmt: skip
     for r in rows:
         print(f"{r['system']:27} {r['seconds']:>7.1f} {r['visits_per_s']:>9.3f} {r['tokens_per_s']:>9.0f} "
               f"{r['throughput_vs_first']:>7.2f}x {r['max_logprob_diff']:>11.1e} {r['host_hit_tokens']:>9}  "
-              f"{', '.join(f'{b:.0%}' for b in r['bubbles']) or '-'}")  # fmt: skip
-    return write_report(args.json, "stages", cfg.device, {"trace": trace.params, "systems": rows})
+              f"{', '.join(f'{b:.0%}' for b in r['bubbles']) or '-':8} "
+              f"{', '.join('-' if e is None else f'{e:.0%}' for e in r['stage_jct_errors']) or '-'}")  # fmt: skip
+    return write_report(args.json, "stages", cfg.device, {"trace": trace.params, "rounds": args.rounds,
+                                                          "systems": rows})
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -138,7 +156,11 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                         "K batches in the pipe at once: default engine.pipeline_batches_in_flight), each optionally "
                         "+host (cache.suffix: offload; else discard); the first is the reference")  # fmt: skip
     p.add_argument("--users", type=int, default=8, help="distinct users (profiles)")
-    p.add_argument("--visits", type=int, default=12, help="visits, all queued at once")
+    p.add_argument("--visits", type=int, default=12, help="visits, all queued at once (see --rounds)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="queue the visits in this many rounds of consecutive visits, each once the previous is "
+                        "answered (at saturation within a round): a user of a later round finds their profile "
+                        "evicted from a small device tier, so +host systems load it from the host tier")  # fmt: skip
     p.add_argument("--posts", type=int, default=8, help="prompts per visit")
     p.add_argument("--profile-tokens", type=int, default=1800, help="mean profile length")
     p.add_argument("--post-tokens", type=int, default=150, help="mean post length")
@@ -155,7 +177,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 def cmd_stages(args: argparse.Namespace) -> int:
     for name in args.systems:
         system_overrides(name)
-    if min(args.users, args.visits, args.posts, args.profile_tokens, args.post_tokens) < 1:
-        raise BenchError("--users, --visits, --posts, --profile-tokens and --post-tokens must be >= 1")
+    if min(args.users, args.visits, args.posts, args.profile_tokens, args.post_tokens, args.rounds) < 1:
+        raise BenchError("--users, --visits, --rounds, --posts, --profile-tokens and --post-tokens must be >= 1")
     run_stages_bench(args)
     return 0

@@ -205,9 +205,10 @@ class EngineConfig:
     pipeline_stages: int = 1
     # torch threads of each stage process. 0: the machine's cores // pipeline_stages (at least 1).
     threads_per_stage: int = 0
-    # How a batch goes through the stages: `waves` (cut into micro-batches of even computed tokens
-    # that follow one another, stage s on micro-batch i while stage s + 1 is on i - 1) or
-    # `fill-drain` (the whole batch through every stage in turn: GPipe's baseline with one micro-batch).
+    # How a batch goes through the stages: `waves` (cut into micro-batches of even predicted seconds
+    # on the slowest stage, tiered/pipeline/costs.py, that follow one another, stage s on micro-batch
+    # i while stage s + 1 is on i - 1) or `fill-drain` (the whole batch through every stage in turn:
+    # GPipe's baseline with one micro-batch).
     pipeline_schedule: Literal["waves", "fill-drain"] = "waves"
     # Micro-batches per batch with `waves`. 0: pipeline_stages.
     pipeline_microbatches: int = 0

@@ -37,13 +37,8 @@ from torch import Tensor
 
 from tiered.config import HostTierConfig
 from tiered.hybrid.args import ModelArgs
+from tiered.offload import lmcache_setup as lm
 from tiered.offload.host_base import HostTierStats
-from tiered.offload.lmcache_setup import (
-    bound_reuse_record,
-    drain_remote_puts,
-    fix_remote_close,
-    start_lmcache,
-)
 from tiered.offload.request import StoreBatch
 
 log = logging.getLogger(__name__)
@@ -70,7 +65,7 @@ class HostTier:
         self.chunk_shape = (2, args.num_layers, block_tokens, args.num_kv_heads, args.head_dim)
         self.chunk_bytes = block_tokens * args.kv_bytes_per_token(dtype)
         self._dtype, self._evict = dtype, evict
-        self._engine, config = start_lmcache(cfg.lmcache, args, block_tokens, dtype, instance_id, model_name)
+        self._engine, config = lm.start_lmcache(cfg.lmcache, args, block_tokens, dtype, instance_id, model_name)
         local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)
                                                             if config.local_disk else 0.0)  # fmt: skip
         # How many chunks this tier's local backends hold (a remote store's size is unknown: keys we
@@ -78,8 +73,8 @@ class HostTier:
         self.capacity_chunks = int(local_gb * 2**30 / self.chunk_bytes)
         self.remote_url: str | None = config.remote_url or None
         self._storage = self._engine.storage_manager
-        bound_reuse_record(self._storage, self.capacity_chunks)
-        fix_remote_close(self._storage)
+        lm.bound_reuse_record(self._storage, self.capacity_chunks)
+        lm.fix_remote_close(self._storage)
         self._fmt = MemoryFormat.KV_2LTD
         self._obj_shape = torch.Size([2, args.num_layers, block_tokens, args.num_kv_heads * args.head_dim])
         self._key = lambda k: CacheEngineKey(model_name, 1, 0, k & _KEY_MASK, dtype, None)
@@ -99,8 +94,7 @@ class HostTier:
         # LMCache's worker threads are not daemons: an engine left open (an exception in the
         # caller) would hang interpreter exit. This hook runs before non-daemon threads are
         # joined (the one concurrent.futures uses); Python's `atexit` runs too late for that.
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
+        if (register := getattr(threading, "_register_atexit", None)) is not None:
             register(self.close)
 
     def _failed(self, what: str, exc: BaseException) -> None:
@@ -155,6 +149,7 @@ class HostTier:
                 if obj is not None:
                     obj.ref_count_down()
             num_remote = sum(1 for r in remote if r < n)
+            lm.touch_local(self._storage, [self._key(k) for k in keys[: len(out)]])  # a hit: just used
         return out, num_remote
 
     def load(self, objs: Sequence[Any], block_ids: Sequence[int], views: Callable[[Sequence[int]], list[Tensor]],
@@ -188,6 +183,20 @@ class HostTier:
 
     # ---- stores ----------------------------------------------------------------------------
 
+    def touch(self, keys: Sequence[int]) -> None:
+        """Held `keys` a forward computes again (behind a lost chunk): just used (see `KVTiers._plan`)."""
+        with self._lock:
+            lm.touch_local(self._storage, [self._key(k) for k in keys])
+
+    def missing(self, keys: Sequence[int]) -> list[int]:
+        """Of `keys`, those this tier holds neither in LMCache nor pending (all of them if LMCache fails)."""
+        with self._lock:
+            try:
+                return [k for k in keys if k not in self._pending and self._storage.contains(self._key(k)) is None]
+            except Exception as exc:  # noqa: BLE001 - a failing tier holds nothing we can use
+                self._failed("lookup", exc)
+                return list(keys)
+
     def begin_store(self, keys: list[int]) -> StoreBatch | None:
         """LMCache memory for the chunks of `keys`, evicting its LRU chunks as needed.
 
@@ -218,10 +227,9 @@ class HostTier:
     def write_block(self, store: StoreBatch, block_id: int, views: Callable[[Sequence[int]], list[Tensor]]) -> None:
         """The device-tier block `block_id` into the store's one chunk (cuda: on the current stream)."""
         block = views([block_id])[0]
+        store.views[0].copy_(block, non_blocking=block.device.type == "cuda")
         if block.device.type != "cuda":
-            store.views[0].copy_(block)
             return
-        store.views[0].copy_(block, non_blocking=True)
         store.ready = torch.cuda.Event()
         store.ready.record(torch.cuda.current_stream(block.device))
 
@@ -302,7 +310,8 @@ class HostTier:
                 # Outside our lock (LMCache's backends lock themselves): a slow backend holds up
                 # this thread only, never an allocation or a load. LMCache takes its own
                 # reference to each object and drops the one we allocated with.
-                self._storage.batched_put([self._key(k) for k in batch.keys], batch.objs)
+                # The last chunk first: LMCache's LRU then evicts a prefix from its end.
+                self._storage.batched_put([self._key(k) for k in reversed(batch.keys)], batch.objs[::-1])
                 batch.ok = True
             except Exception as exc:  # noqa: BLE001 - a failed put leaves its memory to LMCache
                 with self._lock:
@@ -352,12 +361,9 @@ class HostTier:
         with self._lock:
             self._engine.clear()
 
-    def holds(self, keys: Sequence[int]) -> tuple[list[int], int]:
-        """Of `keys`, those LMCache lacks, and how many chunks its CPU backend holds beyond them."""
+    def num_local_chunks(self) -> int:
         with self._lock:
-            missing = [k for k in keys if self._storage.contains(self._key(k)) is None]
-            held = sum(len(getattr(b, "hot_cache", ())) for b in self._storage.storage_backends.values())
-        return missing, held - (len(keys) - len(missing))
+            return lm.count_local(self._storage)
 
     def reset_stats(self) -> None:
         """Zero the counters (after the engine's start-up profile, so they count served traffic)."""
@@ -389,8 +395,6 @@ class HostTier:
         self._thread.join()
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-        left = drain_remote_puts(self._storage)
-        if left:
+        if left := lm.drain_remote_puts(self._storage):
             log.warning("closing the host tier with %d remote puts still in flight", left)
-
         LMCacheEngineBuilder.destroy(self.instance_id)

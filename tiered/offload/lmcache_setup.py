@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,25 @@ def bound_reuse_record(storage_manager: Any, capacity_chunks: int) -> int:
 
 # Seconds LMCache's remote job executor may take to drain at close (puts still in flight).
 REMOTE_CLOSE_TIMEOUT_S = 10.0
+
+
+def touch_local(storage_manager: Any, keys: Sequence[Any]) -> None:
+    """Count the CPU backend's chunks of `keys` (CacheEngineKeys) as just used, the first key last:
+    a prefix's first chunk is evicted after its later ones, as a hit should (LMCache 0.5.6 does
+    it only for a pinned lookup's keys: its gets and our lookups leave the order as stored). Only
+    under the LRU policy (under MRU a touch would mark the chunk to evict next)."""
+    backend = storage_manager.storage_backends.get("LocalCPUBackend")
+    if backend is None or type(backend.cache_policy).__name__ != "LRUCachePolicy":
+        return
+    with backend.cpu_lock:
+        for key in reversed(keys):
+            if key in backend.hot_cache:
+                backend.cache_policy.update_on_hit(key, backend.hot_cache)
+
+
+def count_local(storage_manager: Any) -> int:
+    """Chunks LMCache's local backends hold."""
+    return sum(len(getattr(b, "hot_cache", ())) for b in storage_manager.storage_backends.values())
 
 
 def _redis_connectors(storage_manager: Any) -> list[tuple[Any, Any]]:

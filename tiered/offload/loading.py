@@ -73,8 +73,8 @@ class PrefixLoader:
         keys = req.keys[first_block:end]
         objs, num_remote = self.host_tier.get(keys)
         short = len(objs) < len(keys)
-        if len(objs) < known - first_block:  # keys we believed held, and LMCache lacks (evicted)
-            self._forget(keys[len(objs) : known - first_block])
+        if len(objs) < known - first_block:  # keys we believed held, some LMCache lacks (evicted)
+            self._forget(self.host_tier.missing(keys[len(objs) : known - first_block]))
         if not objs:
             return [], 0, short
         blocks = self.device_tier.allocate(len(objs))

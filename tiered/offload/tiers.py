@@ -195,6 +195,9 @@ class KVTiers:
             # Chunks the host tier lacks; with on-evict, not those staying on the device.
             first = first_own + (len(retained) if self.cfg.host.write_policy == "on-evict" else 0)
             stored = [j for j in range(first, num_full) if req.keys[j] not in self.host_keys]
+            # Held chunks computed again (behind a missing one) are used now: the stores of the
+            # missing ones must not evict them.
+            self.host_tier.touch([req.keys[j] for j in range(first, num_full) if req.keys[j] in self.host_keys])
             start = time.perf_counter()
             store = self.host_tier.begin_store([req.keys[j] for j in stored])
             stored = stored[: len(store.keys)] if store is not None else []

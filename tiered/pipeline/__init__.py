@@ -16,7 +16,8 @@ adapter) and the adapters' folders (each stage reads its layers' part). Stage 0
 embeds the tokens and runs its layers; it sends the residual stream of the computed tokens
 [N, D] to stage 1, ..., and the last stage computes the norm and LM head at each request's last
 token and answers the coordinator with the logits [B, V]. With `pipeline_schedule: waves` a
-batch is cut into micro-batches of even computed tokens (`scheduler/waves.py`), sent with
+batch is cut into micro-batches of even predicted seconds on the slowest stage (`costs.py`'s
+stage models, cut as `scheduler/waves.py` does), sent with
 non-blocking sends: stage s computes micro-batch i + 1 while stage s + 1 computes micro-batch i.
 `fill-drain` sends the batch as one micro-batch (GPipe's baseline: one stage busy at a time).
 
@@ -52,7 +53,9 @@ budget the pools split `cache.device_tier_bytes` by their layers. Each stage the
 pool (`AllocatePool`, answered by `StageReady`) and the coordinator builds its index of that
 many blocks. So a model whose weights exceed one budget serves on stages that each hold a part.
 The JCT model is profiled through the stages (`engine.forward`: the time a batch takes end to
-end), after the pipeline has started.
+end), after the pipeline has started; every stage reports the seconds of each micro-batch it
+runs, and one model per stage (`costs.py`: the profile scaled by its share of the layers, then
+what it reports) predicts a micro-batch on it: the weights the micro-batch cut balances.
 
 Failure. A stage that dies (or raises), or gives no answer within `engine.pipeline_timeout_s`
 (alive but stuck), fails every batch in the pipe: the coordinator kills the stages, starts a new

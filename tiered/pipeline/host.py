@@ -86,9 +86,19 @@ class StagedHost:
         with self._lock:
             n = 0
             while n < len(keys) and keys[n] in self._held:
-                self._held.move_to_end(keys[n])
                 n += 1
+            self._used(keys[:n])
         return list(keys[:n]), 0
+
+    def _used(self, keys: Sequence[int]) -> None:
+        """Under the lock: held `keys` just used, the first last (a prefix is evicted from its end)."""
+        for k in reversed(keys):
+            if k in self._held:
+                self._held.move_to_end(k)
+
+    def missing(self, keys: Sequence[int]) -> list[int]:
+        with self._lock:
+            return [k for k in keys if k not in self._held]
 
     def load(self, objs: Sequence[Any], block_ids: Sequence[int], views: Callable[[Sequence[int]], list[Tensor]],
              num_remote: int = 0) -> None:  # fmt: skip
@@ -103,6 +113,11 @@ class StagedHost:
     def release(self, objs: Sequence[Any]) -> None:
         pass
 
+    def touch(self, keys: Sequence[int]) -> None:
+        """Held `keys` a forward computes again (behind a missing chunk): the most recently used."""
+        with self._lock:
+            self._used(keys)
+
     def begin_store(self, keys: list[int]) -> StoreBatch | None:
         """Admit `keys` (the least recently used ones beyond the capacity are dropped on every stage)."""
         if not keys:
@@ -114,9 +129,8 @@ class StagedHost:
             # forward, of a chunk held earlier, stays: the stage then stores the new one).
             self._ops.drops[:] = [k for k in self._ops.drops if k not in admitted]
             self._fresh |= admitted
-            for k in keys:
-                self._held[k] = None
-                self._held.move_to_end(k)
+            self._held.update((k, None) for k in keys)
+            self._used(keys)
             while len(self._held) > self.capacity_chunks:
                 evicted.append(key := self._held.popitem(last=False)[0])
                 self._drop(key)
@@ -300,7 +314,8 @@ class StageHost:
         """Of `keys`, those this stage's LMCache lacks, and how many chunks it holds beyond them
         (after its queued stores and drops)."""
         self.tier.flush()
-        return self.tier.holds(keys)
+        missing = self.tier.missing(keys)
+        return missing, self.tier.num_local_chunks() - (len(keys) - len(missing))
 
     def close(self) -> None:
         self.tier.close()

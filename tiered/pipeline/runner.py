@@ -26,7 +26,8 @@ from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.loader import DTYPES
 from tiered.hybrid.precision import Precision
 from tiered.offload.device_tier import DeviceTier
-from tiered.offload.request import Prepared
+from tiered.offload.request import HitSplit, Prepared
+from tiered.pipeline.costs import StageModels, plan_split
 from tiered.pipeline.host import LOAD, StagedHost, stage_host_config, staged_host
 from tiered.pipeline.split import cut_microbatches, microbatch_plans, stage_layers
 from tiered.pipeline.stage import (
@@ -97,11 +98,12 @@ def pool_blocks(specs: Sequence[StageSpec], loaded: Sequence[StageLoaded], budge
 
 @dataclass(frozen=True, slots=True)
 class _Ticket:
-    """A batch in the pipe: its micro-batches (indices into the batch) and the host chunks it had
-    every stage load (key -> device block id)."""
+    """A batch in the pipe: its micro-batches (indices into the batch, and their items' splits
+    for the stage models) and the host chunks it had every stage load (key -> device block id)."""
 
     cut: list[list[int]]
     loads: list[tuple[int, int]]  # (key, block id): a key twice when the prefetch thread loaded it too
+    splits: list[list[HitSplit]]
 
 
 class PipelineRunner:
@@ -127,6 +129,8 @@ class PipelineRunner:
         self.num_retries = 0  # times the pipe's batches were computed again: a stage lacked a host chunk
         self.forward_seconds = 0.0  # wall time with a batch in the pipe, since the pipeline (re)started
         self._in_flight, self._busy_since = 0, 0.0
+        # What a micro-batch costs on each stage (the engine gives it its JCT profile: `use_prior`).
+        self.stage_models = StageModels([len(sp.layers) / args.num_layers for sp in specs])
         started = time.monotonic()
         self.loaded = self._spawn(started)
         try:
@@ -216,7 +220,8 @@ class PipelineRunner:
 
     def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object:
         """Send the batch into the pipe (cut into micro-batches); its ticket for `collect`."""
-        cut = cut_microbatches(plans, self.num_microbatches) if self.num_microbatches > 1 else [list(range(len(plans)))]
+        m = self.num_microbatches
+        cut = cut_microbatches(plans, m, self.stage_models.job_seconds) if m > 1 else [list(range(len(plans)))]
         adapters = {a: self.adapters.spec_of(a) for plan in plans if (a := plan.adapter) is not None and self.adapters}
         ops = self.host.take_ops() if self.host is not None else None
         message = Forward(microbatch_plans(plans, cut), adapters, ops)
@@ -229,7 +234,8 @@ class PipelineRunner:
             self._fail(f"sending the batch failed ({exc})")
         self._in_flight += 1
         loads = [(key, block) for kind, key, block in ops.before if kind == LOAD] if ops is not None else []
-        self._tickets.append(ticket := _Ticket(cut, loads))
+        splits = [[plan_split(plans[i]) for i in indices] for indices in cut]
+        self._tickets.append(ticket := _Ticket(cut, loads, splits))
         return ticket
 
     def collect(self, ticket: object) -> Tensor:
@@ -249,22 +255,25 @@ class PipelineRunner:
 
     def _done(self) -> tuple[Tensor | None, list[int]]:
         """The oldest batch's logits and the host chunks a stage lacked for it: every stage reports
-        with a host tier (what it could not load or store: gone from the index, dropped everywhere),
-        the last one only without."""
+        its seconds per micro-batch (the stage models learn them) and what its host tier could not
+        load or store (gone from the index, dropped everywhere)."""
         deadline = time.monotonic() + self.timeout_s
-        logits, missed, dropped = None, list[int](), list[int]()
-        for s in range(len(self._conns)) if self.host is not None else [len(self._conns) - 1]:
+        logits, missed, dropped, seconds = None, list[int](), list[int](), []
+        for s in range(len(self._conns)):
             out = self._receive(s, deadline)
             if out is None:
                 self._fail(f"no answer in {self.timeout_s:g} s (engine.pipeline_timeout_s): a stage is stuck")
             if not isinstance(out, StageDone):
                 self._fail(str(out.error) if isinstance(out, StageFailed) else str(out))
             assert isinstance(out, StageDone)
+            seconds.append(out.seconds)
             logits = out.logits if out.logits is not None else logits
             missed, dropped = missed + out.missed, dropped + out.dropped
         self._in_flight -= 1
         if not self._in_flight:
             self.forward_seconds += time.perf_counter() - self._busy_since
+        for s, stage_seconds in enumerate(seconds):  # after every stage's answer was read
+            self.stage_models.observe(s, self._tickets[0].splits, stage_seconds)
         if self.host is not None and (missed or dropped):
             self.host.lost(missed + dropped)
         return logits, missed

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from tiered.offload.request import HitSplit
 from tiered.runner import ItemPlan
 from tiered.scheduler.waves import Job, form_waves
 
@@ -23,17 +24,25 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
     return out
 
 
-def cut_microbatches(plans: Sequence[ItemPlan], num_microbatches: int) -> list[list[int]]:
-    """The batch's items per micro-batch (indices, in batch order), of even computed tokens.
+def cut_microbatches(plans: Sequence[ItemPlan], num_microbatches: int,
+                     cost: Callable[[HitSplit], float] | None = None) -> list[list[int]]:  # fmt: skip
+    """The batch's items per micro-batch (indices, in batch order), of even cost: `cost` of an
+    item's split (the pipeline's stage models, tiered/pipeline/costs.py), else its computed tokens.
 
-    Every item is a job of its own, longest first to the lightest micro-batch (`form_waves`), so
-    no micro-batch exceeds the mean by more than one item; a follower never goes to an earlier
+    Every item is a job of its own, the costliest first to the lightest micro-batch (`form_waves`),
+    so no micro-batch exceeds the mean by more than one item; a follower never goes to an earlier
     micro-batch than its lead (it reads K,V its lead computes: in the same forward, or from the
     lead's stash when it comes later, see `microbatch_plans`). Empty micro-batches are dropped."""
-    jobs = [Job(str(i), plan.num_computed_tokens, plan.num_prefix_tokens, None if plan.lead is None else str(plan.lead))
-            for i, plan in enumerate(plans)]  # fmt: skip
-    waves = form_waves(jobs, num_microbatches, cost=lambda job: job.num_computed_tokens)
+    jobs = [Job(str(i), plan.num_computed_tokens, plan.num_prefix_tokens + plan.num_shared,
+                None if plan.lead is None else str(plan.lead)) for i, plan in enumerate(plans)]  # fmt: skip
+    weigh = cost or (lambda split: float(split.num_miss_tokens))
+    waves = form_waves(jobs, num_microbatches, cost=lambda job: weigh(job_split(job)))
     return [[int(job.request_id) for job in wave] for wave in waves]
+
+
+def job_split(job: Job) -> HitSplit:
+    """A job as the JCT model counts it: its computed tokens after the cached ones it reads."""
+    return HitSplit(job.num_cached_tokens, 0, job.num_computed_tokens)
 
 
 def microbatch_plans(plans: Sequence[ItemPlan], cut: list[list[int]]) -> list[list[ItemPlan]]:

@@ -2,8 +2,9 @@
 
 Stage s receives the residual stream of each micro-batch's computed tokens from stage s - 1
 (stage 0 embeds the tokens), runs its layers over it and sends it to stage s + 1 without
-waiting for the send to complete (the next micro-batch computes meanwhile); the last stage
-answers the coordinator with the logits of the whole batch. Any exception is reported to the
+waiting for the send to complete (the next micro-batch computes meanwhile). Every stage then
+tells the coordinator the seconds of each micro-batch (and, with a host tier, what it could not
+load or store); the last stage's answer carries the logits of the whole batch. Any exception is reported to the
 coordinator and ends the process: the coordinator restarts the pipeline (a stage that stopped
 mid-batch leaves the others waiting on it).
 """
@@ -82,14 +83,15 @@ class Forward:
 
 @dataclass(frozen=True, slots=True)
 class StageDone:
-    """A stage finished a batch: the last stage's answer (its logits [B, V]); with the host tier,
-    every stage's, naming the chunks it was told to load and lacked (`missed`) and those it found
-    no memory to store (`dropped`)."""
+    """A stage finished a batch (every stage says so): the seconds of its forward of each
+    micro-batch; the last stage's answer (its logits [B, V]); with the host tier, the chunks it
+    was told to load and lacked (`missed`) and those it found no memory to store (`dropped`)."""
 
     stage: int
     logits: Tensor | None = None
     missed: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,14 +192,14 @@ class Stage:
         self._sends: list[tuple[Tensor, dist.Work]] = []
 
     @torch.inference_mode()
-    def forward(self, message: Forward) -> StageDone | None:
+    def forward(self, message: Forward) -> StageDone:
         """Every micro-batch through this stage's layers (the host tier's loads before, its drops
-        after); the last stage answers with the logits [B, V], every stage when there is a host tier."""
+        after); what it took, and on the last stage the logits [B, V]."""
         s, a = self.spec, self.model.args
         self._load_adapters(message.adapters)
         if self.host is not None and message.host is not None:
             self.host.before(message.host, self.pool)
-        logits = []
+        logits, seconds = [], []
         self._sends = [(t, work) for t, work in self._sends if not work.is_completed()]
         for plans in message.microbatches:
             hidden = None
@@ -208,7 +210,10 @@ class Stage:
             start = time.perf_counter()
             out = forward_batch(self.model, self._items(plans), mode=s.mode, chunk_tokens=s.chunk_tokens,
                                 hidden=hidden, last_stage=self.last)  # fmt: skip
-            self.busy_seconds += time.perf_counter() - start
+            if s.device.startswith("cuda"):  # its kernels' time, not their launch's
+                torch.cuda.synchronize(s.device)
+            seconds.append(time.perf_counter() - start)
+            self.busy_seconds += seconds[-1]
             self.num_microbatches += 1
             for store in self._stores:
                 self.host.submit(store)  # type: ignore[union-attr]
@@ -219,9 +224,7 @@ class Stage:
                 self._sends.append((out, dist.isend(out, dst=s.stage + 1)))  # type: ignore[arg-type]
         self._stash.clear()
         missed, dropped = self.host.after(message.host or HostOps()) if self.host is not None else ([], [])
-        if self.last:
-            return StageDone(s.stage, torch.cat(logits).cpu(), missed, dropped)
-        return StageDone(s.stage, None, missed, dropped) if self.host is not None else None
+        return StageDone(s.stage, torch.cat(logits).cpu() if self.last else None, missed, dropped, seconds)
 
     def check(self, message: HostCheck) -> HostHeld:
         if self.host is None:
@@ -352,8 +355,8 @@ def run_stage(spec: StageSpec, conn: Connection) -> None:
         while (message := inbox.get()) is not None:
             if isinstance(message, StatsRequest):
                 conn.send(StageStats(spec.stage, stage.busy_seconds, stage.num_microbatches))
-            elif isinstance(message, Forward) and (out := stage.forward(message)) is not None:
-                conn.send(out)
+            elif isinstance(message, Forward):
+                conn.send(stage.forward(message))
             elif isinstance(message, HostCheck):
                 conn.send(stage.check(message))
     except EOFError:  # the coordinator is gone (during start-up; later the reader thread sees it)

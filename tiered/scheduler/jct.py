@@ -99,13 +99,14 @@ class JCTModel:
         fixed = c[0] + c[3] * split.num_host_hit_tokens + c[4] * cached + c[5] * split.num_remote_hit_tokens
         return max(0.0, fixed) + max(c[1], 0.0) * m + max(c[2], 0.0) * _pairs(m, cached + m)
 
-    def observe(self, splits: Sequence[HitSplit], seconds: float) -> float:
-        """Record a finished forward (a batch); returns the prediction it had. Updates the error and the fit."""
+    def observe(self, splits: Sequence[HitSplit], seconds: float, refit: bool = True) -> float:
+        """Record a finished forward (a batch); returns the prediction it had. Updates the error and
+        (unless `refit` is False: several at once, the last one refits) the fit."""
         predicted = self.predict_batch(splits)
         if seconds > 0:
             self._errors.append(abs(predicted - seconds) / seconds)
             self._observed.append(JCTSample.of(splits, seconds))
-            if self.profile:  # a model given as coefficients (tests, benchmarks) stays as given
+            if self.profile and refit:  # a model given as coefficients (tests, benchmarks) stays as given
                 self.coefficients = _fit(self.profile + list(self._observed))
         return predicted
 
