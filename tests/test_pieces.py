@@ -102,6 +102,27 @@ def test_a_long_request_yields_to_a_request_that_would_miss_its_deadline(
             assert done[long_id].num_pieces == 1
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "calibrated"])
+def test_a_request_already_late_goes_before_the_rest_of_a_long_one(tiny_dir: Path, tmp_path: Path, policy: str) -> None:
+    """A 2,000-token request (2 s predicted) is the head (calibrated with a large λ: it waited
+    longest); a 50-token one's 1 ms objective is lost already. It no longer has to wait for the long
+    one's end: shorter than the long one's rest, it runs first, and the long one's answer still
+    equals one pass. Under fcfs, arrival order holds for the late (only the urgent go ahead)."""
+    long_ids, short_ids = _ids(2000, 8), _ids(50, 9)
+    with _engine(tiny_dir, tmp_path, "scheduler.pieces=never", "model.max_model_len=4096") as one:
+        whole = _one(one, long_ids)
+    with _engine(tiny_dir, tmp_path, f"scheduler.policy={policy}", "scheduler.fairness=1000",
+                 "model.max_model_len=4096") as engine:  # fmt: skip
+        long_id = engine.submit(long_ids, TOP)
+        time.sleep(0.01)  # 10 s forgiven to the long one by λ: it is the head
+        short_id = engine.submit(short_ids, TOP, slo_ms=1)
+        done = {r.request_id: r for r in engine.run()}
+    short, long_ = done[short_id], done[long_id]
+    assert short.deadline_met is False
+    assert (short.finished_at < long_.finished_at) == (policy == "calibrated")
+    _same(long_, whole)
+
+
 def test_pieces_sized_by_deadline_leave_room_for_the_urgent_and_equal_one_pass(tiny_dir: Path, tmp_path: Path) -> None:
     """The short one's objective (1 s) leaves room for ~900 of the long one's tokens first: the long
     one yields after a piece, the short one meets its deadline, and the long one's answer equals

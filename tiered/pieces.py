@@ -13,6 +13,9 @@ arrive: the tightest slack (objective minus predicted time) among the objectives
 minute stands for one more urgent request arriving now, and a long prefill runs in pieces no
 longer than that slack even when nobody waits; but never one whose fixed cost (a forward's own,
 reading its prefix) is over 1 / PIECE_OVERHEAD_SHARE of it, and never under one block.
+A request already late (predicted past its deadline) does not wait for the long one's end when it
+is the shorter: it runs before the next piece (SRPT among the late; not under `fcfs`), within the
+long one's delay bound, so the late ones' latency (the short calls' P99) stays that of a short call.
 A lost cause (predicted past its objective: a new user's call whose profile is not cached) still
 announces the traffic: a like request whose prefix is cached is expected to need LOST_CAUSE_SHARE
 of its objective, the rest being its slack. (Without it, with only new users' calls and the long
@@ -108,15 +111,20 @@ class Pieces:
             return None
         else:
             whole = e.jct.piece_seconds(split, split.num_miss_tokens)
-            urgent = [Urgent(u.request_id, u.deadline, u.jct) for u in e.scheduler.by_deadline()
-                      if u.deadline is not None and now + u.jct <= u.deadline < now + whole + u.jct]  # fmt: skip
+            waiting = [u for u in e.scheduler.by_deadline() if u.deadline is not None]
+            urgent = [Urgent(u.request_id, u.deadline, u.jct) for u in waiting
+                      if now + u.jct <= u.deadline < now + whole + u.jct]  # fmt: skip
+            late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if sc.policy != "fcfs" else []
             arrival = self._anticipated(now)
-            if not urgent and arrival is None:
+            if not urgent and late:  # missed already and shorter than the long one's rest: it goes first
+                n, urgent = 0, [Urgent(late[0].request_id, late[0].deadline, late[0].jct)]
+            elif not urgent and arrival is None:
                 return None
-            planned = sorted(urgent + ([arrival] if arrival is not None else []), key=lambda u: u.deadline)
-            n = choose_piece(now, split, planned, e.jct, bt)
-            if not urgent:  # only an anticipated arrival: never a wait, never a piece mostly overhead
-                n = max(n, self._least_piece(split))
+            else:
+                planned = sorted(urgent + ([arrival] if arrival is not None else []), key=lambda u: u.deadline)
+                n = choose_piece(now, split, planned, e.jct, bt)
+                if not urgent:  # only an anticipated arrival: never a wait, never a piece mostly overhead
+                    n = max(n, self._least_piece(split))
             choice = PieceChoice(take=urgent[0].request_id) if n == 0 else PieceChoice(n)
             if n >= split.num_miss_tokens:
                 return None

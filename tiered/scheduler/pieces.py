@@ -10,7 +10,9 @@ in one piece, as without pieces. Otherwise the piece is the largest block-aligne
 predicted time still lets the most urgent waiting requests (in deadline order, each after the
 ones before it) finish by their deadlines: a binary search over sizes, valid because the piece
 time the JCT model predicts is monotone in the piece's tokens (`JCTModel.piece_seconds`). When
-not even one block fits, the request yields before starting and the most urgent one runs.
+not even one block fits, the request yields before starting and the most urgent one runs; so
+does a request already past its deadline that is shorter than the long one's rest (not under
+`fcfs`: there only the urgent go ahead).
 `fixed`: pieces of `piece_tokens` (rounded to blocks), deadlines or not. `never`: one piece.
 
 A request stops yielding once it has spent (1 + max_yield_delay) x its predicted time alone since
