@@ -1,5 +1,6 @@
-"""The 16 K mixed-workload plot of RESULTS.md (2026-12-02): goodput against offered load from three
-`tiered bench mixed` JSONs (runs b, c and d of that section), one system from each."""
+"""The 16 K mixed-workload plot of RESULTS.md (2026-12-02, later): calls answered within their
+objective per second against offered load, from `tiered bench mixed` JSONs: ours on the final code
+(run f) and the fixed piece sizes and vLLM's chunked prefill of run e (see RESULTS.md)."""
 
 import json
 
@@ -8,21 +9,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-src = {"tiered (deadline), run d": ("d", "tiered"), "tiered-fixed1024, run c": ("c", "tiered-fixed1024"),
-       "vllm-chunk1024, run b": ("b", "vllm-chunk1024")}
+src = {"tiered (deadline), run f": ("f", "tiered"), "tiered (deadline), run e": ("e", "tiered"),
+       "tiered-fixed512, run e": ("e", "tiered-fixed512"), "tiered-fixed1024, run e": ("e", "tiered-fixed1024"),
+       "vllm-chunk1024, run e": ("e", "vllm-chunk1024")}
 fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
 for label, (run, system) in src.items():
     d = json.load(open(f"benchmarks/out/mixed-bench-m-16k-{run}.json"))
-    pts = []
-    for x in d["runs"]:
-        if x["system"] != system:
-            continue
-        recs = x["records"]
-        window = 240.0
-        good = sum(1 for r in recs if r["deadline_met"]) / window
-        pts.append((x["short_qps"], good))
-    pts.sort()
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    window = 60.0 * d["params"]["minutes"]
+    pts = sorted((x["short_qps"], sum(1 for r in x["records"] if r["error"] is None
+                                      and 1000 * r["latency_seconds"] <= r["slo_ms"]) / window)
+                 for x in d["runs"] if x["system"] == system)  # fmt: skip
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+            linestyle="--" if run == "e" and system == "tiered" else "-")
 ax.set_xlabel("short calls offered per second")
 ax.set_ylabel("calls in time per second")
 ax.set_title("bench-m, 16 K prompts among short calls (2 cores)", fontsize=9)

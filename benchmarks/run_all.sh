@@ -121,6 +121,10 @@ $T bench attention --dtype bfloat16 --max-tokens 2048 --vllm-library "$(dirname 
 $T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 24 \
   --systems tiered,vllm --vllm-python "$VLLM_PY" --multiples 0.5,1 \
   --json benchmarks/out/visits-auto-bench-m.json --plots benchmarks/out/visits-auto-bench-m
+# ... at saturation only (~8 min), as re-measured on 2026-12-02 after the thread fix
+$T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 24 \
+  --systems tiered,vllm --vllm-python "$VLLM_PY" --multiples '' \
+  --json benchmarks/out/visits-bench-m-sat-f.json --plots benchmarks/out/visits-bench-m-sat-f
 $T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 8 \
   --systems tiered,tiered-kv32,tiered-bf16 --multiples '' --json benchmarks/out/visits-precision-bench-m.json
 $T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 --users 16 --visits 24 \
@@ -143,6 +147,11 @@ $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --
 $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --users 4 --long-tokens 512 \
   --long-per-minute 0 --alone-repeats 1 --systems tiered \
   --json benchmarks/out/mixed-bench-m-nolong-e.json --plots benchmarks/out/mixed-bench-m-nolong-e
+# ... ours alone on the final code (run f), then the plot of runs e and f
+$T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --users 4 --long-tokens 16384 \
+  --long-per-minute 0.5 --long-slo-ms 180000 --alone-repeats 1 --systems tiered \
+  --json benchmarks/out/mixed-bench-m-16k-f.json --plots benchmarks/out/mixed-bench-m-16k-f
+.venv/bin/python benchmarks/plot_mixed_16k.py
 $T bench pipeline-sim --json benchmarks/out/pipeline-sim.json --plots benchmarks  # WavePP, simulated (seconds)
 $T bench stages --config configs/bench-m.yaml --json benchmarks/out/stages-bench-m.json  # 2 stages x 1 core vs 1 x 2 (~12 min)
 $T bench stages --config configs/bench-m.yaml --users 2 --visits 16 --profile-tokens 1792 --exact-profiles \
