@@ -111,13 +111,13 @@ class Pieces:
             return None
         else:
             whole = e.jct.piece_seconds(split, split.num_miss_tokens)
-            waiting = [u for u in e.scheduler.by_deadline() if u.deadline is not None]
-            urgent = [Urgent(u.request_id, u.deadline, u.jct) for u in waiting
-                      if now + u.jct <= u.deadline < now + whole + u.jct]  # fmt: skip
+            waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in e.scheduler.by_deadline()
+                       if u.deadline is not None]  # fmt: skip
+            urgent = [u for u in waiting if now + u.jct <= u.deadline < now + whole + u.jct]
             late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if sc.policy != "fcfs" else []
             arrival = self._anticipated(now)
             if not urgent and late:  # missed already and shorter than the long one's rest: it goes first
-                n, urgent = 0, [Urgent(late[0].request_id, late[0].deadline, late[0].jct)]
+                n, urgent = 0, late[:1]
             elif not urgent and arrival is None:
                 return None
             else:

@@ -44,5 +44,5 @@ def test_two_stages_answer_as_one_process_and_report_their_bubbles(tiny_dir: Pat
     assert rows["2x1-waves-2+host"]["max_logprob_diff"] < 1e-4
     # One visit a round: a user back after the other's visit finds their profile in every stage's host tier.
     assert rows["2x1-waves-2+host"]["host_hit_tokens"] > 0 and rows["2x1-waves-2"]["host_hit_tokens"] == 0
-    assert all(e is not None and e >= 0 for e in rows["2x1-waves-2"]["stage_jct_errors"])  # each stage's model
+    assert all(e is not None for e in rows["2x1-waves-2"]["stage_jct_errors"])  # each stage's model learnt
     assert len(rows["2x1-waves-2"]["stage_jct_errors"]) == 2 and rows["1x2"]["stage_jct_errors"] == []

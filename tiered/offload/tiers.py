@@ -190,14 +190,14 @@ class KVTiers:
         computed = range(first_own, num_full)
         keep = len(computed) if park else len(self._retention(req, computed, shared_keys))
         retained = self.device_tier.allocate(keep)
-        store, stored = None, []
+        store, stored, held = None, list[int](), list[int]()
         if self.host_tier is not None:
             # Chunks the host tier lacks; with on-evict, not those staying on the device.
             first = first_own + (len(retained) if self.cfg.host.write_policy == "on-evict" else 0)
-            stored = [j for j in range(first, num_full) if req.keys[j] not in self.host_keys]
-            # Held chunks computed again (behind a missing one) are used now: the stores of the
-            # missing ones must not evict them.
-            self.host_tier.touch([req.keys[j] for j in range(first, num_full) if req.keys[j] in self.host_keys])
+            for j in range(first, num_full):
+                (held if req.keys[j] in self.host_keys else stored).append(j)
+            if held:  # computed again behind a missing chunk: used now, the stores below must not evict them
+                self.host_tier.touch([req.keys[j] for j in held])
             start = time.perf_counter()
             store = self.host_tier.begin_store([req.keys[j] for j in stored])
             stored = stored[: len(store.keys)] if store is not None else []

@@ -22,16 +22,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from tiered.offload.request import HitSplit
-from tiered.runner import ItemPlan
 from tiered.scheduler.jct import JCTModel
 
 MAX_WAITING = 256  # micro-batches measured before the prior that join the fit (as the JCT model's window)
-
-
-def plan_split(plan: ItemPlan) -> HitSplit:
-    """A planned item as the JCT model counts it: the tokens it computes after the K,V it reads
-    (its cached prefix and, for a follower, the tokens its lead computes for both)."""
-    return HitSplit(plan.num_prefix_tokens + plan.num_shared, 0, plan.num_computed_tokens)
 
 
 class StageModels:
@@ -49,10 +42,12 @@ class StageModels:
         grid = [x for x in base.profile if not x.num_host_hit_tokens and not x.num_remote_hit_tokens]
         self.models = []
         for share in self.shares:
-            c = [v * share for v in base.coefficients]
-            c[3] = c[5] = 0.0
-            model = JCTModel.fit([replace(x, seconds=x.seconds * share) for x in grid]) if grid else JCTModel(c)
-            self.models.append(model)
+            if grid:
+                self.models.append(JCTModel.fit([replace(x, seconds=x.seconds * share) for x in grid]))
+            else:  # no loads in a micro-batch: c3 and c5 (host and remote loads) left out
+                c = [v * share for v in base.coefficients]
+                c[3] = c[5] = 0.0
+                self.models.append(JCTModel(c))
         for stage, microbatches, seconds in self._waiting:
             self.observe(stage, microbatches, seconds)
         self._waiting.clear()

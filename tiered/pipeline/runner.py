@@ -27,9 +27,9 @@ from tiered.hybrid.loader import DTYPES
 from tiered.hybrid.precision import Precision
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.request import HitSplit, Prepared
-from tiered.pipeline.costs import StageModels, plan_split
+from tiered.pipeline.costs import StageModels
 from tiered.pipeline.host import LOAD, StagedHost, stage_host_config, staged_host
-from tiered.pipeline.split import cut_microbatches, microbatch_plans, stage_layers
+from tiered.pipeline.split import cut_microbatches, microbatch_plans, plan_split, stage_layers
 from tiered.pipeline.stage import (
     AllocatePool,
     Forward,

@@ -33,16 +33,18 @@ def cut_microbatches(plans: Sequence[ItemPlan], num_microbatches: int,
     so no micro-batch exceeds the mean by more than one item; a follower never goes to an earlier
     micro-batch than its lead (it reads K,V its lead computes: in the same forward, or from the
     lead's stash when it comes later, see `microbatch_plans`). Empty micro-batches are dropped."""
+    weigh = cost or (lambda split: float(split.num_miss_tokens))
+    weights = [weigh(plan_split(plan)) for plan in plans]
     jobs = [Job(str(i), plan.num_computed_tokens, plan.num_prefix_tokens + plan.num_shared,
                 None if plan.lead is None else str(plan.lead)) for i, plan in enumerate(plans)]  # fmt: skip
-    weigh = cost or (lambda split: float(split.num_miss_tokens))
-    waves = form_waves(jobs, num_microbatches, cost=lambda job: weigh(job_split(job)))
+    waves = form_waves(jobs, num_microbatches, cost=lambda job: weights[int(job.request_id)])
     return [[int(job.request_id) for job in wave] for wave in waves]
 
 
-def job_split(job: Job) -> HitSplit:
-    """A job as the JCT model counts it: its computed tokens after the cached ones it reads."""
-    return HitSplit(job.num_cached_tokens, 0, job.num_computed_tokens)
+def plan_split(plan: ItemPlan) -> HitSplit:
+    """A planned item as the JCT model counts it: the tokens it computes after the K,V it reads
+    (its cached prefix and, for a follower, the tokens its lead computes for both)."""
+    return HitSplit(plan.num_prefix_tokens + plan.num_shared, 0, plan.num_computed_tokens)
 
 
 def microbatch_plans(plans: Sequence[ItemPlan], cut: list[list[int]]) -> list[list[ItemPlan]]:

@@ -4,9 +4,9 @@ Stage s receives the residual stream of each micro-batch's computed tokens from 
 (stage 0 embeds the tokens), runs its layers over it and sends it to stage s + 1 without
 waiting for the send to complete (the next micro-batch computes meanwhile). Every stage then
 tells the coordinator the seconds of each micro-batch (and, with a host tier, what it could not
-load or store); the last stage's answer carries the logits of the whole batch. Any exception is reported to the
-coordinator and ends the process: the coordinator restarts the pipeline (a stage that stopped
-mid-batch leaves the others waiting on it).
+load or store); the last stage's answer carries the logits of the whole batch. Any exception is
+reported to the coordinator and ends the process: the coordinator restarts the pipeline (a stage
+that stopped mid-batch leaves the others waiting on it).
 """
 
 from __future__ import annotations
