@@ -12,6 +12,7 @@ import torch
 from tiered.config import load_config
 from tiered.engine import Engine
 from tiered.hybrid.forward import ForwardInputError
+from tiered.hybrid.loader import read_args
 from tiered.scheduler.jct import JCTModel
 from tiered.score import Result, ScoreParams
 
@@ -254,3 +255,33 @@ def test_a_request_between_pieces_runs_alone(tiny_dir: Path, tmp_path: Path) -> 
     assert len(done) == 4 and all(r.error is None for r in done.values())
     assert done[long_id].num_pieces == 5 and done[long_id].batch_size == 1
     _same(done[long_id], whole)
+
+
+def test_a_request_between_pieces_leaves_room_to_load_a_cached_profile(tiny_dir: Path, tmp_path: Path) -> None:
+    """A 20-block device tier. A 6-block profile was computed (in the host tier, write-through); a
+    long request then parks 16 blocks in pieces of 4. Between its pieces it holds at most half the
+    device tier, so the profile's next request finds all 6 blocks (device hits or host loads)
+    instead of the 4 that 16 held blocks would leave room for; both answers equal one pass."""
+    block = BT * read_args(tiny_dir).kv_bytes_per_token(torch.float32)
+    profile, long_ids = _ids(6 * BT + 5, 11), _ids(24 * BT + 3, 12)
+    visit = torch.cat([profile, _ids(7, 13)])
+    with _engine(tiny_dir, tmp_path, "scheduler.pieces=never") as one:
+        wholes = [_one(one, ids) for ids in (visit, long_ids)]
+    with _engine(tiny_dir, tmp_path, "scheduler.pieces=fixed", f"scheduler.piece_tokens={4 * BT}",
+                 f"cache.device_tier_bytes={20 * block}", "cache.retention=none") as engine:  # fmt: skip
+        assert engine.tiers.device_tier.num_blocks == 20
+        _one(engine, profile)
+        engine.tiers.flush()
+        long_id = engine.submit(long_ids, TOP)
+        for _ in range(4):
+            assert engine.step() == []  # a piece: the long one waits again
+        parked = engine.scheduler._waiting[long_id]
+        assert parked.num_pieces == 4 and len(parked.parked) == 10
+        again = engine.submit(visit, TOP)
+        done = {r.request_id: r for r in engine.run()}
+        split = done[again].split
+        assert split.num_device_hit_tokens + split.num_host_hit_tokens == 6 * BT
+        assert engine.tiers.device_tier.stats().num_pinned_blocks == 0
+    _same(done[again], wholes[0])
+    _same(done[long_id], wholes[1])
+    assert done[long_id].num_pieces == 7

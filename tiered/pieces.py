@@ -46,6 +46,11 @@ HORIZON_S = 60.0  # objectives seen this recently stand for the arrivals a piece
 # request by 1 / PIECE_OVERHEAD_SHARE at most, as the JCT model prices it.
 PIECE_OVERHEAD_SHARE = 5
 LOST_CAUSE_SHARE = 0.25  # of a lost cause's objective: the time a like request with a cached prefix needs
+# A request between pieces holds at most this share of the device tier (its leading parked blocks)
+# when a host tier has the rest: a 16 K prompt's KV filled bench-m's whole device tier, and the
+# short calls meanwhile could load only the blocks left free of their cached profiles (2 of 7) and
+# computed the rest: late. The rest stay cached, unheld; the next piece loads what was evicted.
+PARK_DEVICE_SHARE = 0.5
 
 
 class Engine(Protocol):
@@ -156,10 +161,15 @@ class Pieces:
         if w.first_split is None:
             w.first_split = w.split
         w.num_pieces += 1
-        held = e.tiers.device_tier.match(req.keys, req.token_ids.tolist(), count=False, pin=True)
-        e.tiers.device_tier.unpin(w.parked)
+        dt = e.tiers.device_tier
+        held = dt.match(req.keys, req.token_ids.tolist(), count=False, pin=True)
+        if e.tiers.host_tier is not None:  # what is not held stays cached (evictable) and is in the host tier
+            cap = int(dt.num_blocks * PARK_DEVICE_SHARE)
+            dt.unpin(held[cap:])
+            held = held[:cap]
+        dt.unpin(w.parked)
         on_device = max(0, len(held) - len(w.parked))  # of this piece's blocks, those held on the device
-        block_bytes = e.tiers.device_tier.bytes_per_block
+        block_bytes = dt.bytes_per_block
         self.parked_device_bytes += on_device * block_bytes
         if e.tiers.host_tier is not None:
             self.parked_host_bytes += max(0, num_tokens // bt - on_device) * block_bytes
