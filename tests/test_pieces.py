@@ -226,6 +226,20 @@ def test_a_long_prefill_leaves_room_for_the_arrivals_its_recent_objectives_annou
     _same(pieced, alone)
 
 
+def test_a_call_as_tight_as_the_arrivals_announced_is_not_cut_for_them(tiny_dir: Path, tmp_path: Path) -> None:
+    """A 500 ms objective seen a moment ago announces arrivals; a 2,000-token request with the same
+    objective (a lost cause here, 2 s predicted) runs whole: it is one of those calls, not a long
+    prefill to cut for them. With a looser objective (60 s) it runs in pieces."""
+    long_ids = _ids(2000, 24)
+    with _engine(tiny_dir, tmp_path, "model.max_model_len=4096") as engine:
+        _one(engine, _ids(40, 25), slo_ms=500)
+        tight = _one(engine, long_ids, slo_ms=500)
+        engine.tiers.clear()
+        loose = _one(engine, long_ids, slo_ms=60_000)
+    assert tight.num_pieces == 1 and loose.num_pieces >= 2000 / 448
+    _same(tight, loose)
+
+
 def test_objectives_nobody_could_meet_still_announce_arrivals(tiny_dir: Path, tmp_path: Path) -> None:
     """The only request seen lately was a lost cause (200 ms predicted at 1 ms a token, 100 ms
     objective: a new user's call). A like request with its prefix cached is expected to need a
@@ -257,18 +271,24 @@ def test_a_request_between_pieces_runs_alone(tiny_dir: Path, tmp_path: Path) -> 
     _same(done[long_id], whole)
 
 
-def test_a_request_between_pieces_leaves_room_to_load_a_cached_profile(tiny_dir: Path, tmp_path: Path) -> None:
-    """A 20-block device tier. A 6-block profile was computed (in the host tier, write-through); a
-    long request then parks 16 blocks in pieces of 4. Between its pieces it holds at most half the
-    device tier, so the profile's next request finds all 6 blocks (device hits or host loads)
-    instead of the 4 that 16 held blocks would leave room for; both answers equal one pass."""
+@pytest.mark.parametrize("write_policy", ["write-through", "on-evict"])
+def test_a_request_between_pieces_leaves_room_to_load_a_cached_profile(
+    tiny_dir: Path, tmp_path: Path, write_policy: str
+) -> None:
+    """A 20-block device tier. A 6-block profile was computed (in the host tier); a long request
+    then parks 16 blocks in pieces of 4. Between its pieces it holds at most half the device tier,
+    so the profile's next request finds all 6 blocks (device hits or host loads) instead of the 4
+    that 16 held blocks would leave room for. The parked blocks it no longer holds are in the host
+    tier (written through, or sent there when the profile's loads evict them): its next pieces load
+    them back, and both answers equal one pass."""
     block = BT * read_args(tiny_dir).kv_bytes_per_token(torch.float32)
     profile, long_ids = _ids(6 * BT + 5, 11), _ids(24 * BT + 3, 12)
     visit = torch.cat([profile, _ids(7, 13)])
     with _engine(tiny_dir, tmp_path, "scheduler.pieces=never") as one:
         wholes = [_one(one, ids) for ids in (visit, long_ids)]
     with _engine(tiny_dir, tmp_path, "scheduler.pieces=fixed", f"scheduler.piece_tokens={4 * BT}",
-                 f"cache.device_tier_bytes={20 * block}", "cache.retention=none") as engine:  # fmt: skip
+                 "scheduler.fairness=0", f"cache.device_tier_bytes={20 * block}", "cache.retention=none",
+                 f"cache.host.write_policy={write_policy}") as engine:  # fmt: skip
         assert engine.tiers.device_tier.num_blocks == 20
         _one(engine, profile)
         engine.tiers.flush()
@@ -285,3 +305,17 @@ def test_a_request_between_pieces_leaves_room_to_load_a_cached_profile(tiny_dir:
     _same(done[again], wholes[0])
     _same(done[long_id], wholes[1])
     assert done[long_id].num_pieces == 7
+
+
+def test_a_batch_takes_no_request_that_would_make_a_member_miss_its_deadline(tiny_dir: Path, tmp_path: Path) -> None:
+    """1 ms per computed token predicted. A 50-token request with a 2 s objective is the head; a
+    3,000-token one waits too. Together they would take 3.05 s predicted, past the head's deadline:
+    the long one runs in its own forward. Without the objective they share one."""
+    for slo_ms in (2000, None):
+        with _engine(tiny_dir, tmp_path, "scheduler.max_batch_tokens=4096", "model.max_model_len=4096",
+                     "scheduler.pieces=never") as engine:  # fmt: skip
+            long_id = engine.submit(_ids(3000, 40), TOP)
+            short_id = engine.submit(_ids(50, 41), TOP, slo_ms=slo_ms)
+            done = {r.request_id: r for r in engine.run()}
+        assert done[short_id].batch_size == done[long_id].batch_size == (1 if slo_ms else 2)
+        assert done[short_id].finished_at <= done[long_id].finished_at

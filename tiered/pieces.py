@@ -12,9 +12,11 @@ whole long prefill would wait for all of it. So `deadline` also plans for the re
 arrive: the tightest slack (objective minus predicted time) among the objectives seen in the last
 minute stands for one more urgent request arriving now, and a long prefill runs in pieces no
 longer than that slack even when nobody waits; but never one whose fixed cost (a forward's own,
-reading its prefix) is over 1 / PIECE_OVERHEAD_SHARE of it, and never under one block.
+reading its prefix) is over 1 / PIECE_OVERHEAD_SHARE of it, and never under one block; nor a
+request whose own objective is no looser than the anticipated one's (a short call itself: cut for a
+call that may come, it paid each piece's overhead and missed its own objective).
 A request already late (predicted past its deadline) does not wait for the long one's end when it
-is the shorter: it runs before the next piece (SRPT among the late; not under `fcfs`), within the
+is the shorter: it runs before the next piece (earliest deadline first; not under `fcfs`), within the
 long one's delay bound, so the late ones' latency (the short calls' P99) stays that of a short call.
 A lost cause (predicted past its objective: a new user's call whose profile is not cached) still
 announces the traffic: a like request whose prefix is cached is expected to need LOST_CAUSE_SHARE
@@ -46,7 +48,7 @@ HORIZON_S = 60.0  # objectives seen this recently stand for the arrivals a piece
 # request by 1 / PIECE_OVERHEAD_SHARE at most, as the JCT model prices it.
 PIECE_OVERHEAD_SHARE = 5
 LOST_CAUSE_SHARE = 0.25  # of a lost cause's objective: the time a like request with a cached prefix needs
-# A request between pieces holds at most this share of the device tier (its leading parked blocks)
+# Requests between pieces hold at most this share of the device tier (their leading parked blocks)
 # when a host tier has the rest: a 16 K prompt's KV filled bench-m's whole device tier, and the
 # short calls meanwhile could load only the blocks left free of their cached profiles (2 of 7) and
 # computed the rest: late. The rest stay cached, unheld; the next piece loads what was evicted.
@@ -79,7 +81,7 @@ class Pieces:
         self.num_pieces = 0  # pieces that ended in a yield
         self.num_deferrals = 0  # heads that waited before starting, an urgent request ahead
         self.parked_device_bytes = 0  # KV of finished pieces held on the device for their request
-        self.parked_host_bytes = 0  # ... and put in the host tier where the device lacked room
+        self.parked_host_bytes = 0  # ... and left to the host tier (no room on the device, or over the cap)
         self._objectives: deque[tuple[float, float, float]] = deque()  # (arrival, objective s, predicted s)
 
     def saw(self, arrival: float, slo_seconds: float, jct: float) -> None:
@@ -88,18 +90,19 @@ class Pieces:
         while self._objectives and self._objectives[0][0] < arrival - HORIZON_S:
             self._objectives.popleft()
 
-    def _anticipated(self, now: float) -> Urgent | None:
+    def _anticipated(self, now: float) -> tuple[Urgent, float] | None:
         """One request arriving now with the tightest slack seen lately (a lost cause's: see the
         module's docstring; but not one whose objective no request could meet, a quarter of it
-        below a one-block request's predicted time); None when no objective was seen in HORIZON_S."""
+        below a one-block request's predicted time), with the tightest objective among those seen; None
+        when no objective was seen in HORIZON_S."""
         cheapest = self.engine.jct.predict(HitSplit(0, 0, self.engine.tiers.block_tokens))
-        slack = [(slo - jct, jct) if jct < slo else (slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE)
+        slack = [(slo - jct, jct, slo) if jct < slo else (slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE, slo)
                  for t, slo, jct in self._objectives
                  if t >= now - HORIZON_S and (jct < slo or slo * LOST_CAUSE_SHARE >= cheapest)]  # fmt: skip
         if not slack:
             return None
-        least, jct = min(slack)
-        return Urgent("(an arrival)", now + least + jct, jct)
+        least, jct, _ = min(slack)
+        return Urgent("(an arrival)", now + least + jct, jct), min(s[2] for s in slack)
 
     def decide(self, d: Decision) -> PieceChoice | None:
         """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole."""
@@ -120,7 +123,10 @@ class Pieces:
                        if u.deadline is not None]  # fmt: skip
             urgent = [u for u in waiting if now + u.jct <= u.deadline < now + whole + u.jct]
             late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if sc.policy != "fcfs" else []
-            arrival = self._anticipated(now)
+            anticipated = self._anticipated(now)
+            arrival = anticipated[0] if anticipated is not None else None
+            if anticipated is not None and w.deadline is not None and w.deadline - w.arrival <= anticipated[1] + 1e-6:
+                arrival = None  # a call as tight as those anticipated: a real one is not cut for a guess
             if not urgent and late:  # missed already and shorter than the long one's rest: it goes first
                 n, urgent = 0, late[:1]
             elif not urgent and arrival is None:
@@ -163,12 +169,15 @@ class Pieces:
         w.num_pieces += 1
         dt = e.tiers.device_tier
         held = dt.match(req.keys, req.token_ids.tolist(), count=False, pin=True)
-        if e.tiers.host_tier is not None:  # what is not held stays cached (evictable) and is in the host tier
-            cap = int(dt.num_blocks * PARK_DEVICE_SHARE)
+        if e.tiers.host_tier is not None:
+            # Not held: cached but evictable, in the host tier (write-through) or sent there when
+            # evicted (on-evict); a chunk the host tier lacks (a dropped store) is computed again.
+            cap = max(0, int(dt.num_blocks * PARK_DEVICE_SHARE) - e.scheduler.num_parked_blocks())
             dt.unpin(held[cap:])
             held = held[:cap]
         dt.unpin(w.parked)
-        on_device = max(0, len(held) - len(w.parked))  # of this piece's blocks, those held on the device
+        first = w.split.num_hit_tokens // bt  # of this piece's blocks, those held on the device
+        on_device = max(0, min(len(held), end // bt) - first)
         block_bytes = dt.bytes_per_block
         self.parked_device_bytes += on_device * block_bytes
         if e.tiers.host_tier is not None:

@@ -110,7 +110,7 @@ class PieceCounters:
     yields: int = 0  # pieces after which a request waited again
     deferrals: int = 0  # heads that waited before starting, an urgent request run first
     parked_device_bytes: int = 0  # KV of finished pieces kept on the device for their request
-    parked_host_bytes: int = 0  # ... and put in the host tier, the device lacking room
+    parked_host_bytes: int = 0  # ... and left to the host tier (not held on the device: no room, or the cap)
 
 
 @dataclass(slots=True)

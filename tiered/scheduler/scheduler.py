@@ -18,9 +18,11 @@ first block (prefix-homogeneous: they read one copy of the prefix), then with th
 LoRA adapter, then with the others, in the policy's order, at most `lora.max_loras` adapters in
 a batch (Feather's homogeneity, one step further). Only requests of the head's priority join
 it, so a batch never carries a request past a higher-priority one; the head was chosen with λ,
-so fairness holds for the head, and a filler only rides along. Blocks that another request of
-the batch computes (a new user's profile, shared by all the prompts of the visit) are computed
-once by the forward, so they do not count against the budget twice. Every policy batches this
+so fairness holds for the head, and a filler only rides along: never one that would make the
+batch end (its members' predicted times summed) past a member's deadline it meets without it.
+Blocks that another request of the batch computes (a new user's profile, shared by all the
+prompts of the visit) are computed once by the forward, so they do not count against the budget
+twice. Every policy batches this
 way, so policies still compare.
 
 Cost. `jct − λ·(now − arrival)` orders requests like `jct + λ·arrival`, which does not change
@@ -33,6 +35,7 @@ changes with time for every request: it scans all of them, as SGLang does.
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import time
 from collections import defaultdict
@@ -203,6 +206,10 @@ class Scheduler:
         """Block keys of every waiting request (what the `prefix` retention policy keeps)."""
         return set(self._by_key)
 
+    def num_parked_blocks(self) -> int:
+        """Device blocks the waiting requests hold between pieces (O(waiting): once a piece)."""
+        return sum(len(w.parked) for w in self._waiting.values())
+
     # ---- scoring ---------------------------------------------------------------------------
 
     def _keys_changed(self, keys: Iterable[int]) -> None:
@@ -282,7 +289,8 @@ class Scheduler:
         proved `max_model_len` tokens fit). `max_adapters`: most distinct LoRA adapters in the
         batch (0: no bound). A request that yielded between pieces runs alone, head or not: its
         next piece is decided for a batch of one (tiered/pieces.py), and its remaining tokens,
-        however few, read a long prefix."""
+        however few, read a long prefix. A request does not join when the batch, with it (each
+        member's predicted time summed), would end past a member's deadline the batch meets without it."""
         head = self.pick()
         if head is None:
             return []
@@ -294,8 +302,11 @@ class Scheduler:
         computing = set(self._miss_keys(head.waiting))
         longest_prefix = head.waiting.split.num_tokens - miss
         adapters = {head.waiting.request.adapter}
+        ends, met = self.clock() + head.waiting.jct, math.inf  # the batch's predicted end, its earliest deadline met
+        if head.waiting.deadline is not None and ends <= head.waiting.deadline:
+            met = head.waiting.deadline
         for w in self._fill_candidates(head.waiting):
-            if w.num_pieces:
+            if w.num_pieces or ends + w.jct > met:
                 continue
             adapter = w.request.adapter  # the base model (None) takes no adapter slot
             full = max_adapters and len(adapters - {None}) >= max_adapters
@@ -310,6 +321,9 @@ class Scheduler:
             del self._waiting[w.request_id]
             self._unindex(w)
             batch.append(Decision(w, w.jct, 0.0, 0, head.queue_depth))
+            ends += w.jct
+            if w.deadline is not None and ends <= w.deadline:
+                met = min(met, w.deadline)
             miss += m
             longest_prefix = max(longest_prefix, prefix)
             computing.update(own)
