@@ -1,6 +1,7 @@
-"""The 16 K mixed-workload plot of RESULTS.md (2026-12-02, later): calls answered within their
-objective per second against offered load, from `tiered bench mixed` JSONs: ours on the final code
-(run f) and the fixed piece sizes and vLLM's chunked prefill of run e (see RESULTS.md)."""
+"""The 16 K mixed-workload plot of RESULTS.md (2026-12-02, evening): calls answered within their
+objective per second against offered load, from `tiered bench mixed` JSONs: ours and the fixed piece
+sizes on the final code (run h, and fixed 512 under srjf), ours before the last fixes and vLLM's
+chunked prefill from run g (see RESULTS.md)."""
 
 import json
 
@@ -9,9 +10,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-src = {"tiered (deadline), run f": ("f", "tiered"), "tiered (deadline), run e": ("e", "tiered"),
-       "tiered-fixed512, run e": ("e", "tiered-fixed512"), "tiered-fixed1024, run e": ("e", "tiered-fixed1024"),
-       "vllm-chunk1024, run e": ("e", "vllm-chunk1024")}
+src = {"tiered (deadline), run h": ("h", "tiered"), "tiered (deadline), run g": ("g", "tiered"),
+       "tiered-fixed512, run h": ("h", "tiered-fixed512"), "tiered-fixed1024, run h": ("h", "tiered-fixed1024"),
+       "tiered-fixed512 srjf, run h": ("h-srjf", "tiered-fixed512"), "vllm-chunk1024, run g": ("g", "vllm-chunk1024")}
 fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
 for label, (run, system) in src.items():
     d = json.load(open(f"benchmarks/out/mixed-bench-m-16k-{run}.json"))
@@ -20,7 +21,7 @@ for label, (run, system) in src.items():
                                       and 1000 * r["latency_seconds"] <= r["slo_ms"]) / window)
                  for x in d["runs"] if x["system"] == system)  # fmt: skip
     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
-            linestyle="--" if run == "e" and system == "tiered" else "-")
+            linestyle="--" if run == "g" and system == "tiered" else "-")
 ax.set_xlabel("short calls offered per second")
 ax.set_ylabel("calls in time per second")
 ax.set_title("bench-m, 16 K prompts among short calls (2 cores)", fontsize=9)

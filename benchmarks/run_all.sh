@@ -138,19 +138,23 @@ $T bench load --config configs/bench-m.yaml --kind credit_verification --users 6
 $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25,0.5 --minutes 5 \
   --systems tiered,tiered-fixed1024,tiered-never,vllm-chunk1024,vllm-priority-chunk1024,vllm-chunk2048-cap1024 \
   --vllm-python "$VLLM_PY" --json benchmarks/out/mixed-bench-m.json --plots benchmarks/out/mixed-bench-m
-# ... and among fresh 16 K-token prompts (one per 2 min, 180 s objective); ~50 min on 2 cores
+# ... and among fresh 16 K-token prompts (one per 2 min, 180 s objective): every system (run g, ~60 min on 2
+# cores; vLLM from it), ours and the fixed pieces on the final code (run h, ~45 min), the fixed pieces with the
+# short calls always first (srjf), the same short calls without the long prompts (their P99 is the reference of
+# issue 24's "within 2x"); then the plot
 $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --users 4 --long-tokens 16384 \
   --long-per-minute 0.5 --long-slo-ms 180000 --alone-repeats 1 \
   --systems tiered,tiered-fixed512,tiered-fixed1024,vllm-chunk1024 --vllm-python "$VLLM_PY" \
-  --json benchmarks/out/mixed-bench-m-16k-e.json --plots benchmarks/out/mixed-bench-m-16k-e
-# ... the same short calls without the long prompts (their P99 is the reference of issue 24's "within 2x")
+  --json benchmarks/out/mixed-bench-m-16k-g.json --plots benchmarks/out/mixed-bench-m-16k-g
+$T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --users 4 --long-tokens 16384 \
+  --long-per-minute 0.5 --long-slo-ms 180000 --alone-repeats 1 --systems tiered,tiered-fixed512,tiered-fixed1024 \
+  --json benchmarks/out/mixed-bench-m-16k-h.json --plots benchmarks/out/mixed-bench-m-16k-h
+$T bench mixed --config configs/bench-m.yaml --set scheduler.policy=srjf --short-qps 0.1,0.25 --minutes 4 --users 4 \
+  --long-tokens 16384 --long-per-minute 0.5 --long-slo-ms 180000 --alone-repeats 1 --systems tiered-fixed512 \
+  --json benchmarks/out/mixed-bench-m-16k-h-srjf.json --plots benchmarks/out/mixed-bench-m-16k-h-srjf
 $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --users 4 --long-tokens 512 \
   --long-per-minute 0 --alone-repeats 1 --systems tiered \
-  --json benchmarks/out/mixed-bench-m-nolong-e.json --plots benchmarks/out/mixed-bench-m-nolong-e
-# ... ours alone on the final code (run f), then the plot of runs e and f
-$T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --users 4 --long-tokens 16384 \
-  --long-per-minute 0.5 --long-slo-ms 180000 --alone-repeats 1 --systems tiered \
-  --json benchmarks/out/mixed-bench-m-16k-f.json --plots benchmarks/out/mixed-bench-m-16k-f
+  --json benchmarks/out/mixed-bench-m-nolong-h.json --plots benchmarks/out/mixed-bench-m-nolong-h
 .venv/bin/python benchmarks/plot_mixed_16k.py
 $T bench pipeline-sim --json benchmarks/out/pipeline-sim.json --plots benchmarks  # WavePP, simulated (seconds)
 $T bench stages --config configs/bench-m.yaml --json benchmarks/out/stages-bench-m.json  # 2 stages x 1 core vs 1 x 2 (~12 min)
