@@ -27,6 +27,7 @@ prompts' own loose objectives seen lately, a 16 K prompt ran in pieces of a minu
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -123,9 +124,8 @@ class Pieces:
                        if u.deadline is not None]  # fmt: skip
             urgent = [u for u in waiting if now + u.jct <= u.deadline < now + whole + u.jct]
             late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if sc.policy != "fcfs" else []
-            anticipated = self._anticipated(now)
-            arrival = anticipated[0] if anticipated is not None else None
-            if anticipated is not None and w.deadline is not None and w.deadline - w.arrival <= anticipated[1] + 1e-6:
+            arrival, tightest = self._anticipated(now) or (None, math.inf)
+            if w.deadline is not None and w.deadline - w.arrival <= tightest + 1e-6:
                 arrival = None  # a call as tight as those anticipated: a real one is not cut for a guess
             if not urgent and late:  # missed already and shorter than the long one's rest: it goes first
                 n, urgent = 0, late[:1]

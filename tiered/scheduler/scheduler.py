@@ -22,8 +22,7 @@ so fairness holds for the head, and a filler only rides along: never one that wo
 batch end (its members' predicted times summed) past a member's deadline it meets without it.
 Blocks that another request of the batch computes (a new user's profile, shared by all the
 prompts of the visit) are computed once by the forward, so they do not count against the budget
-twice. Every policy batches this
-way, so policies still compare.
+twice. Every policy batches this way, so policies still compare.
 
 Cost. `jct − λ·(now − arrival)` orders requests like `jct + λ·arrival`, which does not change
 with time, so calibrated, srjf, lpm, spf and fcfs keep a lazy heap. A request is re-scored only
