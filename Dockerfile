@@ -1,6 +1,5 @@
 # tiered on the CPU: `docker build -t tiered .` then `docker run -p 8000:8000 tiered`
-# (deploy/compose.yaml adds Prometheus scraping /metrics). For a GPU image, start from a CUDA
-# base and install torch==2.13.0's CUDA build instead of the CPU one.
+# (deploy/compose.yaml adds Prometheus scraping /metrics).
 FROM python:3.11-slim
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -8,8 +7,9 @@ ENV PIP_NO_CACHE_DIR=1 \
     LMCACHE_TRACK_USAGE=false
 WORKDIR /app
 
-# torch's CPU build first (PyPI's default torch is the CUDA one, several GB).
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# torch from the default index only (as every install here): PyPI's Linux build carries the CUDA
+# libraries (several GB), so the same image also runs on a GPU machine.
+RUN pip install torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY tiered ./tiered
 RUN pip install . && tiered --version

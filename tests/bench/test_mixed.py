@@ -76,7 +76,10 @@ def test_system_names() -> None:
     assert s is not None and s.is_vllm and s.vllm_step_tokens == 2048 and s.vllm_args == []
     s = mixed_system("vllm-priority-chunk1024-cap256")
     assert s is not None and s.vllm_args == ["--scheduling-policy", "priority", "--long-prefill-token-threshold", "256"]
-    for bad in ("vllm", "tiered-fixed", "tiered-fixed0", "vllm-chunk", "vllm-priority", "tiered-fcfs"):
+    s = mixed_system("vllm-chunk2048-cap512-partial4")
+    assert s is not None and s.vllm_args == ["--long-prefill-token-threshold", "512", "--max-num-partial-prefills", "4"]
+    for bad in ("vllm", "tiered-fixed", "tiered-fixed0", "vllm-chunk", "vllm-priority", "tiered-fcfs",
+                "vllm-chunk512-partial2"):  # fmt: skip
         assert mixed_system(bad) is None, bad
 
 
@@ -106,7 +109,8 @@ def test_goodput_and_percentiles_are_exact_on_hand_made_records(capsys: pytest.C
     assert (short.p50_latency_seconds, short.p99_latency_seconds) == (1.0, 1.5)  # of 0.5, 1.0, 1.5
     assert (short.num_deadline_met_reported, short.num_pieces) == (None, None)  # the server said nothing
     assert (long.num_calls, long.num_answered, long.num_good, long.goodput_per_s) == (2, 2, 1, 0.1)
-    assert (long.p50_latency_seconds, long.num_deadline_met_reported, long.num_pieces) == (12.0, 1, 4)
+    # nearest rank: the P50 of two values is the lower one
+    assert (long.p50_latency_seconds, long.num_deadline_met_reported, long.num_pieces) == (4.0, 1, 4)
     assert (total.num_calls, total.num_answered, total.num_good, total.goodput_per_s) == (6, 5, 3, 0.3)
     assert (total.p50_latency_seconds, total.p99_latency_seconds) == (1.5, 12.0)  # of 0.5, 1.0, 1.5, 4.0, 12.0
     assert [(x.call_id, x.slowdown, x.good, x.num_pieces) for x in s.longs] == [("c2", 1.0, True, 3),

@@ -11,7 +11,13 @@ import pytest
 
 from tiered.bench import servers as bench_servers
 from tiered.bench.traces import QUESTION_TOKENS, BenchError, Trace, TraceRequest, revisit, visits
-from tiered.bench.visits import run_visits_bench, split_visits, vllm_prefix_cache_tokens, working_set_tokens
+from tiered.bench.visits import (
+    VisitsOptions,
+    run_visits_bench,
+    split_visits,
+    vllm_prefix_cache_tokens,
+    working_set_tokens,
+)
 from tiered.cli import main
 from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
@@ -84,12 +90,18 @@ def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
     cfg = load_config(DEFAULT_CONFIG)
     trace = visits(VOCAB, users=2, visits=2, posts=1, **SMALL)
     with pytest.raises(BenchError, match="unknown system"):
-        run_visits_bench(cfg, trace, ["nope"], [1.0], 4, None, None, None, 0, None, tmp_path)
+        run_visits_bench(cfg, trace, VisitsOptions(["nope"], [1.0], out_dir=tmp_path))
     with pytest.raises(BenchError, match="--vllm-python"):
-        run_visits_bench(cfg, trace, ["tiered", "vllm"], [1.0], 4, None, None, None, 0, None, tmp_path)
+        run_visits_bench(cfg, trace, VisitsOptions(["tiered", "vllm"], [1.0], out_dir=tmp_path))
     gone = str(tmp_path / "nope" / "bin" / "python")
     with pytest.raises(BenchError, match=rf"^--vllm-python {gone} does not exist: run `make bench-env`"):
-        run_visits_bench(cfg, trace, ["vllm"], [1.0], 4, gone, None, None, 0, None, tmp_path)
+        run_visits_bench(cfg, trace, VisitsOptions(["vllm"], [1.0], vllm_python=gone, out_dir=tmp_path))
+    with pytest.raises(BenchError, match="named twice"):
+        run_visits_bench(cfg, trace, VisitsOptions(["tiered", "tiered"], out_dir=tmp_path))
+    with pytest.raises(BenchError, match="--load-of vllm is not one of --systems"):
+        run_visits_bench(cfg, trace, VisitsOptions(["tiered"], [1.0], warm_up_visits=0, load_of="vllm", out_dir=tmp_path))
+    with pytest.raises(BenchError, match=r"--warm-up-visits in \[0, 2\)"):
+        run_visits_bench(cfg, trace, VisitsOptions(["tiered"], warm_up_visits=2, out_dir=tmp_path))
 
 
 def test_the_cli_writes_a_visits_trace(tiny_dir: Path, tmp_path: Path) -> None:
@@ -109,12 +121,17 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     trace = visits(VOCAB, users=3, visits=6, posts=3, profile_mean=48, profile_sd=8, profile_min=40, profile_max=64,
                    post_tokens=8)  # fmt: skip
     # tiered-lora2: the same calls, user u's with LoRA adapter u mod 2 (made under tmp_path/adapters).
-    doc = run_visits_bench(cfg, trace, ["tiered", "tiered-lora2"], [0.5, 2.0], 4, None, None, None, 0,
-                           str(tmp_path / "v.json"), tmp_path)  # fmt: skip
+    opts = VisitsOptions(["tiered", "tiered-lora2"], [0.5, 2.0], concurrency=4, repeats=2, warm_up_visits=1,
+                         json_path=str(tmp_path / "v.json"), out_dir=tmp_path)  # fmt: skip
+    doc = run_visits_bench(cfg, trace, opts)
     saved = json.loads((tmp_path / "v.json").read_text())
     assert saved["bench"] == "visits" and saved["trace"] == {"kind": "visits", "params": trace.params, "requests": 6,
                                                              "prompts": 18, "tokens": trace.num_tokens}  # fmt: skip
+    assert saved["provenance"]["command"] and set(saved["launch"]) == {"tiered", "tiered-lora2"}
+    assert all(launch["startup_seconds"] > 0 for launch in saved["launch"].values())
+    assert "runs" not in saved and (tmp_path / "records.json").exists()  # records beside the plots, not in the summary
     sat, sat_lora = saved["saturation"]
+    assert [len(saved["saturation_runs"][s]) for s in ("tiered", "tiered-lora2")] == [2, 2]
     assert sat_lora["system"] == "tiered-lora2" and sat_lora["num_errors"] == 0
     assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["lora0", "lora1"]
     cache, limit = sat["cache"], sat["limit"]
@@ -123,18 +140,30 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     parts = ("device_hit_tokens", "host_hit_tokens", "shared_tokens", "computed_tokens")
     assert sum(cache[p] for p in parts) == trace.num_tokens
     assert limit["computed_tokens"] == cache["computed_tokens"] and 0 < limit["achieved_fraction"] < 1
-    assert saved["saturation_visits_per_s"] == sat["visits_per_s"] and len(saved["slo_p99_seconds"]) == 3
+    rates = sorted(r["visits_per_s"] for r in saved["saturation_runs"]["tiered"])
+    assert saved["saturation_visits_per_s"] == pytest.approx(sum(rates) / 2)  # the loads scale the median
+    assert len(saved["slo_p99_seconds"]) == 3
     assert [(s["system"], s["multiple"], s["num_requests"], s["num_errors"]) for s in saved["summaries"]] == [
         ("tiered", 0.5, 6, 0), ("tiered", 2.0, 6, 0), ("tiered-lora2", 0.5, 6, 0), ("tiered-lora2", 2.0, 6, 0)
     ]  # fmt: skip
     assert set(saved["sustainable"]["tiered"]) == {"p99", "mean"}
-    assert any(v["returning"] for v in saved["visits"])  # Zipf over 3 users: someone comes back
+    # Headline rows: the reference against the other system, two paired runs each; 6 visits: a maximum, not a P99.
+    assert [(r["measure"], r["ours"]["system"], r["peer"]["system"], r["ratio"]["n"]) for r in saved["headline"]] == [
+        ("visits/s at saturation", "tiered", "tiered-lora2", 2),
+        ("share of the matmul rate at saturation", "tiered", "tiered-lora2", 2),
+        ("mean visit latency at 0.5x tiered's saturation", "tiered", "tiered-lora2", 2),
+        ("max of 6 visit latency at 0.5x tiered's saturation", "tiered", "tiered-lora2", 2),
+        ("mean visit latency at 2x tiered's saturation", "tiered", "tiered-lora2", 2),
+        ("max of 6 visit latency at 2x tiered's saturation", "tiered", "tiered-lora2", 2),
+    ]  # fmt: skip
+    assert any(v["returning"] for v in doc["visits"])  # Zipf over 3 users: someone comes back
     # Each user keeps one adapter, so a returning user's visits hit its own cached profile.
-    for records in (sat["records"], sat_lora["records"], *(run["records"] for run in saved["runs"])):
+    groups = [[r for r in doc["saturation_records"][s] if r["repeat"] == k] for s in opts.systems for k in range(2)]
+    for records in (*groups, *(run["records"] for run in doc["runs"])):
         by_id = {r["request_id"]: r for r in records}
-        assert set(by_id) == {v["call_id"] for v in saved["visits"]}
+        assert set(by_id) == {v["call_id"] for v in doc["visits"]}
         answered: dict[int, float] = {}  # user -> when their first answered visit was answered
-        for v in saved["visits"]:
+        for v in doc["visits"]:
             r = by_id[v["call_id"]]
             hit = r["device_hit_tokens"] + r["host_hit_tokens"]
             if v["returning"]:  # cached, or computed once in the same batch as the user's first visit

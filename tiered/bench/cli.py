@@ -11,6 +11,7 @@ from tiered.bench import pipeline_sim, stages
 from tiered.bench.commands import (
     _add_model_args,
     _add_trace_args,
+    cmd_bench_alone,
     cmd_bench_attention,
     cmd_bench_batch,
     cmd_bench_load,
@@ -19,6 +20,7 @@ from tiered.bench.commands import (
     cmd_bench_plot,
     cmd_bench_policies,
     cmd_bench_precision,
+    cmd_bench_report,
     cmd_bench_server,
     cmd_bench_soak,
     cmd_bench_tiers,
@@ -43,6 +45,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     _add_mixed_parser(bsub)
     _add_soak_parser(bsub)
     _add_plot_parser(bsub)
+    _add_report_parser(bsub)
+    _add_alone_parser(bsub)
     _add_server_parser(bsub)
     for module in (pipeline_sim, stages):  # subcommands that declare their own parser
         module.add_parser(bsub)
@@ -126,6 +130,8 @@ def _add_tiers_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     tiers.add_argument("--profile-tokens", type=int, default=4096, help="profile (shared prefix) length in (2)")
     tiers.add_argument("--post-tokens", type=int, default=128, help="fresh suffix per request in (2)")
     tiers.add_argument("--rounds", type=int, default=3, help="visits per user in (2)")
+    tiers.add_argument("--sequence-repeats", type=int, default=3, help="runs of (2) per suffix policy, taking turns "
+                       "(offload, discard, ...); the headline is the median of the paired ratios")  # fmt: skip
     tiers.add_argument(
         "--device-fraction", type=float, default=0.25, help="device tier size, as a share of all profiles' KV"
     )
@@ -220,23 +226,27 @@ def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
 def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     vs = bsub.add_parser(
         "visits", help="one HTTP call per user visit (N prompts sharing a profile), tiered serve vs vllm serve",
-        description="A recommendation service's traffic: each visit is ONE POST /v1/completions whose prompt lists "
-        "--posts token-id prompts (the user's profile + a fresh post + a 12-token question, max_tokens=1); users "
-        "come from a Zipf law (--zipf), so popular users return. Per system: (1) all visits at once with at most "
-        "--concurrency calls in flight: visits/s = visits / makespan; the first system's figure sets the offered "
-        "loads; (2) Poisson arrivals at each of --multiples x that rate, the same seeded calls and times for every "
-        "system: mean/P50/P99 visit latency (arrival to answer of the whole call); sustainable visits/s at each P99 "
-        "and mean SLO; prompt tokens served from cache (tiered: device / host tier, from the responses' usage; vLLM: "
-        "its /metrics prefix-cache counters); the physical limit (computed tokens x forward FLOPs per token / the "
-        "measured matmul rate) and the fraction of it reached at saturation. Every run starts cold (its own "
-        "cache_salt). Systems: tiered (tiered serve with --config and --set), tiered-single (the same with "
-        "scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the same batches, heads in arrival "
-        "order), vllm (vllm serve, KV cache = our device tier's "
-        "tokens), vllm-full (KV cache for the whole working set); tiered-loraK and vllm-loraK (K LoRA adapters of "
-        "rank 16 on all seven projections, made under --plots/adapters; user u's calls use adapter u mod K, vLLM "
-        "with --enable-lora); the vllm ones need --vllm-python. Lengths are "
-        "tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use --config configs/bench.yaml "
-        "for the bench model.",
+        description=(
+            "A recommendation service's traffic: each visit is ONE POST /v1/completions whose prompt lists --posts "
+            "token-id prompts (the user's profile + a fresh post + a 12-token question, max_tokens=1); users come "
+            'from a Zipf law (--zipf), so popular users return. Per system: (1) all visits at once with at most '
+            "--concurrency calls in flight: visits/s = visits / makespan; --load-of's median sets the offered loads; "
+            '(2) Poisson arrivals at each of --multiples x that rate, the same seeded calls and times for every '
+            'system: mean/P50/P99 visit latency (arrival to answer of the whole call); sustainable visits/s at each '
+            "P99 and mean SLO; prompt tokens served from cache (tiered: device / host tier, from the responses' "
+            'usage; vLLM: its /metrics prefix-cache counters); the physical limit (computed tokens x forward FLOPs '
+            'per token / the measured matmul rate) and the fraction of it reached at saturation. Every run starts '
+            'cold (its own cache_salt) after the same warm-up on every server; the first system stays up and each '
+            'other runs beside it, run for run (--repeats). Systems: tiered (tiered serve with --config and --set), '
+            'tiered-single (the same with scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the '
+            'same batches, heads in arrival order), vllm (vllm serve at its defaults: compiled, its own step budget; '
+            'KV memory = the RAM of our device + host tiers, in its dtype), vllm-devkv (the same, KV = our device '
+            'tier only), vllm-eager (--enforce-eager, KV as vllm), vllm-full (KV memory for the whole working set); '
+            'tiered-loraK and vllm-loraK (K LoRA adapters of rank 16 on all seven projections, made under '
+            "--plots/adapters; user u's calls use adapter u mod K, vLLM with --enable-lora); the vllm ones need "
+            '--vllm-python. Lengths are tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use '
+            '--config configs/bench.yaml for the bench model.'
+        ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     add_config_args(vs)
@@ -261,9 +271,15 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
                     help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}, tiered-loraK, vllm-loraK "
                     "(K adapters, e.g. tiered-lora8)")  # fmt: skip
     vs.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",") if v], default=[0.25, 0.5, 1, 2],
-                    help="offered loads, as multiples of the first system's saturation visits/s ('': the "
+                    help="offered loads, as multiples of --load-of's saturation visits/s ('': the "
                     "saturation runs only)")  # fmt: skip
     vs.add_argument("--concurrency", type=int, default=16, help="calls in flight at most in the saturation run")
+    vs.add_argument("--repeats", type=int, default=3, help="runs of each (system, load), each system's turn by turn "
+                    "with the first system's; figures are medians, with min-max")  # fmt: skip
+    vs.add_argument("--warm-up-visits", type=int, default=4, help="the trace's first visits, sent to every server "
+                    "once before its first run (their own cache salt)")  # fmt: skip
+    vs.add_argument("--load-of", default=None, help="the system whose median saturation visits/s the --multiples "
+                    "scale (default: the first system)")  # fmt: skip
     vs.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                     help="a Python with vLLM installed, for the vllm systems (`make bench-env` builds the "
                     "default)")  # fmt: skip
@@ -271,7 +287,8 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
                     "(default: 2.5, 5, 10x the first system's P99 at the lowest load)")  # fmt: skip
     vs.add_argument("--slo-mean", type=parse_float_list, default=None, help="mean visit latency SLOs, s, "
                     "comma-separated (default: 2.5, 5, 10x the first system's mean at the lowest load)")  # fmt: skip
-    vs.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
+    vs.add_argument("--json", default=None, help="write the run's summary (provenance, launches, medians, headline "
+                    "rows) as JSON here; every record goes to --plots/records.json")  # fmt: skip
     vs.add_argument("--plots", default=None, help="folder for PNG plots, server configs and logs "
                     "(default benchmarks/out/visits)")  # fmt: skip
 
@@ -398,3 +415,48 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
     at.add_argument("--vllm-library", default="auto", help="attention.vllm_library: auto, none, a folder or a .so")
     at.add_argument("--json", default=None, help="write results as JSON here")
     at.set_defaults(func=cmd_bench_attention)
+
+
+def _add_report_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    rp = bsub.add_parser(
+        "report",
+        help="write the results table of RESULTS.md and the README from the kept result JSONs",
+        description="Every headline row (ours against a peer: medians of paired runs, min-max, the machine, the "
+        "date, the command) of every JSON in --results goes into the table between the generated-table markers "
+        "of --results-md and --readme. --check writes nothing and exits 1 when a table differs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    rp.add_argument("--results", default="benchmarks/results", help="folder of the kept result JSONs")
+    rp.add_argument("--results-md", default="benchmarks/RESULTS.md", help="the results file")
+    rp.add_argument("--readme", default="README.md", help="the README (links point into benchmarks/)")
+    rp.add_argument("--check", action="store_true", help="only compare; exit 1 if a table is stale")
+    rp.set_defaults(func=cmd_bench_report)
+
+
+def _add_alone_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tiered.bench.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
+
+    al = bsub.add_parser(
+        "alone",
+        help="one fresh long prompt at a time on an idle server (credit verification), tiered serve vs vllm serve",
+        description="All --systems are started and warmed up alike (a short call, then one prompt of --tokens). "
+        "Then --repeats rounds: each system in turn gets the same fresh seeded prompt of --tokens under its own "
+        "cache salt, over HTTP, once no server computes. Reports each run's latency and tokens/s, and headline "
+        "rows (the first system against each other, run by run). Systems as `tiered bench visits` names them "
+        "(vllm: compiled, the KV memory of our device + host tiers).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_config_args(al)
+    al.add_argument("--tokens", type=int, default=8192, help="prompt length")
+    al.add_argument("--repeats", type=int, default=3, help="runs per system, interleaved")
+    al.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    al.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        default=["tiered", "vllm"],
+        help=f"comma-separated, the first is ours (from: {', '.join(VISIT_SYSTEMS)})",
+    )
+    al.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="a Python with vLLM (`make bench-env`)")
+    al.add_argument("--json", default=None, help="write the runs, provenance and headline rows as JSON here")
+    al.add_argument("--out-dir", default="benchmarks/out/alone", help="server configs and logs")
+    al.set_defaults(func=cmd_bench_alone)

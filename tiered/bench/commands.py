@@ -77,7 +77,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     cfg = bench_config(str(folder), _compute_dtype(args, folder), resolve_device(args.device), args.block_tokens,
                        longest)  # fmt: skip
     run_tiers_bench(cfg, args.lengths, args.users, args.profile_tokens, args.post_tokens, args.rounds,
-                    args.device_fraction, args.repeats, args.json)  # fmt: skip
+                    args.device_fraction, args.repeats, args.json, args.sequence_repeats)  # fmt: skip
     return 0
 
 
@@ -156,13 +156,26 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
 
 def cmd_bench_visits(args: argparse.Namespace) -> int:
     from tiered.bench.plots import plot_load
-    from tiered.bench.visits import run_visits_bench
+    from tiered.bench.visits import VisitsOptions, run_visits_bench
 
     cfg = config_from_args(args)
     trace = _trace_from_args(args, cfg)
     out_dir = Path(args.plots or "benchmarks/out/visits")
-    doc = run_visits_bench(cfg, trace, args.systems, args.multiples, args.concurrency, args.vllm_python,
-                           args.slo_p99, args.slo_mean, args.seed, args.json, out_dir)  # fmt: skip
+    opts = VisitsOptions(
+        systems=args.systems,
+        multiples=args.multiples,
+        concurrency=args.concurrency,
+        repeats=args.repeats,
+        warm_up_visits=args.warm_up_visits,
+        load_of=args.load_of,
+        vllm_python=args.vllm_python,
+        slo_p99=args.slo_p99,
+        slo_mean=args.slo_mean,
+        seed=args.seed,
+        json_path=args.json,
+        out_dir=out_dir,
+    )
+    doc = run_visits_bench(cfg, trace, opts)
     if not doc["summaries"]:  # saturation runs only: no latency against load to plot
         return 0
     for path in plot_load(doc, out_dir):
@@ -234,4 +247,37 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
     kernels = args.kernels.split(",") if args.kernels else None
     run_attention_bench(str(folder), _compute_dtype(args, folder), resolve_device(args.device), kernels,
                         args.max_tokens, args.json, args.vllm_library)  # fmt: skip
+    return 0
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from tiered.bench.report import write_tables
+
+    targets = [(Path(args.results_md), ""), (Path(args.readme), "benchmarks/")]
+    for target, _ in targets:
+        if not target.exists():
+            raise SystemExit(f"tiered bench report: {target} does not exist")
+    results = Path(args.results)
+    prefixes = [(path, f"{prefix}{results.name}/") for path, prefix in targets]
+    stale = write_tables(prefixes, results, check=args.check)
+    for path in stale:
+        print(f"{path}: {'differs from the generated table' if args.check else 'table rewritten'}")
+    if not stale:
+        print("the results tables are up to date")
+    return 1 if args.check and stale else 0
+
+
+def cmd_bench_alone(args: argparse.Namespace) -> int:
+    from tiered.bench.alone import AloneOptions, run_alone_bench
+
+    opts = AloneOptions(
+        systems=args.systems,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+        vllm_python=args.vllm_python,
+        json_path=args.json,
+        out_dir=Path(args.out_dir),
+    )
+    run_alone_bench(config_from_args(args), opts)
     return 0

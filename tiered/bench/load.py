@@ -7,7 +7,7 @@
    (arrival to answer), queue time (ours in-process), hit tokens per tier.
 3. Summary per run: throughput (requests / (last answer - first arrival)), mean / P50 / P99
    latency, hit rate per tier. Sustainable QPS per system: the highest offered QPS whose P99
-   (resp. mean) latency stays under the SLO, interpolated between measured loads.
+   (resp. mean) latency stays under the SLO: a measured load below the first that misses it.
 
 Systems (each one flag value):
 - ours in-process: `tiered` (calibrated + offload: the default), `prefillonly` (calibrated +
@@ -17,8 +17,8 @@ Systems (each one flag value):
 - `vllm`, `vllm-nochunk`: `vllm serve` (vLLM's OpenAI server, run by --vllm-python, default: the venv
   `make bench-env` builds) on the same
   model folder and dtype, prefix caching on, chunked prefill on / off, every request
-  `max_tokens=1`; its KV cache gets the same number of tokens as our device tier (more only if
-  vLLM needs it to hold one longest request, and the output says so).
+  `max_tokens=1`; compiled (vLLM's default), its KV memory the RAM of our device + host tiers (more
+  only if vLLM needs it to hold one longest request, and the output says so).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from tiered.bench.stats import (
 )
 from tiered.bench.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS, check_vllm_python
 from tiered.bench.traces import BenchError, Trace
-from tiered.bench.vllm import VLLMServer
+from tiered.bench.vllm import VLLMServer, peer_launch
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result
@@ -305,8 +305,8 @@ def run_load_bench(
         try:
             if system in VLLM_SYSTEMS:
                 assert vllm_python is not None
-                vllm = VLLMServer(vllm_python, model_dir, precision.compute, trace.max_tokens + 16, kv_tokens,
-                                  VLLM_SYSTEMS[system], cfg.forward.chunk_tokens)  # fmt: skip
+                launch = peer_launch(cfg, vllm_python, trace.max_tokens + 16, chunked=VLLM_SYSTEMS[system])
+                vllm = VLLMServer(launch)
                 vllm.start(out_dir / f"{system}.log")
             for multiple in multiples:
                 qps = multiple * saturation

@@ -19,7 +19,9 @@ prefill, --max-num-batched-tokens N), `vllm-priority-chunkN` (the same with --sc
 priority, short calls `priority` 0 and long ones 1), and either with `-capM`
 (--long-prefill-token-threshold M: a long prefill takes at most M tokens of a step while other
 requests wait; without it vLLM schedules its running prefill first, and a step's budget can go to
-it whole). Ours get each call's objective as `slo_ms`; vLLM has no such field and gets none.
+it whole), and then `-partialP` (--max-num-partial-prefills P: prefills in progress at once). Every
+vLLM system runs compiled (its default) with the KV memory of our device + host tiers. Ours get
+each call's objective as `slo_ms`; vLLM has no such field and gets none.
 """
 
 from __future__ import annotations
@@ -33,18 +35,17 @@ from pathlib import Path
 from typing import Any
 
 from tiered.bench.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
-from tiered.bench.load import Call, kv_bytes_per_token, print_tables, run_http, sustainable_table
+from tiered.bench.load import Call, print_tables, run_http, sustainable_table
 from tiered.bench.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
 from tiered.bench.report import write_report
 from tiered.bench.servers import prometheus_totals, serve_tiered, serve_vllm
 from tiered.bench.stats import Record, Summary, summarize
 from tiered.bench.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
 from tiered.bench.traces import BenchError, ordinary_token_ids
-from tiered.bench.vllm import VLLMServer
+from tiered.bench.vllm import VLLMServer, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.loader import resolve_device
-from tiered.hybrid.precision import config_precision
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +69,16 @@ def check_options(cfg: Config, names: list[str], short_qps: list[float], vllm_py
 @contextmanager
 def _serve(system: MixedSystem, cfg: Config, vllm_python: str | None, max_len: int,
            out_dir: Path) -> Iterator[tuple[str, VLLMServer | None]]:  # fmt: skip
-    """The system's server, warmed up: its URL, and the vLLM handle for a vLLM system."""
+    """The system's server, warmed up: its URL, and the vLLM handle for a vLLM system (compiled, with
+    the KV memory of our device + host tiers)."""
     if not system.is_vllm:
-        with serve_tiered(with_overrides(cfg, list(system.overrides)), system.name, out_dir) as url:
-            yield url, None
+        with serve_tiered(with_overrides(cfg, list(system.overrides)), system.name, out_dir) as served:
+            yield served.url, None
         return
     assert vllm_python is not None
-    kv_tokens = cfg.cache.device_tier_bytes // kv_bytes_per_token(cfg)  # as many KV tokens as our device tier
-    vllm = VLLMServer(vllm_python, Path(cfg.model.path), config_precision(cfg).compute, max_len, kv_tokens, True,
-                      system.vllm_step_tokens, system.vllm_args)  # fmt: skip
-    with serve_vllm(vllm, system.name, out_dir) as url:
-        yield url, vllm
+    launch = peer_launch(cfg, vllm_python, max_len, step_tokens=system.vllm_step_tokens, extra_args=system.vllm_args)
+    with serve_vllm(VLLMServer(launch), system.name, out_dir) as served:
+        yield served.url, served.vllm
 
 
 def alone_seconds(url: str, vllm: VLLMServer | None, prompts: list[list[int]], label: str) -> float:

@@ -1,44 +1,112 @@
-"""The servers the HTTP benchmarks drive (`bench visits`, `bench mixed`): `tiered serve` with a
-config written per system, or `vllm serve`, each warmed up before it is yielded; and the
-Prometheus counters of either, summed over their labels."""
+"""The servers the HTTP benchmarks drive (`bench visits`, `bench mixed`, `bench alone`): `tiered
+serve` with a config written per system, or `vllm serve`, each warmed up alike before it is
+yielded; a wait until no server computes;
+and the Prometheus counters of either, summed over their labels."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import psutil
 
 from tiered.api.launch import start_server, stop_server
-from tiered.bench.load import WARM_UP, run_http
+from tiered.bench.load import WARM_UP, Call, run_http
 from tiered.bench.vllm import VLLMServer
 from tiered.config import Config, write_config
 
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Served:
+    """A started, warmed-up server of one system."""
+
+    system: str
+    url: str
+    pid: int
+    launch: dict[str, Any]  # argv, env (the variables the harness set), startup_seconds
+    vllm: VLLMServer | None = None  # the peer's handle (its prefix-cache reset), None for ours
+
+
+def _warm_up(url: str, calls: Sequence[Call], concurrency: int | None) -> None:
+    """The same warm-up for every system: one short call, then `calls` (e.g. a trace's first visits)."""
+    run_http(url, "model", [WARM_UP], [0.0], cache_salt="warm-up")
+    if calls:
+        run_http(url, "model", list(calls), [0.0] * len(calls), "warm-up", concurrency, "warm-up")
+
 
 @contextmanager
-def serve_tiered(cfg: Config, system: str, out_dir: Path) -> Iterator[str]:
+def serve_tiered(
+    cfg: Config, system: str, out_dir: Path, warm_up: Sequence[Call] = (), concurrency: int | None = None
+) -> Iterator[Served]:
     """`tiered serve` with `cfg` (written to OUT_DIR/SYSTEM.yaml, its log beside it), served as
-    `model`, warmed up; yields its URL and stops it on exit."""
+    `model`, warmed up; stops it on exit."""
     path = write_config(cfg, out_dir / f"{system}.yaml")
-    proc, url = start_server(["--config", str(path), "--served-model-name", "model"],
-                             log_path=out_dir / f"{system}.log")  # fmt: skip
+    began = time.perf_counter()
+    proc, url = start_server(
+        ["--config", str(path), "--served-model-name", "model"], log_path=out_dir / f"{system}.log"
+    )
+    argv = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
+    launch = {"argv": argv, "env": {}, "startup_seconds": time.perf_counter() - began}
     try:
-        run_http(url, "model", [WARM_UP], [0.0], cache_salt="warm-up")
-        yield url
+        _warm_up(url, warm_up, concurrency)
+        yield Served(system, url, proc.pid, launch)
     finally:
         stop_server(proc)
 
 
 @contextmanager
-def serve_vllm(vllm: VLLMServer, system: str, out_dir: Path) -> Iterator[str]:
-    """Start `vllm` (its log at OUT_DIR/SYSTEM.log) and warm it up; yields its URL, stops it on exit."""
+def serve_vllm(
+    vllm: VLLMServer, system: str, out_dir: Path, warm_up: Sequence[Call] = (), concurrency: int | None = None
+) -> Iterator[Served]:
+    """Start `vllm` (its log at OUT_DIR/SYSTEM.log) and warm it up as ours; stops it on exit."""
     vllm.start(out_dir / f"{system}.log")
     try:
-        run_http(vllm.url, "model", [WARM_UP], [0.0], cache_salt="warm-up")
-        yield vllm.url
+        _warm_up(vllm.url, warm_up, concurrency)
+        assert vllm.proc is not None
+        yield Served(system, vllm.url, vllm.proc.pid, vllm.launch_record(), vllm)
     finally:
         vllm.stop()
+
+
+def wait_quiet(pids: Sequence[int], cpu_share: float = 0.1, settle_s: float = 1.0, timeout_s: float = 120) -> float:
+    """Wait until the servers `pids` (with their children) use under `cpu_share` of one core over
+    `settle_s`: a run never starts while another server still stores or compiles. Returns the wait."""
+    began = time.perf_counter()
+    procs = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    while time.perf_counter() - began < timeout_s:
+        before = cpu_seconds()
+        time.sleep(settle_s)
+        if cpu_seconds() - before < cpu_share * settle_s:
+            break
+    waited = time.perf_counter() - began
+    if waited > 3 * settle_s:
+        log.info("waited %.1f s for the servers to be idle before the next run", waited)
+    return waited
 
 
 def prometheus_totals(url: str, keep: Callable[[str], bool]) -> dict[str, float]:

@@ -43,8 +43,18 @@ class Summary:
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q`-quantile: the smallest value with at least q·n values at or below it."""
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else math.nan
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))] if s else math.nan
+
+
+# A tail percentile is named as such only from this many samples; below, the figure is the maximum.
+MIN_TAIL_SAMPLES = 100
+
+
+def tail_name(num_samples: int) -> str:
+    """What a run's "P99" figure is: P99 from MIN_TAIL_SAMPLES samples on, else their maximum."""
+    return "P99" if num_samples >= MIN_TAIL_SAMPLES else f"max of {num_samples}"
 
 
 def poisson_arrivals(n: int, qps: float, seed: int) -> list[float]:
@@ -68,16 +78,16 @@ def summarize(system: str, multiple: float, qps: float, records: list[Record], m
 
 
 def sustainable_qps(points: list[tuple[float, float]], slo: float) -> tuple[float, bool]:
-    """Highest offered QPS with latency <= slo, linear between measured loads; (qps, exact).
+    """The highest measured offered QPS with latency <= slo, below the first load that misses it; (qps, exact).
 
-    `exact` is False when even the highest load met the SLO (the figure is then a lower bound)."""
-    points = sorted(points)
-    if not points or points[0][1] > slo:
-        return 0.0, True
-    for (q0, l0), (q1, l1) in zip(points, points[1:], strict=False):
-        if l1 > slo:
-            return q0 + (slo - l0) / (l1 - l0) * (q1 - q0), True
-    return points[-1][0], False
+    No interpolation: the figure is a load that was run. `exact` is False when even the highest
+    load met the SLO (the figure is then a lower bound)."""
+    met = 0.0
+    for qps, latency in sorted(points):
+        if latency > slo:
+            return met, True
+        met = qps
+    return met, not points
 
 
 def median_summary(runs: list[Summary]) -> Summary:

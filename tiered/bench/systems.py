@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from tiered.bench.traces import BenchError
 from tiered.config import Config
@@ -38,7 +39,25 @@ VISIT_TIERED_SYSTEMS: dict[str, list[str]] = {
     "tiered-bf16": ["model.dtype=bfloat16"],  # bf16 compute forced, whatever the CPU (model.dtype: auto's baseline)
     "tiered-kv32": ["cache.kv_dtype=float32"],  # KV tiers in fp32 under fp32 compute: half the tokens per byte
 }
-VISIT_VLLM_SYSTEMS = ("vllm", "vllm-full")
+
+
+@dataclass(slots=True, frozen=True)
+class PeerSetup:
+    """How a vLLM system of `bench visits` starts beyond vLLM's defaults (compiled, its own step budget)."""
+
+    # KV memory: "total" = the RAM our device and host tiers hold together (on a CPU the same DRAM),
+    # "device" = our device tier only (the GPU analogue: there the host tier is cheaper memory),
+    # "working-set" = enough for every prompt of the trace at once (nothing is evicted).
+    kv: Literal["total", "device", "working-set"] = "total"
+    eager: bool = False  # --enforce-eager: no torch.compile
+
+
+VISIT_VLLM_SYSTEMS: dict[str, PeerSetup] = {
+    "vllm": PeerSetup(),
+    "vllm-devkv": PeerSetup(kv="device"),
+    "vllm-eager": PeerSetup(eager=True),
+    "vllm-full": PeerSetup(kv="working-set"),
+}
 VISIT_SYSTEMS = [*VISIT_TIERED_SYSTEMS, *VISIT_VLLM_SYSTEMS]
 LORA_SYSTEM = re.compile(r"^(tiered|vllm)-lora([1-9][0-9]*)$")  # K adapters, one per user (u mod K)
 
@@ -47,8 +66,8 @@ def check_vllm_sizing(cfg: Config, python: str | None) -> None:
     """What a run with vllm systems needs, checked before anything starts (BenchError naming it)."""
     check_vllm_python(python)
     if cfg.engine.memory_budget_bytes:
-        raise BenchError("vLLM's KV cache is sized from cache.device_tier_bytes: set engine.memory_budget_bytes=0 so "
-                         "our device tier has that size too")  # fmt: skip
+        raise BenchError("vLLM's KV memory is sized from cache.device_tier_bytes (and the host tier's): set "
+                         "engine.memory_budget_bytes=0 so our device tier has that size too")  # fmt: skip
 
 
 def check_vllm_python(python: str | None) -> str:
@@ -69,9 +88,12 @@ MIXED_TIERED_SYSTEMS: dict[str, list[str]] = {
 }
 MIXED_FIXED_SYSTEM = re.compile(r"^tiered-fixed([1-9][0-9]*)$")  # pieces of N tokens, always (chunked prefill's way)
 # chunked prefill, N tokens a step; -capM: a long prefill takes at most M of them while others wait
-MIXED_VLLM_SYSTEM = re.compile(r"^vllm-(priority-)?chunk([1-9][0-9]*)(?:-cap([1-9][0-9]*))?$")
+# -partialP: at most P prefills in progress at once (vLLM's --max-num-partial-prefills; it needs a cap)
+MIXED_VLLM_SYSTEM = re.compile(
+    r"^vllm-(priority-)?chunk([1-9][0-9]*)(?:-cap([1-9][0-9]*)(?:-partial([1-9][0-9]*))?)?$"
+)
 MIXED_SYSTEM_FORMS = [*MIXED_TIERED_SYSTEMS, "tiered-fixedN", "vllm-chunkN", "vllm-priority-chunkN",
-                      "vllm-[priority-]chunkN-capM"]  # fmt: skip
+                      "vllm-[priority-]chunkN-capM[-partialP]"]  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +105,7 @@ class MixedSystem:
     vllm_step_tokens: int = 0  # vLLM: --max-num-batched-tokens (chunked prefill); 0: the system is ours
     priority: bool = False  # vLLM: --scheduling-policy priority, short calls sent with a better `priority`
     vllm_long_prefill_cap: int = 0  # vLLM: --long-prefill-token-threshold (0: none, vLLM's default)
+    vllm_partial_prefills: int = 0  # vLLM: --max-num-partial-prefills (0: vLLM's default, 1)
 
     @property
     def is_vllm(self) -> bool:
@@ -93,7 +116,8 @@ class MixedSystem:
         """`vllm serve` options beyond VLLMServer's own."""
         policy = ["--scheduling-policy", "priority"] if self.priority else []
         cap = ["--long-prefill-token-threshold", str(self.vllm_long_prefill_cap)] if self.vllm_long_prefill_cap else []
-        return policy + cap
+        partial = ["--max-num-partial-prefills", str(self.vllm_partial_prefills)] if self.vllm_partial_prefills else []
+        return policy + cap + partial
 
 
 def mixed_system(name: str) -> MixedSystem | None:
@@ -104,5 +128,6 @@ def mixed_system(name: str) -> MixedSystem | None:
         return MixedSystem(name, ("scheduler.pieces=fixed", f"scheduler.piece_tokens={m.group(1)}"))
     if m := MIXED_VLLM_SYSTEM.match(name):
         return MixedSystem(name, vllm_step_tokens=int(m.group(2)), priority=bool(m.group(1)),
-                           vllm_long_prefill_cap=int(m.group(3) or 0))  # fmt: skip
+                           vllm_long_prefill_cap=int(m.group(3) or 0),
+                           vllm_partial_prefills=int(m.group(4) or 0))  # fmt: skip
     return None

@@ -5,8 +5,8 @@
    ratio is what the scheduler's JCT model weighs host hits with.
 2. A prefix-revisiting sequence: U users, each request = the user's profile + a fresh post,
    users visited round-robin for R rounds, with a device tier that holds only a fraction of the
-   profiles. Run once with suffix `offload` and once with `discard` (PrefillOnly), same trace,
-   same process: end-to-end time and hit tokens per tier.
+   profiles. Run with suffix `offload` and with `discard` (PrefillOnly), taking turns
+   (--sequence-repeats each), same trace, same process: end-to-end time and hit tokens per tier.
 
 Every request goes through `tiered.Engine` (submit, step, its result), one at a time.
 """
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from tiered.bench.load import kv_bytes_per_token
-from tiered.bench.report import write_report
+from tiered.bench.report import headline_row, print_headline, write_report
 from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
 from tiered.engine import Engine
 from tiered.hybrid.loader import read_args
@@ -262,15 +262,29 @@ def bench_config(model_dir: str, dtype: str, device: str, block_tokens: int, max
 
 def run_tiers_bench(
     cfg: Config, lengths: list[int], users: int, profile_tokens: int, post_tokens: int, rounds: int,
-    device_fraction: float, repeats: int, json_path: str | None,
+    device_fraction: float, repeats: int, json_path: str | None, sequence_repeats: int = 1,
 ) -> dict[str, object]:  # fmt: skip
     costs, stages = load_vs_compute(cfg, lengths, repeats)
     device_bytes = int(device_fraction * users * profile_tokens * kv_bytes_per_token(cfg))
     sized = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
     vocab = read_args(cfg.model.path).vocab_size
     trace = revisit_trace(vocab, users, profile_tokens, post_tokens, rounds, seed=0)
-    runs = [run_sequence(sized, trace, s) for s in ("offload", "discard")]
-    speedup = runs[1].seconds / runs[0].seconds
+    # offload, discard, offload, discard, ...: drift in the machine's speed hits both alike
+    runs = [run_sequence(sized, trace, s) for _ in range(sequence_repeats) for s in ("offload", "discard")]
+    offload = [r.seconds for r in runs if r.suffix == "offload"]
+    discard = [r.seconds for r in runs if r.suffix == "discard"]
+    headline = [
+        headline_row(
+            f"revisit sequence ({users} users x {rounds} visits, {profile_tokens}-token profiles, device tier "
+            f"{device_fraction:.0%} of them), one request at a time: seconds, host tier (offload) vs PrefillOnly's "
+            "discard",
+            "s",
+            ("offload", offload),
+            ("discard", discard),
+            higher_is_better=False,
+        )
+    ]
+    speedup = headline[0]["ratio"]["median"]
     print(f"{'tokens':>7} {'load ms':>8} {'compute ms':>10} {'compute/load':>12}")
     for c in costs:
         ms_load, ms_compute = 1e3 * c.load_seconds, 1e3 * c.compute_seconds
@@ -282,7 +296,8 @@ def run_tiers_bench(
     for r in runs:
         hits = f"{r.num_device_hit_tokens:>10} {r.num_host_hit_tokens:>9} {r.num_miss_tokens:>9}"
         print(f"{r.suffix:<8} {r.seconds:>8.2f} {hits}")
-    print(f"end to end, discard takes {speedup:.2f}x the time of offload")
+    print(f"end to end, discard takes {speedup:.2f}x the time of offload (median of {sequence_repeats} paired runs)")
+    print_headline(headline)
     return write_report(json_path, "tiers", cfg.device, {
         "model": {"path": cfg.model.path, "dtype": config_precision(cfg).compute},
         "block_tokens": cfg.cache.block_tokens,
@@ -301,4 +316,6 @@ def run_tiers_bench(
         },  # fmt: skip
         "runs": [asdict(r) for r in runs],
         "offload_speedup_over_discard": speedup,
+        "sequence_repeats": sequence_repeats,
+        "headline": headline,
     })  # fmt: skip

@@ -34,24 +34,27 @@ PreFT's personalised scoring, against the base model's `tiered` and `vllm`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import statistics
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tiered.bench.load import SLO_FACTORS, Call, kv_bytes_per_token, print_tables, run_http, sustainable_table
+from tiered.bench.load import SLO_FACTORS, Call, print_tables, run_http, sustainable_table
 from tiered.bench.mil import forward_flops, matmul_flops_per_s
-from tiered.bench.report import write_report
-from tiered.bench.servers import prometheus_totals, serve_tiered, serve_vllm
-from tiered.bench.stats import Record, Summary, poisson_arrivals, summarize
-from tiered.bench.systems import LORA_SYSTEM, check_vllm_sizing
+from tiered.bench.report import headline_row, print_headline, write_report
+from tiered.bench.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
+from tiered.bench.stats import Record, Summary, median_summary, poisson_arrivals, summarize, tail_name
+from tiered.bench.systems import LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check_vllm_sizing
 from tiered.bench.systems import VISIT_SYSTEMS as SYSTEMS
 from tiered.bench.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from tiered.bench.traces import BenchError, Trace, TraceRequest
-from tiered.bench.vllm import VLLMServer
+from tiered.bench.vllm import VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import make_adapter, resolve_model_path
 from tiered.hybrid.args import ModelArgs
@@ -180,60 +183,102 @@ def physical_limit(a: ModelArgs, cache: CacheUse, num_prompts: int, num_visits: 
     return PhysicalLimit(cache.computed_tokens, per_token, matmul_rate, seconds, limit, visits_per_s / limit)
 
 
+@dataclass(slots=True)
+class VisitsOptions:
+    """What `run_visits_bench` runs beyond the config and the trace (the CLI's options, one to one)."""
+
+    systems: list[str]
+    multiples: list[float] = field(default_factory=list)
+    concurrency: int = 16  # calls in flight at most in a saturation run
+    repeats: int = 3  # runs of each (system, load), interleaved with the reference's
+    warm_up_visits: int = 4  # the trace's first visits, sent to every server before its first run
+    load_of: str | None = None  # whose median saturation rate the multiples scale (None: the first system)
+    vllm_python: str | None = None
+    slo_p99: list[float] | None = None
+    slo_mean: list[float] | None = None
+    seed: int = 0
+    json_path: str | None = None
+    out_dir: Path = Path("benchmarks/out/visits")
+
+
 @contextmanager
-def _serve(system: str, cfg: Config, vllm_python: str | None, kv_tokens: int, max_len: int,
-           out_dir: Path) -> Iterator[tuple[str, VLLMServer | None]]:  # fmt: skip
-    """The system's server, started and warmed up; its URL, and the vLLM handle for a vLLM system."""
+def _serve(
+    system: str, cfg: Config, opts: VisitsOptions, kv_bytes: int, max_len: int, warm_up: list[Call]
+) -> Iterator[Served]:
+    """The system's server, started and warmed up with `warm_up` like every other."""
     k = num_adapters(system)
-    adapters = _adapters(Path(cfg.model.path), k, out_dir)
-    if k and system.startswith("tiered"):
-        cfg = with_overrides(cfg, ["lora.enabled=true", f"lora.max_lora_rank={LORA_RANK}",
-                                   *[f"lora.modules.{name}={path}" for name, path in adapters.items()]])  # fmt: skip
-    if system in TIERED_SYSTEMS or system.startswith("tiered"):
-        with serve_tiered(cfg, system, out_dir) as url:
-            yield url, None
+    adapters = _adapters(Path(cfg.model.path), k, opts.out_dir)
+    if system.startswith("tiered"):
+        if k:
+            cfg = with_overrides(
+                cfg,
+                [
+                    "lora.enabled=true",
+                    f"lora.max_lora_rank={LORA_RANK}",
+                    *[f"lora.modules.{name}={path}" for name, path in adapters.items()],
+                ],
+            )
+        with serve_tiered(cfg, system, opts.out_dir, warm_up, opts.concurrency) as served:
+            yield served
         return
-    assert vllm_python is not None
-    # vLLM's per-step token budget is ours per batched forward (scheduler.max_batch_tokens), so
-    # both batch the same number of tokens; at least a chunk, as in `tiered bench load`.
-    step_tokens = max(cfg.forward.chunk_tokens, cfg.scheduler.max_batch_tokens)
-    lora = ["--enable-lora", "--max-loras", str(cfg.lora.max_loras), "--max-lora-rank", str(LORA_RANK),
-            "--lora-modules", *[f"{name}={path}" for name, path in adapters.items()]] if k else []  # fmt: skip
-    # vLLM in the dtype our rule picks for this machine (its CPU GEMMs are torch's: the same native/emulated split).
-    dtype = config_precision(cfg).compute
-    vllm = VLLMServer(vllm_python, Path(cfg.model.path), dtype, max_len, kv_tokens, True, step_tokens, lora)
-    with serve_vllm(vllm, system, out_dir) as url:
-        yield url, vllm
+    assert opts.vllm_python is not None
+    setup = VISIT_VLLM_SYSTEMS.get(system, PeerSetup())
+    lora = (
+        [
+            "--enable-lora",
+            "--max-loras",
+            str(cfg.lora.max_loras),
+            "--max-lora-rank",
+            str(LORA_RANK),
+            "--lora-modules",
+            *[f"{name}={path}" for name, path in adapters.items()],
+        ]
+        if k
+        else []
+    )
+    launch = peer_launch(cfg, opts.vllm_python, max_len, kv_bytes, eager=setup.eager, extra_args=lora)
+    with serve_vllm(VLLMServer(launch), system, opts.out_dir, warm_up, opts.concurrency) as served:
+        yield served
 
 
-def _measure(url: str, vllm: VLLMServer | None, calls: list[Call], arrivals: list[float], label: str, salt: str,
-             concurrency: int | None) -> tuple[list[Record], float, CacheUse]:  # fmt: skip
+def _measure(
+    served: Served, calls: list[Call], arrivals: list[float], label: str, salt: str, concurrency: int | None
+) -> tuple[list[Record], float, CacheUse]:
     """One cold run (its own cache salt): records, makespan, and where its prompt tokens came from."""
+    vllm = served.vllm
     if vllm is not None:
         vllm.reset()
-        before = vllm_prefix_cache_tokens(url)
-    records, makespan = run_http(url, "model", calls, arrivals, label, concurrency, salt)
+        before = vllm_prefix_cache_tokens(served.url)
+    records, makespan = run_http(served.url, "model", calls, arrivals, label, concurrency, salt)
     ok = [r for r in records if r.error is None]
     if vllm is None:
         prompt = sum(r.num_tokens for r in ok)
         device, host = sum(r.device_hit_tokens for r in ok), sum(r.host_hit_tokens for r in ok)
         shared = sum(r.shared_tokens for r in ok)  # computed once for several prompts: counted once
         return records, makespan, CacheUse(prompt, device, host, prompt - device - host - shared, "usage", shared)
-    queried, hit = (after - b for after, b in zip(vllm_prefix_cache_tokens(url), before, strict=True))
+    queried, hit = (after - b for after, b in zip(vllm_prefix_cache_tokens(served.url), before, strict=True))
     return records, makespan, CacheUse(queried, hit, 0, queried - hit, "metrics")
 
 
-def _check_options(
-    cfg: Config, systems: list[str], multiples: list[float], concurrency: int, vllm_python: str | None
-) -> None:
+def _check_options(cfg: Config, opts: VisitsOptions, num_visits: int) -> None:
     """Refuse, before anything starts, what the runs could not do (BenchError naming it)."""
+    systems = opts.systems
     unknown = [s for s in systems if s not in SYSTEMS and not num_adapters(s)]
     if unknown or not systems:
         raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
+    if len(set(systems)) < len(systems):
+        raise BenchError(f"a system is named twice in {','.join(systems)}")
     if any(s.startswith("vllm") for s in systems):
-        check_vllm_sizing(cfg, vllm_python)
-    if (multiples and min(multiples) <= 0) or concurrency < 1:
+        check_vllm_sizing(cfg, opts.vllm_python)
+    if (opts.multiples and min(opts.multiples) <= 0) or opts.concurrency < 1:
         raise BenchError("load multiples must be > 0 (none: saturation only), and the concurrency >= 1")
+    if opts.repeats < 1 or not 0 <= opts.warm_up_visits < num_visits:
+        raise BenchError(
+            f"--repeats must be >= 1 and --warm-up-visits in [0, {num_visits}) (the trace's visits), "
+            f"got {opts.repeats} and {opts.warm_up_visits}"
+        )
+    if opts.load_of is not None and opts.load_of not in systems:
+        raise BenchError(f"--load-of {opts.load_of} is not one of --systems ({','.join(systems)})")
 
 
 def _sustainable(
@@ -247,21 +292,39 @@ def _sustainable(
     slo_p99 = slo_p99 or [f * lowest.p99_latency_seconds for f in SLO_FACTORS]
     slo_mean = slo_mean or [f * lowest.mean_latency_seconds for f in SLO_FACTORS]
     table = sustainable_table(summaries, systems, slo_p99, slo_mean)
-    print("per offered load (a request is a visit: QPS and thru are visits/s; hits are shares of prompt tokens)")
+    print(
+        "per offered load (a request is a visit: QPS and thru are visits/s; hits are shares of prompt tokens; "
+        f"'P99 s' of {lowest.num_requests} visits is their {tail_name(lowest.num_requests)})"
+    )
     print_tables(summaries, table, slo_p99, slo_mean)
     return table, slo_p99, slo_mean
 
 
-def run_visits_bench(
-    cfg: Config, trace: Trace, systems: list[str], multiples: list[float], concurrency: int,
-    vllm_python: str | None, slo_p99: list[float] | None, slo_mean: list[float] | None, seed: int,
-    json_path: str | None, out_dir: Path,
-) -> dict[str, Any]:  # fmt: skip
-    """Run the visits of `trace` on each system (see the module docstring); returns the JSON document."""
+@dataclass(slots=True)
+class _Runs:
+    """Every measured run of a bench visits invocation, by system, in the order they ran."""
+
+    saturation: dict[str, list[Saturation]] = field(default_factory=dict)
+    loads: dict[tuple[str, float], list[Summary]] = field(default_factory=dict)
+    # per non-reference system: (its run, the reference's run beside it), per repeat
+    paired_saturation: dict[str, list[tuple[Saturation, Saturation]]] = field(default_factory=dict)
+    paired_loads: dict[tuple[str, float], list[tuple[Summary, Summary]]] = field(default_factory=dict)
+    documents: list[dict[str, Any]] = field(default_factory=list)  # the Poisson runs, as `bench load` writes them
+    saturation_records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    launch: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str, Any]:
+    """Run the visits of `trace` on each system (see the module docstring); returns the JSON document.
+
+    The first system is the reference. It stays up; each other system runs beside it in turn, and
+    the two take turns run by run (reference, other, reference, other, ...), every run cold under
+    its own cache salt and started only once neither server computes. Saturation runs first; the
+    loads then scale the median saturation rate of `opts.load_of`."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    _check_options(cfg, systems, multiples, concurrency, vllm_python)
     visits = split_visits(trace)
-    calls = [v.call for v in visits]
+    _check_options(cfg, opts, len(visits))
+    systems = opts.systems
     prompts_of = {v.call.call_id: len(v.call.prompts) for v in visits}
     if trace.max_tokens > cfg.model.max_model_len:
         cfg = replace(cfg, model=replace(cfg.model, max_model_len=trace.max_tokens))
@@ -270,73 +333,292 @@ def run_visits_bench(
     # Every system's config is built before anything runs: an unknown key fails now, not an hour in.
     configs = {s: with_overrides(cfg, TIERED_SYSTEMS.get(s, [])) for s in systems}
     max_len = trace.max_tokens + 16
-    kv_tokens = {"vllm": cfg.cache.device_tier_bytes // kv_bytes_per_token(cfg),
-                 "vllm-full": working_set_tokens(trace, VLLMServer.block_tokens(max_len))}  # fmt: skip
-    kv_tokens.update({s: kv_tokens["vllm"] for s in systems if s.startswith("vllm-lora")})
     device = resolve_device(cfg.device)
     precision = config_precision(cfg)
-    matmul = matmul_flops_per_s(DTYPES[precision.compute], device)
     args = read_args(model_dir)
+    peer_per_token = args.kv_bytes_per_token(DTYPES[precision.compute])
+    full = working_set_tokens(trace, VLLMServer.block_tokens(max_len)) * peer_per_token
+    kv_of = {"total": kv_memory_bytes(cfg), "device": cfg.cache.device_tier_bytes, "working-set": full}
+    kv_bytes = {s: kv_of[VISIT_VLLM_SYSTEMS.get(s, PeerSetup()).kv] for s in systems if s.startswith("vllm")}
+    matmul = matmul_flops_per_s(DTYPES[precision.compute], device)
     print(trace.describe())
     print(f"precision: {precision.describe()} (vLLM computes in {precision.compute})")
-    print(f"matmul rate {matmul / 1e9:.0f} GFLOP/s ({precision.compute}, {device}); vLLM KV tokens: "
-          f"vllm {kv_tokens['vllm']} (our device tier), vllm-full {kv_tokens['vllm-full']} (working set)")  # fmt: skip
+    print(
+        f"matmul rate {matmul / 1e9:.0f} GFLOP/s ({precision.compute}, {device}); KV memory: ours "
+        f"{kv_of['total'] / 2**20:.0f} MiB (device tier {kv_of['device'] / 2**20:.0f} MiB + host tier); vLLM: "
+        + ", ".join(f"{s} {b / 2**20:.0f} MiB" for s, b in kv_bytes.items())
+    )
 
-    rate: float | None = None  # the first system's saturation visits/s: sets every system's loads
-    saturations: list[Saturation] = []
-    summaries: list[Summary] = []
-    runs: list[dict[str, Any]] = []  # the Poisson runs, shaped as `tiered bench load`'s (its plots read them)
-    saturation_records: dict[str, list[dict[str, Any]]] = {}
-    for system in systems:
-        k = num_adapters(system)
-        calls = lora_calls(visits, k)
-        if k:
-            print(f"{system}: {len({c.model for c in calls})} of its {k} adapters are used (users bound u mod {k})")
-        with _serve(system, configs[system], vllm_python, kv_tokens.get(system, 0), max_len, out_dir) as (url, vllm):
-            records, makespan, cache = _measure(url, vllm, calls, [0.0] * len(calls), f"{system} saturation",
-                                                "saturation", concurrency)  # fmt: skip
-            ok = [r for r in records if r.error is None]
-            visits_per_s = len(ok) / makespan
-            rate = rate or visits_per_s
-            num_prompts = sum(prompts_of[r.request_id] for r in ok)
-            limit = physical_limit(args, cache, num_prompts, len(ok), visits_per_s, matmul)
-            saturations.append(Saturation(system, visits_per_s, makespan, concurrency, len(records) - len(ok), cache,
-                                          limit))  # fmt: skip
-            saturation_records[system] = [asdict(r) for r in records]
-            for k, multiple in enumerate(multiples):
-                arrivals = poisson_arrivals(len(calls), multiple * rate, seed)
-                records, makespan, cache = _measure(url, vllm, calls, arrivals, f"{system} x{multiple:g}",
-                                                    f"load-{k}", None)  # fmt: skip
-                s = summarize(system, multiple, multiple * rate, records, makespan)
-                if vllm is not None:  # its hits from /metrics, not from the under-reporting responses
-                    s = replace(s, device_hit_rate=cache.device_hit_tokens / max(1, cache.prompt_tokens))
-                summaries.append(s)
-                runs.append({"summary": asdict(s), "cache": asdict(cache), "records": [asdict(r) for r in records]})
-                log.info("%-13s x%-4g %.2f visits/s: latency mean %.2f s P99 %.2f s%s", system, multiple,
-                         s.offered_qps, s.mean_latency_seconds, s.p99_latency_seconds,
-                         f", {s.num_errors} errors" if s.num_errors else "")  # fmt: skip
+    reference, load_of = systems[0], opts.load_of or systems[0]
+    pairs = [[reference, other] for other in systems[1:]] or [[reference]]
+    pairs.sort(key=lambda pair: load_of not in pair)  # the pair that measures the loads' base rate goes first
+    calls_of = {s: lora_calls(visits, num_adapters(s)) for s in systems}
+    runs = _Runs()
+    rate: float | None = None
+    with ExitStack() as stack:
+        serve = partial(_serve, opts=opts, max_len=max_len)
 
-    _print_saturation(saturations)
-    table, slo_p99, slo_mean = _sustainable(summaries, systems, slo_p99, slo_mean)
-    return write_report(json_path, "visits", device, {
-        "config": asdict(cfg), "trace": {"kind": trace.kind, "params": trace.params, "requests": len(visits),
-                                         "prompts": len(trace), "tokens": trace.num_tokens},
-        "systems": systems, "multiples": multiples, "concurrency": concurrency, "seed": seed,
-        "matmul_flops_per_s": matmul, "vllm_kv_tokens": kv_tokens, "reference": systems[0],
-        "saturation_visits_per_s": rate, "slo_p99_seconds": slo_p99, "slo_mean_seconds": slo_mean,
-        "sustainable": table,
-        "saturation": [{**asdict(s), "records": saturation_records[s.system]} for s in saturations],
-        "summaries": [asdict(s) for s in summaries], "runs": runs,
-        "visits": [{"call_id": v.call.call_id, "user": v.user, "returning": v.returning,
-                    "profile_tokens": v.profile_tokens, "prompts": len(v.call.prompts)} for v in visits],
-    })  # fmt: skip
+        def started(system: str) -> Served:
+            warm_up = calls_of[system][: opts.warm_up_visits]
+            served = stack.enter_context(
+                serve(system, configs[system], kv_bytes=kv_bytes.get(system, 0), warm_up=warm_up)
+            )
+            runs.launch[system] = served.launch
+            return served
+
+        ref = started(reference)
+        for i, pair in enumerate(pairs):
+            with ExitStack() as pair_stack:  # the partner stops when its pair is done; the reference stays
+                served = {reference: ref}
+                for other in pair[1:]:
+                    warm_up = calls_of[other][: opts.warm_up_visits]
+                    served[other] = pair_stack.enter_context(
+                        serve(other, configs[other], kv_bytes=kv_bytes.get(other, 0), warm_up=warm_up)
+                    )
+                    runs.launch[other] = served[other].launch
+                pids = [sv.pid for sv in served.values()]
+                for rep in range(opts.repeats):
+                    here: dict[str, Saturation] = {}
+                    for system in pair:
+                        wait_quiet(pids)
+                        here[system] = _saturation(
+                            served[system],
+                            calls_of[system],
+                            prompts_of,
+                            args,
+                            matmul,
+                            f"sat-{i}-{rep}",
+                            opts.concurrency,
+                            rep,
+                            runs,
+                        )
+                    for other in pair[1:]:
+                        runs.paired_saturation.setdefault(other, []).append((here[other], here[reference]))
+                if rate is None:
+                    rate = statistics.median(s.visits_per_s for s in runs.saturation[load_of])
+                for k, multiple in enumerate(opts.multiples):
+                    arrivals = poisson_arrivals(len(visits), multiple * rate, opts.seed)
+                    for rep in range(opts.repeats):
+                        summary: dict[str, Summary] = {}
+                        for system in pair:
+                            wait_quiet(pids)
+                            summary[system] = _load_run(
+                                served[system],
+                                calls_of[system],
+                                arrivals,
+                                multiple,
+                                rate,
+                                f"load-{i}-{k}-{rep}",
+                                rep,
+                                runs,
+                            )
+                        for other in pair[1:]:
+                            runs.paired_loads.setdefault((other, multiple), []).append(
+                                (summary[other], summary[reference])
+                            )
+
+    return _report(cfg, trace, opts, visits, runs, rate, matmul, kv_bytes, device, load_of)
 
 
-def _print_saturation(saturations: list[Saturation]) -> None:
-    print(f"{'saturation':<14}{'visits/s':>9}{'makespan s':>11}{'prompt tok':>11}{'dev hit':>8}{'host hit':>9}"
-          f"{'computed':>9}{'limit v/s':>10}{'of limit':>9}{'errors':>7}")  # fmt: skip
-    for s in saturations:
+def _saturation(
+    served: Served,
+    calls: list[Call],
+    prompts_of: dict[str, int],
+    args: ModelArgs,
+    matmul: float,
+    salt: str,
+    concurrency: int,
+    rep: int,
+    runs: _Runs,
+) -> Saturation:
+    """All visits at once, at most `concurrency` in flight: visits/s, cache use and the physical limit."""
+    system = served.system
+    label = f"{system} saturation #{rep + 1}"
+    records, makespan, cache = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
+    ok = [r for r in records if r.error is None]
+    visits_per_s = len(ok) / makespan
+    num_prompts = sum(prompts_of[r.request_id] for r in ok)
+    limit = physical_limit(args, cache, num_prompts, len(ok), visits_per_s, matmul)
+    sat = Saturation(system, visits_per_s, makespan, concurrency, len(records) - len(ok), cache, limit)
+    runs.saturation.setdefault(system, []).append(sat)
+    runs.saturation_records.setdefault(system, []).extend({**asdict(r), "repeat": rep} for r in records)
+    log.info(
+        "%-13s saturation #%d: %.3f visits/s (%.0f%% of the physical limit)",
+        system,
+        rep + 1,
+        visits_per_s,
+        100 * limit.achieved_fraction,
+    )
+    return sat
+
+
+def _load_run(
+    served: Served,
+    calls: list[Call],
+    arrivals: list[float],
+    multiple: float,
+    rate: float,
+    salt: str,
+    rep: int,
+    runs: _Runs,
+) -> Summary:
+    """The visits as a Poisson process at `multiple` x `rate`: one run's summary."""
+    system = served.system
+    records, makespan, cache = _measure(served, calls, arrivals, f"{system} x{multiple:g} #{rep + 1}", salt, None)
+    s = summarize(system, multiple, multiple * rate, records, makespan)
+    if served.vllm is not None:  # its hits from /metrics, not from the under-reporting responses
+        s = replace(s, device_hit_rate=cache.device_hit_tokens / max(1, cache.prompt_tokens))
+    runs.loads.setdefault((system, multiple), []).append(s)
+    runs.documents.append(
+        {"summary": asdict(s), "repeat": rep, "cache": asdict(cache), "records": [asdict(r) for r in records]}
+    )
+    log.info(
+        "%-13s x%-4g %.2f visits/s #%d: latency mean %.2f s %s %.2f s%s",
+        system,
+        multiple,
+        s.offered_qps,
+        rep + 1,
+        s.mean_latency_seconds,
+        tail_name(s.num_requests),
+        s.p99_latency_seconds,
+        f", {s.num_errors} errors" if s.num_errors else "",
+    )
+    return s
+
+
+def _headline(opts: VisitsOptions, runs: _Runs, load_of: str) -> list[dict[str, Any]]:
+    """The rows a results table quotes: the reference against each other system, from paired runs."""
+    reference = opts.systems[0]
+    rows = []
+    for other, pairs in runs.paired_saturation.items():
+        rows.append(
+            headline_row(
+                "visits/s at saturation",
+                "visits/s",
+                (reference, [r.visits_per_s for _, r in pairs]),
+                (other, [o.visits_per_s for o, _ in pairs]),
+                higher_is_better=True,
+            )
+        )
+        rows.append(
+            headline_row(
+                "share of the matmul rate at saturation",
+                "%",
+                (reference, [100 * r.limit.achieved_fraction for _, r in pairs]),
+                (other, [100 * o.limit.achieved_fraction for o, _ in pairs]),
+                higher_is_better=True,
+            )
+        )
+    for (other, multiple), loads in runs.paired_loads.items():
+        n = loads[0][1].num_requests
+        for what, attr in (("mean", "mean_latency_seconds"), (tail_name(n), "p99_latency_seconds")):
+            rows.append(
+                headline_row(
+                    f"{what} visit latency at {multiple:g}x {load_of}'s saturation",
+                    "s",
+                    (reference, [getattr(r, attr) for _, r in loads]),
+                    (other, [getattr(o, attr) for o, _ in loads]),
+                    higher_is_better=False,
+                )
+            )
+    return rows
+
+
+def _report(
+    cfg: Config,
+    trace: Trace,
+    opts: VisitsOptions,
+    visits: list[Visit],
+    runs: _Runs,
+    rate: float | None,
+    matmul: float,
+    kv_bytes: dict[str, int],
+    device: str,
+    load_of: str,
+) -> dict[str, Any]:
+    """Print the saturation and per-load tables; write the JSON (records to OUT_DIR, not the summary)."""
+    systems = opts.systems
+    medians = [_median_saturation(runs.saturation[s]) for s in systems]
+    _print_saturation(medians, runs)
+    summaries = [median_summary(runs.loads[(s, m)]) for s in systems for m in opts.multiples]
+    table, slo_p99, slo_mean = _sustainable(summaries, systems, opts.slo_p99, opts.slo_mean)
+    headline = _headline(opts, runs, load_of)
+    print_headline(headline)
+    visit_rows = [
+        {
+            "call_id": v.call.call_id,
+            "user": v.user,
+            "returning": v.returning,
+            "profile_tokens": v.profile_tokens,
+            "prompts": len(v.call.prompts),
+        }
+        for v in visits
+    ]
+    # Every record of every run: large, so beside the plots (OUT_DIR), not in the summary JSON.
+    records_path = opts.out_dir / "records.json"
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    records_path.write_text(
+        json.dumps({"saturation": runs.saturation_records, "runs": runs.documents, "visits": visit_rows}) + "\n"
+    )
+    doc = write_report(
+        opts.json_path,
+        "visits",
+        device,
+        {
+            "config": asdict(cfg),
+            "trace": {
+                "kind": trace.kind,
+                "params": trace.params,
+                "requests": len(visits),
+                "prompts": len(trace),
+                "tokens": trace.num_tokens,
+            },
+            "systems": systems,
+            "multiples": opts.multiples,
+            "concurrency": opts.concurrency,
+            "seed": opts.seed,
+            "repeats": opts.repeats,
+            "warm_up_visits": opts.warm_up_visits,
+            "records": str(records_path),
+            "matmul_flops_per_s": matmul,
+            "kv_bytes": {"ours": kv_memory_bytes(cfg), **kv_bytes},
+            "reference": systems[0],
+            "load_of": load_of,
+            "launch": runs.launch,
+            "saturation_visits_per_s": rate,
+            "slo_p99_seconds": slo_p99,
+            "slo_mean_seconds": slo_mean,
+            "sustainable": table,
+            "headline": headline,
+            "saturation": [asdict(s) for s in medians],
+            "saturation_runs": {s: [asdict(x) for x in runs.saturation[s]] for s in systems},
+            "summaries": [asdict(s) for s in summaries],
+        },
+    )
+    # The plots read every run's records: in the returned document, not in the written one.
+    return {**doc, "runs": runs.documents, "visits": visit_rows, "saturation_records": runs.saturation_records}
+
+
+def _median_saturation(runs: list[Saturation]) -> Saturation:
+    """The run with the median visits/s (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda s: s.visits_per_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _print_saturation(medians: list[Saturation], runs: _Runs) -> None:
+    """One row per system: its median saturation run, the spread of all its runs, its start-up time."""
+    print("saturation: the median run of each system (min-max over its runs)")
+    print(
+        f"{'system':<14}{'visits/s':>9}{'min-max':>14}{'runs':>5}{'start s':>8}{'prompt tok':>11}{'dev hit':>8}"
+        f"{'host hit':>9}{'computed':>9}{'limit v/s':>10}{'of limit':>9}{'errors':>7}"
+    )
+    for s in medians:
         c, p = s.cache, max(1, s.cache.prompt_tokens)
-        print(f"{s.system:<14}{s.visits_per_s:>9.2f}{s.makespan_seconds:>11.1f}{c.prompt_tokens:>11}"
-              f"{100 * c.device_hit_tokens / p:>7.0f}%{100 * c.host_hit_tokens / p:>8.0f}%{c.computed_tokens:>9}"
-              f"{s.limit.visits_per_s:>10.2f}{100 * s.limit.achieved_fraction:>8.0f}%{s.num_errors:>7}")  # fmt: skip
+        mine = [x.visits_per_s for x in runs.saturation[s.system]]
+        spread = f"{min(mine):.3f}-{max(mine):.3f}"
+        start = runs.launch.get(s.system, {}).get("startup_seconds") or math.nan
+        print(
+            f"{s.system:<14}{s.visits_per_s:>9.3f}{spread:>14}{len(mine):>5}{start:>8.0f}{c.prompt_tokens:>11}"
+            f"{100 * c.device_hit_tokens / p:>7.0f}%{100 * c.host_hit_tokens / p:>8.0f}%{c.computed_tokens:>9}"
+            f"{s.limit.visits_per_s:>10.2f}{100 * s.limit.achieved_fraction:>8.0f}%{s.num_errors:>7}"
+        )

