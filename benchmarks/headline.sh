@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every JSON in benchmarks/results/ (the generated table at the top of RESULTS.md) comes from one of
 # these commands; then `tiered bench report` rewrites the tables. Run on an otherwise idle machine:
-# they measure time (about 40 minutes on 2 CPU cores). The peer needs `make bench-env`.
+# they measure time (about an hour on 2 CPU cores). The peer needs `make bench-env`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make venv bench-env
@@ -18,4 +18,6 @@ $T bench visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 \
 # A lone uncached 8 K prompt (credit verification).
 $T bench alone --config configs/bench-m.yaml --tokens 8192 --systems tiered,vllm --repeats 3 \
   --json $R/alone-bench-m-8k.json
+# A revisit sequence, one request at a time: the host tier (offload) against PrefillOnly's discard.
+$T bench tiers --model embedded:bench-m --sequence-repeats 3 --json $R/tiers-bench-m.json
 $T bench report
