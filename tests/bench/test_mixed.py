@@ -76,10 +76,11 @@ def test_system_names() -> None:
     assert s is not None and s.is_vllm and s.vllm_step_tokens == 2048 and s.vllm_args == []
     s = mixed_system("vllm-priority-chunk1024-cap256")
     assert s is not None and s.vllm_args == ["--scheduling-policy", "priority", "--long-prefill-token-threshold", "256"]
-    s = mixed_system("vllm-chunk2048-cap512-partial4")
-    assert s is not None and s.vllm_args == ["--long-prefill-token-threshold", "512", "--max-num-partial-prefills", "4"]
+    s = mixed_system("vllm-chunk2048-cap512-adaptive")
+    assert s is not None and s.vllm_args == ["--long-prefill-token-threshold", "512",
+                                             "--long-prefill-token-threshold-adaptive"]  # fmt: skip
     for bad in ("vllm", "tiered-fixed", "tiered-fixed0", "vllm-chunk", "vllm-priority", "tiered-fcfs",
-                "vllm-chunk512-partial2"):  # fmt: skip
+                "vllm-chunk512-adaptive", "vllm-chunk512-cap64-partial2"):  # fmt: skip
         assert mixed_system(bad) is None, bad
 
 
@@ -171,23 +172,32 @@ def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
                                        f"scheduler.profile_cache_dir={tmp_path / 'jct'}"])  # fmt: skip
     params = MixedParams(short_slo_ms=5000, long_tokens=200, long_per_minute=40, long_slo_ms=20000, minutes=0.1,
                          users=3, profile_tokens=48, post_tokens=8, alone_repeats=1)  # fmt: skip
-    doc = run_mixed_bench(cfg, params, ["tiered-fixed32"], [2.0], None, str(tmp_path / "m.json"), tmp_path)
+    # tiered-fixed32 is the reference; tiered-never runs beside it, run for run, twice.
+    doc = run_mixed_bench(cfg, params, ["tiered-fixed32", "tiered-never"], [2.0], None, str(tmp_path / "m.json"),
+                          tmp_path, repeats=2)  # fmt: skip
     saved = json.loads((tmp_path / "m.json").read_text())
     trace = build_trace(ordinary_token_ids(tiny_dir), params, 2.0)
     assert saved["bench"] == "mixed" and saved["params"]["long_tokens"] == 200
     assert saved["traces"] == [{"short_qps": 2.0, "window_seconds": 6.0, "short_calls": len(trace.of(SHORT)),
                                 "long_calls": len(trace.of(LONG))}]  # fmt: skip
-    (score,) = saved["scores"]
+    assert [s["system"] for s in saved["scores"]] == ["tiered-fixed32", "tiered-never"] * 2
+    assert set(saved["launch"]) == {"tiered-fixed32", "tiered-never"} and "runs" not in saved
+    assert [(r["measure"].split()[0], r["ours"]["system"], r["peer"]["system"], r["ratio"]["n"])
+            for r in saved["headline"]] == [("short", "tiered-fixed32", "tiered-never", 2),
+                                            ("all", "tiered-fixed32", "tiered-never", 2)]  # fmt: skip
+    score = saved["scores"][0]
     assert score["system"] == "tiered-fixed32" and score["alone_seconds"] > 0
     assert score["total"]["num_calls"] == len(trace.calls) == score["total"]["num_answered"]  # all answered
     for kind in ("short", "long", "total"):
         assert 0 <= score[kind]["goodput_per_s"] <= score[kind]["offered_per_s"]
     assert len(score["longs"]) == len(trace.of(LONG)) and all(x["slowdown"] > 0 for x in score["longs"])
-    (run,) = saved["runs"]
+    run = doc["runs"][0]
+    assert json.loads((tmp_path / "records.json").read_text()) == doc["runs"]
     assert [(r["request_id"], r["kind"]) for r in run["records"]] == [(c.call.call_id, c.kind) for c in trace.calls]
     assert all(r["num_pieces"] is None or r["num_pieces"] >= 1 for r in run["records"])
     assert (tmp_path / "tiered-fixed32.yaml").read_text().count("piece_tokens: 32") == 1
     assert saved["summaries"][0]["num_requests"] == len(trace.of(SHORT))
+    assert (tmp_path / "tiered-never.yaml").exists()
     from tiered.bench.plots import plot_goodput
 
     assert plot_goodput(doc, tmp_path / "plots").name == "goodput.png"

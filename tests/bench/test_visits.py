@@ -99,7 +99,8 @@ def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
     with pytest.raises(BenchError, match="named twice"):
         run_visits_bench(cfg, trace, VisitsOptions(["tiered", "tiered"], out_dir=tmp_path))
     with pytest.raises(BenchError, match="--load-of vllm is not one of --systems"):
-        run_visits_bench(cfg, trace, VisitsOptions(["tiered"], [1.0], warm_up_visits=0, load_of="vllm", out_dir=tmp_path))
+        opts = VisitsOptions(["tiered"], [1.0], warm_up_visits=0, load_of="vllm", out_dir=tmp_path)
+        run_visits_bench(cfg, trace, opts)
     with pytest.raises(BenchError, match=r"--warm-up-visits in \[0, 2\)"):
         run_visits_bench(cfg, trace, VisitsOptions(["tiered"], warm_up_visits=2, out_dir=tmp_path))
 
@@ -150,7 +151,7 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     # Headline rows: the reference against the other system, two paired runs each; 6 visits: a maximum, not a P99.
     assert [(r["measure"], r["ours"]["system"], r["peer"]["system"], r["ratio"]["n"]) for r in saved["headline"]] == [
         ("visits/s at saturation", "tiered", "tiered-lora2", 2),
-        ("share of the matmul rate at saturation", "tiered", "tiered-lora2", 2),
+        ("computed (uncached) tokens/s at saturation", "tiered", "tiered-lora2", 2),
         ("mean visit latency at 0.5x tiered's saturation", "tiered", "tiered-lora2", 2),
         ("max of 6 visit latency at 0.5x tiered's saturation", "tiered", "tiered-lora2", 2),
         ("mean visit latency at 2x tiered's saturation", "tiered", "tiered-lora2", 2),

@@ -302,20 +302,25 @@ def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         "arrive as a Poisson process at each of --short-qps with the objective --short-slo-ms; among them, fresh "
         "--long-tokens prompts at --long-per-minute (the same times at every load) with --long-slo-ms; for --minutes "
         "(or --calls in all). The same seeded calls at the same times go to every system, one run per load, each "
-        "with its own cache_salt. Per system: a long prompt alone on the idle server (best of --alone-repeats); per "
+        "with its own cache_salt; the first system stays up and each other runs beside it, run for run (--repeats). "
+        "Per system: a long prompt alone on the idle server (best of --alone-repeats); per "
         "load: goodput (calls answered within their objective per second of arrivals) of short, long and all calls, "
         "short P50/P99, each long call's latency against alone, ours' pieces per long call and /metrics on pieces, "
         "yields, parked KV; the highest short QPS whose P99 / mean meets the short objective. Systems: tiered "
         "(scheduler.pieces=deadline), tiered-fixedN (pieces of N tokens), tiered-never; vllm-chunkN (chunked prefill, "
         "--max-num-batched-tokens N), vllm-priority-chunkN (--scheduling-policy priority: short calls priority 0, "
-        "long 1), either with -capM (--long-prefill-token-threshold M). Ours get each call's objective as slo_ms. "
-        "Writes JSON (--json) and goodput.png (--plots). The headline: --config configs/bench-m.yaml.",
+        "long 1), either with -capM (--long-prefill-token-threshold M) and then -adaptive "
+        "(--long-prefill-token-threshold-adaptive); vLLM runs compiled with the KV memory of our device + host "
+        "tiers. Ours get each call's objective as slo_ms. Writes JSON (--json) and goodput.png (--plots). The "
+        "headline: --config configs/bench-m.yaml.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     add_config_args(mx)
     mx.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-fixed1024", "tiered-never"],
                     help=f"comma-separated, of the forms: {', '.join(MIXED_SYSTEM_FORMS)}")  # fmt: skip
     mx.add_argument("--short-qps", type=parse_float_list, default=[0.1, 0.25, 0.5], help="offered loads: short calls/s")
+    mx.add_argument("--repeats", type=int, default=1, help="runs per (system, load), each system's turn by turn with "
+                    "the first system's (the reference); headline rows are medians of the paired ratios")  # fmt: skip
     g = mx.add_argument_group("traffic (lengths in tokens, objectives in ms from arrival)")
     g.add_argument("--short-slo-ms", type=float, default=5000.0, help="short calls' objective")
     g.add_argument("--long-tokens", type=int, default=8192, help="long prompts' length (fresh tokens, never cached)")

@@ -193,7 +193,7 @@ def cmd_bench_mixed(args: argparse.Namespace) -> int:
                          args.profile_tokens, args.post_tokens, args.zipf, args.alone_repeats, args.seed)  # fmt: skip
     out_dir = Path(args.plots or "benchmarks/out/mixed")
     doc = run_mixed_bench(config_from_args(args), params, args.systems, args.short_qps, args.vllm_python, args.json,
-                          out_dir)  # fmt: skip
+                          out_dir, args.repeats)  # fmt: skip
     print(f"wrote {plot_goodput(doc, out_dir)}")
     return 0
 

@@ -1,9 +1,12 @@
 """`tiered bench mixed`: short calls with a tight latency objective among long uncached prompts.
 
 The traffic (`mixed_trace.py`) goes over loopback HTTP to each system in turn, the same seeded
-calls at the same times for every system, one run per offered load (--short-qps), all on one
-server per system. Every run has its own `cache_salt` (and vLLM's prefix cache is reset): nothing
-is cached across runs or systems; within a run popular users' profiles are, long prompts never.
+calls at the same times for every system, --repeats runs per offered load (--short-qps). The
+first system is the reference: it stays up, and each other system runs beside it in turn, run for
+run (reference, other, reference, ...), each run started once neither server computes. Every run
+has its own `cache_salt` (and vLLM's prefix cache is reset): nothing is cached across runs or
+systems; within a run popular users' profiles are, long prompts never. Headline rows: short and
+all calls in time per second, the reference against each other system, run by run.
 
 Per system, first: a prompt of --long-tokens alone on the idle server (fresh prompts, best of
 --alone-repeats), the reference for each long call's completion time. Then per load: goodput at
@@ -19,17 +22,19 @@ prefill, --max-num-batched-tokens N), `vllm-priority-chunkN` (the same with --sc
 priority, short calls `priority` 0 and long ones 1), and either with `-capM`
 (--long-prefill-token-threshold M: a long prefill takes at most M tokens of a step while other
 requests wait; without it vLLM schedules its running prefill first, and a step's budget can go to
-it whole), and then `-partialP` (--max-num-partial-prefills P: prefills in progress at once). Every
+it whole), and then `-adaptive` (--long-prefill-token-threshold-adaptive: the cap floored at a
+fair share of the step budget). Every
 vLLM system runs compiled (its default) with the KV memory of our device + host tiers. Ours get
 each call's objective as `slo_ms`; vLLM has no such field and gets none.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -37,8 +42,8 @@ from typing import Any
 from tiered.bench.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
 from tiered.bench.load import Call, print_tables, run_http, sustainable_table
 from tiered.bench.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
-from tiered.bench.report import write_report
-from tiered.bench.servers import prometheus_totals, serve_tiered, serve_vllm
+from tiered.bench.report import headline_row, print_headline, write_report
+from tiered.bench.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
 from tiered.bench.stats import Record, Summary, summarize
 from tiered.bench.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
 from tiered.bench.traces import BenchError, ordinary_token_ids
@@ -67,18 +72,16 @@ def check_options(cfg: Config, names: list[str], short_qps: list[float], vllm_py
 
 
 @contextmanager
-def _serve(system: MixedSystem, cfg: Config, vllm_python: str | None, max_len: int,
-           out_dir: Path) -> Iterator[tuple[str, VLLMServer | None]]:  # fmt: skip
-    """The system's server, warmed up: its URL, and the vLLM handle for a vLLM system (compiled, with
-    the KV memory of our device + host tiers)."""
+def _serve(system: MixedSystem, cfg: Config, vllm_python: str | None, max_len: int, out_dir: Path) -> Iterator[Served]:
+    """The system's server, warmed up; a vLLM system compiled, with the KV memory of our device + host tiers."""
     if not system.is_vllm:
         with serve_tiered(with_overrides(cfg, list(system.overrides)), system.name, out_dir) as served:
-            yield served.url, None
+            yield served
         return
     assert vllm_python is not None
     launch = peer_launch(cfg, vllm_python, max_len, step_tokens=system.vllm_step_tokens, extra_args=system.vllm_args)
     with serve_vllm(VLLMServer(launch), system.name, out_dir) as served:
-        yield served.url, served.vllm
+        yield served
 
 
 def alone_seconds(url: str, vllm: VLLMServer | None, prompts: list[list[int]], label: str) -> float:
@@ -115,7 +118,7 @@ def short_summary(score: RunScore, trace: MixedTrace, records: list[Record]) -> 
 
 def run_mixed_bench(
     cfg: Config, params: MixedParams, names: list[str], short_qps: list[float], vllm_python: str | None,
-    json_path: str | None, out_dir: Path,
+    json_path: str | None, out_dir: Path, repeats: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the mixed traffic at each short QPS on each system (see the module docstring); returns the JSON document."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -133,27 +136,69 @@ def run_mixed_bench(
     scores: list[RunScore] = []
     summaries: list[Summary] = []
     runs: list[dict[str, Any]] = []
-    for system in systems:
-        with _serve(system, cfg, vllm_python, max_len, out_dir) as (url, vllm):
-            alone = alone_seconds(url, vllm, traces[0].alone_prompts, f"{system.name} alone")
-            print(f"{system.name}: a {params.long_tokens}-token prompt alone on the idle server: {alone:.2f} s")
-            for k, trace in enumerate(traces):
-                label = f"{system.name} {trace.short_qps:g}/s"
-                records, metrics = _measure(url, vllm, calls_for(trace, system), trace, f"run-{k}", label)
-                score = score_run(system.name, trace, records, alone, metrics)
-                scores.append(score)
-                summaries.append(short_summary(score, trace, records))
-                runs.append({"system": system.name, "short_qps": trace.short_qps, "records": [
-                    {**asdict(r), "kind": c.kind, "slo_ms": c.slo_ms, "user": c.user, "returning": c.returning}
-                    for c, r in zip(trace.calls, records, strict=True)]})  # run_http's records: in call order
-                log.info("%s: short goodput %.3f/s of %.3f, long %.4f/s of %.4f", label, score.short.goodput_per_s,
-                         score.short.offered_per_s, score.long.goodput_per_s, score.long.offered_per_s)  # fmt: skip
-    return _report(cfg, params, systems, short_qps, traces, scores, summaries, runs, json_path)
+    paired: dict[tuple[str, float], list[tuple[RunScore, RunScore]]] = {}  # (other, short QPS): (its, reference's)
+    launch: dict[str, dict[str, Any]] = {}
+    alone: dict[str, float] = {}
+    reference = systems[0]
+    pairs = [[reference, other] for other in systems[1:]] or [[reference]]
+
+    def started(stack: ExitStack, system: MixedSystem) -> Served:
+        served = stack.enter_context(_serve(system, cfg, vllm_python, max_len, out_dir))
+        launch[system.name] = served.launch
+        alone[system.name] = alone_seconds(served.url, served.vllm, traces[0].alone_prompts, f"{system.name} alone")
+        seconds = alone[system.name]
+        print(f"{system.name}: a {params.long_tokens}-token prompt alone on the idle server: {seconds:.2f} s")
+        return served
+
+    # The reference stays up; each other system runs beside it, run for run (reference, other, ...).
+    with ExitStack() as stack:
+        ref = started(stack, reference)
+        for i, pair in enumerate(pairs):
+            with ExitStack() as pair_stack:
+                served = {reference.name: ref} | {other.name: started(pair_stack, other) for other in pair[1:]}
+                pids = [sv.pid for sv in served.values()]
+                for k, trace in enumerate(traces):
+                    for rep in range(repeats):
+                        here: dict[str, RunScore] = {}
+                        for system in pair:
+                            wait_quiet(pids)
+                            server = served[system.name]
+                            label = f"{system.name} {trace.short_qps:g}/s #{rep + 1}"
+                            records, metrics = _measure(server.url, server.vllm, calls_for(trace, system), trace,
+                                                        f"run-{i}-{k}-{rep}", label)  # fmt: skip
+                            score = score_run(system.name, trace, records, alone[system.name], metrics)
+                            here[system.name] = score
+                            scores.append(score)
+                            summaries.append(short_summary(score, trace, records))
+                            runs.append({"system": system.name, "short_qps": trace.short_qps, "repeat": rep,
+                                         "records": [{**asdict(r), "kind": c.kind, "slo_ms": c.slo_ms, "user": c.user,
+                                                      "returning": c.returning}
+                                                     for c, r in zip(trace.calls, records, strict=True)]})  # fmt: skip
+                            log.info("%s: short goodput %.3f/s of %.3f, long %.4f/s of %.4f", label,
+                                     score.short.goodput_per_s, score.short.offered_per_s, score.long.goodput_per_s,
+                                     score.long.offered_per_s)  # fmt: skip
+                        for other in pair[1:]:
+                            paired.setdefault((other.name, trace.short_qps), []).append(
+                                (here[other.name], here[reference.name]))
+    headline = [
+        headline_row(f"{'all' if kind == 'total' else kind} calls in time per second among {params.long_tokens}-token "
+                     f"prompts, {qps:g} short/s",
+                     "/s", (reference.name, [getattr(r, kind).goodput_per_s for _, r in pair_scores]),
+                     (other, [getattr(o, kind).goodput_per_s for o, _ in pair_scores]), higher_is_better=True)
+        for (other, qps), pair_scores in paired.items() for kind in ("short", "total")
+    ]  # fmt: skip
+    print_headline(headline)
+    # Every record of every run: large, so beside the plots (OUT_DIR), not in the summary JSON.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "records.json").write_text(json.dumps(runs) + "\n")
+    doc = _report(cfg, params, systems, short_qps, traces, scores, summaries, runs, json_path,
+                  {"repeats": repeats, "launch": launch, "alone_seconds": alone, "headline": headline})  # fmt: skip
+    return {**doc, "runs": runs}
 
 
 def _report(cfg: Config, params: MixedParams, systems: list[MixedSystem], short_qps: list[float],
             traces: list[MixedTrace], scores: list[RunScore], summaries: list[Summary], runs: list[dict[str, Any]],
-            json_path: str | None) -> dict[str, Any]:  # fmt: skip
+            json_path: str | None, extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """Print the goodput table, the short calls' per-load and sustainable-QPS tables; write the JSON."""
     print_goodput(scores, params)
     slo = [params.short_slo_ms / 1e3]
@@ -167,5 +212,5 @@ def _report(cfg: Config, params: MixedParams, systems: list[MixedSystem], short_
         "traces": [{"short_qps": t.short_qps, "window_seconds": t.window_seconds, "short_calls": len(t.of(SHORT)),
                     "long_calls": len(t.of(LONG))} for t in traces],
         "scores": [asdict(s) for s in scores], "summaries": [asdict(s) for s in summaries],
-        "sustainable_short_qps": table, "runs": runs,
+        "sustainable_short_qps": table, **extra,
     })  # fmt: skip

@@ -88,12 +88,11 @@ MIXED_TIERED_SYSTEMS: dict[str, list[str]] = {
 }
 MIXED_FIXED_SYSTEM = re.compile(r"^tiered-fixed([1-9][0-9]*)$")  # pieces of N tokens, always (chunked prefill's way)
 # chunked prefill, N tokens a step; -capM: a long prefill takes at most M of them while others wait
-# -partialP: at most P prefills in progress at once (vLLM's --max-num-partial-prefills; it needs a cap)
-MIXED_VLLM_SYSTEM = re.compile(
-    r"^vllm-(priority-)?chunk([1-9][0-9]*)(?:-cap([1-9][0-9]*)(?:-partial([1-9][0-9]*))?)?$"
-)
+# -adaptive: the cap floored at a fair share of the step budget (--long-prefill-token-threshold-adaptive).
+# vLLM 0.32's V1 scheduler has no --max-num-partial-prefills: the cap is its one knob for a long prefill.
+MIXED_VLLM_SYSTEM = re.compile(r"^vllm-(priority-)?chunk([1-9][0-9]*)(?:-cap([1-9][0-9]*)(-adaptive)?)?$")
 MIXED_SYSTEM_FORMS = [*MIXED_TIERED_SYSTEMS, "tiered-fixedN", "vllm-chunkN", "vllm-priority-chunkN",
-                      "vllm-[priority-]chunkN-capM[-partialP]"]  # fmt: skip
+                      "vllm-[priority-]chunkN-capM[-adaptive]"]  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,7 +104,7 @@ class MixedSystem:
     vllm_step_tokens: int = 0  # vLLM: --max-num-batched-tokens (chunked prefill); 0: the system is ours
     priority: bool = False  # vLLM: --scheduling-policy priority, short calls sent with a better `priority`
     vllm_long_prefill_cap: int = 0  # vLLM: --long-prefill-token-threshold (0: none, vLLM's default)
-    vllm_partial_prefills: int = 0  # vLLM: --max-num-partial-prefills (0: vLLM's default, 1)
+    vllm_adaptive_cap: bool = False  # vLLM: --long-prefill-token-threshold-adaptive
 
     @property
     def is_vllm(self) -> bool:
@@ -116,8 +115,8 @@ class MixedSystem:
         """`vllm serve` options beyond VLLMServer's own."""
         policy = ["--scheduling-policy", "priority"] if self.priority else []
         cap = ["--long-prefill-token-threshold", str(self.vllm_long_prefill_cap)] if self.vllm_long_prefill_cap else []
-        partial = ["--max-num-partial-prefills", str(self.vllm_partial_prefills)] if self.vllm_partial_prefills else []
-        return policy + cap + partial
+        adaptive = ["--long-prefill-token-threshold-adaptive"] if self.vllm_adaptive_cap else []
+        return policy + cap + adaptive
 
 
 def mixed_system(name: str) -> MixedSystem | None:
@@ -129,5 +128,5 @@ def mixed_system(name: str) -> MixedSystem | None:
     if m := MIXED_VLLM_SYSTEM.match(name):
         return MixedSystem(name, vllm_step_tokens=int(m.group(2)), priority=bool(m.group(1)),
                            vllm_long_prefill_cap=int(m.group(3) or 0),
-                           vllm_partial_prefills=int(m.group(4) or 0))  # fmt: skip
+                           vllm_adaptive_cap=bool(m.group(4)))  # fmt: skip
     return None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from tiered.api.launch import free_port, wait_healthy
 from tiered.config import Config
@@ -184,11 +185,20 @@ class VLLMServer:
             raise RuntimeError(f"vLLM did not reset its prefix cache: {r.status_code} {r.text[:200]}")
 
     def stop(self) -> None:
+        """Stop the server and wait for all its processes (its workers too) to be gone, so that
+        nothing of it still runs when the next measurement starts."""
         if self.proc is not None and self.proc.poll() is None:
+            try:
+                children = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                children = []
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+            _, alive = psutil.wait_procs(children, timeout=30)
+            for p in alive:
+                p.kill()
         self._log.close()
