@@ -20,4 +20,9 @@ $T bench alone --config configs/bench-m.yaml --tokens 8192 --systems tiered,vllm
   --json $R/alone-bench-m-8k.json
 # A revisit sequence, one request at a time: the host tier (offload) against PrefillOnly's discard.
 $T bench tiers --model embedded:bench-m --sequence-repeats 3 --json $R/tiers-bench-m.json
+# Short calls among 16 K prompts: vLLM's sweep, one run each beside ours (data, not table rows: n = 1).
+M="--config configs/bench-m.yaml --long-tokens 16384 --long-per-minute 0.5 --long-slo-ms 180000 --short-slo-ms 5000"
+$T bench mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 1 \
+  --systems tiered,vllm-chunk2048,vllm-chunk1024-cap256,vllm-priority-chunk2048-cap512 \
+  --json $R/mixed-bench-m-16k-sweep.json --plots benchmarks/out/mixed-16k-sweep
 $T bench report

@@ -82,11 +82,12 @@ def test_the_table_holds_every_headline_row_and_its_command(tmp_path: Path) -> N
     once = headline_row("a sweep's single run", "s", ("tiered", [1.0]), ("vllm", [2.0]), False)
     write_report(str(tmp_path / "a.json"), "visits", "cpu", {"headline": [row, once]})
     write_report(str(tmp_path / "b.json"), "load", "cpu", {})  # no headline: not in the table
+    write_report(str(tmp_path / "c.json"), "mixed", "cpu", {"headline": [once]})  # a sweep's single runs: neither
     table = render_table(tmp_path, "results/")
     assert table.startswith(START) and table.endswith(END)
     assert "| visits/s at saturation | `tiered` 0.9 visits/s (0.8–1) | `vllm` 0.8 visits/s (0.7–0.8) |" in table
     assert "**1.14x** (1.12–1.25)" in table and "a sweep's single run" not in table
-    assert "[a](results/a.json)" in table and "[b]" not in table
+    assert "[a](results/a.json)" in table and "[b]" not in table and "[c]" not in table
     text = f"# R\n{START}\nold\n{END}\nafter\n"
     assert splice(text, table, "R") == f"# R\n{table}\nafter\n"
     with pytest.raises(ValueError, match="R has no generated-table markers"):

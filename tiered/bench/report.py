@@ -155,15 +155,13 @@ def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/")
     commands = []
     for path in sorted(results_dir.glob("*.json")):
         doc = json.loads(path.read_text())
-        rows = doc.get("headline") or []
+        rows = [row for row in doc.get("headline") or [] if row["ratio"]["n"] >= MIN_TABLE_RUNS]
         if not rows:
             continue
         prov = doc.get("provenance") or {}
         link = f"[{path.stem}]({link_prefix}{path.name})"
         for row in rows:
             r = row["ratio"]
-            if r["n"] < MIN_TABLE_RUNS:
-                continue
             ratio = f"**{r['median']:.2f}x** ({r['min']:.2f}–{r['max']:.2f})"
             lines.append(
                 f"| {row['measure']} | {_cell(row['ours'], row['unit'])} | {_cell(row['peer'], row['unit'])} | "
