@@ -33,9 +33,7 @@ log = logging.getLogger(__name__)
 
 # Part of the JCT profile's cache key. Bump it when the forward's or the tiers' costs change: a
 # profile cached by older code would price jobs (host loads above all) at what they used to cost.
-# 2: the host tier at copy speed (issue 15). 3: the cache file's layout (tiered/measured.py), the precision.
-# 4: profiles with the host tier on, measured before the fix of 2026-12-01, ran on one core (a host-tier
-# thread set the process's torch threads): ~2x every cost; and the torch thread count is now in the key.
+# The torch thread count is part of the key too.
 JCT_PROFILE_VERSION = 4
 
 

@@ -1,4 +1,4 @@
-"""`tiered bench stages`: pipeline stages measured on this machine (issue 25).
+"""`tiered bench stages`: pipeline stages measured on this machine.
 
 The same visits (Zipf users, each visit a profile + `posts` posts, every prompt queued at once:
 saturation; or in --rounds of consecutive visits, each queued once the previous is answered)

@@ -13,10 +13,8 @@ rates on the machine at hand and says whether they agree with the rule.
 
 `cache.kv_dtype: auto` keeps KV in the compute dtype. A narrower tier dtype can be set
 (`bfloat16` under fp32 compute: twice the tokens per byte; the device tier converts as it writes,
-the forward widens a prefix as it gathers it), but on the visit workload it measured 0.93-0.94x
-the visits/s of fp32 tiers at equal bytes, with the same hit rates (benchmarks/RESULTS.md,
-2026-12-01): the conversions cost more than the extra capacity gave there. Set it where the
-working set outgrows the tiers.
+the forward widens a prefix as it gathers it). The conversions cost time, so it pays only where
+the working set outgrows the tiers (measurements in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The JCT model of a pipeline: what a micro-batch costs on each stage (issue 25, item 3).
+"""The JCT model of a pipeline: what a micro-batch costs on each stage.
 
 Each stage runs its layers over every micro-batch of a batch. What a micro-batch costs there has
 the terms of the engine's JCT model (tiered/scheduler/jct.py) over the requests it holds: a fixed

