@@ -33,6 +33,7 @@ test: venv
 
 lint: venv
 	$(VENV)/bin/ruff check tiered tests benchmarks
+	$(VENV)/bin/ruff format --check tiered tests benchmarks
 	$(VENV)/bin/mypy tiered
 
 # The results tables of benchmarks/RESULTS.md and the README, from the JSONs kept in benchmarks/results/.

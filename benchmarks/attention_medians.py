@@ -52,19 +52,28 @@ def main() -> None:
                         times[n].append(time.perf_counter() - start)
                 flops = shape.flops(heads, head_dim)
                 for n in names:
-                    row = {"dtype": str(dtype).removeprefix("torch."), "shape": shape.name, "kernel": n,
-                           "median_ms": 1e3 * statistics.median(times[n]),
-                           "gflops": flops / statistics.median(times[n]) / 1e9,
-                           "gflops_range": [flops / max(times[n]) / 1e9, flops / min(times[n]) / 1e9],
-                           "max_error": errors[n], "rounds": len(times[n])}  # fmt: skip
+                    row = {
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "shape": shape.name,
+                        "kernel": n,
+                        "median_ms": 1e3 * statistics.median(times[n]),
+                        "gflops": flops / statistics.median(times[n]) / 1e9,
+                        "gflops_range": [flops / max(times[n]) / 1e9, flops / min(times[n]) / 1e9],
+                        "max_error": errors[n],
+                        "rounds": len(times[n]),
+                    }
                     rows.append(row)
                     lo, hi = row["gflops_range"]
-                    print(f"{row['dtype']:9} {shape.name:22} {n:10} {row['median_ms']:8.1f} ms {row['gflops']:6.1f} "
-                          f"GFLOP/s [{lo:5.1f}-{hi:5.1f}] error {errors[n]:.1e}", flush=True)  # fmt: skip
+                    print(
+                        f"{row['dtype']:9} {shape.name:22} {n:10} {row['median_ms']:8.1f} ms {row['gflops']:6.1f} "
+                        f"GFLOP/s [{lo:5.1f}-{hi:5.1f}] error {errors[n]:.1e}",
+                        flush=True,
+                    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "heads": [heads, kv_heads, head_dim], "rows": rows}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {"threads": torch.get_num_threads(), "heads": [heads, kv_heads, head_dim], "rows": rows}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,14 @@ def main(json_path: str, png_path: str) -> None:
         for dx, name, color in ((-width / 2, ours, "tab:blue"), (width / 2, theirs, "tab:orange")):
             value = rates.get(name)
             ax.bar(i + dx, value or 0.0, width, color=color, label=name.split("-")[0] if i == 0 else None)
-            ax.text(i + dx, value or 0.0, "not run" if value is None else f"{value:.2f}", ha="center", va="bottom",
-                    fontsize=8)  # fmt: skip
+            ax.text(
+                i + dx,
+                value or 0.0,
+                "not run" if value is None else f"{value:.2f}",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(groups)), [g[0] for g in groups])
     ax.set_ylabel("visits/s at saturation")
     ax.set_title("LoRA adapters on bench-m, visit workload (8 prompts per call)", fontsize=9)

@@ -89,8 +89,14 @@ def measure(a: argparse.Namespace) -> None:
     redis.terminate()
     host_bytes = float(cfg.cache.host.lmcache.get("max_local_cpu_size", 0.25)) * 1e9
     costs = Costs(fit(samples["miss"]), fit(samples["local"]), fit(samples["remote"]), kv)
-    out = {"config": a.config, "set": a.set, "cpu": cpu(), "samples": samples, "costs": asdict(costs),
-           "local_tokens": int((local_bytes + host_bytes) // kv)}  # fmt: skip
+    out = {
+        "config": a.config,
+        "set": a.set,
+        "cpu": cpu(),
+        "samples": samples,
+        "costs": asdict(costs),
+        "local_tokens": int((local_bytes + host_bytes) // kv),
+    }
     Path(a.json).write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
 
@@ -120,12 +126,25 @@ def project(a: argparse.Namespace) -> None:
             cluster = Cluster(n, local_tokens, a.remote_tokens, bandwidth(a), routing, a.load_factor)
             qps, out = max_qps(cluster, costs, sizes, a.slo, a.zipf, visits, a.seed, POSTS)
             rows.append({"replicas": n, "routing": routing, "max_qps": qps, "per_replica": qps / n, **asdict(out)})
-            print(f"{n:4d} {routing:11s} {qps:9.1f} visits/s within P99 {a.slo:g} s ({qps / n:.2f}/replica); P99 "
-                  f"{out.p99:.2f} s; visits local {out.local:.0%} remote {out.remote:.0%} computed {out.miss:.0%}; "
-                  f"Redis read {out.redis_read_bps / 1e9:.2f} GB/s write {out.redis_write_bps / 1e9:.2f} GB/s; "
-                  f"busiest replica {out.busiest:.0%}", flush=True)  # fmt: skip
-    Path(a.json).write_text(json.dumps({"costs_file": a.costs, "cpu": raw["cpu"], "args": vars(a) | {"func": None},
-                                        "local_tokens": local_tokens, "rows": rows}, indent=1))  # fmt: skip
+            print(
+                f"{n:4d} {routing:11s} {qps:9.1f} visits/s within P99 {a.slo:g} s ({qps / n:.2f}/replica); P99 "
+                f"{out.p99:.2f} s; visits local {out.local:.0%} remote {out.remote:.0%} computed {out.miss:.0%}; "
+                f"Redis read {out.redis_read_bps / 1e9:.2f} GB/s write {out.redis_write_bps / 1e9:.2f} GB/s; "
+                f"busiest replica {out.busiest:.0%}",
+                flush=True,
+            )
+    Path(a.json).write_text(
+        json.dumps(
+            {
+                "costs_file": a.costs,
+                "cpu": raw["cpu"],
+                "args": vars(a) | {"func": None},
+                "local_tokens": local_tokens,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     if a.plot:
         plot(rows, a.plot, a.slo)
 
@@ -164,9 +183,11 @@ def size(a: argparse.Namespace) -> None:
     n = 1
     while not (out := run(n)).meets(a.slo, a.qps):
         if n >= a.max_replicas:
-            print(f"{a.qps:g} visits/s of {a.users} users (Zipf {a.zipf}) within P99 {a.slo:g} s: not with up to "
-                  f"{n} replicas (P99 {out.p99:.1f} s; Redis read {out.redis_read_bps / 1e9:.2f} GB/s, write "
-                  f"{out.redis_write_bps / 1e9:.2f} GB/s: more than the link carries?)")  # fmt: skip
+            print(
+                f"{a.qps:g} visits/s of {a.users} users (Zipf {a.zipf}) within P99 {a.slo:g} s: not with up to "
+                f"{n} replicas (P99 {out.p99:.1f} s; Redis read {out.redis_read_bps / 1e9:.2f} GB/s, write "
+                f"{out.redis_write_bps / 1e9:.2f} GB/s: more than the link carries?)"
+            )
             return
         n *= 2
     low, high = n // 2, n  # the fewest between the last failing and this one
@@ -176,9 +197,11 @@ def size(a: argparse.Namespace) -> None:
             high, out = mid, trial
         else:
             low = mid
-    print(f"{a.qps:g} visits/s of {a.users} users (Zipf {a.zipf}) within P99 {a.slo:g} s: {high} replicas; "
-          f"P99 {out.p99:.2f} s; visits local {out.local:.0%} remote {out.remote:.0%} computed {out.miss:.0%}; "
-          f"Redis read {out.redis_read_bps / 1e9:.2f} GB/s, write {out.redis_write_bps / 1e9:.2f} GB/s")  # fmt: skip
+    print(
+        f"{a.qps:g} visits/s of {a.users} users (Zipf {a.zipf}) within P99 {a.slo:g} s: {high} replicas; "
+        f"P99 {out.p99:.2f} s; visits local {out.local:.0%} remote {out.remote:.0%} computed {out.miss:.0%}; "
+        f"Redis read {out.redis_read_bps / 1e9:.2f} GB/s, write {out.redis_write_bps / 1e9:.2f} GB/s"
+    )
 
 
 def main() -> None:
@@ -199,8 +222,12 @@ def main() -> None:
         p.add_argument("--load-factor", type=float, default=0.25)
         p.add_argument("--local-tokens", type=int, default=0, help="a replica's tiers in tokens (0: from the costs)")
         p.add_argument("--remote-tokens", type=int, default=None, help="Redis's size in tokens (default: unbounded)")
-        p.add_argument("--remote-gbps", type=float, default=0.0,
-                       help="Redis's bandwidth, GB/s, shared by every replica (0: unlimited)")  # fmt: skip
+        p.add_argument(
+            "--remote-gbps",
+            type=float,
+            default=0.0,
+            help="Redis's bandwidth, GB/s, shared by every replica (0: unlimited)",
+        )
         p.add_argument("--min-visits", type=int, default=4000)
         p.add_argument("--seed", type=int, default=0)
         p.set_defaults(func=func)

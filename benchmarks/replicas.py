@@ -55,13 +55,16 @@ def measure(url: str, calls: list[Call], salt: str, concurrency: int) -> dict[st
     tokens = sum(r.num_tokens for r in ok)
     lat = sorted(r.latency_seconds for r in ok)
     return {
-        "visits_per_s": len(ok) / makespan, "errors": len(records) - len(ok), "makespan_s": makespan,
+        "visits_per_s": len(ok) / makespan,
+        "errors": len(records) - len(ok),
+        "makespan_s": makespan,
         "device_share": sum(r.device_hit_tokens for r in ok) / tokens,
         "host_share": sum(r.host_hit_tokens for r in ok) / tokens,
         "remote_share": sum(r.remote_hit_tokens for r in ok) / tokens,
         "shared_share": sum(r.shared_tokens for r in ok) / tokens,
-        "p50_s": lat[len(lat) // 2], "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
-    }  # fmt: skip
+        "p50_s": lat[len(lat) // 2],
+        "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+    }
 
 
 def main() -> None:
@@ -124,18 +127,22 @@ def main() -> None:
         redis_proc.terminate()
     report(results, ["one", "two-affinity", "two-roundrobin"], a.json, trace.describe())
     m = results["moved"]
-    print(f"moved users: {m['users']:.0f}, profile tokens served from Redis on the new replica: "
-          f"{m['remote_of_profile']:.1%}")  # fmt: skip
+    print(
+        f"moved users: {m['users']:.0f}, profile tokens served from Redis on the new replica: "
+        f"{m['remote_of_profile']:.1%}"
+    )
 
 
 def report(results: dict[str, dict[str, float]], names: list[str], path: str, trace: str) -> None:
     base = results[names[0]]["visits_per_s"]
     for name in names:
         r = results[name]
-        print(f"{name:15s} {r['visits_per_s']:.3f} visits/s ({r['visits_per_s'] / base:.2f}x one), "
-              f"P50 {r['p50_s']:.2f} s P99 {r['p99_s']:.2f} s; tokens from device {r['device_share']:.0%} "
-              f"host {r['host_share']:.0%} remote {r['remote_share']:.0%} batch-shared {r['shared_share']:.0%}; "
-              f"errors {r['errors']:.0f}")  # fmt: skip
+        print(
+            f"{name:15s} {r['visits_per_s']:.3f} visits/s ({r['visits_per_s'] / base:.2f}x one), "
+            f"P50 {r['p50_s']:.2f} s P99 {r['p99_s']:.2f} s; tokens from device {r['device_share']:.0%} "
+            f"host {r['host_share']:.0%} remote {r['remote_share']:.0%} batch-shared {r['shared_share']:.0%}; "
+            f"errors {r['errors']:.0f}"
+        )
     Path(path).write_text(json.dumps({"command": " ".join(sys.argv), "trace": trace, **results}, indent=1))
 
 
@@ -146,8 +153,11 @@ def on_ray(cfg: Config, calls: list[Call], concurrency: int) -> dict[str, dict[s
     from tiered.cluster import deploy
 
     results = {}
-    for name, replicas, routing in (("ray-one", 1, "affinity"), ("ray-affinity", 2, "affinity"),
-                                    ("ray-roundrobin", 2, "round_robin")):  # fmt: skip
+    for name, replicas, routing in (
+        ("ray-one", 1, "affinity"),
+        ("ray-affinity", 2, "affinity"),
+        ("ray-roundrobin", 2, "round_robin"),
+    ):
         c = replace(cfg.cluster, replicas=replicas, cpus_per_replica=2.0 / replicas, routing=routing)
         url = deploy.deploy(replace(cfg, cluster=c), port=free_port(), app_kwargs={"served_model_names": ["model"]})
         try:

@@ -23,9 +23,20 @@ YES_NO = ScoreParams(logprob_token_ids=(11, 12))
 
 def _engine(tiny_dir: Path, tmp_path: Path, adapters: dict[str, Path], *overrides: str) -> Engine:
     modules = [f"lora.modules.{name}={path}" for name, path in adapters.items()]
-    cfg = load_config(None, [f"model.path={tiny_dir}", f"cache.block_tokens={BT}", "model.max_model_len=2048",
-                             "scheduler.profile_tokens=[64, 256]", f"scheduler.profile_cache_dir={tmp_path}",
-                             "scheduler.prefetch=false", "lora.enabled=true", *modules, *overrides])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            f"cache.block_tokens={BT}",
+            "model.max_model_len=2048",
+            "scheduler.profile_tokens=[64, 256]",
+            f"scheduler.profile_cache_dir={tmp_path}",
+            "scheduler.prefetch=false",
+            "lora.enabled=true",
+            *modules,
+            *overrides,
+        ],
+    )
     return Engine(cfg)
 
 

@@ -39,8 +39,16 @@ def test_run_scores_every_example_post_through_the_engine(
 def test_run_with_two_pipeline_stages_answers_as_one_process(
     tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    overrides = ["--set", f"model.path={tiny_dir}", "--set", f"scheduler.profile_cache_dir={tmp_path}",
-                 "--set", "cache.suffix=discard", "--set", "model.dtype=float32"]  # fmt: skip
+    overrides = [
+        "--set",
+        f"model.path={tiny_dir}",
+        "--set",
+        f"scheduler.profile_cache_dir={tmp_path}",
+        "--set",
+        "cache.suffix=discard",
+        "--set",
+        "model.dtype=float32",
+    ]
     assert main(["run", *overrides]) == 0
     one = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert main(["run", "--pipeline-parallel-size", "2", *overrides]) == 0
@@ -81,10 +89,26 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 
 
 def test_vllms_serving_flags_map_onto_the_config() -> None:
-    args = _serve_args("embedded:bench", "--max-model-len", "2048", "--dtype", "half", "--block-size", "64",
-                       "--kv-offloading-size", "1.5", "--no-enable-prefix-caching", "--enable-lora",
-                       "--lora-modules", "a.b=/x", '{"name": "c", "path": "/y"}', "--max-loras", "2",
-                       "--max-lora-rank", "32")  # fmt: skip
+    args = _serve_args(
+        "embedded:bench",
+        "--max-model-len",
+        "2048",
+        "--dtype",
+        "half",
+        "--block-size",
+        "64",
+        "--kv-offloading-size",
+        "1.5",
+        "--no-enable-prefix-caching",
+        "--enable-lora",
+        "--lora-modules",
+        "a.b=/x",
+        '{"name": "c", "path": "/y"}',
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "32",
+    )
     cfg = load_config(None, ["model.max_model_len=9", "cache.block_tokens=8", *serve_overrides(args)])
     assert cfg.model.path == "embedded:bench" and cfg.model.max_model_len == 2048 and cfg.model.dtype == "float16"
     assert cfg.cache.block_tokens == 64 and cfg.cache.host.lmcache["max_local_cpu_size"] == 1.5
@@ -145,9 +169,11 @@ def test_chat_template_is_a_file_or_inline(tmp_path: Path) -> None:
 
 
 def test_help_and_version_do_not_import_torch() -> None:
-    code = ("import sys; from tiered.cli import main\n"
-            "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
-            "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    code = (
+        "import sys; from tiered.cli import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     version = subprocess.run([sys.executable, "-m", "tiered", "--version"], capture_output=True, text=True)

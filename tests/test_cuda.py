@@ -32,8 +32,12 @@ def test_cuda_forward_matches_cpu(tiny_dir: Path) -> None:
 def test_cuda_offload_through_pinned_side_stream_gives_the_same_logits(tiny_dir: Path) -> None:
     model = load_model(tiny_dir, "float32", "cuda")
     a = model.args
-    cfg = CacheConfig(block_tokens=16, device_tier_bytes=64 * 16 * a.kv_bytes_per_token(torch.float32),
-                      retention="none", host=HostTierConfig(lmcache={"max_local_cpu_size": 0.05}))  # fmt: skip
+    cfg = CacheConfig(
+        block_tokens=16,
+        device_tier_bytes=64 * 16 * a.kv_bytes_per_token(torch.float32),
+        retention="none",
+        host=HostTierConfig(lmcache={"max_local_cpu_size": 0.05}),
+    )
     tiers = KVTiers(cfg, a, torch.float32, "cuda", "test-cuda")
     try:
         ids = torch.randint(0, 1300, (500,), generator=torch.Generator().manual_seed(1))

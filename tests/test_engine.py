@@ -132,6 +132,7 @@ def test_out_of_memory_fails_only_that_request(tiny_dir: Path, tmp_path: Path) -
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", OOM_SCRIPT, str(tiny_dir), str(tmp_path)], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", OOM_SCRIPT, str(tiny_dir), str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

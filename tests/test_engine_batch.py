@@ -15,9 +15,18 @@ YES_NO = ScoreParams(logprob_token_ids=(11, 12), top_logprobs=2)
 
 
 def _engine(tiny_dir: Path, tmp_path: Path, *overrides: str) -> Engine:
-    cfg = load_config(None, [f"model.path={tiny_dir}", f"cache.block_tokens={BT}", "model.max_model_len=2048",
-                             "scheduler.profile_tokens=[64, 256]", f"scheduler.profile_cache_dir={tmp_path}",
-                             "scheduler.prefetch=false", *overrides])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            f"cache.block_tokens={BT}",
+            "model.max_model_len=2048",
+            "scheduler.profile_tokens=[64, 256]",
+            f"scheduler.profile_cache_dir={tmp_path}",
+            "scheduler.prefetch=false",
+            *overrides,
+        ],
+    )
     return Engine(cfg)
 
 
@@ -34,8 +43,15 @@ def _visit(engine: Engine, prompts: list[torch.Tensor]) -> dict[str, Result]:
 def test_batches_equal_single_runs_with_device_and_host_hits(tiny_dir: Path, tmp_path: Path) -> None:
     u1, u2, u3 = _ids(200, 1), _ids(200, 2), _ids(200, 3)
     post = {i: _ids(10 + i, 10 + i) for i in range(8)}
-    mixed = [torch.cat([u1, post[0]]), torch.cat([u1, post[1]]), torch.cat([u1, post[2]]),
-             torch.cat([u2, post[3]]), torch.cat([u2, post[4]]), torch.cat([u3, post[5]]), post[6]]  # fmt: skip
+    mixed = [
+        torch.cat([u1, post[0]]),
+        torch.cat([u1, post[1]]),
+        torch.cat([u1, post[2]]),
+        torch.cat([u2, post[3]]),
+        torch.cat([u2, post[4]]),
+        torch.cat([u3, post[5]]),
+        post[6],
+    ]
     answers = {}
     for budget in (2048, 0):
         engine = _engine(tiny_dir, tmp_path, "cache.retention=all", f"scheduler.max_batch_tokens={budget}")
@@ -155,8 +171,12 @@ def test_no_prefetch_of_a_prefix_the_running_batch_loads(tiny_dir: Path, tmp_pat
 def test_two_new_users_in_one_batch_each_compute_their_profile_once(tiny_dir: Path, tmp_path: Path) -> None:
     engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard")
     u1, u2 = _ids(200, 18), _ids(200, 19)
-    prompts = [torch.cat([u1, _ids(5, 20)]), torch.cat([u2, _ids(6, 21)]), torch.cat([u2, _ids(7, 22)]),
-               torch.cat([u1, _ids(8, 23)])]  # fmt: skip
+    prompts = [
+        torch.cat([u1, _ids(5, 20)]),
+        torch.cat([u2, _ids(6, 21)]),
+        torch.cat([u2, _ids(7, 22)]),
+        torch.cat([u1, _ids(8, 23)]),
+    ]
     results = list(_visit(engine, prompts).values())
     for prompt, r in zip(prompts, results, strict=True):
         ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)

@@ -22,17 +22,35 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_wheel_holds_data_configs_and_the_typing_marker(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("tiered-*.whl")
     assert wheel.name.startswith(f"tiered-{__version__}-")  # the version has one source
     names = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("tiered/data/examples.json", "tiered/data/corpus.txt", "tiered/configs/default.yaml",
-                   "tiered/configs/bench-m.yaml", "tiered/py.typed",
-                   "tiered/hybrid/attention/csrc/attend.cpp", "tiered/hybrid/attention/csrc/isa.h"):  # fmt: skip
+    for needed in (
+        "tiered/data/examples.json",
+        "tiered/data/corpus.txt",
+        "tiered/configs/default.yaml",
+        "tiered/configs/bench-m.yaml",
+        "tiered/py.typed",
+        "tiered/hybrid/attention/csrc/attend.cpp",
+        "tiered/hybrid/attention/csrc/isa.h",
+    ):
         assert needed in names, f"{needed} is not in {wheel.name}"
 
 
@@ -64,8 +82,9 @@ def test_make_bench_env_builds_the_default_vllm_python_of_the_harness() -> None:
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_bench_env_installs_once_then_does_nothing(tmp_path: Path) -> None:
     def plan() -> str:
-        done = subprocess.run(["make", "-n", "bench-env", f"VLLM_VENV={tmp_path}"], cwd=ROOT, capture_output=True,
-                              text=True, check=True)  # fmt: skip
+        done = subprocess.run(
+            ["make", "-n", "bench-env", f"VLLM_VENV={tmp_path}"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
         return done.stdout
 
     first = plan()

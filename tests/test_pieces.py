@@ -21,10 +21,19 @@ TOP = ScoreParams(top_logprobs=5)
 
 
 def _engine(tiny_dir: Path, tmp_path: Path, *overrides: str, jct: JCTModel | None = None) -> Engine:
-    cfg = load_config(None, [f"model.path={tiny_dir}", f"cache.block_tokens={BT}", "model.dtype=float32",
-                             "cache.host.lmcache.max_local_cpu_size=0.05", "scheduler.max_batch_tokens=0",
-                             f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
-                             f"attention.profile_cache_dir={tmp_path / 'attention'}", *overrides])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            f"cache.block_tokens={BT}",
+            "model.dtype=float32",
+            "cache.host.lmcache.max_local_cpu_size=0.05",
+            "scheduler.max_batch_tokens=0",
+            f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
+            f"attention.profile_cache_dir={tmp_path / 'attention'}",
+            *overrides,
+        ],
+    )
     return Engine(cfg, jct_model=jct or JCTModel([0.0, 1e-3]))
 
 
@@ -56,8 +65,9 @@ def test_fixed_pieces_equal_one_pass_parked_on_the_device_or_reloaded_from_the_h
     ids = _ids(300, 1)
     with _engine(tiny_dir, tmp_path, "scheduler.pieces=never", "cache.retention=none") as one:
         whole = _one(one, ids)
-    with _engine(tiny_dir, tmp_path, "scheduler.pieces=fixed", "scheduler.piece_tokens=64",
-                 "cache.retention=none") as pieced:  # fmt: skip
+    with _engine(
+        tiny_dir, tmp_path, "scheduler.pieces=fixed", "scheduler.piece_tokens=64", "cache.retention=none"
+    ) as pieced:
         rid = pieced.submit(ids, TOP)
         assert pieced.step() == []  # the first piece: the request waits again
         parked = pieced.scheduler._waiting[rid]
@@ -91,8 +101,9 @@ def test_a_long_request_yields_to_a_request_that_would_miss_its_deadline(
     for pieces in ("deadline", "never"):
         if pieces == "never" and policy != "fcfs":
             continue  # srjf and calibrated run the short one first anyway
-        with _engine(tiny_dir, tmp_path, f"scheduler.policy={policy}", f"scheduler.pieces={pieces}",
-                     "model.max_model_len=4096") as engine:  # fmt: skip
+        with _engine(
+            tiny_dir, tmp_path, f"scheduler.policy={policy}", f"scheduler.pieces={pieces}", "model.max_model_len=4096"
+        ) as engine:
             long_id = engine.submit(long_ids, TOP)
             short_id = engine.submit(short_ids, TOP, slo_ms=60_000 if pieces == "never" else 60)
             done = {r.request_id: r for r in engine.run()}
@@ -112,8 +123,9 @@ def test_a_request_already_late_goes_before_the_rest_of_a_long_one(tiny_dir: Pat
     long_ids, short_ids = _ids(2000, 8), _ids(50, 9)
     with _engine(tiny_dir, tmp_path, "scheduler.pieces=never", "model.max_model_len=4096") as one:
         whole = _one(one, long_ids)
-    with _engine(tiny_dir, tmp_path, f"scheduler.policy={policy}", "scheduler.fairness=1000",
-                 "model.max_model_len=4096") as engine:  # fmt: skip
+    with _engine(
+        tiny_dir, tmp_path, f"scheduler.policy={policy}", "scheduler.fairness=1000", "model.max_model_len=4096"
+    ) as engine:
         long_id = engine.submit(long_ids, TOP)
         time.sleep(0.01)  # 10 s forgiven to the long one by λ: it is the head
         short_id = engine.submit(short_ids, TOP, slo_ms=1)
@@ -129,8 +141,9 @@ def test_pieces_sized_by_deadline_leave_room_for_the_urgent_and_equal_one_pass(t
     one yields after a piece, the short one meets its deadline, and the long one's answer equals
     one pass."""
     long_ids, short_ids = _ids(2000, 4), _ids(50, 5)
-    with _engine(tiny_dir, tmp_path, "scheduler.policy=fcfs", "scheduler.pieces=never",
-                 "model.max_model_len=4096") as one:  # fmt: skip
+    with _engine(
+        tiny_dir, tmp_path, "scheduler.policy=fcfs", "scheduler.pieces=never", "model.max_model_len=4096"
+    ) as one:
         whole = _one(one, long_ids)
     with _engine(tiny_dir, tmp_path, "scheduler.policy=fcfs", "model.max_model_len=4096") as engine:
         long_id = engine.submit(long_ids, TOP)
@@ -152,8 +165,14 @@ def test_a_long_request_under_a_stream_of_urgent_ones_finishes_within_its_bound(
     """Urgent short requests keep coming (each would miss behind the long one); the long one
     yields until (1 + max_yield_delay) x its predicted time alone (0.2 s here) has passed since
     its first yield, then runs. With an unbounded delay it would still be waiting."""
-    with _engine(tiny_dir, tmp_path, "scheduler.policy=fcfs", f"scheduler.max_yield_delay={max_yield_delay}",
-                 "model.max_model_len=4096", jct=JCTModel([0.0, 1e-4])) as engine:  # fmt: skip
+    with _engine(
+        tiny_dir,
+        tmp_path,
+        "scheduler.policy=fcfs",
+        f"scheduler.max_yield_delay={max_yield_delay}",
+        "model.max_model_len=4096",
+        jct=JCTModel([0.0, 1e-4]),
+    ) as engine:
         long_id = engine.submit(_ids(2000, 6), TOP)
         start, done = time.monotonic(), None
         for i in range(400):
@@ -198,8 +217,15 @@ def test_pieces_with_adapters_and_batches_equal_one_pass(
     prompts = [(_ids(300, 9), "small"), (_ids(40, 10), None), (_ids(40, 11), "small"), (_ids(40, 12), None)]
     results = {}
     for pieces in ("never", "fixed"):
-        with _engine(tiny_dir, tmp_path, f"scheduler.pieces={pieces}", "scheduler.piece_tokens=64",
-                     "scheduler.max_batch_tokens=256", "lora.enabled=true", adapter) as engine:  # fmt: skip
+        with _engine(
+            tiny_dir,
+            tmp_path,
+            f"scheduler.pieces={pieces}",
+            "scheduler.piece_tokens=64",
+            "scheduler.max_batch_tokens=256",
+            "lora.enabled=true",
+            adapter,
+        ) as engine:
             ids = [engine.submit(p, TOP, adapter=a) for p, a in prompts]
             by_id = {r.request_id: r for r in engine.run()}
             results[pieces] = [by_id[i] for i in ids]
@@ -260,8 +286,14 @@ def test_a_request_between_pieces_runs_alone(tiny_dir: Path, tmp_path: Path) -> 
     long_ids = _ids(300, 30)
     with _engine(tiny_dir, tmp_path, "scheduler.pieces=never") as one:
         whole = _one(one, long_ids)
-    with _engine(tiny_dir, tmp_path, "scheduler.pieces=fixed", "scheduler.piece_tokens=64",
-                 "scheduler.max_batch_tokens=256", "scheduler.policy=fcfs") as engine:  # fmt: skip
+    with _engine(
+        tiny_dir,
+        tmp_path,
+        "scheduler.pieces=fixed",
+        "scheduler.piece_tokens=64",
+        "scheduler.max_batch_tokens=256",
+        "scheduler.policy=fcfs",
+    ) as engine:
         long_id = engine.submit(long_ids, TOP)
         for i in range(3):
             engine.submit(_ids(20, 31 + i), TOP)
@@ -286,9 +318,16 @@ def test_a_request_between_pieces_leaves_room_to_load_a_cached_profile(
     visit = torch.cat([profile, _ids(7, 13)])
     with _engine(tiny_dir, tmp_path, "scheduler.pieces=never") as one:
         wholes = [_one(one, ids) for ids in (visit, long_ids)]
-    with _engine(tiny_dir, tmp_path, "scheduler.pieces=fixed", f"scheduler.piece_tokens={4 * BT}",
-                 "scheduler.fairness=0", f"cache.device_tier_bytes={20 * block}", "cache.retention=none",
-                 f"cache.host.write_policy={write_policy}") as engine:  # fmt: skip
+    with _engine(
+        tiny_dir,
+        tmp_path,
+        "scheduler.pieces=fixed",
+        f"scheduler.piece_tokens={4 * BT}",
+        "scheduler.fairness=0",
+        f"cache.device_tier_bytes={20 * block}",
+        "cache.retention=none",
+        f"cache.host.write_policy={write_policy}",
+    ) as engine:
         assert engine.tiers.device_tier.num_blocks == 20
         _one(engine, profile)
         engine.tiers.flush()
@@ -312,8 +351,9 @@ def test_a_batch_takes_no_request_that_would_make_a_member_miss_its_deadline(tin
     3,000-token one waits too. Together they would take 3.05 s predicted, past the head's deadline:
     the long one runs in its own forward. Without the objective they share one."""
     for slo_ms in (2000, None):
-        with _engine(tiny_dir, tmp_path, "scheduler.max_batch_tokens=4096", "model.max_model_len=4096",
-                     "scheduler.pieces=never") as engine:  # fmt: skip
+        with _engine(
+            tiny_dir, tmp_path, "scheduler.max_batch_tokens=4096", "model.max_model_len=4096", "scheduler.pieces=never"
+        ) as engine:
             long_id = engine.submit(_ids(3000, 40), TOP)
             short_id = engine.submit(_ids(50, 41), TOP, slo_ms=slo_ms)
             done = {r.request_id: r for r in engine.run()}

@@ -28,8 +28,14 @@ def forward_with_tiers(
     """Logits of `req` computed over its misses on top of what the tiers hold, and its `Prepared`."""
     prepared = tiers.prepare(req, shared_keys)
     try:
-        logits = forward(model, req.token_ids[prepared.num_prefix_tokens :], mode=mode, chunk_tokens=chunk_tokens,
-                         prefix_kv=tiers.prefix_kv(prepared), kv_sink=tiers.sink(prepared))  # fmt: skip
+        logits = forward(
+            model,
+            req.token_ids[prepared.num_prefix_tokens :],
+            mode=mode,
+            chunk_tokens=chunk_tokens,
+            prefix_kv=tiers.prefix_kv(prepared),
+            kv_sink=tiers.sink(prepared),
+        )
     except BaseException:
         tiers.abort(prepared)
         raise

@@ -46,8 +46,9 @@ class AdapterStats:
 class Adapters:
     """Not thread-safe: the engine's loop is its one caller."""
 
-    def __init__(self, config: LoraConfig, args: ModelArgs, dtype: torch.dtype, device: str,
-                 first_layer: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, config: LoraConfig, args: ModelArgs, dtype: torch.dtype, device: str, first_layer: int = 0
+    ) -> None:
         """`first_layer`: a pipeline stage's, whose `args.num_layers` layers start there in the model
         (its adapters hold those layers' weights only)."""
         self.args, self.dtype, self.device, self.first_layer = args, dtype, device, first_layer

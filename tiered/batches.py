@@ -50,26 +50,28 @@ def batch_results(launched: Launched, logits: Tensor, load: float, compute: floa
         if par.top_logprobs:
             values, indices = torch.topk(logprobs[i], par.top_logprobs)
             top = list(zip(indices.tolist(), values.tolist(), strict=True))
-        results.append(Result(
-            request_id=p.request.request_id,
-            num_tokens=p.request.token_ids.numel(),
-            split=p.split if w.first_split is None else w.first_split,
-            token_id=par.choose(logits[i]),
-            logprobs={t: float(logprobs[i, t]) for t in par.logprob_token_ids},
-            top_logprobs=top,
-            queued_seconds=launched.started - w.arrival,
-            prefetch_wait_seconds=p.prefetch_wait_seconds,
-            load_seconds=load,
-            compute_seconds=compute,
-            predicted_seconds=predicted,
-            decision_seconds=d.decision_seconds,
-            finished_at=now,
-            batch_size=len(batch),
-            num_shared_tokens=launched.shared[i],
-            store_seconds=store,
-            num_pieces=w.num_pieces + 1,
-            deadline_met=None if w.deadline is None else now <= w.deadline,
-        ))  # fmt: skip
+        results.append(
+            Result(
+                request_id=p.request.request_id,
+                num_tokens=p.request.token_ids.numel(),
+                split=p.split if w.first_split is None else w.first_split,
+                token_id=par.choose(logits[i]),
+                logprobs={t: float(logprobs[i, t]) for t in par.logprob_token_ids},
+                top_logprobs=top,
+                queued_seconds=launched.started - w.arrival,
+                prefetch_wait_seconds=p.prefetch_wait_seconds,
+                load_seconds=load,
+                compute_seconds=compute,
+                predicted_seconds=predicted,
+                decision_seconds=d.decision_seconds,
+                finished_at=now,
+                batch_size=len(batch),
+                num_shared_tokens=launched.shared[i],
+                store_seconds=store,
+                num_pieces=w.num_pieces + 1,
+                deadline_met=None if w.deadline is None else now <= w.deadline,
+            )
+        )
     return results
 
 
@@ -80,9 +82,15 @@ def expire(scheduler: Scheduler, drop: Callable[[str], object]) -> list[Result]:
     while (first := scheduler.by_deadline(limit=1)) and (deadline := first[0].deadline or now) < now:
         drop((w := first[0]).request_id)
         late = 1e3 * (now - deadline)
-        out.append(Result.failed(w.request_id, w.request.token_ids.numel(),
-                                 f"deadline exceeded: {late:.0f} ms past its latency objective while it waited "
-                                 "(scheduler.drop_expired)", now - w.arrival, expired=True))  # fmt: skip
+        out.append(
+            Result.failed(
+                w.request_id,
+                w.request.token_ids.numel(),
+                f"deadline exceeded: {late:.0f} ms past its latency objective while it waited (scheduler.drop_expired)",
+                now - w.arrival,
+                expired=True,
+            )
+        )
     return out
 
 
@@ -97,7 +105,8 @@ def load_adapters(adapters: Adapters | None, batch: list[Decision], started: flo
         log.error("%s: its requests fail", why)
     return [
         Result.failed(w.request_id, w.request.token_ids.numel(), bad[a], started - w.arrival)
-        for d in batch if (a := (w := d.waiting).request.adapter) in bad
+        for d in batch
+        if (a := (w := d.waiting).request.adapter) in bad
     ]
 
 
@@ -111,5 +120,8 @@ def give_back(lost: list[Decision], device_tier: DeviceTier, scheduler: Schedule
         return []
     for d in lost:
         device_tier.unpin(d.waiting.parked)
-    return [Result.failed(w.request_id, w.request.token_ids.numel(), why, time.monotonic() - w.arrival,
-                          unavailable=True) for d in lost if (w := d.waiting)]  # fmt: skip
+    return [
+        Result.failed(w.request_id, w.request.token_ids.numel(), why, time.monotonic() - w.arrival, unavailable=True)
+        for d in lost
+        if (w := d.waiting)
+    ]

@@ -16,6 +16,7 @@ from tiered.config import Config, ConfigError, load_config
 
 log = logging.getLogger("tiered")
 
+
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job: score one user profile against candidate posts (P(label) per post).
 
@@ -43,8 +44,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if len(ids) > cfg.model.max_model_len:
             raise ConfigError(f"post {i}: {len(ids)} tokens > model.max_model_len {cfg.model.max_model_len}")
     header = "  ".join(f"P({label.strip()})" for label in labels)
-    print(f"{'call':>4}  {'#':>2}  {'tokens':>6}  {'device hit':>10}  {'host hit':>8}  {'shared':>6}  {'computed':>8}  "
-          f"{'batch':>5}  {'ms':>7}  {header}  post")  # fmt: skip
+    print(
+        f"{'call':>4}  {'#':>2}  {'tokens':>6}  {'device hit':>10}  {'host hit':>8}  {'shared':>6}  {'computed':>8}  "
+        f"{'batch':>5}  {'ms':>7}  {header}  post"
+    )
     with Engine(cfg) as engine:
         # Two calls with the same posts: the first computes the profile, the second finds it cached.
         for call in (1, 2):
@@ -52,8 +55,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             for r in sorted(engine.run(), key=lambda r: order[r.request_id]):
                 i = order[r.request_id]
                 probs = torch.tensor([r.logprobs[t] for t in label_ids]).softmax(0)  # over the labels
-                cols = "  ".join(f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), labels,
-                                                                                       strict=True))  # fmt: skip
+                cols = "  ".join(
+                    f"{p:>{len(lab.strip()) + 3}.3f}" for p, lab in zip(probs.tolist(), labels, strict=True)
+                )
                 split = r.split
                 computed = split.num_miss_tokens - r.num_shared_tokens
                 print(
@@ -78,8 +82,15 @@ def cmd_make_adapter(args: argparse.Namespace) -> int:
     model_dir = resolve_model_path(args.model, args.models_dir)
     targets = tuple(t for t in args.targets.split(",") if t)
     try:
-        out = make_adapter(model_dir, args.out, rank=args.rank, alpha=args.alpha, targets=targets,
-                           use_rslora=args.rslora, seed=args.seed)  # fmt: skip
+        out = make_adapter(
+            model_dir,
+            args.out,
+            rank=args.rank,
+            alpha=args.alpha,
+            targets=targets,
+            use_rslora=args.rslora,
+            seed=args.seed,
+        )
     except ValueError as exc:
         raise ConfigError(f"--targets: {exc}") from None
     print(f"wrote a rank-{args.rank} LoRA adapter of {model_dir} ({', '.join(targets)}) to {out}")
@@ -111,14 +122,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
     resolve_device(cfg.device)
     check_adapters(cfg)
-    app_kwargs: dict[str, Any] = {"api_key": api_key(args), "served_model_names": served_model_names(args, cfg),
-                                  "chat_template": chat_template(args.chat_template),
-                                  "return_tokens_as_token_ids": args.return_tokens_as_token_ids}  # fmt: skip
+    app_kwargs: dict[str, Any] = {
+        "api_key": api_key(args),
+        "served_model_names": served_model_names(args, cfg),
+        "chat_template": chat_template(args.chat_template),
+        "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
+    }
     if cfg.cluster.replicas > 1 or cfg.cluster.address:
         return serve_replicas(cfg, args, app_kwargs)
     app = build_app(cfg, **app_kwargs)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                log_config=logs.uvicorn_config(args.uvicorn_log_level))  # fmt: skip
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        log_config=logs.uvicorn_config(args.uvicorn_log_level),
+    )
     return 0
 
 
@@ -143,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (completions, chat, vLLM and SGLang scoring)",
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, vLLM and SGLang scoring)",
         description="Start the API process (FastAPI + uvicorn: tokenizes and validates) and the engine process "
         "(ZMQ + msgpack). Routes: POST /v1/completions, /v1/chat/completions, /generative_scoring "
         "(= /v1/generative-scores, vLLM's shape), /v1/score (SGLang's shape), /tokenize, /detokenize; GET "
@@ -156,9 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
         "An unknown model is a 404. Errors use OpenAI's envelope. "
         "Limits: server.request_timeout_s (504), server.max_body_bytes (413), scheduler.max_waiting (429); a dead "
         "engine process is restarted (server.restart_engine). SIGINT/SIGTERM stop both processes.",
-    )  # fmt: skip
-    serve.add_argument("model", nargs="?", help="HF checkpoint folder or embedded:NAME (default: the config's); "
-                       "served under this name as given unless --served-model-name")  # fmt: skip
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        help="HF checkpoint folder or embedded:NAME (default: the config's); "
+        "served under this name as given unless --served-model-name",
+    )
     add_config_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -178,18 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
     mk.set_defaults(func=cmd_make_model)
 
     ma = sub.add_parser(
-        "make-adapter", help="write a seeded LoRA adapter (PEFT format) for a checkpoint",
+        "make-adapter",
+        help="write a seeded LoRA adapter (PEFT format) for a checkpoint",
         description="Write adapter_config.json + adapter_model.safetensors, as PEFT saves them, with seeded random "
         "A and B (PEFT starts B at zero, a no-op): for trying --enable-lora without a trained adapter.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     ma.add_argument("--model", default="embedded:tiny", help="HF checkpoint folder or embedded:NAME")
     ma.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
     ma.add_argument("--out", required=True, help="output folder (created)")
     ma.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     ma.add_argument("--alpha", type=float, default=16.0, help="lora_alpha (scale alpha / r)")
-    ma.add_argument("--targets", default="q_proj,v_proj", help="comma-separated, from q_proj, k_proj, v_proj, "
-                    "o_proj, gate_proj, up_proj, down_proj")  # fmt: skip
+    ma.add_argument(
+        "--targets",
+        default="q_proj,v_proj",
+        help="comma-separated, from q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+    )
     ma.add_argument("--rslora", action="store_true", help="use_rslora: scale alpha / sqrt(r)")
     ma.add_argument("--seed", type=int, default=0)
     ma.set_defaults(func=cmd_make_adapter)

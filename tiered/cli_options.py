@@ -68,9 +68,15 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_pipeline_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="S",
-                   help="split the model's layers over S stage processes (engine.pipeline_stages; vLLM's flag); "
-                   "S > 1 needs cache.suffix=discard (no host tier yet), see tiered/pipeline")  # fmt: skip
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=None,
+        metavar="S",
+        help="split the model's layers over S stage processes (engine.pipeline_stages; vLLM's flag); "
+        "S > 1 needs cache.suffix=discard (no host tier yet), see tiered/pipeline",
+    )
 
 
 def engine_overrides(args: argparse.Namespace) -> list[str]:

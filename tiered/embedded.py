@@ -261,10 +261,20 @@ def make_adapter(
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
-        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": sorted(targets),
-        "use_rslora": use_rslora, "use_dora": False, "bias": "none", "fan_in_fan_out": False,
-        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(targets),
+        "use_rslora": use_rslora,
+        "use_dora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out

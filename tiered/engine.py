@@ -73,9 +73,17 @@ class Engine:
         self.model = load_model(folder, self.precision.compute, device) if stages == 1 else model_on_meta(folder)
         self.max_model_len = config.model.max_model_len
         a = self.model.args
-        kernel = choose_kernel(config.attention.kernel, a.num_heads, a.num_kv_heads, a.head_dim,
-                               DTYPES[self.precision.compute], device, config.attention.profile_cache_dir,
-                               self.max_model_len, config.attention.vllm_library)  # fmt: skip
+        kernel = choose_kernel(
+            config.attention.kernel,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            DTYPES[self.precision.compute],
+            device,
+            config.attention.profile_cache_dir,
+            self.max_model_len,
+            config.attention.vllm_library,
+        )
         use_attention(self.model, kernel)
         cache = config.cache
         if config.engine.memory_budget_bytes and stages == 1:  # with stages, each stage measures its own
@@ -85,13 +93,23 @@ class Engine:
         compute = DTYPES[self.precision.compute]
         self.adapters = Adapters(lora, a, compute, device) if lora.enabled else None
         try:  # the stage processes, their pools sized; one that fails to load or to fit its budget fails the start
-            pipeline = (start_pipeline(config, folder, a, self.precision, kernel, device, self.adapters,
-                                       self.model_identity) if stages > 1 else None)  # fmt: skip
+            pipeline = (
+                start_pipeline(config, folder, a, self.precision, kernel, device, self.adapters, self.model_identity)
+                if stages > 1
+                else None
+            )
         except PipelineStartError as exc:
             raise EngineStartError(str(exc)) from exc
-        self.tiers = KVTiers(cache, a, DTYPES[self.precision.kv], device, f"engine-{uuid.uuid4().hex[:8]}",
-                             self.model_identity, pipeline.device_tier if pipeline else None,
-                             pipeline.host if pipeline else None)  # fmt: skip
+        self.tiers = KVTiers(
+            cache,
+            a,
+            DTYPES[self.precision.kv],
+            device,
+            f"engine-{uuid.uuid4().hex[:8]}",
+            self.model_identity,
+            pipeline.device_tier if pipeline else None,
+            pipeline.host if pipeline else None,
+        )
         self.runner: Runner = pipeline or LocalRunner(self.model, self.tiers, self.adapters, config.forward)
         try:
             self.jct = jct_model or profile_jct(self)  # with stages: through them
@@ -108,8 +126,17 @@ class Engine:
         self._picked: list[Decision] = []  # the step's batch until it is sent (or answered, in step)
         self._last_done = 0.0  # perf_counter when the runner's last batch ended
         sc = config.scheduler
-        log.info("engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s, pieces %s",
-                 folder.name, device, self.precision.compute, kernel, sc.policy, sc.fairness, sc.prefetch, sc.pieces)
+        log.info(
+            "engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s, pieces %s",
+            folder.name,
+            device,
+            self.precision.compute,
+            kernel,
+            sc.policy,
+            sc.fairness,
+            sc.prefetch,
+            sc.pieces,
+        )
 
     # ---- start-up --------------------------------------------------------------------------
 
@@ -118,9 +145,14 @@ class Engine:
         f = self.config.forward
         peak = measure_forward_peak(self.model, self.max_model_len, f.mode, f.chunk_tokens)
         left = budget - peak.peak_bytes
-        log.info("profile run: %d tokens peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f "
-                 "MiB", self.max_model_len, peak.peak_bytes / 2**20, peak.weights_bytes / 2**20, budget / 2**20,
-                 left / 2**20)  # fmt: skip
+        log.info(
+            "profile run: %d tokens peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f MiB",
+            self.max_model_len,
+            peak.peak_bytes / 2**20,
+            peak.weights_bytes / 2**20,
+            budget / 2**20,
+            left / 2**20,
+        )
         if left <= 0:
             raise EngineStartError(
                 f"model.max_model_len {self.max_model_len} does not fit engine.memory_budget_bytes {budget}: "

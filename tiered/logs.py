@@ -38,6 +38,8 @@ def uvicorn_config(level: str) -> dict[str, Any]:
         "disable_existing_loggers": False,
         "formatters": {"plain": formatter},
         "handlers": {"plain": handler},
-        "loggers": {name: {"handlers": ["plain"], "level": upper, "propagate": False}
-                    for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
-    }  # fmt: skip
+        "loggers": {
+            name: {"handlers": ["plain"], "level": upper, "propagate": False}
+            for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+        },
+    }

@@ -97,9 +97,11 @@ class Pieces:
         below a one-block request's predicted time), with the tightest objective among those seen; None
         when no objective was seen in HORIZON_S."""
         cheapest = self.engine.jct.predict(HitSplit(0, 0, self.engine.tiers.block_tokens))
-        slack = [(slo - jct, jct, slo) if jct < slo else (slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE, slo)
-                 for t, slo, jct in self._objectives
-                 if t >= now - HORIZON_S and (jct < slo or slo * LOST_CAUSE_SHARE >= cheapest)]  # fmt: skip
+        slack = [
+            (slo - jct, jct, slo) if jct < slo else (slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE, slo)
+            for t, slo, jct in self._objectives
+            if t >= now - HORIZON_S and (jct < slo or slo * LOST_CAUSE_SHARE >= cheapest)
+        ]
         if not slack:
             return None
         least, jct, _ = min(slack)
@@ -120,8 +122,9 @@ class Pieces:
             return None
         else:
             whole = e.jct.piece_seconds(split, split.num_miss_tokens)
-            waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in e.scheduler.by_deadline()
-                       if u.deadline is not None]  # fmt: skip
+            waiting = [
+                Urgent(u.request_id, u.deadline, u.jct) for u in e.scheduler.by_deadline() if u.deadline is not None
+            ]
             urgent = [u for u in waiting if now + u.jct <= u.deadline < now + whole + u.jct]
             late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if sc.policy != "fcfs" else []
             arrival, tightest = self._anticipated(now) or (None, math.inf)
@@ -185,6 +188,12 @@ class Pieces:
         w.parked = held
         e.scheduler.requeue(w)
         self.num_pieces += 1
-        log.debug("request %s yielded after piece %d (%d of %d tokens; %d blocks held on the device)",
-                  req.request_id, w.num_pieces, end, req.token_ids.numel(), len(held))  # fmt: skip
+        log.debug(
+            "request %s yielded after piece %d (%d of %d tokens; %d blocks held on the device)",
+            req.request_id,
+            w.num_pieces,
+            end,
+            req.token_ids.numel(),
+            len(held),
+        )
         return []

@@ -60,13 +60,21 @@ def profile_jct(engine: Engine) -> JCTModel:
     parts = {
         "model": (engine.model_dir / "config.json").read_text(),
         "weights_bytes": (engine.model_dir / "model.safetensors").stat().st_size
-        if (engine.model_dir / "model.safetensors").exists() else 0,
-        "dtype": engine.precision.identity, "attention": engine.model.attention, "device": engine.device,
+        if (engine.model_dir / "model.safetensors").exists()
+        else 0,
+        "dtype": engine.precision.identity,
+        "attention": engine.model.attention,
+        "device": engine.device,
         "torch": torch.__version__,
-        "mode": f.mode, "chunk": f.chunk_tokens, "block": cache.block_tokens,
-        "totals": totals, "fractions": sc.profile_miss_fractions, "host": engine.tiers.host_tier is not None,
-        "cost_paths": JCT_PROFILE_VERSION, "threads": torch.get_num_threads(),
-    }  # fmt: skip
+        "mode": f.mode,
+        "chunk": f.chunk_tokens,
+        "block": cache.block_tokens,
+        "totals": totals,
+        "fractions": sc.profile_miss_fractions,
+        "host": engine.tiers.host_tier is not None,
+        "cost_paths": JCT_PROFILE_VERSION,
+        "threads": torch.get_num_threads(),
+    }
     e = engine.config.engine
     if e.pipeline_stages > 1:  # measured through the stages: a fit per pipeline set-up
         parts["pipeline"] = [e.pipeline_stages, e.threads_per_stage, e.pipeline_schedule, e.pipeline_microbatches]
@@ -101,11 +109,17 @@ def _measure_grid(engine: Engine, totals: list[int], fractions: list[float]) -> 
         for fraction in fractions:
             miss = max(1, int(total * fraction))
             prefix = total - miss
-            kv = [
-                (torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=engine.device),
-                 torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=engine.device))
-                for _ in range(a.num_layers)
-            ] if prefix else None  # fmt: skip
+            kv = (
+                [
+                    (
+                        torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=engine.device),
+                        torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=engine.device),
+                    )
+                    for _ in range(a.num_layers)
+                ]
+                if prefix
+                else None
+            )
             start = time.perf_counter()
             forward(engine.model, ids[prefix:], mode=f.mode, chunk_tokens=f.chunk_tokens, prefix_kv=kv)
             engine.synchronize()

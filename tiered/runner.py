@@ -88,18 +88,37 @@ def plan_batch(prepared: Sequence[Prepared], block_tokens: int) -> list[ItemPlan
         new = p.request.token_ids[p.num_prefix_tokens :]
         # Follow the lead that shares the most tokens (two new users' prompts in one batch
         # each follow their own user's first prompt).
-        m, lead = max(((_common_prefix_len(plans[i].token_ids, new, new.numel() - 1), i)
-                       for i in leads.get((blocks, adapter), ())), default=(0, -1))  # fmt: skip
+        m, lead = max(
+            (
+                (_common_prefix_len(plans[i].token_ids, new, new.numel() - 1), i)
+                for i in leads.get((blocks, adapter), ())
+            ),
+            default=(0, -1),
+        )
         retained = tuple(p.retained_blocks), p.first_retained_block * block_tokens - p.num_prefix_tokens
         keys = tuple(p.store.keys) if p.store is not None else ()
         rows = tuple(j * block_tokens - p.num_prefix_tokens for j in p.stored_blocks)
         if m:
-            plans.append(ItemPlan(new[m:], blocks, p.num_prefix_tokens, lead, m, adapter, *retained, stored_keys=keys,
-                                  stored_rows=rows))  # fmt: skip
+            plans.append(
+                ItemPlan(
+                    new[m:],
+                    blocks,
+                    p.num_prefix_tokens,
+                    lead,
+                    m,
+                    adapter,
+                    *retained,
+                    stored_keys=keys,
+                    stored_rows=rows,
+                )
+            )
         else:
             leads.setdefault((blocks, adapter), []).append(len(plans))
-            plans.append(ItemPlan(new, blocks, p.num_prefix_tokens, None, 0, adapter, *retained, stored_keys=keys,
-                                  stored_rows=rows))  # fmt: skip
+            plans.append(
+                ItemPlan(
+                    new, blocks, p.num_prefix_tokens, None, 0, adapter, *retained, stored_keys=keys, stored_rows=rows
+                )
+            )
     return plans
 
 
@@ -146,8 +165,16 @@ class LocalRunner:
             if plan.prefix_blocks not in prefixes:
                 prefixes[plan.prefix_blocks] = self.tiers.prefix_kv(p)
             weights = self.adapters.weights(plan.adapter) if plan.adapter and self.adapters else None
-            items.append(BatchItem(plan.token_ids, prefixes[plan.prefix_blocks], self.tiers.sink(p), lead=plan.lead,
-                                   num_shared=plan.num_shared, adapter=weights))  # fmt: skip
+            items.append(
+                BatchItem(
+                    plan.token_ids,
+                    prefixes[plan.prefix_blocks],
+                    self.tiers.sink(p),
+                    lead=plan.lead,
+                    num_shared=plan.num_shared,
+                    adapter=weights,
+                )
+            )
         return forward_batch(self.model, items, mode=self.config.mode, chunk_tokens=self.config.chunk_tokens)
 
     def close(self) -> None:

@@ -72,11 +72,32 @@ class Result:
 
     @classmethod
     def failed(
-        cls, request_id: str, num_tokens: int, error: str, queued_seconds: float, expired: bool = False,
+        cls,
+        request_id: str,
+        num_tokens: int,
+        error: str,
+        queued_seconds: float,
+        expired: bool = False,
         unavailable: bool = False,
-    ) -> Result:  # fmt: skip
-        return cls(request_id, num_tokens, HitSplit(0, 0, num_tokens), 0, {}, [], queued_seconds, 0.0, 0.0, 0.0,
-                   0.0, 0.0, time.monotonic(), error, expired=expired, unavailable=unavailable)  # fmt: skip
+    ) -> Result:
+        return cls(
+            request_id,
+            num_tokens,
+            HitSplit(0, 0, num_tokens),
+            0,
+            {},
+            [],
+            queued_seconds,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            time.monotonic(),
+            error,
+            expired=expired,
+            unavailable=unavailable,
+        )
 
     @property
     def latency_seconds(self) -> float:

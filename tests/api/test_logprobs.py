@@ -33,8 +33,12 @@ def test_decoding_drops_no_leading_space_of_the_piece(metaspace: Any) -> None:
 def test_a_completion_row_has_one_key_per_id(metaspace: Any) -> None:
     out = ScoreResponse("r", token_id=1, top_logprobs=[(1, -0.5), (0, -1.0), (3, -2.0)])
     lp = completion_logprobs(TokenTexts(metaspace), out, 3, as_token_ids=False)
-    assert lp == {"tokens": ["true"], "token_logprobs": [-0.5], "top_logprobs": [{"true": -0.5, " true": -1.0,
-                  " false": -2.0}], "text_offset": [0]}  # fmt: skip
+    assert lp == {
+        "tokens": ["true"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{"true": -0.5, " true": -1.0, " false": -2.0}],
+        "text_offset": [0],
+    }
     lp = completion_logprobs(TokenTexts(metaspace), out, 1, as_token_ids=True)
     assert lp["tokens"] == ["token_id:1"] and lp["top_logprobs"] == [{"token_id:1": -0.5}]
 

@@ -19,14 +19,31 @@ from tiered.hybrid.lora import load_adapter, read_adapter
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir: Path, adapter_dirs: dict[tuple[str, str], Path], tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[str]:  # fmt: skip
+def server(
+    tiny_dir: Path, adapter_dirs: dict[tuple[str, str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     jct = tmp_path_factory.mktemp("jct")
-    proc, url = start_server([str(tiny_dir), "--served-model-name", "base", "--set", "cache.block_tokens=16",
-                              "--set", f"scheduler.profile_cache_dir={jct}", "--set", "model.max_model_len=1024",
-                              "--enable-lora", "--lora-modules", f"small={adapter_dirs[('tiny', 'small')]}",
-                              "--max-lora-rank", "8", "--set", "lora.allow_runtime_updates=true"],
-                             timeout_s=180)  # fmt: skip
+    proc, url = start_server(
+        [
+            str(tiny_dir),
+            "--served-model-name",
+            "base",
+            "--set",
+            "cache.block_tokens=16",
+            "--set",
+            f"scheduler.profile_cache_dir={jct}",
+            "--set",
+            "model.max_model_len=1024",
+            "--enable-lora",
+            "--lora-modules",
+            f"small={adapter_dirs[('tiny', 'small')]}",
+            "--max-lora-rank",
+            "8",
+            "--set",
+            "lora.allow_runtime_updates=true",
+        ],
+        timeout_s=180,
+    )
     yield url
     stop_server(proc)
 

@@ -18,8 +18,7 @@ def test_requests_responses_and_stats_round_trip() -> None:
 
 
 def test_an_engine_result_maps_to_its_response_and_status() -> None:
-    ok = Result("r", 40, HitSplit(16, 0, 24), 5, {}, [], 0.1, 0.0, 0.0, 0.2, 0.2, 0.0, num_pieces=2,
-                deadline_met=True)  # fmt: skip
+    ok = Result("r", 40, HitSplit(16, 0, 24), 5, {}, [], 0.1, 0.0, 0.0, 0.2, 0.2, 0.0, num_pieces=2, deadline_met=True)
     out = _response(ok)
     assert out.error is None and out.num_pieces == 2 and out.deadline_met is True and out.num_device_hit_tokens == 16
     late = _response(Result.failed("r", 40, "deadline exceeded: 5 ms past ...", 0.3, expired=True))

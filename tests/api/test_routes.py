@@ -53,14 +53,19 @@ class FakeEngine:
         if self.error is not None:
             return [ScoreResponse(r.request_id, error=self.error[0], error_status=self.error[1]) for r in reqs]
         return [
-            ScoreResponse(r.request_id, token_id=r.token_ids[-1], logprobs=[(t, -t / 100) for t in r.logprob_token_ids],
-                          top_logprobs=[(r.token_ids[-1] + k, -(k + 1) / 100) for k in range(r.top_logprobs)],
-                          num_tokens=len(r.token_ids),
-                          num_device_hit_tokens=len(r.token_ids) // 2, compute_seconds=0.5,
-                          num_pieces=1 + len(r.token_ids) // 32,  # as if long prompts yielded
-                          deadline_met=None if r.slo_ms is None else r.slo_ms >= 100)  # a fake: 100 ms suffice
+            ScoreResponse(
+                r.request_id,
+                token_id=r.token_ids[-1],
+                logprobs=[(t, -t / 100) for t in r.logprob_token_ids],
+                top_logprobs=[(r.token_ids[-1] + k, -(k + 1) / 100) for k in range(r.top_logprobs)],
+                num_tokens=len(r.token_ids),
+                num_device_hit_tokens=len(r.token_ids) // 2,
+                compute_seconds=0.5,
+                num_pieces=1 + len(r.token_ids) // 32,  # as if long prompts yielded
+                deadline_met=None if r.slo_ms is None else r.slo_ms >= 100,
+            )  # a fake: 100 ms suffice
             for r in reqs
-        ]  # fmt: skip
+        ]
 
     async def adapter(self, name: str, path: str | None) -> AdapterReply:
         return AdapterReply("x")
@@ -112,13 +117,18 @@ def test_invalid_completions_are_refused_before_the_engine(api, body: dict, para
 
 def test_a_completion_names_its_adapter_and_echoes_the_request_id(api) -> None:
     client, fake = api
-    r = client.post("/v1/completions", headers={"X-Request-Id": "r-1"},
-                    json={"model": "ad1", "prompt": [[3, 4, 5], [6, 7]], "logprob_token_ids": [10, 20]})  # fmt: skip
+    r = client.post(
+        "/v1/completions",
+        headers={"X-Request-Id": "r-1"},
+        json={"model": "ad1", "prompt": [[3, 4, 5], [6, 7]], "logprob_token_ids": [10, 20]},
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "r-1"
     data = r.json()
     assert data["id"] == "cmpl-r-1" and data["model"] == "ad1"
     assert [q.lora_name for q in fake.received] == ["ad1", "ad1"] and [q.token_ids for q in fake.received] == [
-        [3, 4, 5], [6, 7]]  # fmt: skip
+        [3, 4, 5],
+        [6, 7],
+    ]
     assert [c["logprob_token_ids"] for c in data["choices"]] == [{"10": -0.1, "20": -0.2}] * 2
     u = data["usage"]
     assert (u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]) == (5, 2, 2)
@@ -298,9 +308,9 @@ def test_latency_objectives_reach_the_engine_and_are_counted_per_route(api) -> N
     r = client.post("/v1/completions", json={"prompt": [1, 2]})
     assert fake.received[-1].slo_ms is None and r.json()["usage"]["tiered"]["deadline_met"] is None
     m = parse(client.get("/metrics").text)
-    assert m['tiered:deadline_total{model_name=base,outcome=met,route=/v1/completions}'] == 2
-    assert m['tiered:deadline_total{model_name=base,outcome=missed,route=/v1/chat/completions}'] == 1
-    assert m['tiered:deadline_total{model_name=base,outcome=met,route=/v1/score}'] == 1
+    assert m["tiered:deadline_total{model_name=base,outcome=met,route=/v1/completions}"] == 2
+    assert m["tiered:deadline_total{model_name=base,outcome=missed,route=/v1/chat/completions}"] == 1
+    assert m["tiered:deadline_total{model_name=base,outcome=met,route=/v1/score}"] == 1
     assert m["tiered:prefill_pieces_total"] == 3 + 1 + 1 + 1
 
 
@@ -311,4 +321,4 @@ def test_a_request_past_its_deadline_is_a_429_naming_the_reason(api) -> None:
     assert r.status_code == 429 and _error(r)["type"] == "deadline_exceeded"
     assert "deadline exceeded" in _error(r)["message"]
     m = parse(client.get("/metrics").text)
-    assert m['tiered:deadline_total{model_name=base,outcome=expired,route=/v1/completions}'] == 1
+    assert m["tiered:deadline_total{model_name=base,outcome=expired,route=/v1/completions}"] == 1

@@ -21,9 +21,20 @@ from tiered.hybrid.loader import load_model, read_args
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     jct = tmp_path_factory.mktemp("jct")
-    proc, url = start_server([str(tiny_dir), "--api-key", "sekret", "--set", "cache.block_tokens=16",
-                              "--set", f"scheduler.profile_cache_dir={jct}", "--set", "model.max_model_len=1024"],
-                             timeout_s=180)  # fmt: skip
+    proc, url = start_server(
+        [
+            str(tiny_dir),
+            "--api-key",
+            "sekret",
+            "--set",
+            "cache.block_tokens=16",
+            "--set",
+            f"scheduler.profile_cache_dir={jct}",
+            "--set",
+            "model.max_model_len=1024",
+        ],
+        timeout_s=180,
+    )
     yield url
     stop_server(proc)
 
@@ -36,8 +47,9 @@ def client(server: str) -> openai.OpenAI:
 def test_completions_equal_the_in_process_forward(client: openai.OpenAI, tiny_dir: Path) -> None:
     model = load_model(tiny_dir)
     prompts = [[0] + list(range(10, 10 + n)) for n in (5, 50, 300)]
-    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=1, logprobs=3,
-                                    extra_body={"logprob_token_ids": [11, 12]})  # fmt: skip
+    out = client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=1, logprobs=3, extra_body={"logprob_token_ids": [11, 12]}
+    )
     assert len(out.choices) == 3 and out.usage.prompt_tokens == sum(map(len, prompts))
     for choice in out.choices:
         ref = torch.log_softmax(forward(model, torch.tensor(prompts[choice.index])), dim=-1)
@@ -45,8 +57,9 @@ def test_completions_equal_the_in_process_forward(client: openai.OpenAI, tiny_di
         assert abs(got["11"] - float(ref[11])) < 1e-4 and abs(got["12"] - float(ref[12])) < 1e-4
         assert abs(choice.logprobs.token_logprobs[0] - float(ref.max())) < 1e-4
         assert len(choice.logprobs.top_logprobs[0]) == 3
-    as_ids = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=1, logprobs=3,
-                                       extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    as_ids = client.completions.create(
+        model="tiny", prompt=prompts[0], max_tokens=1, logprobs=3, extra_body={"return_tokens_as_token_ids": True}
+    )
     top3 = torch.log_softmax(forward(model, torch.tensor(prompts[0])), dim=-1).topk(3).indices.tolist()
     assert as_ids.choices[0].logprobs.tokens == [f"token_id:{top3[0]}"]
     assert list(as_ids.choices[0].logprobs.top_logprobs[0]) == [f"token_id:{t}" for t in top3]
@@ -130,8 +143,9 @@ def test_scoring_50_items_equals_50_single_completions(server: str, client: open
     # The query was computed once: one forward computes it for all 50 items (or a later one finds it cached).
     usage = vllm.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] + usage["tiered"]["batch_shared_tokens"] >= 49 * 64
-    singles = client.completions.create(model="tiny", prompt=[query + item for item in items], max_tokens=1,
-                                        extra_body={"logprob_token_ids": labels})  # fmt: skip
+    singles = client.completions.create(
+        model="tiny", prompt=[query + item for item in items], max_tokens=1, extra_body={"logprob_token_ids": labels}
+    )
     for choice in singles.choices:
         lp = choice.model_extra["logprob_token_ids"]
         p11, p12 = math.exp(lp["11"]), math.exp(lp["12"])
@@ -145,8 +159,13 @@ def test_text_scoring_puts_the_item_first_when_asked(server: str, tiny_dir: Path
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     model = load_model(tiny_dir)
-    body = {"query": " Answer:", "items": ["Post: bread.", "Post: football."], "label_token_ids": [11, 12],
-            "item_first": True, "apply_softmax": False}  # fmt: skip
+    body = {
+        "query": " Answer:",
+        "items": ["Post: bread.", "Post: football."],
+        "label_token_ids": [11, 12],
+        "item_first": True,
+        "apply_softmax": False,
+    }
     r = _post(server, "/v1/score", body)
     assert r.status_code == 200, r.text
     for item, row in zip(body["items"], r.json()["scores"], strict=True):
@@ -161,8 +180,9 @@ def test_chat_completion_uses_the_chat_template(client: openai.OpenAI, tiny_dir:
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": "Will the user like this post? Answer:"}]
-    out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=1, logprobs=True,
-                                         top_logprobs=2)  # fmt: skip
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=1, logprobs=True, top_logprobs=2
+    )
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     ids = tok.encode(
         tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
@@ -184,8 +204,10 @@ def test_64_concurrent_requests_all_answered_correctly(server: str, tiny_dir: Pa
 
     async def run() -> list:
         aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="sekret")
-        calls = [aclient.completions.create(model="tiny", prompt=p, max_tokens=1, extra_body={"logprob_token_ids": [5]})
-                 for p in prompts]  # fmt: skip
+        calls = [
+            aclient.completions.create(model="tiny", prompt=p, max_tokens=1, extra_body={"logprob_token_ids": [5]})
+            for p in prompts
+        ]
         return await asyncio.gather(*calls)
 
     outs = asyncio.run(run())
@@ -213,8 +235,12 @@ def test_metrics_in_vllms_names_with_buckets_labels_and_tiers(server: str, tiny_
     assert 0 <= values["vllm:prefix_cache_hits_total"] <= values["vllm:prefix_cache_queries_total"]
     assert values["vllm:prompt_tokens_total"] == values["vllm:prefix_cache_queries_total"]
     # Histograms with buckets (histogram_quantile works): every answer is in the +Inf bucket.
-    for metric in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
-                 "request_prompt_tokens"):  # fmt: skip
+    for metric in (
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_prompt_tokens",
+    ):
         assert values[f"vllm:{metric}_count"] == ok
         assert values[f"vllm:{metric}_bucket{{le=+Inf,model_name={name}}}"] == ok
     assert values[f"vllm:e2e_request_latency_seconds_bucket{{le=0.3,model_name={name}}}"] <= ok
@@ -227,8 +253,9 @@ def test_vllm_extras_choose_the_token_and_salt_the_cache(client: openai.OpenAI, 
     prompt = [0] + list(range(400, 440))
     ref = torch.log_softmax(forward(model, torch.tensor(prompt)), dim=-1)
     allowed = [int(ref.argsort()[3]), int(ref.argsort()[8])]  # neither is the argmax
-    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, logprobs=1,
-                                    extra_body={"allowed_token_ids": allowed, "priority": -5})  # fmt: skip
+    out = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, logprobs=1, extra_body={"allowed_token_ids": allowed, "priority": -5}
+    )
     chosen = max(allowed, key=lambda t: float(ref[t]))
     assert out.choices[0].text == client_decode(tiny_dir, chosen)
     biased = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, logit_bias={"7": 100})
@@ -294,12 +321,33 @@ def test_fuzzing_from_the_openapi_schema_finds_no_server_error(server: str, tmp_
 
     cli = shutil.which("schemathesis") or str(Path(sys.executable).parent / "schemathesis")
     out = subprocess.run(
-        [cli, "run", f"{server}/openapi.json", "--checks", "not_a_server_error,negative_data_rejection",
-         "--header", "Authorization: Bearer sekret", "--max-examples", "25", "--seed", "7", "--workers", "1",
-         "--phases", "examples,coverage,fuzzing", "--request-timeout", "60", "--report", "junit",
-         "--report-junit-path", str(tmp_path / "fuzz.xml")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            cli,
+            "run",
+            f"{server}/openapi.json",
+            "--checks",
+            "not_a_server_error,negative_data_rejection",
+            "--header",
+            "Authorization: Bearer sekret",
+            "--max-examples",
+            "25",
+            "--seed",
+            "7",
+            "--workers",
+            "1",
+            "--phases",
+            "examples,coverage,fuzzing",
+            "--request-timeout",
+            "60",
+            "--report",
+            "junit",
+            "--report-junit-path",
+            str(tmp_path / "fuzz.xml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
 
@@ -319,8 +367,12 @@ def _metrics(url: str) -> dict[str, float]:
 def faulty(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, str]]:
     """A server of its own (these tests kill its parts), with a 2 s request timeout."""
     jct = tmp_path_factory.mktemp("jct-faulty")
-    sets = ["cache.block_tokens=16", f"scheduler.profile_cache_dir={jct}", "server.request_timeout_s=2",
-            "scheduler.profile_tokens=[64,256]"]  # fmt: skip
+    sets = [
+        "cache.block_tokens=16",
+        f"scheduler.profile_cache_dir={jct}",
+        "server.request_timeout_s=2",
+        "scheduler.profile_tokens=[64,256]",
+    ]
     proc, url = start_server([str(tiny_dir), *(a for s in sets for a in ("--set", s))], timeout_s=180)
     yield proc, url
     if proc.poll() is None:
@@ -399,8 +451,9 @@ def test_version_tokenize_and_detokenize_in_vllms_shapes(server: str, tiny_dir: 
     text = "Post: five easy bread recipes"
     r = httpx.post(f"{server}/tokenize", headers=KEY, json={"model": "tiny", "prompt": text}).json()
     assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
-    plain = httpx.post(f"{server}/tokenize", headers=KEY, json={"prompt": text, "add_special_tokens": False,
-                                                                  "return_token_strs": True}).json()  # fmt: skip
+    plain = httpx.post(
+        f"{server}/tokenize", headers=KEY, json={"prompt": text, "add_special_tokens": False, "return_token_strs": True}
+    ).json()
     assert plain["tokens"] == tok.encode(text, add_special_tokens=False) and plain["count"] == r["count"] - 1
     assert plain["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
     chat = httpx.post(f"{server}/tokenize", headers=KEY, json={"messages": [{"role": "user", "content": "hi"}]})
@@ -415,8 +468,11 @@ def test_version_tokenize_and_detokenize_in_vllms_shapes(server: str, tiny_dir: 
 
 
 def test_x_request_id_is_echoed_and_names_the_response(server: str, tiny_dir: Path) -> None:
-    r = httpx.post(f"{server}/v1/completions", headers={**KEY, "X-Request-Id": "abc-123"},
-                   json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1})  # fmt: skip
+    r = httpx.post(
+        f"{server}/v1/completions",
+        headers={**KEY, "X-Request-Id": "abc-123"},
+        json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1},
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
     assert r.json()["model"] == str(tiny_dir)  # the folder's name is an alias; the served name is reported
     refused = httpx.post(f"{server}/v1/completions", headers={**KEY, "X-Request-Id": "bad-1"}, json={"prompt": []})
@@ -429,8 +485,9 @@ def test_streaming_is_a_clear_400_and_add_special_tokens_is_honoured(client: ope
     with pytest.raises(openai.BadRequestError, match="stream=true is not supported"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True)
     with_bos = client.completions.create(model="tiny", prompt="hello there", max_tokens=1)
-    without = client.completions.create(model="tiny", prompt="hello there", max_tokens=1,
-                                        extra_body={"add_special_tokens": False})  # fmt: skip
+    without = client.completions.create(
+        model="tiny", prompt="hello there", max_tokens=1, extra_body={"add_special_tokens": False}
+    )
     assert without.usage.prompt_tokens == with_bos.usage.prompt_tokens - 1
     with pytest.raises(openai.NotFoundError, match="The model `other` does not exist."):
         client.completions.create(model="other", prompt="hello", max_tokens=1)

@@ -10,9 +10,28 @@ from tiered.cli import main
 
 def test_batch_bench_writes_both_cases(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "batch.json"
-    args = ["bench", "batch", "--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu", "--requests", "4",
-            "--new-tokens", "20", "--prefix-tokens", "256", "--hit-new-tokens", "100", "--repeats", "1",
-            "--json", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "batch",
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--requests",
+        "4",
+        "--new-tokens",
+        "20",
+        "--prefix-tokens",
+        "256",
+        "--hit-new-tokens",
+        "100",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     doc = json.loads(out.read_text())
     visit, attn, hit = doc["visit"], doc["attention"], doc["hit_saving"]

@@ -19,8 +19,22 @@ def test_attention_bench_times_every_kernel_on_every_shape(
     shapes = (ShapeClass("shared", 3, 16, 64), ShapeClass("causal", 1, 96, 0), ShapeClass("too long", 1, 4096, 0))
     monkeypatch.setattr(kernels_module, "ATTENTION_SHAPES", shapes)
     out = tmp_path / "attention.json"
-    args = ["bench", "attention", "--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu",
-            "--max-tokens", "256", "--json", str(out), "--vllm-library", "none"]  # fmt: skip
+    args = [
+        "bench",
+        "attention",
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "256",
+        "--json",
+        str(out),
+        "--vllm-library",
+        "none",
+    ]
     assert main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["vllm_cpu_unavailable"] == "disabled (attention.vllm_library: none)"

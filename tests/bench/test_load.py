@@ -68,11 +68,29 @@ def test_percentiles_are_nearest_rank_and_a_tail_is_named_only_from_100_samples(
 
 
 def test_a_small_load_run_writes_json_and_plots(tiny_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(None, [f"model.path={tiny_dir}", "cache.block_tokens=16", "scheduler.profile_tokens=[64,256]",
-                             f"scheduler.profile_cache_dir={tmp_path / 'jct'}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            "cache.block_tokens=16",
+            "scheduler.profile_tokens=[64,256]",
+            f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
+        ],
+    )
     trace = revisit(VOCAB, users=4, posts=2, rounds=2, scale=0.02)
-    doc = run_load_bench(cfg, trace, ["tiered", "prefillonly"], [0.5, 2.0], 0.25, None, None, None, 0,
-                         str(tmp_path / "load.json"), tmp_path)  # fmt: skip
+    doc = run_load_bench(
+        cfg,
+        trace,
+        ["tiered", "prefillonly"],
+        [0.5, 2.0],
+        0.25,
+        None,
+        None,
+        None,
+        0,
+        str(tmp_path / "load.json"),
+        tmp_path,
+    )
     saved = json.loads((tmp_path / "load.json").read_text())
     assert saved["trace"]["kind"] == "revisit" and len(saved["runs"]) == 4
     for run in saved["runs"]:

@@ -21,8 +21,19 @@ from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
 
 VOCAB = list(range(10, 500))
-SMALL = MixedParams(short_slo_ms=1500, long_tokens=300, long_per_minute=3, long_slo_ms=12000, minutes=100, users=5,
-                    posts=2, profile_tokens=60, post_tokens=8, alone_repeats=2, seed=7)  # fmt: skip
+SMALL = MixedParams(
+    short_slo_ms=1500,
+    long_tokens=300,
+    long_per_minute=3,
+    long_slo_ms=12000,
+    minutes=100,
+    users=5,
+    posts=2,
+    profile_tokens=60,
+    post_tokens=8,
+    alone_repeats=2,
+    seed=7,
+)
 
 
 def test_the_trace_is_seeded_and_has_the_asked_mix() -> None:
@@ -71,16 +82,28 @@ def test_system_names() -> None:
     assert mixed_system("tiered") == MixedSystem("tiered", ("scheduler.pieces=deadline",))
     assert mixed_system("tiered-never") == MixedSystem("tiered-never", ("scheduler.pieces=never",))
     assert mixed_system("tiered-fixed1024") == MixedSystem(
-        "tiered-fixed1024", ("scheduler.pieces=fixed", "scheduler.piece_tokens=1024"))  # fmt: skip
+        "tiered-fixed1024", ("scheduler.pieces=fixed", "scheduler.piece_tokens=1024")
+    )
     s = mixed_system("vllm-chunk2048")
     assert s is not None and s.is_vllm and s.vllm_step_tokens == 2048 and s.vllm_args == []
     s = mixed_system("vllm-priority-chunk1024-cap256")
     assert s is not None and s.vllm_args == ["--scheduling-policy", "priority", "--long-prefill-token-threshold", "256"]
     s = mixed_system("vllm-chunk2048-cap512-adaptive")
-    assert s is not None and s.vllm_args == ["--long-prefill-token-threshold", "512",
-                                             "--long-prefill-token-threshold-adaptive"]  # fmt: skip
-    for bad in ("vllm", "tiered-fixed", "tiered-fixed0", "vllm-chunk", "vllm-priority", "tiered-fcfs",
-                "vllm-chunk512-adaptive", "vllm-chunk512-cap64-partial2"):  # fmt: skip
+    assert s is not None and s.vllm_args == [
+        "--long-prefill-token-threshold",
+        "512",
+        "--long-prefill-token-threshold-adaptive",
+    ]
+    for bad in (
+        "vllm",
+        "tiered-fixed",
+        "tiered-fixed0",
+        "vllm-chunk",
+        "vllm-priority",
+        "tiered-fcfs",
+        "vllm-chunk512-adaptive",
+        "vllm-chunk512-cap64-partial2",
+    ):
         assert mixed_system(bad) is None, bad
 
 
@@ -88,8 +111,14 @@ def _hand_made() -> tuple[MixedTrace, list[Record]]:
     def call(i: int, kind: str, slo: float) -> MixedCall:
         return MixedCall(Call(f"c{i}", [[1, 2, 3]]), kind, float(i), slo)
 
-    calls = [call(0, SHORT, 1000), call(1, SHORT, 1000), call(2, LONG, 10000), call(3, SHORT, 1000),
-             call(4, SHORT, 1000), call(5, LONG, 10000)]  # fmt: skip
+    calls = [
+        call(0, SHORT, 1000),
+        call(1, SHORT, 1000),
+        call(2, LONG, 10000),
+        call(3, SHORT, 1000),
+        call(4, SHORT, 1000),
+        call(5, LONG, 10000),
+    ]
     records = [
         Record("c0", 3, 0.0, 0.5, None, 0, 0),
         Record("c1", 3, 1.0, 1.0, None, 0, 0),  # exactly at its objective: good
@@ -114,14 +143,31 @@ def test_goodput_and_percentiles_are_exact_on_hand_made_records(capsys: pytest.C
     assert (long.p50_latency_seconds, long.num_deadline_met_reported, long.num_pieces) == (4.0, 1, 4)
     assert (total.num_calls, total.num_answered, total.num_good, total.goodput_per_s) == (6, 5, 3, 0.3)
     assert (total.p50_latency_seconds, total.p99_latency_seconds) == (1.5, 12.0)  # of 0.5, 1.0, 1.5, 4.0, 12.0
-    assert [(x.call_id, x.slowdown, x.good, x.num_pieces) for x in s.longs] == [("c2", 1.0, True, 3),
-                                                                                ("c5", 3.0, False, 1)]  # fmt: skip
+    assert [(x.call_id, x.slowdown, x.good, x.num_pieces) for x in s.longs] == [
+        ("c2", 1.0, True, 3),
+        ("c5", 3.0, False, 1),
+    ]
     assert s.num_errors == 1
     print_goodput([s], MixedParams(short_slo_ms=1000, long_slo_ms=10000))
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("tiered "))
-    assert row.split() == ["tiered", "0.400", "0.200", "0.1000", "0.300", "50%", "50%", "1.00", "1.50", "4.00",
-                           "2.00", "/", "3.00", "2.0", "1"]  # fmt: skip
+    assert row.split() == [
+        "tiered",
+        "0.400",
+        "0.200",
+        "0.1000",
+        "0.300",
+        "50%",
+        "50%",
+        "1.00",
+        "1.50",
+        "4.00",
+        "2.00",
+        "/",
+        "3.00",
+        "2.0",
+        "1",
+    ]
     assert "tiered:pieces_total +2" in out
     failed = [replace(r, error="500: boom", num_pieces=None) for r in records]
     s = score_run("tiered", trace, failed, alone_seconds=4.0)
@@ -167,24 +213,46 @@ def test_bad_systems_and_options_fail_before_anything_starts(tmp_path: Path) -> 
 
 
 def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "cache.block_tokens=16",
-                                       "scheduler.profile_tokens=[64,256]",
-                                       f"scheduler.profile_cache_dir={tmp_path / 'jct'}"])  # fmt: skip
-    params = MixedParams(short_slo_ms=5000, long_tokens=200, long_per_minute=40, long_slo_ms=20000, minutes=0.1,
-                         users=3, profile_tokens=48, post_tokens=8, alone_repeats=1)  # fmt: skip
+    cfg = load_config(
+        DEFAULT_CONFIG,
+        [
+            f"model.path={tiny_dir}",
+            "cache.block_tokens=16",
+            "scheduler.profile_tokens=[64,256]",
+            f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
+        ],
+    )
+    params = MixedParams(
+        short_slo_ms=5000,
+        long_tokens=200,
+        long_per_minute=40,
+        long_slo_ms=20000,
+        minutes=0.1,
+        users=3,
+        profile_tokens=48,
+        post_tokens=8,
+        alone_repeats=1,
+    )
     # tiered-fixed32 is the reference; tiered-never runs beside it, run for run, twice.
-    doc = run_mixed_bench(cfg, params, ["tiered-fixed32", "tiered-never"], [2.0], None, str(tmp_path / "m.json"),
-                          tmp_path, repeats=2)  # fmt: skip
+    doc = run_mixed_bench(
+        cfg, params, ["tiered-fixed32", "tiered-never"], [2.0], None, str(tmp_path / "m.json"), tmp_path, repeats=2
+    )
     saved = json.loads((tmp_path / "m.json").read_text())
     trace = build_trace(ordinary_token_ids(tiny_dir), params, 2.0)
     assert saved["bench"] == "mixed" and saved["params"]["long_tokens"] == 200
-    assert saved["traces"] == [{"short_qps": 2.0, "window_seconds": 6.0, "short_calls": len(trace.of(SHORT)),
-                                "long_calls": len(trace.of(LONG))}]  # fmt: skip
+    assert saved["traces"] == [
+        {
+            "short_qps": 2.0,
+            "window_seconds": 6.0,
+            "short_calls": len(trace.of(SHORT)),
+            "long_calls": len(trace.of(LONG)),
+        }
+    ]
     assert [s["system"] for s in saved["scores"]] == ["tiered-fixed32", "tiered-never"] * 2
     assert set(saved["launch"]) == {"tiered-fixed32", "tiered-never"} and "runs" not in saved
-    assert [(r["measure"].split()[0], r["ours"]["system"], r["peer"]["system"], r["ratio"]["n"])
-            for r in saved["headline"]] == [("short", "tiered-fixed32", "tiered-never", 2),
-                                            ("all", "tiered-fixed32", "tiered-never", 2)]  # fmt: skip
+    assert [
+        (r["measure"].split()[0], r["ours"]["system"], r["peer"]["system"], r["ratio"]["n"]) for r in saved["headline"]
+    ] == [("short", "tiered-fixed32", "tiered-never", 2), ("all", "tiered-fixed32", "tiered-never", 2)]
     score = saved["scores"][0]
     assert score["system"] == "tiered-fixed32" and score["alone_seconds"] > 0
     assert score["total"]["num_calls"] == len(trace.calls) == score["total"]["num_answered"]  # all answered

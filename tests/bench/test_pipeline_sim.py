@@ -27,8 +27,10 @@ def test_with_reuse_waves_beat_the_naive_cut_at_eight_stages() -> None:
     naive = simulate(FLAT, w, 8, 16, "count", "gpipe")
     waves = simulate(FLAT, w, 8, 16, "waves", "waves")
     assert waves.throughput_per_device >= 1.5 * naive.throughput_per_device and waves.bubble_fraction < 0.15
-    assert simulate(FLAT, w, 4, 8, "waves", "gpipe").microbatch_imbalance < simulate(
-        FLAT, w, 4, 8, "count", "gpipe").microbatch_imbalance  # fmt: skip
+    assert (
+        simulate(FLAT, w, 4, 8, "waves", "gpipe").microbatch_imbalance
+        < simulate(FLAT, w, 4, 8, "count", "gpipe").microbatch_imbalance
+    )
 
 
 def test_visits_reuse_profiles_and_are_seeded() -> None:

@@ -41,8 +41,10 @@ def test_ratios_are_paired_run_by_run_and_say_which_way_is_better() -> None:
 
 
 def test_the_peer_starts_compiled_with_the_ram_of_both_our_tiers(tiny_dir: Path) -> None:
-    cfg = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "cache.device_tier_bytes=1048576",
-                                       "cache.host.lmcache.max_local_cpu_size=0.5"])  # fmt: skip
+    cfg = load_config(
+        DEFAULT_CONFIG,
+        [f"model.path={tiny_dir}", "cache.device_tier_bytes=1048576", "cache.host.lmcache.max_local_cpu_size=0.5"],
+    )
     assert kv_memory_bytes(cfg) == 2**20 + 2**29
     discard = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "cache.suffix=discard"])
     assert kv_memory_bytes(discard) == discard.cache.device_tier_bytes  # no host tier is started
@@ -77,8 +79,9 @@ def test_the_committed_results_tables_are_the_generated_ones() -> None:
 
 
 def test_the_table_holds_every_headline_row_and_its_command(tmp_path: Path) -> None:
-    row = headline_row("visits/s at saturation", "visits/s", ("tiered", [0.8, 0.9, 1.0]),
-                       ("vllm", [0.7, 0.8, 0.8]), True)  # fmt: skip
+    row = headline_row(
+        "visits/s at saturation", "visits/s", ("tiered", [0.8, 0.9, 1.0]), ("vllm", [0.7, 0.8, 0.8]), True
+    )
     once = headline_row("a sweep's single run", "s", ("tiered", [1.0]), ("vllm", [2.0]), False)
     write_report(str(tmp_path / "a.json"), "visits", "cpu", {"headline": [row, once]})
     write_report(str(tmp_path / "b.json"), "load", "cpu", {})  # no headline: not in the table

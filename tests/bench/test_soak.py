@@ -9,11 +9,27 @@ from tiered.config import load_config
 
 
 def test_a_short_soak_answers_every_valid_request_exactly_once(tiny_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(None, [f"model.path={tiny_dir}", "cache.block_tokens=16", "cache.device_tier_bytes=262144",
-                             "cache.host.lmcache={max_local_cpu_size: 0.002}", "scheduler.profile_tokens=[64,256]",
-                             f"scheduler.profile_cache_dir={tmp_path / 'jct'}"])  # fmt: skip
-    report = run_soak(cfg, minutes=0.25, concurrency=8, invalid_fraction=0.3, users=8, profile_tokens=300,
-                      out_dir=tmp_path, json_path=str(tmp_path / "soak.json"))  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            "cache.block_tokens=16",
+            "cache.device_tier_bytes=262144",
+            "cache.host.lmcache={max_local_cpu_size: 0.002}",
+            "scheduler.profile_tokens=[64,256]",
+            f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
+        ],
+    )
+    report = run_soak(
+        cfg,
+        minutes=0.25,
+        concurrency=8,
+        invalid_fraction=0.3,
+        users=8,
+        profile_tokens=300,
+        out_dir=tmp_path,
+        json_path=str(tmp_path / "soak.json"),
+    )
     assert report["exactly_once"] and report["valid_failures"] == [] and report["server_errors_5xx"] == 0
     assert report["valid_sent"] > 20 and report["invalid_sent"] > 5
     assert all(400 <= int(key.split(":")[1]) < 500 for key in report["invalid_by_status"])

@@ -16,12 +16,18 @@ from tiered.cli import main
 def test_system_names_set_the_pipeline_keys_and_bad_ones_are_named() -> None:
     assert system_overrides("1x2") == ["engine.pipeline_stages=1", "engine.threads=2", "cache.suffix=discard"]
     assert system_overrides("2x1-waves-2+host")[:3] == [
-        "engine.pipeline_stages=2", "engine.threads_per_stage=1", "cache.suffix=offload"]  # fmt: skip
+        "engine.pipeline_stages=2",
+        "engine.threads_per_stage=1",
+        "cache.suffix=offload",
+    ]
     assert system_overrides("2x1-fill-drain")[-1] == "engine.pipeline_schedule=fill-drain"
     assert system_overrides("4x2-waves-8") == [
-        "engine.pipeline_stages=4", "engine.threads_per_stage=2", "cache.suffix=discard",
-        "engine.pipeline_schedule=waves", "engine.pipeline_microbatches=8",
-    ]  # fmt: skip
+        "engine.pipeline_stages=4",
+        "engine.threads_per_stage=2",
+        "cache.suffix=discard",
+        "engine.pipeline_schedule=waves",
+        "engine.pipeline_microbatches=8",
+    ]
     assert system_overrides("2x1-waves-4-flight1")[-1] == "engine.pipeline_batches_in_flight=1"
     for bad in ("2x", "waves-2", "2x1-waves", "2x1-fill", "2x1-waves-2-flight", "1x2+offload"):
         with pytest.raises(BenchError, match=re.escape(bad)):
@@ -30,11 +36,40 @@ def test_system_names_set_the_pipeline_keys_and_bad_ones_are_named() -> None:
 
 def test_two_stages_answer_as_one_process_and_report_their_bubbles(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "stages.json"
-    code = main(["bench", "stages", "--set", f"model.path={tiny_dir}", "--set", "model.dtype=float32",
-                 "--set", f"attention.profile_cache_dir={tmp_path}", "--set", f"scheduler.profile_cache_dir={tmp_path}",
-                 "--set", "cache.block_tokens=16", "--set", "cache.device_tier_bytes=98304",  # 12 blocks: ~1 profile
-                 "--systems", "1x2,2x1-waves-2,2x1-waves-2+host", "--users", "2", "--visits", "4", "--posts", "3",
-                 "--rounds", "4", "--profile-tokens", "120", "--post-tokens", "20", "--json", str(out)])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "stages",
+            "--set",
+            f"model.path={tiny_dir}",
+            "--set",
+            "model.dtype=float32",
+            "--set",
+            f"attention.profile_cache_dir={tmp_path}",
+            "--set",
+            f"scheduler.profile_cache_dir={tmp_path}",
+            "--set",
+            "cache.block_tokens=16",
+            "--set",
+            "cache.device_tier_bytes=98304",  # 12 blocks: ~1 profile
+            "--systems",
+            "1x2,2x1-waves-2,2x1-waves-2+host",
+            "--users",
+            "2",
+            "--visits",
+            "4",
+            "--posts",
+            "3",
+            "--rounds",
+            "4",
+            "--profile-tokens",
+            "120",
+            "--post-tokens",
+            "20",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())["systems"]}
     assert rows["1x2"]["bubbles"] == [] and len(rows["2x1-waves-2"]["bubbles"]) == 2

@@ -33,8 +33,9 @@ def test_the_revisit_sequence_runs_through_the_engine_and_counts_hits_per_tier(t
     profiles of the second round in the host tier (all but what the device still holds), discard
     computes them again; both see the same tokens."""
     cfg = _config(tiny_dir, tmp_path)
-    cfg = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=4 * 16 * read_args(tiny_dir).kv_bytes_per_token(
-        torch.float32)))  # fmt: skip
+    cfg = replace(
+        cfg, cache=replace(cfg.cache, device_tier_bytes=4 * 16 * read_args(tiny_dir).kv_bytes_per_token(torch.float32))
+    )
     trace = revisit_trace(vocab=1000, users=3, profile_tokens=64, post_tokens=8, rounds=2, seed=0)
     offload, discard = (run_sequence(cfg, trace, s) for s in ("offload", "discard"))
     total = sum(t.numel() for t in trace)

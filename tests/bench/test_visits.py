@@ -60,12 +60,19 @@ def test_old_trace_files_read_with_no_visit(tmp_path: Path) -> None:
 
 
 def test_split_visits_and_working_set_are_exact() -> None:
-    reqs = [TraceRequest("a", 0, [1] * 62, 40, 0), TraceRequest("b", 0, [1] * 62, 40, 0),
-            TraceRequest("c", 1, [2] * 20, 5, 1), TraceRequest("d", 0, [1] * 60, 40, 2)]  # fmt: skip
+    reqs = [
+        TraceRequest("a", 0, [1] * 62, 40, 0),
+        TraceRequest("b", 0, [1] * 62, 40, 0),
+        TraceRequest("c", 1, [2] * 20, 5, 1),
+        TraceRequest("d", 0, [1] * 60, 40, 2),
+    ]
     trace = Trace("visits", {}, reqs)
     got = split_visits(trace)
     assert [(v.call.call_id, len(v.call.prompts), v.user, v.returning) for v in got] == [
-        ("v0-u0", 2, 0, False), ("v1-u1", 1, 1, False), ("v2-u0", 1, 0, True)]  # fmt: skip
+        ("v0-u0", 2, 0, False),
+        ("v1-u1", 1, 1, False),
+        ("v2-u0", 1, 0, True),
+    ]
     # user 0: 2 shared blocks of 16; own blocks ceil(30/16) + ceil(30/16) + ceil(28/16); user 1: ceil(20/16)
     assert working_set_tokens(trace, 16) == 32 + (2 + 2 + 2) * 16 + 2 * 16
     with pytest.raises(BenchError, match="needs a visits trace"):
@@ -107,27 +114,70 @@ def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
 
 def test_the_cli_writes_a_visits_trace(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "v.json"
-    args = ["bench", "trace", "visits", "--set", f"model.path={tiny_dir}", "--users", "3", "--visits", "5",
-            "--posts", "2", "--profile-mean", "40", "--profile-min", "30", "--profile-max", "50", "--profile-sd", "5",
-            "--post-tokens", "8", "--scale", "1", "--out", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "trace",
+        "visits",
+        "--set",
+        f"model.path={tiny_dir}",
+        "--users",
+        "3",
+        "--visits",
+        "5",
+        "--posts",
+        "2",
+        "--profile-mean",
+        "40",
+        "--profile-min",
+        "30",
+        "--profile-max",
+        "50",
+        "--profile-sd",
+        "5",
+        "--post-tokens",
+        "8",
+        "--scale",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     t = Trace.read(out)
     assert t.kind == "visits" and len(t) == 10 and {r.visit for r in t.requests} == set(range(5))
 
 
 def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "cache.block_tokens=16",
-                                       "scheduler.profile_tokens=[64,256]",
-                                       f"scheduler.profile_cache_dir={tmp_path / 'jct'}"])  # fmt: skip
-    trace = visits(VOCAB, users=3, visits=6, posts=3, profile_mean=48, profile_sd=8, profile_min=40, profile_max=64,
-                   post_tokens=8)  # fmt: skip
+    cfg = load_config(
+        DEFAULT_CONFIG,
+        [
+            f"model.path={tiny_dir}",
+            "cache.block_tokens=16",
+            "scheduler.profile_tokens=[64,256]",
+            f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
+        ],
+    )
+    trace = visits(
+        VOCAB, users=3, visits=6, posts=3, profile_mean=48, profile_sd=8, profile_min=40, profile_max=64, post_tokens=8
+    )
     # tiered-lora2: the same calls, user u's with LoRA adapter u mod 2 (made under tmp_path/adapters).
-    opts = VisitsOptions(["tiered", "tiered-lora2"], [0.5, 2.0], concurrency=4, repeats=2, warm_up_visits=1,
-                         json_path=str(tmp_path / "v.json"), out_dir=tmp_path)  # fmt: skip
+    opts = VisitsOptions(
+        ["tiered", "tiered-lora2"],
+        [0.5, 2.0],
+        concurrency=4,
+        repeats=2,
+        warm_up_visits=1,
+        json_path=str(tmp_path / "v.json"),
+        out_dir=tmp_path,
+    )
     doc = run_visits_bench(cfg, trace, opts)
     saved = json.loads((tmp_path / "v.json").read_text())
-    assert saved["bench"] == "visits" and saved["trace"] == {"kind": "visits", "params": trace.params, "requests": 6,
-                                                             "prompts": 18, "tokens": trace.num_tokens}  # fmt: skip
+    assert saved["bench"] == "visits" and saved["trace"] == {
+        "kind": "visits",
+        "params": trace.params,
+        "requests": 6,
+        "prompts": 18,
+        "tokens": trace.num_tokens,
+    }
     assert saved["provenance"]["command"] and set(saved["launch"]) == {"tiered", "tiered-lora2"}
     assert all(launch["startup_seconds"] > 0 for launch in saved["launch"].values())
     assert "runs" not in saved and (tmp_path / "records.json").exists()  # records beside the plots, not in the summary
@@ -145,8 +195,11 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     assert saved["saturation_visits_per_s"] == pytest.approx(sum(rates) / 2)  # the loads scale the median
     assert len(saved["slo_p99_seconds"]) == 3
     assert [(s["system"], s["multiple"], s["num_requests"], s["num_errors"]) for s in saved["summaries"]] == [
-        ("tiered", 0.5, 6, 0), ("tiered", 2.0, 6, 0), ("tiered-lora2", 0.5, 6, 0), ("tiered-lora2", 2.0, 6, 0)
-    ]  # fmt: skip
+        ("tiered", 0.5, 6, 0),
+        ("tiered", 2.0, 6, 0),
+        ("tiered-lora2", 0.5, 6, 0),
+        ("tiered-lora2", 2.0, 6, 0),
+    ]
     assert set(saved["sustainable"]["tiered"]) == {"p99", "mean"}
     # Headline rows: the reference against the other system, two paired runs each; 6 visits: a maximum, not a P99.
     assert [(r["measure"], r["ours"]["system"], r["peer"]["system"], r["ratio"]["n"]) for r in saved["headline"]] == [
@@ -156,7 +209,7 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
         ("max of 6 visit latency at 0.5x tiered's saturation", "tiered", "tiered-lora2", 2),
         ("mean visit latency at 2x tiered's saturation", "tiered", "tiered-lora2", 2),
         ("max of 6 visit latency at 2x tiered's saturation", "tiered", "tiered-lora2", 2),
-    ]  # fmt: skip
+    ]
     assert any(v["returning"] for v in doc["visits"])  # Zipf over 3 users: someone comes back
     # Each user keeps one adapter, so a returning user's visits hit its own cached profile.
     groups = [[r for r in doc["saturation_records"][s] if r["repeat"] == k] for s in opts.systems for k in range(2)]

@@ -23,8 +23,10 @@ import torch
 
 pytest.importorskip("ray.serve", reason="Ray Serve (the ray extra) is not installed")
 if [name for _, name in socket.if_nameindex()] != ["lo"]:
-    pytest.skip("Ray needs a network namespace with loopback only here: run `make test` (scripts/loopback)",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "Ray needs a network namespace with loopback only here: run `make test` (scripts/loopback)",
+        allow_module_level=True,
+    )
 
 from ray import serve  # noqa: E402
 
@@ -64,9 +66,18 @@ def _replicas() -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def cluster(tiny_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     jct = tmp_path_factory.mktemp("jct-ray")
-    cfg = load_config(None, [f"model.path={tiny_dir}", "cache.block_tokens=16", f"scheduler.profile_cache_dir={jct}",
-                             "scheduler.profile_tokens=[64,256]", f"cache.host.lmcache={{remote_url: '{redis_url}'}}",
-                             "cluster.replicas=2", "cluster.health_check_period_s=1"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            "cache.block_tokens=16",
+            f"scheduler.profile_cache_dir={jct}",
+            "scheduler.profile_tokens=[64,256]",
+            f"cache.host.lmcache={{remote_url: '{redis_url}'}}",
+            "cluster.replicas=2",
+            "cluster.health_check_period_s=1",
+        ],
+    )
     url = deploy.deploy(cfg, port=free_port())
     try:
         yield url
@@ -77,8 +88,11 @@ def cluster(tiny_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFac
 def test_the_ingress_answers_like_tiered_serve(cluster: str, tiny_dir: Path) -> None:
     model = load_model(tiny_dir)
     prompts = [[0, *range(10, 10 + n)] for n in (5, 50, 300)]
-    r = httpx.post(f"{cluster}/v1/completions", json={"prompt": prompts, "max_tokens": 1,
-                                                      "logprob_token_ids": [11, 12]}, timeout=120)  # fmt: skip
+    r = httpx.post(
+        f"{cluster}/v1/completions",
+        json={"prompt": prompts, "max_tokens": 1, "logprob_token_ids": [11, 12]},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     assert r.headers["x-tiered-replica"] in _replicas()
     for choice in r.json()["choices"]:
@@ -191,9 +205,20 @@ def test_shutdown_completes_and_stops_the_engines(cluster: str) -> None:
 def test_tiered_serve_replicas_from_the_command_line(tiny_dir: Path, tmp_path: Path) -> None:
     from tiered.api.launch import start_server
 
-    proc, url = start_server([str(tiny_dir), "--replicas", "2", "--set", "cache.block_tokens=16", "--set",
-                              f"scheduler.profile_cache_dir={tmp_path}", "--set", "scheduler.profile_tokens=[64]"],
-                             timeout_s=240)  # fmt: skip
+    proc, url = start_server(
+        [
+            str(tiny_dir),
+            "--replicas",
+            "2",
+            "--set",
+            "cache.block_tokens=16",
+            "--set",
+            f"scheduler.profile_cache_dir={tmp_path}",
+            "--set",
+            "scheduler.profile_tokens=[64]",
+        ],
+        timeout_s=240,
+    )
     try:
         seen = {_call(url, u, 0, n=1).headers["x-tiered-replica"] for u in range(USERS)}
         assert len(seen) == 2  # two replicas answered

@@ -19,8 +19,12 @@ from tiered.api.metrics import parse
 @pytest.fixture(scope="module")
 def replicas(tiny_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     jct = tmp_path_factory.mktemp("jct-replicas")
-    sets = ["cache.block_tokens=16", f"scheduler.profile_cache_dir={jct}", "scheduler.profile_tokens=[64,256]",
-            f"cache.host.lmcache={{remote_url: '{redis_url}'}}"]  # fmt: skip
+    sets = [
+        "cache.block_tokens=16",
+        f"scheduler.profile_cache_dir={jct}",
+        "scheduler.profile_tokens=[64,256]",
+        f"cache.host.lmcache={{remote_url: '{redis_url}'}}",
+    ]
     procs: list[ServerProcess] = []
     urls: list[str] = []
     try:

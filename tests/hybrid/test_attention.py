@@ -95,10 +95,13 @@ def _timing(kernel: str, shape: str, seconds: float, ok: bool = True) -> KernelT
 
 def test_the_fastest_correct_kernel_wins_with_each_shape_counted_equally() -> None:
     timings = [
-        _timing("a", "big", 10.0), _timing("a", "small", 0.10),  # 1.0 + 2.0 = 3.0
-        _timing("b", "big", 12.0), _timing("b", "small", 0.05),  # 1.2 + 1.0 = 2.2: wins
-        _timing("c", "big", 1.0), _timing("c", "small", 0.01, ok=False),  # fastest, but wrong once
-    ]  # fmt: skip
+        _timing("a", "big", 10.0),
+        _timing("a", "small", 0.10),  # 1.0 + 2.0 = 3.0
+        _timing("b", "big", 12.0),
+        _timing("b", "small", 0.05),  # 1.2 + 1.0 = 2.2: wins
+        _timing("c", "big", 1.0),
+        _timing("c", "small", 0.01, ok=False),  # fastest, but wrong once
+    ]
     assert fastest(timings) == "b"
     with pytest.raises(RuntimeError, match="no attention kernel"):
         fastest([_timing("c", "big", 1.0, ok=False)])
@@ -162,8 +165,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cuda_kernels_equal_the_fp32_reference(kernel: str, shape: str) -> None:
     pieces, num_keys, prefix = SHAPES[shape]
-    q, k, v, pk, pv = (None if t is None else t.cuda() for t in _case(pieces, num_keys, prefix, 16, 4, 128,
-                                                                      torch.bfloat16))  # fmt: skip
+    q, k, v, pk, pv = (
+        None if t is None else t.cuda() for t in _case(pieces, num_keys, prefix, 16, 4, 128, torch.bfloat16)
+    )
     expected = q.clone().float()  # type: ignore[union-attr]
     reference_(expected, k, v, pieces, pk, pv)  # type: ignore[arg-type]
     got = q.clone()  # type: ignore[union-attr]

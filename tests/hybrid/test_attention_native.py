@@ -76,8 +76,19 @@ def test_auto_takes_the_best_path_here_and_strided_views_are_read_in_place() -> 
     expected = q.clone()
     reference_(expected, k, v, pieces, pk, pv)
     got = q.clone()
-    assert native.attend_paged_(got, kv[:, 0], kv[:, 1], pieces, pk[None], pv[None],  # type: ignore[index]
-                                torch.zeros(1, dtype=torch.int64), prefix) == native.cpu_isas()[0]  # fmt: skip
+    assert (
+        native.attend_paged_(
+            got,
+            kv[:, 0],
+            kv[:, 1],
+            pieces,
+            pk[None],
+            pv[None],  # type: ignore[index]
+            torch.zeros(1, dtype=torch.int64),
+            prefix,
+        )
+        == native.cpu_isas()[0]
+    )
     assert (got - expected).abs().max().item() <= TOLERANCE[torch.float32]
 
 
@@ -133,8 +144,14 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_kernels(tmp_path: Path)
     """CXX=/bin/false is the only fault: the build says why, exits 0 (what `make venv` runs), and
     `native` is not among the kernels here; forcing it is a config error."""
     env = {**os.environ, "CXX": "/bin/false"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FALLBACK), str(tmp_path)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FALLBACK), str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert "WARNING native attention kernel not built: '/bin/false' failed (exit 1)" in out

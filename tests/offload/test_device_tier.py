@@ -11,10 +11,25 @@ BT = 4
 
 
 def _tier(num_blocks: int) -> DeviceTier:
-    args = ModelArgs("LlamaForCausalLM", vocab_size=32, hidden_size=4, num_layers=2, num_heads=2, num_kv_heads=1,
-                     head_dim=2, intermediate_size=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
-                     qkv_bias=False, o_bias=False, mlp_bias=False, tie_word_embeddings=False,
-                     max_position_embeddings=64, sliding_window=None)  # fmt: skip
+    args = ModelArgs(
+        "LlamaForCausalLM",
+        vocab_size=32,
+        hidden_size=4,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=2,
+        intermediate_size=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        rope_scaling=None,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        sliding_window=None,
+    )
     block_bytes = 2 * 2 * BT * 1 * 2 * 4  # K and V, 2 layers, BT tokens, 1 head of 2, fp32
     tier = DeviceTier(args, BT, num_blocks * block_bytes, torch.float32, "cpu")
     assert tier.bytes_per_block == block_bytes and tier.num_blocks == num_blocks

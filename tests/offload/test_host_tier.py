@@ -90,8 +90,12 @@ def test_the_host_tiers_threads_leave_the_forward_its_threads(tiny_dir: Path, tm
     bench-m: 220 s against 114 s). In a fresh process, as the engine's; twice, as the second finds
     its JCT profile cached and runs no forward before its threads start (the case that failed)."""
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", _THREADS_AFTER_STORING, str(tiny_dir), str(tmp_path)],
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", _THREADS_AFTER_STORING, str(tiny_dir), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         started, after = out.stdout.split()[-2:]
         assert after == started, out.stdout

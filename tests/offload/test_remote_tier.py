@@ -100,10 +100,15 @@ def test_block_keys_do_not_depend_on_pythonhashseed() -> None:
         "print(block_keys(list(range(64)), 16, 'salt', 'adapter-identity'))"
     )
     outs = {
-        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
-                       capture_output=True, text=True, check=True).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         for seed in ("1", "2")
-    }  # fmt: skip
+    }
     assert outs == {str(block_keys(list(range(64)), 16, "salt", "adapter-identity"))}
 
 
@@ -129,10 +134,16 @@ def test_two_engines_share_one_redis_with_salted_prompts(tiny_dir, tmp_path, red
     from tiered.config import load_config
     from tiered.engine import Engine, ScoreParams
 
-    cfg = load_config(None, [
-        f"model.path={tiny_dir}", "cache.block_tokens=16", "scheduler.profile_tokens=[64, 256]",
-        f"scheduler.profile_cache_dir={tmp_path}", f"cache.host.lmcache={{remote_url: '{redis_url}'}}",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            "cache.block_tokens=16",
+            "scheduler.profile_tokens=[64, 256]",
+            f"scheduler.profile_cache_dir={tmp_path}",
+            f"cache.host.lmcache={{remote_url: '{redis_url}'}}",
+        ],
+    )
     ids = _tokens(300, 7)
     params = ScoreParams(logprob_token_ids=(11, 12))
     results = []

@@ -199,8 +199,12 @@ def test_a_removed_disk_tier_degrades_to_recomputation(model: CausalLM, make_tie
     try:
         disk = tmp_path / "lmcache-disk"
         disk.mkdir()
-        lm = {"local_cpu": False, "max_local_cpu_size": 0.01, "local_disk": f"file://{disk}/",
-              "max_local_disk_size": 0.01}  # fmt: skip
+        lm = {
+            "local_cpu": False,
+            "max_local_cpu_size": 0.01,
+            "local_disk": f"file://{disk}/",
+            "max_local_disk_size": 0.01,
+        }
         tiers = make_tiers(device_blocks=0, retention="none", host=HostTierConfig(lmcache=lm))
         ids = _tokens(200, 7)
         _run(model, tiers, ids)
@@ -230,8 +234,12 @@ def test_an_unreachable_remote_store_degrades_to_recomputation(model: CausalLM, 
     with caplog.at_level(logging.WARNING):
         # The first stores its 12 chunks (in its local CPU backend only); the second has room to load them.
         for device_blocks in (0, 64):
-            tiers = make_tiers(device_blocks=device_blocks, retention="none", host=HostTierConfig(lmcache=lm),
-                               model_identity="m-unreachable")  # fmt: skip
+            tiers = make_tiers(
+                device_blocks=device_blocks,
+                retention="none",
+                host=HostTierConfig(lmcache=lm),
+                model_identity="m-unreachable",
+            )
             logits, split = _run(model, tiers, ids)
             hits = (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_remote_hit_tokens)
             assert hits == (0, 0, 0) and split.num_miss_tokens == 200

@@ -26,9 +26,15 @@ def _profile(c: list[float]) -> JCTModel:
     """A base model fitted on a grid as the engine's start-up profile (plus host loads, which no stage does)."""
     grid = [JCTSample(t, max(1, int(t * f)), 0, 0.0) for t in (64, 512, 2048, 8192) for f in (0.1, 0.5, 1.0)]
     grid += [JCTSample(t, 1, t - 1, 0.5) for t in (512, 2048)]  # host loads: left out of the stages' prior
-    grid = [JCTSample(s.num_tokens, s.num_miss_tokens, s.num_host_hit_tokens,
-                      s.seconds or _seconds(c, [HitSplit(s.num_tokens - s.num_miss_tokens, 0, s.num_miss_tokens)]))
-            for s in grid]  # fmt: skip
+    grid = [
+        JCTSample(
+            s.num_tokens,
+            s.num_miss_tokens,
+            s.num_host_hit_tokens,
+            s.seconds or _seconds(c, [HitSplit(s.num_tokens - s.num_miss_tokens, 0, s.num_miss_tokens)]),
+        )
+        for s in grid
+    ]
     return JCTModel.fit(grid)
 
 
@@ -50,8 +56,10 @@ def test_each_stage_learns_its_measured_microbatches() -> None:
     reported enough micro-batches, its model predicts near that, stage 0's stays where it was."""
     costs = StageModels([0.5, 0.5])
     rng = random.Random(0)
-    batches = [[HitSplit(rng.choice([0, 1024, 4096]), 0, rng.randint(16, 2048)) for _ in range(rng.randint(1, 4))]
-               for _ in range(200)]  # fmt: skip
+    batches = [
+        [HitSplit(rng.choice([0, 1024, 4096]), 0, rng.randint(16, 2048)) for _ in range(rng.randint(1, 4))]
+        for _ in range(200)
+    ]
     for mb in batches[:20]:  # measured before the engine had its profile: they wait for the prior
         costs.observe(0, [mb], [0.5 * _seconds(TRUE, mb)])
         costs.observe(1, [mb], [1.0 * _seconds(TRUE, mb)])
@@ -79,8 +87,10 @@ def test_the_cut_balances_predicted_seconds_not_computed_tokens() -> None:
     plans = [_plan(300, 0), _plan(100, 6000), _plan(100, 6000), _plan(100, 0)]
 
     def heaviest(cut: list[list[int]]) -> float:
-        return max(costs.predict(0, [HitSplit(plans[i].num_prefix_tokens, 0, plans[i].num_computed_tokens)
-                                     for i in mb]) for mb in cut)  # fmt: skip
+        return max(
+            costs.predict(0, [HitSplit(plans[i].num_prefix_tokens, 0, plans[i].num_computed_tokens) for i in mb])
+            for mb in cut
+        )
 
     by_tokens, by_cost = cut_microbatches(plans, 2), cut_microbatches(plans, 2, costs.job_seconds)
     assert by_tokens == [[0], [1, 2, 3]]  # 300 tokens against 300

@@ -25,8 +25,9 @@ SMALL_BATCHES = "scheduler.max_batch_tokens=64"  # a 300-token prefix's posts go
 def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     jct = tmp_path_factory.mktemp("jct")
     one = Engine(_cfg(tiny_dir, jct, SMALL_BATCHES))
-    two = Engine(_cfg(tiny_dir, jct, SMALL_BATCHES, "engine.pipeline_stages=2", "engine.threads_per_stage=1"),
-                 jct_model=one.jct)  # fmt: skip
+    two = Engine(
+        _cfg(tiny_dir, jct, SMALL_BATCHES, "engine.pipeline_stages=2", "engine.threads_per_stage=1"), jct_model=one.jct
+    )
     yield one, two
     two.close()
     one.close()

@@ -29,8 +29,9 @@ def _plan(tokens: int, lead: int | None = None, cached: int = 0) -> ItemPlan:
 
 def test_microbatches_are_even_in_computed_tokens_and_never_put_a_follower_before_its_lead() -> None:
     # Computed tokens after hits, not prompt lengths: a 2,000-token prompt with 1,900 cached computes 100.
-    plans = [_plan(n, cached=c) for n, c in [(100, 1900), (90, 0), (80, 300), (70, 0), (60, 0), (50, 0), (40, 0),
-                                              (30, 0)]]  # fmt: skip
+    plans = [
+        _plan(n, cached=c) for n, c in [(100, 1900), (90, 0), (80, 300), (70, 0), (60, 0), (50, 0), (40, 0), (30, 0)]
+    ]
     cut = cut_microbatches(plans, 2)
     loads = [sum(plans[i].num_computed_tokens for i in mb) for mb in cut]
     mean = sum(p.num_computed_tokens for p in plans) / 2
@@ -55,8 +56,10 @@ def test_microbatches_are_even_in_computed_tokens_and_never_put_a_follower_befor
             else:
                 assert got.lead is None and got.reads_stash == lead and got.num_shared == 5
     stashing = {p.stash_key: p.stash_rows for mb in mbs for p in mb if p.stash_key is not None}
-    assert stashing == {lead: 5 for lead in {plans[i].lead for i in where if plans[i].lead is not None
-                                             and where[plans[i].lead] < where[i]}}  # fmt: skip
+    assert stashing == {
+        lead: 5
+        for lead in {plans[i].lead for i in where if plans[i].lead is not None and where[plans[i].lead] < where[i]}
+    }
     assert cut_microbatches(plans[:1], 4) == [[0]]  # empty micro-batches are dropped
 
 

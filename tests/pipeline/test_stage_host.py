@@ -99,8 +99,9 @@ def _three_prompts(seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("which", ["one process", "two stages"])
-def test_a_prefix_used_again_stays_and_the_host_tier_evicts_from_a_prefixs_end(engines: tuple[Engine, Engine],
-                                                                               which: str) -> None:  # fmt: skip
+def test_a_prefix_used_again_stays_and_the_host_tier_evicts_from_a_prefixs_end(
+    engines: tuple[Engine, Engine], which: str
+) -> None:
     """Both host tiers are LRU by use, not by store (LMCache's gets leave its order as stored: we
     tell it), and evict a prefix from its end (its first chunk, which every later one needs, last)."""
     engine = engines[0] if which == "one process" else engines[1]
@@ -175,9 +176,12 @@ def test_a_chunk_one_stage_lost_is_recomputed_on_every_stage(engines: tuple[Engi
 
 def test_on_evict_stores_a_block_on_every_stage_when_the_device_evicts_it(tiny_dir: Path, tmp_path: Path) -> None:
     on_evict = "cache.host.write_policy=on-evict"
-    with Engine(_cfg(tiny_dir, tmp_path, *HOST, on_evict)) as one, Engine(
-        _cfg(tiny_dir, tmp_path, *HOST, on_evict, *STAGES, "engine.pipeline_batches_in_flight=3"), jct_model=one.jct
-    ) as two:
+    with (
+        Engine(_cfg(tiny_dir, tmp_path, *HOST, on_evict)) as one,
+        Engine(
+            _cfg(tiny_dir, tmp_path, *HOST, on_evict, *STAGES, "engine.pipeline_batches_in_flight=3"), jct_model=one.jct
+        ) as two,
+    ):
         assert isinstance(two.runner, PipelineRunner)
         prompts = _prompts(91, 4)
         _run(two, prompts), _run(one, prompts)

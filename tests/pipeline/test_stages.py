@@ -30,23 +30,36 @@ PARAMS = ScoreParams(logprob_token_ids=tuple(range(0, 2048, 37)), top_logprobs=5
 
 
 def _cfg(tiny_dir: Path, jct_dir: Path, *overrides: str):
-    fixed = [f"model.path={tiny_dir}", "model.dtype=float32", "cache.block_tokens=16", "model.max_model_len=2048",
-             "cache.suffix=discard", "cache.retention=all", "cache.device_tier_bytes=262144",
-             "scheduler.profile_tokens=[64, 256]", f"scheduler.profile_cache_dir={jct_dir}"]  # fmt: skip
+    fixed = [
+        f"model.path={tiny_dir}",
+        "model.dtype=float32",
+        "cache.block_tokens=16",
+        "model.max_model_len=2048",
+        "cache.suffix=discard",
+        "cache.retention=all",
+        "cache.device_tier_bytes=262144",
+        "scheduler.profile_tokens=[64, 256]",
+        f"scheduler.profile_cache_dir={jct_dir}",
+    ]
     return load_config(None, [*fixed, *overrides])
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-            adapter_dirs: dict[tuple[str, str], Path]) -> Iterator[tuple[Engine, Engine]]:  # fmt: skip
+def engines(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, adapter_dirs: dict[tuple[str, str], Path]
+) -> Iterator[tuple[Engine, Engine]]:
     """(one process, two stages), sharing a JCT profile, serving two LoRA adapters; the pipeline is
     started once for the module."""
     jct = tmp_path_factory.mktemp("jct")
-    lora = ["lora.enabled=true", "lora.max_loras=2", *(f"lora.modules.{name}={adapter_dirs[('tiny', name)]}"
-                                                       for name in ("small", "wide"))]  # fmt: skip
+    lora = [
+        "lora.enabled=true",
+        "lora.max_loras=2",
+        *(f"lora.modules.{name}={adapter_dirs[('tiny', name)]}" for name in ("small", "wide")),
+    ]
     one = Engine(_cfg(tiny_dir, jct, *lora))
-    two = Engine(_cfg(tiny_dir, jct, *lora, "engine.pipeline_stages=2", "engine.threads_per_stage=1"),
-                 jct_model=one.jct)  # fmt: skip
+    two = Engine(
+        _cfg(tiny_dir, jct, *lora, "engine.pipeline_stages=2", "engine.threads_per_stage=1"), jct_model=one.jct
+    )
     yield one, two
     two.close()
     one.close()
@@ -148,8 +161,13 @@ def test_refused_configurations_name_the_key(tiny_dir: Path, tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="'engine.pipeline_stages': must be >= 1, got 0"):
         _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=0")
     with pytest.raises(ConfigError, match=r"'cache.host.lmcache.remote_url': a shared or disk backend is not yet"):
-        _cfg(tiny_dir, tmp_path, "engine.pipeline_stages=2", "cache.suffix=offload",
-             "cache.host.lmcache={remote_url: 'redis://127.0.0.1:1'}")  # fmt: skip
+        _cfg(
+            tiny_dir,
+            tmp_path,
+            "engine.pipeline_stages=2",
+            "cache.suffix=offload",
+            "cache.host.lmcache={remote_url: 'redis://127.0.0.1:1'}",
+        )
     with pytest.raises(ConfigError, match="'engine.pipeline_stages': must be <= the model's 2 layers, got 3"):
         Engine(_cfg(tiny_dir, tmp_path, "engine.pipeline_stages=3"))
 
@@ -187,8 +205,14 @@ needs_exact_peaks = pytest.mark.skipif(
 def _budget_cfg(tiny_dir: Path, jct_dir: Path, *overrides: str):
     """128 tokens at most: a forward's peak stays small beside a stage's weights (the kernel is
     named: `auto` measures shapes of 160 tokens and more)."""
-    return _cfg(tiny_dir, jct_dir, "model.max_model_len=128", "scheduler.profile_tokens=[64, 128]",
-                "attention.kernel=flash", *overrides)  # fmt: skip
+    return _cfg(
+        tiny_dir,
+        jct_dir,
+        "model.max_model_len=128",
+        "scheduler.profile_tokens=[64, 128]",
+        "attention.kernel=flash",
+        *overrides,
+    )
 
 
 @needs_exact_peaks
@@ -197,9 +221,12 @@ def test_a_model_over_one_budget_serves_on_two_stages_as_one_process(tiny_dir: P
     refused = rf"max_model_len 128 does not fit engine.memory_budget_bytes {BUDGET}: weights \+ one forward peak at"
     with pytest.raises(EngineStartError, match=refused + r" \d+ bytes, \d+ bytes over"):
         Engine(_budget_cfg(tiny_dir, tmp_path, budget))
-    with Engine(_budget_cfg(tiny_dir, tmp_path)) as one, Engine(
-        _budget_cfg(tiny_dir, tmp_path, budget, "engine.pipeline_stages=2", "engine.threads_per_stage=1")
-    ) as two:  # `two` profiles its JCT model through its stages
+    with (
+        Engine(_budget_cfg(tiny_dir, tmp_path)) as one,
+        Engine(
+            _budget_cfg(tiny_dir, tmp_path, budget, "engine.pipeline_stages=2", "engine.threads_per_stage=1")
+        ) as two,
+    ):  # `two` profiles its JCT model through its stages
         runner = two.runner
         assert isinstance(runner, PipelineRunner)
         assert all(p.is_meta for p in two.model.parameters())  # the coordinator holds no weights
@@ -219,20 +246,30 @@ def test_a_model_over_one_budget_serves_on_two_stages_as_one_process(tiny_dir: P
 
 @needs_exact_peaks
 def test_a_budget_too_small_for_the_stages_fails_the_start_naming_them(tiny_dir: Path, tmp_path: Path) -> None:
-    cfg = _budget_cfg(tiny_dir, tmp_path, "engine.memory_budget_bytes=600000", "engine.pipeline_stages=2",
-                      "engine.threads_per_stage=1")  # fmt: skip
+    cfg = _budget_cfg(
+        tiny_dir,
+        tmp_path,
+        "engine.memory_budget_bytes=600000",
+        "engine.pipeline_stages=2",
+        "engine.threads_per_stage=1",
+    )
     with pytest.raises(EngineStartError) as failed:
         Engine(cfg)
     message = str(failed.value)
     assert message.startswith("model.max_model_len 128 does not fit engine.memory_budget_bytes 600000 (each stage's)")
     for stage in (0, 1):  # each holds over 700000 bytes of weights
-        assert re.search(rf"stage {stage} \(layers {stage}-{stage}\): weights 7\d{{5}} bytes, with one 128-token "
-                         r"forward \d+ bytes at the peak, \d+ bytes over", message)  # fmt: skip
+        assert re.search(
+            rf"stage {stage} \(layers {stage}-{stage}\): weights 7\d{{5}} bytes, with one 128-token "
+            r"forward \d+ bytes at the peak, \d+ bytes over",
+            message,
+        )
 
 
 def test_pools_get_the_blocks_the_tightest_stage_has_room_for() -> None:
-    specs = [StageSpec(s, 3, layers, "", "float32", "float32", "cpu", "masked", 16, 128, 1, "", "hybrid", 1024)
-             for s, layers in enumerate(stage_layers(5, 3))]  # layers 0-1, 2-3, 4  # fmt: skip
+    specs = [
+        StageSpec(s, 3, layers, "", "float32", "float32", "cpu", "masked", 16, 128, 1, "", "hybrid", 1024)
+        for s, layers in enumerate(stage_layers(5, 3))
+    ]  # layers 0-1, 2-3, 4
     loaded = [StageLoaded(0, 500, 600, 20), StageLoaded(1, 300, 450, 20), StageLoaded(2, 550, 700, 10)]
     assert pool_blocks(specs, loaded, 1000, 0) == 20  # rooms of 20, 27 and 30 blocks
     assert pool_blocks(specs, loaded, 0, 1000) == 20  # no budget: 1000 bytes at 50 bytes a block over the stages

@@ -34,8 +34,16 @@ def test_largest_feasible_is_the_largest_block_multiple_a_monotone_predicate_all
 def test_piece_seconds_is_monotone_in_tokens_whatever_the_fit(seed: int) -> None:
     """The binary search needs it: fits with negative per-token or attention terms included."""
     rng = random.Random(seed)
-    jct = JCTModel([rng.uniform(-0.1, 0.1), rng.uniform(-1e-3, 1e-3), rng.uniform(-1e-7, 1e-7),
-                    rng.uniform(-1e-4, 1e-4), rng.uniform(-1e-4, 1e-4), 0.0])  # fmt: skip
+    jct = JCTModel(
+        [
+            rng.uniform(-0.1, 0.1),
+            rng.uniform(-1e-3, 1e-3),
+            rng.uniform(-1e-7, 1e-7),
+            rng.uniform(-1e-4, 1e-4),
+            rng.uniform(-1e-4, 1e-4),
+            0.0,
+        ]
+    )
     split = HitSplit(rng.randrange(0, 4) * 256, rng.randrange(0, 4) * 256, 8192)
     times = [jct.piece_seconds(split, p) for p in range(0, 8193, 64)]
     assert all(a <= b for a, b in zip(times, times[1:], strict=False))

@@ -20,8 +20,15 @@ MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0, 0.0])  # a job costs 1 ms p
 
 
 def _engine(tiny_dir: Path, tmp_path: Path, *overrides: str, jct: JCTModel = MS_PER_MISSED_TOKEN) -> Engine:
-    cfg = load_config(None, [f"model.path={tiny_dir}", f"cache.block_tokens={BT}",
-                             f"scheduler.profile_cache_dir={tmp_path / 'jct'}", *overrides])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_dir}",
+            f"cache.block_tokens={BT}",
+            f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
+            *overrides,
+        ],
+    )
     return Engine(cfg, jct_model=JCTModel(list(jct.coefficients)))
 
 
@@ -40,8 +47,15 @@ def _figure5(tiny_dir: Path, tmp_path: Path, policy: str) -> int:
     probe = _engine(tiny_dir, tmp_path, "cache.suffix=discard", "cache.device_tier_bytes=0")
     block_bytes = _kv_bytes_per_block(probe)
     probe.close()
-    engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard", f"cache.device_tier_bytes={4 * block_bytes}",
-                     f"scheduler.policy={policy}", "scheduler.fairness=0", "scheduler.max_batch_tokens=0")  # fmt: skip
+    engine = _engine(
+        tiny_dir,
+        tmp_path,
+        "cache.suffix=discard",
+        f"cache.device_tier_bytes={4 * block_bytes}",
+        f"scheduler.policy={policy}",
+        "scheduler.fairness=0",
+        "scheduler.max_batch_tokens=0",
+    )
     for ids in (a, b, c, d):  # all arrive at once, in this order
         engine.submit(ids)
     results = engine.run()

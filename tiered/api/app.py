@@ -55,8 +55,12 @@ def build_app(
     engine: Client = client if client is not None else EngineClient(config)
 
     def counters() -> dict[str, int]:
-        c = {"waiting": len(engine.pending), "timed_out": engine.timed_out, "cancelled": engine.cancelled,
-             "restarts": engine.restarts}  # fmt: skip
+        c = {
+            "waiting": len(engine.pending),
+            "timed_out": engine.timed_out,
+            "cancelled": engine.cancelled,
+            "restarts": engine.restarts,
+        }
         replicas = getattr(engine, "num_replicas", None)  # replicas on Ray Serve (tiered.cluster)
         if replicas is not None:
             c["replicas"] = replicas
@@ -73,10 +77,21 @@ def build_app(
         engine.stop()
 
     app = FastAPI(title="tiered", version=__version__, lifespan=lifespan)
-    app.state.serving = Serving(config, tokenizer, engine, metrics, served, alias=Path(folder).name,
-                                return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=config.server.max_body_bytes,
-                       metrics_require_key=config.server.metrics_require_key)  # fmt: skip
+    app.state.serving = Serving(
+        config,
+        tokenizer,
+        engine,
+        metrics,
+        served,
+        alias=Path(folder).name,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
+    )
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=config.server.max_body_bytes,
+        metrics_require_key=config.server.metrics_require_key,
+    )
     install_handlers(app)
     for router in (metadata.router, completions.router, scoring.router):
         app.include_router(router)

@@ -17,8 +17,14 @@ from tiered.config import Config, ConfigError
 API_KEY_VARIABLES = ("TIERED_API_KEY", "VLLM_API_KEY")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # vLLM's --dtype names -> ours ("auto": per machine, see tiered/hybrid/precision.py).
-DTYPE_NAMES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
-               "float16": "float16", "half": "float16"}  # fmt: skip
+DTYPE_NAMES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -50,30 +56,55 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     g = serve.add_argument_group("serving (vLLM's flags; each sets the config key named in its help)")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/... and /generative_scoring (and /metrics with "
-                   "server.metrics_require_key); /health, /version, /tokenize, /detokenize stay open; default: "
-                   f"${API_KEY_VARIABLES[0]}, else ${API_KEY_VARIABLES[1]} (the environment keeps the key out of "
-                   "`ps`)")  # fmt: skip
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the base model's ids: the first is reported in responses, /v1/models and metrics, all are "
-                   "accepted (default: the model argument as given, e.g. /path/to/model or embedded:tiny; the "
-                   "folder's name is accepted too)")  # fmt: skip
-    g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
-                   help="write every token in logprobs as 'token_id:<id>' (a request's return_tokens_as_token_ids "
-                   "wins)")  # fmt: skip
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/... and /generative_scoring (and /metrics with "
+        "server.metrics_require_key); /health, /version, /tokenize, /detokenize stay open; default: "
+        f"${API_KEY_VARIABLES[0]}, else ${API_KEY_VARIABLES[1]} (the environment keeps the key out of "
+        "`ps`)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the base model's ids: the first is reported in responses, /v1/models and metrics, all are "
+        "accepted (default: the model argument as given, e.g. /path/to/model or embedded:tiny; the "
+        "folder's name is accepted too)",
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="write every token in logprobs as 'token_id:<id>' (a request's return_tokens_as_token_ids wins)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens (model.max_model_len)")
-    g.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES),
-                   help="compute precision (model.dtype; default: the config's, itself auto). auto: the "
-                   "checkpoint's dtype where the device computes it natively (CUDA; avx512_bf16 / amx_bf16 "
-                   "CPUs for bf16), else float32; the choice is logged and shown in /v1/models")  # fmt: skip
-    g.add_argument("--kv-cache-dtype", default=None, choices=list(DTYPE_NAMES),
-                   help="precision of the KV kept in both tiers (cache.kv_dtype; auto: the compute dtype; "
-                   "bfloat16 under fp32 compute holds twice the tokens)")  # fmt: skip
-    g.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV block = LMCache chunk (cache.block_tokens)")  # fmt: skip
-    g.add_argument("--kv-offloading-size", type=_positive_float, default=None, metavar="GIB",
-                   help="host tier size in GiB (cache.host.lmcache.max_local_cpu_size)")  # fmt: skip
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=list(DTYPE_NAMES),
+        help="compute precision (model.dtype; default: the config's, itself auto). auto: the "
+        "checkpoint's dtype where the device computes it natively (CUDA; avx512_bf16 / amx_bf16 "
+        "CPUs for bf16), else float32; the choice is logged and shown in /v1/models",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=list(DTYPE_NAMES),
+        help="precision of the KV kept in both tiers (cache.kv_dtype; auto: the compute dtype; "
+        "bfloat16 under fp32 compute holds twice the tokens)",
+    )
+    g.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block = LMCache chunk (cache.block_tokens)"
+    )
+    g.add_argument(
+        "--kv-offloading-size",
+        type=_positive_float,
+        default=None,
+        metavar="GIB",
+        help="host tier size in GiB (cache.host.lmcache.max_local_cpu_size)",
+    )
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -82,9 +113,11 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "(cache.retention=none) and has no host tier (cache.suffix=discard, cache.host.enabled=false)",
     )
     add_pipeline_args(g)
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, as a file or inline (default: the tokenizer's, else a documented "
-                   "role-tagged one)")  # fmt: skip
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, as a file or inline (default: the tokenizer's, else a documented role-tagged one)",
+    )
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS, help="uvicorn's log level")
     lora = serve.add_argument_group(
         "LoRA adapters (vLLM's flags; lora.* in the config)",
@@ -93,17 +126,23 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "model and the adapters; an unknown model is a 404.",
     )
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (lora.enabled)")
-    lora.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
-                      help='adapters in PEFT format (adapter_config.json + adapter_model.safetensors), as NAME=PATH '
-                      'or \'{"name": NAME, "path": PATH}\'; they replace lora.modules of the YAML')  # fmt: skip
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        metavar="NAME=PATH",
+        help="adapters in PEFT format (adapter_config.json + adapter_model.safetensors), as NAME=PATH "
+        'or \'{"name": NAME, "path": PATH}\'; they replace lora.modules of the YAML',
+    )
     lora.add_argument(
         "--max-loras",
         type=int,
         default=None,
         help="adapters resident at once, least recently used dropped (lora.max_loras, default 8)",
     )
-    lora.add_argument("--max-lora-rank", type=int, default=None,
-                      help="largest adapter rank accepted (lora.max_lora_rank, default 16)")  # fmt: skip
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (lora.max_lora_rank, default 16)"
+    )
     cluster = serve.add_argument_group(
         "replicas on Ray Serve (cluster.* in the config; needs the `ray` extra)",
         "N engine replicas behind one ingress with the same routes, errors and metrics; a call's prompts go "
@@ -113,12 +152,19 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "finds their KV. Ray binds the machine's address: on a machine that must stay on loopback, run this "
         "inside a network namespace (README).",
     )
-    cluster.add_argument("--replicas", type=int, default=None, metavar="N",
-                         help="engine replicas on Ray Serve (cluster.replicas; 1 without --ray-address: "
-                         "no Ray)")  # fmt: skip
-    cluster.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                         help="Ray cluster to deploy to: auto, ray://HOST:PORT (cluster.address; default: start a "
-                         "local one)")  # fmt: skip
+    cluster.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="engine replicas on Ray Serve (cluster.replicas; 1 without --ray-address: no Ray)",
+    )
+    cluster.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="Ray cluster to deploy to: auto, ray://HOST:PORT (cluster.address; default: start a local one)",
+    )
 
 
 def serve_overrides(args: argparse.Namespace) -> list[str]:

@@ -61,8 +61,11 @@ async def wait_answers(
             raise ClientGone
         if time.monotonic() >= deadline:
             client.timed_out += n
-            raise APIError(504, f"the request did not finish within server.request_timeout_s={timeout:g} s; "
-                           "it was cancelled", type_="timeout")  # fmt: skip
+            raise APIError(
+                504,
+                f"the request did not finish within server.request_timeout_s={timeout:g} s; it was cancelled",
+                type_="timeout",
+            )
 
 
 class EngineClient:
@@ -100,9 +103,11 @@ class EngineClient:
         # A daemonic process may not start children, and with pipeline stages the engine starts them;
         # `stop` ends it either way, and it exits by itself once the API process is gone.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=serve_engine, args=(config, *self._addrs), name="tiered-engine",
+            target=serve_engine,
+            args=(config, *self._addrs),
+            name="tiered-engine",
             daemon=config.engine.pipeline_stages == 1,
-        )  # fmt: skip
+        )
         self.process.start()
 
     async def _wait_ready(self) -> None:
@@ -226,8 +231,9 @@ class EngineClient:
             await self.requests.send(encode(command))
             return await asyncio.wait_for(future, 60)
         except TimeoutError:
-            raise APIError(504, f"the engine did not answer the adapter command for '{name}' in 60 s",
-                           type_="timeout") from None  # fmt: skip
+            raise APIError(
+                504, f"the engine did not answer the adapter command for '{name}' in 60 s", type_="timeout"
+            ) from None
         finally:
             self.pending.pop(command.request_id, None)
 

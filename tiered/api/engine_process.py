@@ -101,8 +101,15 @@ def _host_counters(engine: Engine) -> HostCounters | None:
     if engine.tiers.host_tier is None:
         return None
     h = engine.tiers.host_tier.stats()
-    return HostCounters(h.num_loaded_bytes, h.load_seconds, h.num_stored_bytes, h.store_seconds,
-                        h.store_thread_cpu_seconds, h.num_dropped_chunks, h.num_pending_stores)  # fmt: skip
+    return HostCounters(
+        h.num_loaded_bytes,
+        h.load_seconds,
+        h.num_stored_bytes,
+        h.store_seconds,
+        h.store_thread_cpu_seconds,
+        h.num_dropped_chunks,
+        h.num_pending_stores,
+    )
 
 
 def _stats(engine: Engine) -> EngineStats:
@@ -119,8 +126,12 @@ def _stats(engine: Engine) -> EngineStats:
         num_waiting=engine.num_waiting,
         adapters=(adapters.num_resident, adapters.num_loads) if adapters is not None else None,
         lmcache_metrics=lmcache_metrics() if host is not None else "",
-        pieces=PieceCounters(engine.pieces.num_pieces, engine.pieces.num_deferrals,
-                             engine.pieces.parked_device_bytes, engine.pieces.parked_host_bytes),  # fmt: skip
+        pieces=PieceCounters(
+            engine.pieces.num_pieces,
+            engine.pieces.num_deferrals,
+            engine.pieces.parked_device_bytes,
+            engine.pieces.parked_host_bytes,
+        ),
     )
 
 
@@ -173,8 +184,16 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel | AdapterCommand, res
     try:
         now = time.monotonic()  # the API's receipt on this process's clock (the same machine or NTP)
         arrival = None if req.arrival_unix is None else now - min(max(0.0, time.time() - req.arrival_unix), 3600.0)
-        engine.submit(req.token_ids, params, req.request_id, priority=req.priority, cache_salt=req.cache_salt,
-                      adapter=req.lora_name, slo_ms=req.slo_ms, arrival=arrival)  # fmt: skip
+        engine.submit(
+            req.token_ids,
+            params,
+            req.request_id,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            adapter=req.lora_name,
+            slo_ms=req.slo_ms,
+            arrival=arrival,
+        )
     except ForwardInputError as exc:
         status = getattr(exc, "status", 400)  # 404: an unknown adapter
         responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc), error_status=status)))

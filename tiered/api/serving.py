@@ -49,8 +49,12 @@ class Client(Protocol):
 def refuse_stream(stream: bool | None) -> None:
     """Streaming is refused, not faked: an answer is one token, computed in one forward."""
     if stream:
-        raise APIError(400, "stream=true is not supported: this engine serves prefill-only requests, whose one "
-                       "output token comes in one response; send stream=false", "stream")  # fmt: skip
+        raise APIError(
+            400,
+            "stream=true is not supported: this engine serves prefill-only requests, whose one "
+            "output token comes in one response; send stream=false",
+            "stream",
+        )
 
 
 def response_id(prefix: str, request: Request) -> str:
@@ -65,9 +69,15 @@ class Serving:
     `return_tokens_as_token_ids`: the server's default for the request field of that name."""
 
     def __init__(
-        self, config: Config, tokenizer: Any, client: Client, metrics: Metrics, served_names: Sequence[str],
-        alias: str | None = None, return_tokens_as_token_ids: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        config: Config,
+        tokenizer: Any,
+        client: Client,
+        metrics: Metrics,
+        served_names: Sequence[str],
+        alias: str | None = None,
+        return_tokens_as_token_ids: bool = False,
+    ) -> None:
         if not served_names:
             raise ValueError("the base model needs at least one served name")
         self.config, self.tokenizer, self.client, self.metrics = config, tokenizer, client, metrics
@@ -104,8 +114,9 @@ class Serving:
 
     def check_serving(self) -> None:
         if not self.client.alive:
-            raise APIError(503, "the engine is not serving (starting or restarting); retry shortly",
-                           type_="service_unavailable")  # fmt: skip
+            raise APIError(
+                503, "the engine is not serving (starting or restarting); retry shortly", type_="service_unavailable"
+            )
 
     # ---- tokenizing ------------------------------------------------------------------------
 
@@ -125,8 +136,7 @@ class Serving:
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                      tokenize=False)  # fmt: skip
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
             return list(self.tokenizer.encode(text, add_special_tokens=special))
         except Exception as exc:  # noqa: BLE001 - a malformed message is the client's error
             raise APIError(400, f"messages could not be rendered: {exc}", "messages") from None
@@ -178,8 +188,19 @@ class Serving:
             except InputError as exc:
                 raise APIError(400, str(exc), param) from None
         return [
-            ScoreRequest(uuid.uuid4().hex, ids, wanted, top, allowed, bias, body.priority, body.cache_salt, adapter,
-                         body.slo_ms, received)  # fmt: skip
+            ScoreRequest(
+                uuid.uuid4().hex,
+                ids,
+                wanted,
+                top,
+                allowed,
+                bias,
+                body.priority,
+                body.cache_salt,
+                adapter,
+                body.slo_ms,
+                received,
+            )
             for ids in prompts
         ]
 
@@ -189,8 +210,7 @@ class Serving:
         """Send requests together (the scheduler sees them all); refuse them all if the queue is full."""
         if self.client.full(len(reqs)):
             limit = self.config.scheduler.max_waiting * self.config.cluster.replicas  # per engine, summed
-            raise APIError(429, f"the queue is full ({limit} requests); retry later",
-                           type_="rate_limit_exceeded")  # fmt: skip
+            raise APIError(429, f"the queue is full ({limit} requests); retry later", type_="rate_limit_exceeded")
         start = time.monotonic()
         outs = await self.client.run(reqs, request.is_disconnected)
         label = reqs[0].lora_name or self.model_name  # the base model or the adapter (metrics' model_name)
@@ -258,7 +278,8 @@ def usage(outs: list[ScoreResponse]) -> dict[str, Any]:
             # forwards the prompts' new tokens took (more than one each: a prefill that yielded)
             "num_pieces": sum(o.num_pieces for o in outs),
             # every prompt answered by its deadline (null: no latency objective)
-            "deadline_met": None if all(o.deadline_met is None for o in outs)
+            "deadline_met": None
+            if all(o.deadline_met is None for o in outs)
             else all(o.deadline_met is not False for o in outs),
         },
     }

@@ -95,16 +95,31 @@ def run_batch_bench(
     visit = _visit(model, GatheredPrefix(kv), num_requests, new_tokens, chunk_tokens, repeats, rate, g)
     attn = _attention_of_one_layer(model, kv[0], num_requests, new_tokens, repeats, rate, g)
     hit = _hit_saving(model, profile, GatheredPrefix(kv), hit_new_tokens, repeats, g)
-    return write_report(json_path, "batch", device, {
-        "model": model_dir, "dtype": dtype, "matmul_flops_per_s": rate, "visit": asdict(visit),
-        "attention": asdict(attn), "hit_saving": asdict(hit),
-    })  # fmt: skip
+    return write_report(
+        json_path,
+        "batch",
+        device,
+        {
+            "model": model_dir,
+            "dtype": dtype,
+            "matmul_flops_per_s": rate,
+            "visit": asdict(visit),
+            "attention": asdict(attn),
+            "hit_saving": asdict(hit),
+        },
+    )
 
 
 def _visit(
-    model: CausalLM, prefix: GatheredPrefix, num_requests: int, new_tokens: int, chunk_tokens: int, repeats: int,
-    rate: float, g: torch.Generator,
-) -> VisitResult:  # fmt: skip
+    model: CausalLM,
+    prefix: GatheredPrefix,
+    num_requests: int,
+    new_tokens: int,
+    chunk_tokens: int,
+    repeats: int,
+    rate: float,
+    g: torch.Generator,
+) -> VisitResult:
     """A visit's requests on one cached prefix: one per forward against one batched forward."""
     a = model.args
     prefix_tokens = prefix.num_tokens
@@ -123,21 +138,39 @@ def _visit(
     for _ in range(repeats):  # interleaved, so drift hits both sides alike
         for name, fn in (("single", single), ("batched", batched)):
             times[name] = min(times[name], _best(fn, 1))
-    visit = VisitResult(num_requests, new_tokens, prefix_tokens, times["single"], times["batched"],
-                        times["single"] / times["batched"], flops / times["single"] / rate,
-                        flops / times["batched"] / rate)  # fmt: skip
+    visit = VisitResult(
+        num_requests,
+        new_tokens,
+        prefix_tokens,
+        times["single"],
+        times["batched"],
+        times["single"] / times["batched"],
+        flops / times["single"] / rate,
+        flops / times["batched"] / rate,
+    )
     log.info(
         "visit: %d x %d new on %d cached: one per forward %.3f s, batched %.3f s (%.2fx); %.0f%% / %.0f%% of matmul",
-        num_requests, new_tokens, prefix_tokens, visit.single_seconds, visit.batched_seconds, visit.speedup,
-        100 * visit.single_fraction_of_matmul, 100 * visit.batched_fraction_of_matmul,
-    )  # fmt: skip
+        num_requests,
+        new_tokens,
+        prefix_tokens,
+        visit.single_seconds,
+        visit.batched_seconds,
+        visit.speedup,
+        100 * visit.single_fraction_of_matmul,
+        100 * visit.batched_fraction_of_matmul,
+    )
     return visit
 
 
 def _attention_of_one_layer(
-    model: CausalLM, layer_kv: tuple[torch.Tensor, torch.Tensor], num_requests: int, new_tokens: int, repeats: int,
-    rate: float, g: torch.Generator,
-) -> AttentionResult:  # fmt: skip
+    model: CausalLM,
+    layer_kv: tuple[torch.Tensor, torch.Tensor],
+    num_requests: int,
+    new_tokens: int,
+    repeats: int,
+    rate: float,
+    g: torch.Generator,
+) -> AttentionResult:
     """The attention of one layer alone, as the batched forward calls it: the visit's queries
     against the shared prefix in one call, then each request's own tokens (causal)."""
     a = model.args
@@ -154,15 +187,23 @@ def _attention_of_one_layer(
     attn = AttentionResult(queries, prefix_tokens, seconds, attn_flops / seconds, attn_flops / seconds / rate)
     log.info(
         "attention of one layer: %d queries on %d cached keys: %.1f ms, %.0f GFLOP/s (%.0f%% of matmul)",
-        queries, prefix_tokens, 1e3 * seconds, attn.flops_per_s / 1e9, 100 * attn.fraction_of_matmul,
-    )  # fmt: skip
+        queries,
+        prefix_tokens,
+        1e3 * seconds,
+        attn.flops_per_s / 1e9,
+        100 * attn.fraction_of_matmul,
+    )
     return attn
 
 
 def _hit_saving(
-    model: CausalLM, profile: torch.Tensor, prefix: GatheredPrefix, hit_new_tokens: int, repeats: int,
+    model: CausalLM,
+    profile: torch.Tensor,
+    prefix: GatheredPrefix,
+    hit_new_tokens: int,
+    repeats: int,
     g: torch.Generator,
-) -> HitSavingResult:  # fmt: skip
+) -> HitSavingResult:
     """New tokens on the cached prefix against recomputing prefix and new tokens: what a hit saves."""
     a = model.args
     prefix_tokens = profile.numel()
@@ -173,10 +214,21 @@ def _hit_saving(
         hit_times["prefix"] = min(hit_times["prefix"], _best(lambda: forward(model, new, prefix_kv=prefix), 1))
         hit_times["recompute"] = min(hit_times["recompute"], _best(lambda: forward(model, whole), 1))
     ideal = forward_flops(a, prefix_tokens + hit_new_tokens) / forward_flops(a, hit_new_tokens, prefix_tokens)
-    hit = HitSavingResult(hit_new_tokens, prefix_tokens, hit_times["prefix"], hit_times["recompute"],
-                          hit_times["recompute"] / hit_times["prefix"], ideal)  # fmt: skip
+    hit = HitSavingResult(
+        hit_new_tokens,
+        prefix_tokens,
+        hit_times["prefix"],
+        hit_times["recompute"],
+        hit_times["recompute"] / hit_times["prefix"],
+        ideal,
+    )
     log.info(
         "hit saving: %d new on %d cached %.3f s vs recompute %.3f s: %.2fx (FLOPs alone: %.2fx)",
-        hit_new_tokens, prefix_tokens, hit.with_prefix_seconds, hit.recompute_seconds, hit.saving, ideal,
-    )  # fmt: skip
+        hit_new_tokens,
+        prefix_tokens,
+        hit.with_prefix_seconds,
+        hit.recompute_seconds,
+        hit.saving,
+        ideal,
+    )
     return hit

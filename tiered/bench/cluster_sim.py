@@ -119,9 +119,14 @@ def arrivals(qps: float, visits: int, users: int, zipf: float, seed: int = 0) ->
 
 
 def simulate(
-    cluster: Cluster, costs: Costs, sizes: list[int], visits: list[tuple[float, int]], posts: int = 8,
-    post_tokens: int = 170, warmup: float = 0.3,
-) -> Outcome:  # fmt: skip
+    cluster: Cluster,
+    costs: Costs,
+    sizes: list[int],
+    visits: list[tuple[float, int]],
+    posts: int = 8,
+    post_tokens: int = 170,
+    warmup: float = 0.3,
+) -> Outcome:
     """Run the visits through the cluster; statistics over the visits after the first `warmup` share."""
     n = cluster.replicas
     names = [f"r{i}" for i in range(n)]
@@ -172,8 +177,7 @@ def simulate(
             user = visits[visit][1]
             tokens = float(sizes[user] + posts * post_tokens)
             if ring is not None:
-                name = bounded_choice(ring, user_key(str(user)), loads, tokens, cluster.load_factor,
-                                      total_load)  # fmt: skip
+                name = bounded_choice(ring, user_key(str(user)), loads, tokens, cluster.load_factor, total_load)
                 r = int(name[1:])
             else:
                 r, rr = rr, (rr + 1) % n
@@ -195,8 +199,15 @@ def simulate(
             if queues[r]:
                 start(r, now)
     span = max(last_finish - span_start, 1e-9)
-    return _outcome(latencies, where_count, len(visits) / visits[-1][0], span, read * costs.kv_bytes_per_token,
-                    written * costs.kv_bytes_per_token, max(busy_time))  # fmt: skip
+    return _outcome(
+        latencies,
+        where_count,
+        len(visits) / visits[-1][0],
+        span,
+        read * costs.kv_bytes_per_token,
+        written * costs.kv_bytes_per_token,
+        max(busy_time),
+    )
 
 
 class _Link:
@@ -215,25 +226,41 @@ class _Link:
 
 
 def _outcome(
-    latencies: list[float], where_count: dict[str, int], qps: float, span: float, read_bytes: float,
-    written_bytes: float, busiest_seconds: float,
-) -> Outcome:  # fmt: skip
+    latencies: list[float],
+    where_count: dict[str, int],
+    qps: float,
+    span: float,
+    read_bytes: float,
+    written_bytes: float,
+    busiest_seconds: float,
+) -> Outcome:
     measured = len(latencies)
     latencies = sorted(latencies)
     return Outcome(
-        visits=measured, qps=qps, throughput=measured / span,
+        visits=measured,
+        qps=qps,
+        throughput=measured / span,
         p50=latencies[measured // 2] if latencies else math.nan,
         p99=latencies[min(measured - 1, int(0.99 * measured))] if latencies else math.nan,
-        local=where_count["local"] / max(1, measured), remote=where_count["remote"] / max(1, measured),
-        miss=where_count["miss"] / max(1, measured), redis_read_bps=read_bytes / span,
-        redis_write_bps=written_bytes / span, busiest=busiest_seconds / span,
-    )  # fmt: skip
+        local=where_count["local"] / max(1, measured),
+        remote=where_count["remote"] / max(1, measured),
+        miss=where_count["miss"] / max(1, measured),
+        redis_read_bps=read_bytes / span,
+        redis_write_bps=written_bytes / span,
+        busiest=busiest_seconds / span,
+    )
 
 
 def max_qps(
-    cluster: Cluster, costs: Costs, sizes: list[int], slo_p99: float, zipf: float, visits: int, seed: int = 0,
+    cluster: Cluster,
+    costs: Costs,
+    sizes: list[int],
+    slo_p99: float,
+    zipf: float,
+    visits: int,
+    seed: int = 0,
     posts: int = 8,
-) -> tuple[float, Outcome]:  # fmt: skip
+) -> tuple[float, Outcome]:
     """The highest offered QPS whose P99 stays within `slo_p99` (bisection on the offered rate),
     and the outcome there."""
     mean_local = sum(costs.seconds("local", s) for s in sizes) / len(sizes)

@@ -18,9 +18,12 @@ def _add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None
     """--model, --models-dir, --dtype, --device: what a benchmark that loads one model takes."""
     parser.add_argument("--model", default=default_model, help="HF checkpoint folder or embedded:NAME")
     parser.add_argument("--models-dir", default=".models", help="where embedded:NAME models are made")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="compute precision (auto: the checkpoint's dtype where this machine computes it "
-                        "natively, else float32)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute precision (auto: the checkpoint's dtype where this machine computes it natively, else float32)",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
 
 
@@ -63,8 +66,18 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
     folder = resolve_model_path(args.model, args.models_dir)
     dtype = _compute_dtype(args, folder)
-    run_batch_bench(str(folder), dtype, resolve_device(args.device), args.json, args.requests, args.new_tokens,
-                    args.prefix_tokens, args.hit_new_tokens, args.chunk_tokens, args.repeats)  # fmt: skip
+    run_batch_bench(
+        str(folder),
+        dtype,
+        resolve_device(args.device),
+        args.json,
+        args.requests,
+        args.new_tokens,
+        args.prefix_tokens,
+        args.hit_new_tokens,
+        args.chunk_tokens,
+        args.repeats,
+    )
     return 0
 
 
@@ -74,10 +87,21 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
     folder = resolve_model_path(args.model, args.models_dir)
     longest = max(*args.lengths, args.profile_tokens + args.post_tokens) + 1
-    cfg = bench_config(str(folder), _compute_dtype(args, folder), resolve_device(args.device), args.block_tokens,
-                       longest)  # fmt: skip
-    run_tiers_bench(cfg, args.lengths, args.users, args.profile_tokens, args.post_tokens, args.rounds,
-                    args.device_fraction, args.repeats, args.json, args.sequence_repeats)  # fmt: skip
+    cfg = bench_config(
+        str(folder), _compute_dtype(args, folder), resolve_device(args.device), args.block_tokens, longest
+    )
+    run_tiers_bench(
+        cfg,
+        args.lengths,
+        args.users,
+        args.profile_tokens,
+        args.post_tokens,
+        args.rounds,
+        args.device_fraction,
+        args.repeats,
+        args.json,
+        args.sequence_repeats,
+    )
     return 0
 
 
@@ -86,9 +110,19 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     run_policies_bench(
-        cfg, args.policies, args.users, args.posts, args.profile_mean, args.profile_sd, args.post_tokens,
-        args.device_fraction, args.depths, args.repeats, args.load, args.json,
-    )  # fmt: skip
+        cfg,
+        args.policies,
+        args.users,
+        args.posts,
+        args.profile_mean,
+        args.profile_sd,
+        args.post_tokens,
+        args.device_fraction,
+        args.depths,
+        args.repeats,
+        args.load,
+        args.json,
+    )
     return 0
 
 
@@ -100,8 +134,13 @@ def _trace_from_args(args: argparse.Namespace, cfg: Config) -> Trace:
         return traces.Trace.read(args.trace)
     vocab = traces.ordinary_token_ids(resolve_model_path(cfg.model.path, cfg.model.models_dir))
     common = {"scale": args.scale, "seed": args.seed}
-    profile = {"profile_mean": args.profile_mean, "profile_sd": args.profile_sd, "profile_min": args.profile_min,
-               "profile_max": args.profile_max, "post_tokens": args.post_tokens}  # fmt: skip
+    profile = {
+        "profile_mean": args.profile_mean,
+        "profile_sd": args.profile_sd,
+        "profile_min": args.profile_min,
+        "profile_max": args.profile_max,
+        "post_tokens": args.post_tokens,
+    }
     if args.kind == "post_recommendation":
         return traces.post_recommendation(vocab, args.users, args.posts, **profile, **common)
     if args.kind == "revisit":
@@ -125,8 +164,20 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     trace = _trace_from_args(args, cfg)
     out_dir = Path(args.plots or "benchmarks/out/load")
-    doc = run_load_bench(cfg, trace, args.systems, args.multiples, args.device_fraction, args.vllm_python,
-                         args.slo_p99, args.slo_mean, args.seed, args.json, out_dir, args.repeats)  # fmt: skip
+    doc = run_load_bench(
+        cfg,
+        trace,
+        args.systems,
+        args.multiples,
+        args.device_fraction,
+        args.vllm_python,
+        args.slo_p99,
+        args.slo_mean,
+        args.seed,
+        args.json,
+        out_dir,
+        args.repeats,
+    )
     for path in plot_load(doc, out_dir):
         print(f"wrote {path}")
     return 0
@@ -144,11 +195,22 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     from tiered.bench.soak import run_soak
     from tiered.config import with_overrides
 
-    pressure = [f"cache.device_tier_bytes={args.device_tier_bytes}", f"cache.block_tokens={args.block_tokens}",
-                f"cache.host.lmcache={{max_local_cpu_size: {args.host_tier_gb}}}"]  # fmt: skip
+    pressure = [
+        f"cache.device_tier_bytes={args.device_tier_bytes}",
+        f"cache.block_tokens={args.block_tokens}",
+        f"cache.host.lmcache={{max_local_cpu_size: {args.host_tier_gb}}}",
+    ]
     cfg = with_overrides(config_from_args(args), pressure)
-    report = run_soak(cfg, args.minutes, args.concurrency, args.invalid_fraction, args.users, args.profile_tokens,
-                      Path(args.out_dir), args.json)  # fmt: skip
+    report = run_soak(
+        cfg,
+        args.minutes,
+        args.concurrency,
+        args.invalid_fraction,
+        args.users,
+        args.profile_tokens,
+        Path(args.out_dir),
+        args.json,
+    )
     ok = report["exactly_once"] and report["server_errors_5xx"] == 0 and report["idle_pinned_blocks"] == 0
     ok = ok and report["rss_ok"] and not report["valid_failures"]
     return 0 if ok else 1
@@ -188,12 +250,25 @@ def cmd_bench_mixed(args: argparse.Namespace) -> int:
     from tiered.bench.mixed_trace import MixedParams
     from tiered.bench.plots import plot_goodput
 
-    params = MixedParams(args.short_slo_ms, args.long_tokens, args.long_per_minute, args.long_slo_ms,
-                         None if args.calls is not None else args.minutes, args.calls, args.users, args.posts,
-                         args.profile_tokens, args.post_tokens, args.zipf, args.alone_repeats, args.seed)  # fmt: skip
+    params = MixedParams(
+        args.short_slo_ms,
+        args.long_tokens,
+        args.long_per_minute,
+        args.long_slo_ms,
+        None if args.calls is not None else args.minutes,
+        args.calls,
+        args.users,
+        args.posts,
+        args.profile_tokens,
+        args.post_tokens,
+        args.zipf,
+        args.alone_repeats,
+        args.seed,
+    )
     out_dir = Path(args.plots or "benchmarks/out/mixed")
-    doc = run_mixed_bench(config_from_args(args), params, args.systems, args.short_qps, args.vllm_python, args.json,
-                          out_dir, args.repeats)  # fmt: skip
+    doc = run_mixed_bench(
+        config_from_args(args), params, args.systems, args.short_qps, args.vllm_python, args.json, out_dir, args.repeats
+    )
     print(f"wrote {plot_goodput(doc, out_dir)}")
     return 0
 
@@ -205,8 +280,12 @@ def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
     if kind_positional:
         p.add_argument("kind", choices=kinds, help="which workload")
     else:
-        p.add_argument("--trace", default=None, help="a trace file written by `tiered bench trace` (else one is "
-                       "generated from --kind and the options below)")  # fmt: skip
+        p.add_argument(
+            "--trace",
+            default=None,
+            help="a trace file written by `tiered bench trace` (else one is "
+            "generated from --kind and the options below)",
+        )
         p.add_argument("--kind", choices=kinds, default="post_recommendation", help="workload to generate")
     g = p.add_argument_group("trace parameters (lengths in tokens, before --scale)")
     g.add_argument("--users", type=int, default=16, help="distinct users (profiles / credit histories)")
@@ -245,8 +324,15 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
 
     folder = resolve_model_path(args.model, args.models_dir)
     kernels = args.kernels.split(",") if args.kernels else None
-    run_attention_bench(str(folder), _compute_dtype(args, folder), resolve_device(args.device), kernels,
-                        args.max_tokens, args.json, args.vllm_library)  # fmt: skip
+    run_attention_bench(
+        str(folder),
+        _compute_dtype(args, folder),
+        resolve_device(args.device),
+        kernels,
+        args.max_tokens,
+        args.json,
+        args.vllm_library,
+    )
     return 0
 
 

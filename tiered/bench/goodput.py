@@ -79,13 +79,23 @@ def score_class(kind: str, calls: list[MixedCall], by_id: dict[str, Record], win
     latencies = [r.latency_seconds for r in records if r.error is None]
     good = sum(is_good(c, r) for c, r in zip(calls, records, strict=True))
     met = [None if r.deadline_met is None else int(r.deadline_met) for r in records]
-    return ClassScore(kind, len(calls), len(latencies), good, len(calls) / window_seconds, good / window_seconds,
-                      percentile(latencies, 0.5), percentile(latencies, 0.99), _reported(met),
-                      _reported([r.num_pieces for r in records]))  # fmt: skip
+    return ClassScore(
+        kind,
+        len(calls),
+        len(latencies),
+        good,
+        len(calls) / window_seconds,
+        good / window_seconds,
+        percentile(latencies, 0.5),
+        percentile(latencies, 0.99),
+        _reported(met),
+        _reported([r.num_pieces for r in records]),
+    )
 
 
-def score_run(system: str, trace: MixedTrace, records: list[Record], alone_seconds: float,
-              metrics: dict[str, float] | None = None) -> RunScore:  # fmt: skip
+def score_run(
+    system: str, trace: MixedTrace, records: list[Record], alone_seconds: float, metrics: dict[str, float] | None = None
+) -> RunScore:
     """Goodput per class and in all, the long calls' slowdowns; `records` one per call of the trace."""
     by_id = {r.request_id: r for r in records}
     w = trace.window_seconds
@@ -95,9 +105,17 @@ def score_run(system: str, trace: MixedTrace, records: list[Record], alone_secon
         latency = r.latency_seconds if r.error is None else None
         slowdown = latency / alone_seconds if latency is not None else None
         longs.append(LongCompletion(c.call.call_id, c.arrival_seconds, latency, slowdown, is_good(c, r), r.num_pieces))
-    return RunScore(system, trace.short_qps, w, alone_seconds, score_class(SHORT, trace.of(SHORT), by_id, w),
-                    score_class(LONG, trace.of(LONG), by_id, w), score_class("all", trace.calls, by_id, w), longs,
-                    dict(metrics or {}))  # fmt: skip
+    return RunScore(
+        system,
+        trace.short_qps,
+        w,
+        alone_seconds,
+        score_class(SHORT, trace.of(SHORT), by_id, w),
+        score_class(LONG, trace.of(LONG), by_id, w),
+        score_class("all", trace.calls, by_id, w),
+        longs,
+        dict(metrics or {}),
+    )
 
 
 def _share(c: ClassScore) -> str:
@@ -116,17 +134,23 @@ def _pieces(s: RunScore) -> str:
 
 def print_goodput(scores: list[RunScore], p: MixedParams) -> None:
     """One row per (system, load): goodput per class and in all, short P50 / P99, long slowdowns, pieces."""
-    print(f"goodput: calls/s answered within their objective (short <= {p.short_slo_ms / 1e3:g} s, long <= "
-          f"{p.long_slo_ms / 1e3:g} s) per second of arrivals; long slowdown: latency / a {p.long_tokens}-token "
-          "prompt alone on the idle server (mean / max); pieces: per answered long call")  # fmt: skip
-    print(f"{'system':<24}{'short/s':>8}{'short good/s':>13}{'long good/s':>12}{'all good/s':>11}"
-          f"{'short met':>10}{'long met':>9}{'P50 s':>7}{'P99 s':>7}{'alone s':>8}{'slowdown':>13}{'pieces':>7}"
-          f"{'errors':>7}")  # fmt: skip
+    print(
+        f"goodput: calls/s answered within their objective (short <= {p.short_slo_ms / 1e3:g} s, long <= "
+        f"{p.long_slo_ms / 1e3:g} s) per second of arrivals; long slowdown: latency / a {p.long_tokens}-token "
+        "prompt alone on the idle server (mean / max); pieces: per answered long call"
+    )
+    print(
+        f"{'system':<24}{'short/s':>8}{'short good/s':>13}{'long good/s':>12}{'all good/s':>11}"
+        f"{'short met':>10}{'long met':>9}{'P50 s':>7}{'P99 s':>7}{'alone s':>8}{'slowdown':>13}{'pieces':>7}"
+        f"{'errors':>7}"
+    )
     for s in scores:
-        print(f"{s.system:<24}{s.short.offered_per_s:>8.3f}{s.short.goodput_per_s:>13.3f}{s.long.goodput_per_s:>12.4f}"
-              f"{s.total.goodput_per_s:>11.3f}{_share(s.short):>10}{_share(s.long):>9}"
-              f"{s.short.p50_latency_seconds:>7.2f}{s.short.p99_latency_seconds:>7.2f}{s.alone_seconds:>8.2f}"
-              f"{_slowdowns(s):>13}{_pieces(s):>7}{s.num_errors:>7}")  # fmt: skip
+        print(
+            f"{s.system:<24}{s.short.offered_per_s:>8.3f}{s.short.goodput_per_s:>13.3f}{s.long.goodput_per_s:>12.4f}"
+            f"{s.total.goodput_per_s:>11.3f}{_share(s.short):>10}{_share(s.long):>9}"
+            f"{s.short.p50_latency_seconds:>7.2f}{s.short.p99_latency_seconds:>7.2f}{s.alone_seconds:>8.2f}"
+            f"{_slowdowns(s):>13}{_pieces(s):>7}{s.num_errors:>7}"
+        )
     for s in scores:
         if s.metrics:
             shown = ", ".join(f"{name} {'+' if v >= 0 else ''}{v:g}" for name, v in sorted(s.metrics.items()))
@@ -134,7 +158,8 @@ def print_goodput(scores: list[RunScore], p: MixedParams) -> None:
     for s in scores:
         reported = (s.short.num_deadline_met_reported, s.long.num_deadline_met_reported)
         if None not in reported and reported != (s.short.num_good, s.long.num_good):
-            print(f"  {s.system} at {s.short_qps:g} short/s: the server says {reported[0]} short and {reported[1]} "
-                  f"long calls met their deadline (client clock: {s.short.num_good} and "
-                  f"{s.long.num_good})")  # fmt: skip
-
+            print(
+                f"  {s.system} at {s.short_qps:g} short/s: the server says {reported[0]} short and {reported[1]} "
+                f"long calls met their deadline (client clock: {s.short.num_good} and "
+                f"{s.long.num_good})"
+            )

@@ -37,8 +37,12 @@ def machine() -> dict[str, Any]:
     """What a figure depends on: the CPU, its relevant flags, the cores torch uses, torch's version."""
     flags = cpu_flags()
     relevant = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
-    return {"cpu": cpu_name(), "flags": [f for f in relevant if f in flags], "threads": torch.get_num_threads(),
-            "torch": torch.__version__}  # fmt: skip
+    return {
+        "cpu": cpu_name(),
+        "flags": [f for f in relevant if f in flags],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def linear_flops_per_s(dtype: torch.dtype, device: str, tokens: int = 2048, repeats: int = 3) -> float:
@@ -62,17 +66,27 @@ def run_precision_bench(device: str, json_path: str | None) -> dict[str, Any]:
     for name in ("float32", "bfloat16", "float16"):
         dtype = DTYPES[name]
         # A 2,048³ matmul in an emulated dtype takes a minute on some CPUs: 1,024³ tells the same.
-        rates[name] = {"linear_gflops": linear_flops_per_s(dtype, device) / 1e9,
-                       "matmul_gflops": matmul_flops_per_s(dtype, device, n=1024, repeats=2) / 1e9}  # fmt: skip
-        log.info("%s: linear %.1f GFLOP/s, matmul %.1f GFLOP/s", name, rates[name]["linear_gflops"],
-                 rates[name]["matmul_gflops"])  # fmt: skip
+        rates[name] = {
+            "linear_gflops": linear_flops_per_s(dtype, device) / 1e9,
+            "matmul_gflops": matmul_flops_per_s(dtype, device, n=1024, repeats=2) / 1e9,
+        }
+        log.info(
+            "%s: linear %.1f GFLOP/s, matmul %.1f GFLOP/s",
+            name,
+            rates[name]["linear_gflops"],
+            rates[name]["matmul_gflops"],
+        )
     auto = resolve_precision("auto", "auto", "bfloat16", device)
     measured_best = max(("float32", "bfloat16"), key=lambda n: rates[n]["linear_gflops"])
     doc = {
-        "machine": machine(), "device": device, "rates": rates,
-        "native_flags": NATIVE_CPU_FLAGS, "auto_for_bf16_checkpoint": asdict(auto),
-        "fastest_measured": measured_best, "rule_agrees": auto.compute == measured_best,
-    }  # fmt: skip
+        "machine": machine(),
+        "device": device,
+        "rates": rates,
+        "native_flags": NATIVE_CPU_FLAGS,
+        "auto_for_bf16_checkpoint": asdict(auto),
+        "fastest_measured": measured_best,
+        "rule_agrees": auto.compute == measured_best,
+    }
     m = machine()
     print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads")
     print(f"{'dtype':9}  {'linear GFLOP/s':>14}  {'matmul GFLOP/s':>14}")
@@ -87,9 +101,14 @@ def run_precision_bench(device: str, json_path: str | None) -> dict[str, Any]:
 
 
 def run_attention_bench(
-    model_dir: str, dtype_name: str, device: str, kernels: list[str] | None, max_tokens: int, json_path: str | None,
+    model_dir: str,
+    dtype_name: str,
+    device: str,
+    kernels: list[str] | None,
+    max_tokens: int,
+    json_path: str | None,
     vllm_library: str = "auto",
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     a = read_args(model_dir)
     dtype = DTYPES[dtype_name]
     vllm_cpu.use_library(vllm_library)
@@ -102,22 +121,33 @@ def run_attention_bench(
     best = max(rates.values())  # the machine's matmul roofline in its fastest dtype (fp32 or bf16)
     timings = time_kernels(names, shapes, a.num_heads, a.num_kv_heads, a.head_dim, dtype, device)
     doc = {
-        "machine": machine(), "device": device, "dtype": dtype_name, "model": model_dir,
-        "heads": [a.num_heads, a.num_kv_heads, a.head_dim], "matmul_gflops": matmul, "matmul_bf16_gflops": matmul_bf16,
-        "best_matmul_gflops": best, "vllm_cpu_unavailable": vllm_cpu.unavailable_reason(),
-        "timings": [asdict(t) for t in timings], "fastest": fastest(timings),
-    }  # fmt: skip
+        "machine": machine(),
+        "device": device,
+        "dtype": dtype_name,
+        "model": model_dir,
+        "heads": [a.num_heads, a.num_kv_heads, a.head_dim],
+        "matmul_gflops": matmul,
+        "matmul_bf16_gflops": matmul_bf16,
+        "best_matmul_gflops": best,
+        "vllm_cpu_unavailable": vllm_cpu.unavailable_reason(),
+        "timings": [asdict(t) for t in timings],
+        "fastest": fastest(timings),
+    }
     m = machine()
-    print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; "
-          f"{dtype_name} matmul {matmul:.1f} GFLOP/s, bf16 {matmul_bf16:.1f}, fp32 {rates[torch.float32]:.0f} "
-          f"(best {best:.0f}); "
-          f"heads {a.num_heads} / {a.num_kv_heads} of {a.head_dim}")  # fmt: skip
+    print(
+        f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; "
+        f"{dtype_name} matmul {matmul:.1f} GFLOP/s, bf16 {matmul_bf16:.1f}, fp32 {rates[torch.float32]:.0f} "
+        f"(best {best:.0f}); "
+        f"heads {a.num_heads} / {a.num_kv_heads} of {a.head_dim}"
+    )
     if doc["vllm_cpu_unavailable"]:
         print(f"vllm-cpu: unavailable ({doc['vllm_cpu_unavailable']})")
     print(f"{'kernel':11} {'shape':22} {'ms':>8} {'GFLOP/s':>8} {'of matmul':>9} {'of best':>8} {'max error':>9}")
     for t in timings:
-        print(f"{t.kernel:11} {t.shape:22} {1e3 * t.seconds:>8.1f} {t.gflops:>8.1f} {t.gflops / matmul:>9.0%} "
-              f"{t.gflops / best:>8.0%} {t.max_error:>9.1e}{'' if t.ok else '  over bound'}")  # fmt: skip
+        print(
+            f"{t.kernel:11} {t.shape:22} {1e3 * t.seconds:>8.1f} {t.gflops:>8.1f} {t.gflops / matmul:>9.0%} "
+            f"{t.gflops / best:>8.0%} {t.max_error:>9.1e}{'' if t.ok else '  over bound'}"
+        )
     print(f"fastest correct: {doc['fastest']}")
     _write(json_path, doc)
     return doc

@@ -128,7 +128,7 @@ def _engine_records(results: list[Result], trace: Trace, arrivals: list[float]) 
             r.split.num_device_hit_tokens,
             r.split.num_host_hit_tokens,
             r.error,
-        )  # fmt: skip
+        )
         for r in results
     ]
 
@@ -154,9 +154,14 @@ def trace_calls(trace: Trace) -> list[Call]:
 
 
 async def _run_http_async(
-    url: str, model: str, calls: list[Call], arrivals: list[float], label: str, concurrency: int | None,
+    url: str,
+    model: str,
+    calls: list[Call],
+    arrivals: list[float],
+    label: str,
+    concurrency: int | None,
     cache_salt: str | None,
-) -> list[Record]:  # fmt: skip
+) -> list[Record]:
     progress = Progress(label, len(calls))
     limits = httpx.Limits(max_connections=len(calls), max_keepalive_connections=len(calls))
     gate = asyncio.Semaphore(concurrency or len(calls))
@@ -205,9 +210,14 @@ def read_usage(usage: dict[str, Any], record: Record) -> None:
 
 
 def run_http(
-    url: str, model: str, calls: list[Call], arrivals: list[float], label: str = "", concurrency: int | None = None,
+    url: str,
+    model: str,
+    calls: list[Call],
+    arrivals: list[float],
+    label: str = "",
+    concurrency: int | None = None,
     cache_salt: str | None = None,
-) -> tuple[list[Record], float]:  # fmt: skip
+) -> tuple[list[Record], float]:
     """Send each call at its arrival offset (at most `concurrency` in flight); records and makespan.
 
     A record's latency runs from sending to the whole answer; its hit tokens are the response's
@@ -251,21 +261,37 @@ def device_tokens(trace: Trace, fraction: float) -> int:
 
 
 def _logged(s: Summary, repeats: int) -> Summary:
-    log.info("%-13s x%-4g %.2f QPS: throughput %.2f/s, latency mean %.2f s P99 %.2f s, hits device "
-             "%.0f%% host %.0f%%%s%s%s", s.system, s.multiple, s.offered_qps, s.throughput_qps,
-             s.mean_latency_seconds, s.p99_latency_seconds, 100 * s.device_hit_rate, 100 * s.host_hit_rate,
-             f", JCT error {s.jct_error:.1%}" if s.jct_error is not None else "",
-             f", {s.num_errors} errors" if s.num_errors else "",
-             f" (medians of {repeats})" if repeats > 1 else "")  # fmt: skip
+    log.info(
+        "%-13s x%-4g %.2f QPS: throughput %.2f/s, latency mean %.2f s P99 %.2f s, hits device %.0f%% host %.0f%%%s%s%s",
+        s.system,
+        s.multiple,
+        s.offered_qps,
+        s.throughput_qps,
+        s.mean_latency_seconds,
+        s.p99_latency_seconds,
+        100 * s.device_hit_rate,
+        100 * s.host_hit_rate,
+        f", JCT error {s.jct_error:.1%}" if s.jct_error is not None else "",
+        f", {s.num_errors} errors" if s.num_errors else "",
+        f" (medians of {repeats})" if repeats > 1 else "",
+    )
     return s
 
 
 def run_load_bench(
-    cfg: Config, trace: Trace, systems: list[str], multiples: list[float], device_fraction: float,
-    vllm_python: str | None, slo_p99: list[float] | None, slo_mean: list[float] | None, seed: int,
+    cfg: Config,
+    trace: Trace,
+    systems: list[str],
+    multiples: list[float],
+    device_fraction: float,
+    vllm_python: str | None,
+    slo_p99: list[float] | None,
+    slo_mean: list[float] | None,
+    seed: int,
     json_path: str | None,
-    out_dir: Path, repeats: int = 1,
-) -> dict[str, Any]:  # fmt: skip
+    out_dir: Path,
+    repeats: int = 1,
+) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -282,8 +308,10 @@ def run_load_bench(
     print(trace.describe())
     print(f"precision: {precision.describe()} (vLLM computes in {precision.compute})")
     of = "the users' profiles" if any(r.prefix_tokens for r in trace.requests) else "all the trace's tokens"
-    print(f"device tier: {kv_tokens} tokens ({device_fraction:.0%} of {of}), "
-          f"{cfg.cache.device_tier_bytes / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"device tier: {kv_tokens} tokens ({device_fraction:.0%} of {of}), "
+        f"{cfg.cache.device_tier_bytes / 2**20:.1f} MiB"
+    )
 
     # 1. Saturation, on the reference system (ours, default config), all requests at once.
     reference = next((s for s in systems if s in ENGINE_SYSTEMS), "tiered")
@@ -295,8 +323,10 @@ def run_load_bench(
     # Default SLOs: 2.5x, 5x and 10x what the jobs themselves take when nothing waits (P99 job, mean job).
     slo_p99 = slo_p99 or [f * percentile(services, 0.99) for f in SLO_FACTORS]
     slo_mean = slo_mean or [f * service for f in SLO_FACTORS]
-    print(f"saturation ({reference}, burst): {saturation:.2f} requests/s (makespan {burst_makespan:.1f} s); "
-          f"mean service time {1e3 * service:.0f} ms")  # fmt: skip
+    print(
+        f"saturation ({reference}, burst): {saturation:.2f} requests/s (makespan {burst_makespan:.1f} s); "
+        f"mean service time {1e3 * service:.0f} ms"
+    )
 
     runs: list[dict[str, Any]] = []
     summaries: list[Summary] = []
@@ -325,15 +355,28 @@ def run_load_bench(
 
     table = sustainable_table(summaries, systems, slo_p99, slo_mean)
     print_tables(summaries, table, slo_p99, slo_mean)
-    doc = write_report(json_path, "load", resolve_device(cfg.device), {
-        "config": asdict(cfg), "trace": {"kind": trace.kind, "params": trace.params, "requests": len(trace),
-                                         "tokens": trace.num_tokens},
-        "systems": systems, "multiples": multiples, "repeats": repeats, "device_fraction": device_fraction,
-        "device_tier_tokens": kv_tokens,
-        "saturation_qps": saturation, "reference": reference, "mean_service_seconds": service,
-        "slo_p99_seconds": slo_p99, "slo_mean_seconds": slo_mean, "sustainable": table,
-        "summaries": [asdict(s) for s in summaries], "runs": runs,
-    })  # fmt: skip
+    doc = write_report(
+        json_path,
+        "load",
+        resolve_device(cfg.device),
+        {
+            "config": asdict(cfg),
+            "trace": {"kind": trace.kind, "params": trace.params, "requests": len(trace), "tokens": trace.num_tokens},
+            "systems": systems,
+            "multiples": multiples,
+            "repeats": repeats,
+            "device_fraction": device_fraction,
+            "device_tier_tokens": kv_tokens,
+            "saturation_qps": saturation,
+            "reference": reference,
+            "mean_service_seconds": service,
+            "slo_p99_seconds": slo_p99,
+            "slo_mean_seconds": slo_mean,
+            "sustainable": table,
+            "summaries": [asdict(s) for s in summaries],
+            "runs": runs,
+        },
+    )
     return doc
 
 
@@ -347,20 +390,25 @@ def sustainable_table(
         out[system] = {}
         for key, attr, slos in (("p99", "p99_latency_seconds", slo_p99), ("mean", "mean_latency_seconds", slo_mean)):
             points = [(s.offered_qps, getattr(s, attr)) for s in mine]
-            out[system][key] = [dict(zip(("slo", "qps", "exact"), (slo, *sustainable_qps(points, slo)), strict=True))
-                                for slo in slos]  # fmt: skip
+            out[system][key] = [
+                dict(zip(("slo", "qps", "exact"), (slo, *sustainable_qps(points, slo)), strict=True)) for slo in slos
+            ]
     return out
 
 
 def print_tables(summaries: list[Summary], table: dict[str, Any], slo_p99: list[float], slo_mean: list[float]) -> None:
     """Print one row per (system, load), then the sustainable-QPS tables (the first system is the reference)."""
-    print(f"{'system':<14}{'x':>5}{'QPS':>7}{'thru':>7}{'mean s':>8}{'P50 s':>8}{'P99 s':>8}{'dev hit':>8}"
-          f"{'host hit':>9}{'errors':>7}{'JCT err':>8}")  # fmt: skip
+    print(
+        f"{'system':<14}{'x':>5}{'QPS':>7}{'thru':>7}{'mean s':>8}{'P50 s':>8}{'P99 s':>8}{'dev hit':>8}"
+        f"{'host hit':>9}{'errors':>7}{'JCT err':>8}"
+    )
     for s in summaries:
         jct = f"{100 * s.jct_error:>7.1f}%" if s.jct_error is not None else f"{'-':>8}"
-        print(f"{s.system:<14}{s.multiple:>5g}{s.offered_qps:>7.2f}{s.throughput_qps:>7.2f}"
-              f"{s.mean_latency_seconds:>8.2f}{s.p50_latency_seconds:>8.2f}{s.p99_latency_seconds:>8.2f}"
-              f"{100 * s.device_hit_rate:>7.0f}%{100 * s.host_hit_rate:>8.0f}%{s.num_errors:>7}{jct}")  # fmt: skip
+        print(
+            f"{s.system:<14}{s.multiple:>5g}{s.offered_qps:>7.2f}{s.throughput_qps:>7.2f}"
+            f"{s.mean_latency_seconds:>8.2f}{s.p50_latency_seconds:>8.2f}{s.p99_latency_seconds:>8.2f}"
+            f"{100 * s.device_hit_rate:>7.0f}%{100 * s.host_hit_rate:>8.0f}%{s.num_errors:>7}{jct}"
+        )
     reference = next(iter(table))
     for key, slos in (("p99", slo_p99), ("mean", slo_mean)):
         print(f"sustainable QPS at {key} latency <= SLO ('>=': met even at the top load; x: {reference} / system)")

@@ -78,9 +78,15 @@ def _sync(device: str) -> None:
 
 
 def probe_peak(
-    model_dir: str, dtype: str, device: str, mode: str, chunk_tokens: int, num_tokens: int, num_requests: int = 1,
+    model_dir: str,
+    dtype: str,
+    device: str,
+    mode: str,
+    chunk_tokens: int,
+    num_tokens: int,
+    num_requests: int = 1,
     prefix_tokens: int = 0,
-) -> int:  # fmt: skip
+) -> int:
     """Peak bytes of one forward of `num_tokens` (per request of a batch on one shared prefix),
     measured in a fresh process."""
     cmd = [
@@ -197,8 +203,12 @@ def measure_throughput(
             out[mode].append(t)
             log.info(
                 "  %-8s %7d tokens: %.2f s, %.0f tokens/s, %.0f%% of matmul rate",
-                mode, n, t.seconds, t.tokens_per_s, 100 * t.fraction_of_matmul,
-            )  # fmt: skip
+                mode,
+                n,
+                t.seconds,
+                t.tokens_per_s,
+                100 * t.fraction_of_matmul,
+            )
     return out
 
 
@@ -256,8 +266,13 @@ def run_mil_bench(
             r.throughput = speeds[r.mode]
     print(format_table(results))
     write_report(
-        json_path, "mil", device,
-        {"model": {"path": model_dir, "dtype": dtype, "args": asdict(args)}, "chunk_tokens": chunk_tokens,
-         "modes": [asdict(r) for r in results]},
-    )  # fmt: skip
+        json_path,
+        "mil",
+        device,
+        {
+            "model": {"path": model_dir, "dtype": dtype, "args": asdict(args)},
+            "chunk_tokens": chunk_tokens,
+            "modes": [asdict(r) for r in results],
+        },
+    )
     return results

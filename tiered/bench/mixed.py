@@ -60,8 +60,10 @@ def check_options(cfg: Config, names: list[str], short_qps: list[float], vllm_py
     systems = {name: mixed_system(name) for name in names}
     unknown = [name for name, s in systems.items() if s is None]
     if unknown or not names:
-        raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: "
-                         f"{', '.join(MIXED_SYSTEM_FORMS)} (N, M: tokens)")  # fmt: skip
+        raise BenchError(
+            f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: "
+            f"{', '.join(MIXED_SYSTEM_FORMS)} (N, M: tokens)"
+        )
     if len(systems) < len(names):
         raise BenchError(f"a system is named twice in {','.join(names)}")
     if not short_qps or min(short_qps) <= 0:
@@ -97,8 +99,9 @@ def alone_seconds(url: str, vllm: VLLMServer | None, prompts: list[list[int]], l
     return best
 
 
-def _measure(url: str, vllm: VLLMServer | None, calls: list[Call], trace: MixedTrace, salt: str,
-             label: str) -> tuple[list[Record], dict[str, float]]:  # fmt: skip
+def _measure(
+    url: str, vllm: VLLMServer | None, calls: list[Call], trace: MixedTrace, salt: str, label: str
+) -> tuple[list[Record], dict[str, float]]:
     """One run of the trace: its records, and the change of ours' piece metrics over it."""
     if vllm is not None:
         vllm.reset()
@@ -112,14 +115,25 @@ def _measure(url: str, vllm: VLLMServer | None, calls: list[Call], trace: MixedT
 def short_summary(score: RunScore, trace: MixedTrace, records: list[Record]) -> Summary:
     """The short calls as `tiered bench load` sums a run up (`multiple`: the short QPS itself)."""
     short = {c.call.call_id for c in trace.of(SHORT)}
-    return summarize(score.system, score.short_qps, score.short_qps, [r for r in records if r.request_id in short],
-                     trace.window_seconds)  # fmt: skip
+    return summarize(
+        score.system,
+        score.short_qps,
+        score.short_qps,
+        [r for r in records if r.request_id in short],
+        trace.window_seconds,
+    )
 
 
 def run_mixed_bench(
-    cfg: Config, params: MixedParams, names: list[str], short_qps: list[float], vllm_python: str | None,
-    json_path: str | None, out_dir: Path, repeats: int = 1,
-) -> dict[str, Any]:  # fmt: skip
+    cfg: Config,
+    params: MixedParams,
+    names: list[str],
+    short_qps: list[float],
+    vllm_python: str | None,
+    json_path: str | None,
+    out_dir: Path,
+    repeats: int = 1,
+) -> dict[str, Any]:
     """Run the mixed traffic at each short QPS on each system (see the module docstring); returns the JSON document."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     systems = check_options(cfg, names, short_qps, vllm_python)
@@ -127,8 +141,9 @@ def run_mixed_bench(
     vocab = ordinary_token_ids(model_dir)
     traces = [build_trace(vocab, params, q) for q in short_qps]
     max_len = max(t.max_tokens for t in traces) + 16
-    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir), max_model_len=max(cfg.model.max_model_len,
-                                                                                        max_len)))  # fmt: skip
+    cfg = replace(
+        cfg, model=replace(cfg.model, path=str(model_dir), max_model_len=max(cfg.model.max_model_len, max_len))
+    )
     for s in systems:  # every system's config is built before anything runs: a bad key fails now
         with_overrides(cfg, list(s.overrides))
     for t in traces:
@@ -164,41 +179,85 @@ def run_mixed_bench(
                             wait_quiet(pids)
                             server = served[system.name]
                             label = f"{system.name} {trace.short_qps:g}/s #{rep + 1}"
-                            records, metrics = _measure(server.url, server.vllm, calls_for(trace, system), trace,
-                                                        f"run-{i}-{k}-{rep}", label)  # fmt: skip
+                            records, metrics = _measure(
+                                server.url, server.vllm, calls_for(trace, system), trace, f"run-{i}-{k}-{rep}", label
+                            )
                             score = score_run(system.name, trace, records, alone[system.name], metrics)
                             here[system.name] = score
                             scores.append(score)
                             summaries.append(short_summary(score, trace, records))
-                            runs.append({"system": system.name, "short_qps": trace.short_qps, "repeat": rep,
-                                         "records": [{**asdict(r), "kind": c.kind, "slo_ms": c.slo_ms, "user": c.user,
-                                                      "returning": c.returning}
-                                                     for c, r in zip(trace.calls, records, strict=True)]})  # fmt: skip
-                            log.info("%s: short goodput %.3f/s of %.3f, long %.4f/s of %.4f", label,
-                                     score.short.goodput_per_s, score.short.offered_per_s, score.long.goodput_per_s,
-                                     score.long.offered_per_s)  # fmt: skip
+                            runs.append(
+                                {
+                                    "system": system.name,
+                                    "short_qps": trace.short_qps,
+                                    "repeat": rep,
+                                    "records": [
+                                        {
+                                            **asdict(r),
+                                            "kind": c.kind,
+                                            "slo_ms": c.slo_ms,
+                                            "user": c.user,
+                                            "returning": c.returning,
+                                        }
+                                        for c, r in zip(trace.calls, records, strict=True)
+                                    ],
+                                }
+                            )
+                            log.info(
+                                "%s: short goodput %.3f/s of %.3f, long %.4f/s of %.4f",
+                                label,
+                                score.short.goodput_per_s,
+                                score.short.offered_per_s,
+                                score.long.goodput_per_s,
+                                score.long.offered_per_s,
+                            )
                         for other in pair[1:]:
                             paired.setdefault((other.name, trace.short_qps), []).append(
-                                (here[other.name], here[reference.name]))
+                                (here[other.name], here[reference.name])
+                            )
     headline = [
-        headline_row(f"{'all' if kind == 'total' else kind} calls in time per second among {params.long_tokens}-token "
-                     f"prompts, {qps:g} short/s",
-                     "/s", (reference.name, [getattr(r, kind).goodput_per_s for _, r in pair_scores]),
-                     (other, [getattr(o, kind).goodput_per_s for o, _ in pair_scores]), higher_is_better=True)
-        for (other, qps), pair_scores in paired.items() for kind in ("short", "total")
-    ]  # fmt: skip
+        headline_row(
+            f"{'all' if kind == 'total' else kind} calls in time per second among {params.long_tokens}-token "
+            f"prompts, {qps:g} short/s",
+            "/s",
+            (reference.name, [getattr(r, kind).goodput_per_s for _, r in pair_scores]),
+            (other, [getattr(o, kind).goodput_per_s for o, _ in pair_scores]),
+            higher_is_better=True,
+        )
+        for (other, qps), pair_scores in paired.items()
+        for kind in ("short", "total")
+    ]
     print_headline(headline)
     # Every record of every run: large, so beside the plots (OUT_DIR), not in the summary JSON.
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "records.json").write_text(json.dumps(runs) + "\n")
-    doc = _report(cfg, params, systems, short_qps, traces, scores, summaries, runs, json_path,
-                  {"repeats": repeats, "launch": launch, "alone_seconds": alone, "headline": headline})  # fmt: skip
+    doc = _report(
+        cfg,
+        params,
+        systems,
+        short_qps,
+        traces,
+        scores,
+        summaries,
+        runs,
+        json_path,
+        {"repeats": repeats, "launch": launch, "alone_seconds": alone, "headline": headline},
+    )
     return {**doc, "runs": runs}
 
 
-def _report(cfg: Config, params: MixedParams, systems: list[MixedSystem], short_qps: list[float],
-            traces: list[MixedTrace], scores: list[RunScore], summaries: list[Summary], runs: list[dict[str, Any]],
-            json_path: str | None, extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _report(
+    cfg: Config,
+    params: MixedParams,
+    systems: list[MixedSystem],
+    short_qps: list[float],
+    traces: list[MixedTrace],
+    scores: list[RunScore],
+    summaries: list[Summary],
+    runs: list[dict[str, Any]],
+    json_path: str | None,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """Print the goodput table, the short calls' per-load and sustainable-QPS tables; write the JSON."""
     print_goodput(scores, params)
     slo = [params.short_slo_ms / 1e3]
@@ -206,11 +265,27 @@ def _report(cfg: Config, params: MixedParams, systems: list[MixedSystem], short_
     if summaries:
         print("short calls per offered load (x and QPS: short calls/s offered; SLO: the short objective)")
         print_tables(summaries, table, slo, slo)
-    return write_report(json_path, "mixed", resolve_device(cfg.device), {
-        "config": asdict(cfg), "params": asdict(params), "systems": [asdict(s) for s in systems],
-        "short_qps": short_qps,
-        "traces": [{"short_qps": t.short_qps, "window_seconds": t.window_seconds, "short_calls": len(t.of(SHORT)),
-                    "long_calls": len(t.of(LONG))} for t in traces],
-        "scores": [asdict(s) for s in scores], "summaries": [asdict(s) for s in summaries],
-        "sustainable_short_qps": table, **extra,
-    })  # fmt: skip
+    return write_report(
+        json_path,
+        "mixed",
+        resolve_device(cfg.device),
+        {
+            "config": asdict(cfg),
+            "params": asdict(params),
+            "systems": [asdict(s) for s in systems],
+            "short_qps": short_qps,
+            "traces": [
+                {
+                    "short_qps": t.short_qps,
+                    "window_seconds": t.window_seconds,
+                    "short_calls": len(t.of(SHORT)),
+                    "long_calls": len(t.of(LONG)),
+                }
+                for t in traces
+            ],
+            "scores": [asdict(s) for s in scores],
+            "summaries": [asdict(s) for s in summaries],
+            "sustainable_short_qps": table,
+            **extra,
+        },
+    )

@@ -58,14 +58,19 @@ class MixedParams:
 
     def __post_init__(self) -> None:
         rules = (
-            ("--short-slo-ms", self.short_slo_ms > 0, "> 0"), ("--long-slo-ms", self.long_slo_ms > 0, "> 0"),
-            ("--long-tokens", self.long_tokens >= 1, ">= 1"), ("--long-per-minute", self.long_per_minute >= 0, ">= 0"),
+            ("--short-slo-ms", self.short_slo_ms > 0, "> 0"),
+            ("--long-slo-ms", self.long_slo_ms > 0, "> 0"),
+            ("--long-tokens", self.long_tokens >= 1, ">= 1"),
+            ("--long-per-minute", self.long_per_minute >= 0, ">= 0"),
             ("--minutes", self.minutes is None or self.minutes > 0, "> 0"),
-            ("--calls", self.calls is None or self.calls >= 1, ">= 1"), ("--users", self.users >= 1, ">= 1"),
-            ("--posts", self.posts >= 1, ">= 1"), ("--profile-tokens", self.profile_tokens >= 3, ">= 3"),
-            ("--post-tokens", self.post_tokens >= 1, ">= 1"), ("--zipf", self.zipf >= 0, ">= 0"),
+            ("--calls", self.calls is None or self.calls >= 1, ">= 1"),
+            ("--users", self.users >= 1, ">= 1"),
+            ("--posts", self.posts >= 1, ">= 1"),
+            ("--profile-tokens", self.profile_tokens >= 3, ">= 3"),
+            ("--post-tokens", self.post_tokens >= 1, ">= 1"),
+            ("--zipf", self.zipf >= 0, ">= 0"),
             ("--alone-repeats", self.alone_repeats >= 1, ">= 1"),
-        )  # fmt: skip
+        )
         bad = [f"{name} must be {rule}" for name, ok, rule in rules if not ok]
         if bad:
             raise BenchError("; ".join(bad))
@@ -102,8 +107,10 @@ class MixedTrace:
     def describe(self) -> str:
         short, long = self.of(SHORT), self.of(LONG)
         returning = sum(c.returning for c in short)
-        return (f"short QPS {self.short_qps:g}: {len(short)} short calls ({returning} from returning users) and "
-                f"{len(long)} long over {self.window_seconds:.0f} s")  # fmt: skip
+        return (
+            f"short QPS {self.short_qps:g}: {len(short)} short calls ({returning} from returning users) and "
+            f"{len(long)} long over {self.window_seconds:.0f} s"
+        )
 
 
 def poisson_times(rate_per_s: float, rng: random.Random) -> Iterator[float]:
@@ -140,8 +147,23 @@ def build_trace(vocab: list[int], p: MixedParams, short_qps: float) -> MixedTrac
     num_short = sum(kind == SHORT for _, kind in times)
     num_long = len(times) - num_short
     n = p.profile_tokens
-    shorts = iter(split_visits(visits(vocab, p.users, max(1, num_short), p.posts, n, n // 6, 2 * n // 3, 4 * n // 3,
-                                      p.post_tokens, p.zipf, seed=p.seed)))  # fmt: skip
+    shorts = iter(
+        split_visits(
+            visits(
+                vocab,
+                p.users,
+                max(1, num_short),
+                p.posts,
+                n,
+                n // 6,
+                2 * n // 3,
+                4 * n // 3,
+                p.post_tokens,
+                p.zipf,
+                seed=p.seed,
+            )
+        )
+    )
     # Another seed than the visits': no long prompt starts as a profile does.
     longs = credit_verification(vocab, num_long + p.alone_repeats, p.long_tokens, p.long_tokens, seed=p.seed + 1)
     long_prompts = (r.token_ids for r in longs.requests)
@@ -162,5 +184,9 @@ def build_trace(vocab: list[int], p: MixedParams, short_qps: float) -> MixedTrac
 def calls_for(trace: MixedTrace, system: MixedSystem) -> list[Call]:
     """The calls as `system` gets them: ours with their objective (`slo_ms`), vLLM's priority systems
     with their class's `priority`; neither field to the others (vLLM refuses a priority it does not use)."""
-    return [replace(c.call, slo_ms=None if system.is_vllm else c.slo_ms,
-                    priority=PRIORITY[c.kind] if system.priority else None) for c in trace.calls]  # fmt: skip
+    return [
+        replace(
+            c.call, slo_ms=None if system.is_vllm else c.slo_ms, priority=PRIORITY[c.kind] if system.priority else None
+        )
+        for c in trace.calls
+    ]

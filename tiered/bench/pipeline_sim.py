@@ -133,9 +133,7 @@ def _leaders_first(microbatches: list[list[Job]]) -> list[list[Job]]:
     return out
 
 
-def simulate(
-    costs: StageCosts, w: Workload, stages: int, microbatches: int, cut: str, schedule: str
-) -> Outcome:
+def simulate(costs: StageCosts, w: Workload, stages: int, microbatches: int, cut: str, schedule: str) -> Outcome:
     """Run the workload's batches through `stages` stages (see the module docstring)."""
     all_visits = visits(w)
     free = [0.0] * stages  # when each stage is free
@@ -144,8 +142,9 @@ def simulate(
     imbalance = []
     for b in range(0, len(all_visits), w.visits_per_batch):
         jobs = [j for v in all_visits[b : b + w.visits_per_batch] for j in v]
-        cut_mbs = (form_waves(jobs, microbatches, costs.job_seconds) if cut == "waves"
-                   else form_by_count(jobs, microbatches))  # fmt: skip
+        cut_mbs = (
+            form_waves(jobs, microbatches, costs.job_seconds) if cut == "waves" else form_by_count(jobs, microbatches)
+        )
         mbs = _leaders_first(cut_mbs)
         loads = [sum(costs.job_seconds(j) for j in mb) for mb in mbs]
         imbalance.append(max(loads) / (sum(loads) / len(loads)) - 1)
@@ -160,12 +159,23 @@ def simulate(
                 t += seconds
             drained = max(drained, t)
     span = max(free)
-    batches = [[j for v in all_visits[b : b + w.visits_per_batch] for j in v]
-               for b in range(0, len(all_visits), w.visits_per_batch)]  # fmt: skip
+    batches = [
+        [j for v in all_visits[b : b + w.visits_per_batch] for j in v]
+        for b in range(0, len(all_visits), w.visits_per_batch)
+    ]
     alone = sum(costs.stage_seconds(jobs, 1) for jobs in batches)  # one device: each batch one forward
     bubbles = [1 - bz / span for bz in busy]
-    return Outcome(stages, cut, schedule, w.cached_users > 0, span, alone / span / stages,
-                   sum(bubbles) / stages, max(bubbles), sum(imbalance) / len(imbalance))  # fmt: skip
+    return Outcome(
+        stages,
+        cut,
+        schedule,
+        w.cached_users > 0,
+        span,
+        alone / span / stages,
+        sum(bubbles) / stages,
+        max(bubbles),
+        sum(imbalance) / len(imbalance),
+    )
 
 
 # bench-m's JCT model as its engine fitted it at start on the AVX2 EPYC (fp32): c0, c1, c2, c4
@@ -174,26 +184,45 @@ CUTS = (("count", "gpipe"), ("waves", "gpipe"), ("count", "waves"), ("waves", "w
 
 
 def run_pipeline_sim(
-    costs: StageCosts, w: Workload, stage_counts: list[int], per_stage: int, json_path: str | None,
+    costs: StageCosts,
+    w: Workload,
+    stage_counts: list[int],
+    per_stage: int,
+    json_path: str | None,
     plots: str | None,
-) -> dict[str, object]:  # fmt: skip
+) -> dict[str, object]:
     """Every (reuse, S, cut, schedule) of the module docstring; a table, JSON and a plot."""
     from dataclasses import asdict, replace
 
     from tiered.bench.report import write_report
 
-    outcomes = [simulate(costs, replace(w, cached_users=cached), s, per_stage * s, cut, schedule)
-                for cached in (w.cached_users, 0) for s in stage_counts for cut, schedule in CUTS]  # fmt: skip
-    print(f"{'reuse':<6}{'S':>3}  {'micro-batches':<14}{'schedule':<15}{'thru/device':>12}{'bubbles':>9}"
-          f"{'worst stage':>12}{'imbalance':>10}")  # fmt: skip
+    outcomes = [
+        simulate(costs, replace(w, cached_users=cached), s, per_stage * s, cut, schedule)
+        for cached in (w.cached_users, 0)
+        for s in stage_counts
+        for cut, schedule in CUTS
+    ]
+    print(
+        f"{'reuse':<6}{'S':>3}  {'micro-batches':<14}{'schedule':<15}{'thru/device':>12}{'bubbles':>9}"
+        f"{'worst stage':>12}{'imbalance':>10}"
+    )
     for o in outcomes:
-        print(f"{'yes' if o.reuse else 'no':<6}{o.stages:>3}  {'by cost' if o.cut == 'waves' else 'by count':<14}"
-              f"{'continuous' if o.schedule == 'waves' else 'fill-and-drain':<15}{o.throughput_per_device:>12.3f}"
-              f"{o.bubble_fraction:>9.1%}{o.max_bubble_fraction:>12.1%}{o.microbatch_imbalance:>10.2f}")  # fmt: skip
-    doc = write_report(json_path, "pipeline-sim", "simulated", {
-        "costs": asdict(costs), "workload": asdict(w), "microbatches_per_stage": per_stage,
-        "outcomes": [asdict(o) for o in outcomes],
-    })  # fmt: skip
+        print(
+            f"{'yes' if o.reuse else 'no':<6}{o.stages:>3}  {'by cost' if o.cut == 'waves' else 'by count':<14}"
+            f"{'continuous' if o.schedule == 'waves' else 'fill-and-drain':<15}{o.throughput_per_device:>12.3f}"
+            f"{o.bubble_fraction:>9.1%}{o.max_bubble_fraction:>12.1%}{o.microbatch_imbalance:>10.2f}"
+        )
+    doc = write_report(
+        json_path,
+        "pipeline-sim",
+        "simulated",
+        {
+            "costs": asdict(costs),
+            "workload": asdict(w),
+            "microbatches_per_stage": per_stage,
+            "outcomes": [asdict(o) for o in outcomes],
+        },
+    )
     if plots:
         print(f"plot: {plot_pipeline(outcomes, plots)}")
     return doc
@@ -212,11 +241,14 @@ def plot_pipeline(outcomes: list[Outcome], out_dir: str) -> str:
     for reuse in (True, False):
         for cut, schedule in CUTS:
             mine = [o for o in outcomes if o.reuse == reuse and o.cut == cut and o.schedule == schedule]
-            label = (f"{'by cost' if cut == 'waves' else 'by count'}, "
-                     f"{'continuous' if schedule == 'waves' else 'fill-and-drain'}, {'reuse' if reuse else 'no reuse'}")
+            label = (
+                f"{'by cost' if cut == 'waves' else 'by count'}, "
+                f"{'continuous' if schedule == 'waves' else 'fill-and-drain'}, {'reuse' if reuse else 'no reuse'}"
+            )
             style = "-" if reuse else ":"
-            axes[0].plot([o.stages for o in mine], [o.throughput_per_device for o in mine], style, marker="o",
-                         label=label)  # fmt: skip
+            axes[0].plot(
+                [o.stages for o in mine], [o.throughput_per_device for o in mine], style, marker="o", label=label
+            )
             axes[1].plot([o.stages for o in mine], [o.bubble_fraction for o in mine], style, marker="o", label=label)
     axes[0].set_ylabel("throughput per device (1 = one device, no pipe)")
     axes[1].set_ylabel("mean bubble fraction")
@@ -236,14 +268,15 @@ def plot_pipeline(outcomes: list[Outcome], out_dir: str) -> str:
 def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`tiered bench pipeline-sim` (this module imports no torch: it parses at CLI start)."""
     p = bsub.add_parser(
-        "pipeline-sim", help="pipeline-parallel prefill under prefix reuse (WavePP), simulated for S stages",
+        "pipeline-sim",
+        help="pipeline-parallel prefill under prefix reuse (WavePP), simulated for S stages",
         description="Zipf visits through S = --stages pipeline stages (1/S of the layers each), micro-batches cut "
         "by count (GPipe) or by the work they compute after hits (waves), fill-and-drain per batch or continuous; "
         "stage costs from the JCT model (--costs c0,c1,c2,c4: bench-m's fit on this machine by default) x "
         "--scale, plus activations over --link-gbps. Prints throughput per device (1 = one device without a "
         "pipe) and bubble fractions, with and without prefix reuse. See tiered/bench/pipeline_sim.py for the model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("--stages", type=parse_int_list, default=[1, 2, 4, 8], help="stage counts to simulate")
     p.add_argument("--microbatches-per-stage", type=int, default=2, help="micro-batches per batch = this x S")
     p.add_argument("--costs", type=parse_float_list, default=list(MEASURED_COSTS), help="c0,c1,c2,c4 (seconds)")
@@ -251,8 +284,16 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--scale", type=float, default=1.0, help="a device's seconds per second of this CPU's")
     p.add_argument("--link-gbps", type=float, default=None, help="GB/s between stages (default: free)")
     d = Workload()
-    for name in ("visits", "users", "posts", "profile_tokens", "post_tokens", "cached_users", "visits_per_batch",
-                 "seed"):  # fmt: skip
+    for name in (
+        "visits",
+        "users",
+        "posts",
+        "profile_tokens",
+        "post_tokens",
+        "cached_users",
+        "visits_per_batch",
+        "seed",
+    ):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     p.add_argument("--zipf", type=float, default=d.zipf)
     p.add_argument("--json", default=None, help="write the outcomes as JSON here")
@@ -268,7 +309,16 @@ def cmd_pipeline_sim(args: argparse.Namespace) -> int:
     link = None if args.link_gbps is None else args.link_gbps * 1e9
     c0, c1, c2, c4 = args.costs
     costs = StageCosts(c0, c1, c2, c4, hidden_size=args.hidden_size, scale=args.scale, link_bytes_per_s=link)
-    w = Workload(args.visits, args.users, args.zipf, args.posts, args.profile_tokens, args.post_tokens,
-                 args.cached_users, args.visits_per_batch, args.seed)  # fmt: skip
+    w = Workload(
+        args.visits,
+        args.users,
+        args.zipf,
+        args.posts,
+        args.profile_tokens,
+        args.post_tokens,
+        args.cached_users,
+        args.visits_per_batch,
+        args.seed,
+    )
     run_pipeline_sim(costs, w, args.stages, args.microbatches_per_stage, args.json, args.plots)
     return 0

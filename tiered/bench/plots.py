@@ -100,8 +100,14 @@ def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
         for i, system in enumerate(systems):
             mine = sorted((s for s in scores if s["system"] == system), key=lambda s: s["short_qps"])
             if i == 0:
-                ax.plot([s["short_qps"] for s in mine], [s[kind]["offered_per_s"] for s in mine], color="grey",
-                        linestyle=":", linewidth=1, label="offered")  # fmt: skip
+                ax.plot(
+                    [s["short_qps"] for s in mine],
+                    [s[kind]["offered_per_s"] for s in mine],
+                    color="grey",
+                    linestyle=":",
+                    linewidth=1,
+                    label="offered",
+                )
             ax.plot([s["short_qps"] for s in mine], [s[kind]["goodput_per_s"] for s in mine], marker="o", label=system)
         ax.set_xlabel("offered short calls/s")
         ax.set_ylabel(f"{'all' if kind == 'total' else kind} calls/s within objective")
@@ -109,10 +115,20 @@ def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
     ax = axes[3]
     for system in systems:
         mine = sorted((s for s in scores if s["system"] == system), key=lambda s: s["short_qps"])
-        line = ax.plot([s["short_qps"] for s in mine], [s["short"]["p99_latency_seconds"] for s in mine], marker="o",
-                       label=f"{system} P99")  # fmt: skip
-        ax.plot([s["short_qps"] for s in mine], [s["short"]["p50_latency_seconds"] for s in mine], marker=".",
-                linestyle="--", color=line[0].get_color(), label=f"{system} P50")  # fmt: skip
+        line = ax.plot(
+            [s["short_qps"] for s in mine],
+            [s["short"]["p99_latency_seconds"] for s in mine],
+            marker="o",
+            label=f"{system} P99",
+        )
+        ax.plot(
+            [s["short_qps"] for s in mine],
+            [s["short"]["p50_latency_seconds"] for s in mine],
+            marker=".",
+            linestyle="--",
+            color=line[0].get_color(),
+            label=f"{system} P50",
+        )
     ax.axhline(doc["params"]["short_slo_ms"] / 1e3, color="grey", linestyle="--", linewidth=1, label="objective")
     ax.set_xlabel("offered short calls/s")
     ax.set_ylabel("short call latency (s)")
@@ -121,8 +137,10 @@ def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
     axes[0].legend(fontsize=8)
     ax.legend(fontsize=7)
     p = doc["params"]
-    fig.suptitle(f"mixed: short calls (<= {p['short_slo_ms'] / 1e3:g} s) among {p['long_per_minute']:g}/min "
-                 f"{p['long_tokens']}-token prompts (<= {p['long_slo_ms'] / 1e3:g} s), {doc['machine']['device']}")
+    fig.suptitle(
+        f"mixed: short calls (<= {p['short_slo_ms'] / 1e3:g} s) among {p['long_per_minute']:g}/min "
+        f"{p['long_tokens']}-token prompts (<= {p['long_slo_ms'] / 1e3:g} s), {doc['machine']['device']}"
+    )
     fig.tight_layout()
     path = out / "goodput.png"
     fig.savefig(path, dpi=110)

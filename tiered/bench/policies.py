@@ -69,9 +69,15 @@ def run_policy(cfg: Config, policy: str, trace: Trace, arrivals: list[float]) ->
     )
     log.info(
         "%-10s makespan %.2f s, latency mean %.2f P99 %.2f s, hits device %d host %d, computed %d, JCT error %s",
-        policy, makespan, run.mean_latency_seconds, run.p99_latency_seconds, run.num_device_hit_tokens,
-        run.num_host_hit_tokens, run.num_miss_tokens, f"{100 * run.jct_mape:.1f}%" if run.jct_mape is not None else "-",
-    )  # fmt: skip
+        policy,
+        makespan,
+        run.mean_latency_seconds,
+        run.p99_latency_seconds,
+        run.num_device_hit_tokens,
+        run.num_host_hit_tokens,
+        run.num_miss_tokens,
+        f"{100 * run.jct_mape:.1f}%" if run.jct_mape is not None else "-",
+    )
     return run
 
 
@@ -103,16 +109,19 @@ def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: i
             torch.randint(0, engine.model.args.vocab_size, (request_tokens,), generator=g) for _ in range(users)
         ]
         n_added = 0
-        long_head = sched.add(tiers.new_request("long", torch.randint(0, engine.model.args.vocab_size,
-                                                                     (request_tokens,), generator=g)))  # fmt: skip
+        long_head = sched.add(
+            tiers.new_request("long", torch.randint(0, engine.model.args.vocab_size, (request_tokens,), generator=g))
+        )
         head = Decision(sched.remove("long") or long_head, long_head.jct, 0.0)
         out.setdefault("pieces", {})
         for depth in depths:
             while len(sched) < depth + picks:
                 post = torch.randint(0, engine.model.args.vocab_size, (32,), generator=g)
                 # Every waiting request has an objective of 1-10 s: the pieces decision scans the urgent.
-                sched.add(tiers.new_request(f"d{n_added}", torch.cat([profiles[n_added % users], post])),
-                          slo_seconds=1.0 + n_added % 10)  # fmt: skip
+                sched.add(
+                    tiers.new_request(f"d{n_added}", torch.cat([profiles[n_added % users], post])),
+                    slo_seconds=1.0 + n_added % 10,
+                )
                 n_added += 1
             if policy == "calibrated":  # SLOWeave's choice for a long head, as `step` makes it
                 start = time.perf_counter()
@@ -136,24 +145,47 @@ def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: i
 
 
 def run_policies_bench(
-    cfg: Config, policies: list[str], users: int, posts: int, profile_mean: int, profile_sd: int,
-    post_tokens: int, device_fraction: float, depths: list[int], repeats: int, load: float, json_path: str | None,
-) -> dict[str, object]:  # fmt: skip
+    cfg: Config,
+    policies: list[str],
+    users: int,
+    posts: int,
+    profile_mean: int,
+    profile_sd: int,
+    post_tokens: int,
+    device_fraction: float,
+    depths: list[int],
+    repeats: int,
+    load: float,
+    json_path: str | None,
+) -> dict[str, object]:
     a_engine = Engine(cfg)  # profiles the JCT model once (cached on disk for the runs below)
     vocab = ordinary_token_ids(a_engine.model_dir)
     a_engine.close()
     kv_per_token = kv_bytes_per_token(cfg)
     device_bytes = int(device_fraction * users * profile_mean * kv_per_token)
     cfg = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
-    trace = post_recommendation(vocab, users, posts, profile_mean, profile_sd, profile_mean - profile_sd,
-                                profile_mean + profile_sd, post_tokens, seed=0)  # fmt: skip
+    trace = post_recommendation(
+        vocab,
+        users,
+        posts,
+        profile_mean,
+        profile_sd,
+        profile_mean - profile_sd,
+        profile_mean + profile_sd,
+        post_tokens,
+        seed=0,
+    )
     # Saturation throughput: everything submitted at once (fcfs: the order does not change the work much).
     burst = run_policy(cfg, "fcfs", trace, poisson_arrivals(len(trace), 0, seed=0))
     saturation_qps = len(trace) / burst.makespan_seconds
     qps = load * saturation_qps
     arrivals = poisson_arrivals(len(trace), qps, seed=1)
-    log.info("saturation %.2f requests/s (burst makespan %.2f s); Poisson arrivals at %.2f/s", saturation_qps,
-             burst.makespan_seconds, qps)  # fmt: skip
+    log.info(
+        "saturation %.2f requests/s (burst makespan %.2f s); Poisson arrivals at %.2f/s",
+        saturation_qps,
+        burst.makespan_seconds,
+        qps,
+    )
     # Policies interleaved per repeat, so a slow spell of the machine hits all of them; the table
     # shows each policy's median run (by mean latency), the JSON keeps every run.
     all_runs = [run_policy(cfg, p, trace, arrivals) for _ in range(repeats) for p in policies]
@@ -178,22 +210,27 @@ def run_policies_bench(
         print(f"{r.policy:<11}{hits}{times}{err:>8}{100 * r.jct_noise_floor:>6.1f}%")
     for p, by in decisions.items():
         print(f"ms per decision, {p}: " + ", ".join(f"depth {d}: {ms:.3f}" for d, ms in by.items()))
-    return write_report(json_path, "policies", cfg.device, {
-        "config": asdict(cfg),
-        "trace": {
-            "users": users,
-            "posts": posts,
-            "profile_mean": profile_mean,
-            "profile_sd": profile_sd,
-            "post_tokens": post_tokens,
-            "device_fraction": device_fraction,
-            "seed": 0,
-        },  # fmt: skip
-        "repeats": repeats,
-        "saturation_qps": saturation_qps,
-        "qps": qps,
-        "burst_run": asdict(burst),
-        "median_runs": [asdict(r) for r in runs],
-        "runs": [asdict(r) for r in all_runs],
-        "decision_ms_by_depth": decisions,
-    })  # fmt: skip
+    return write_report(
+        json_path,
+        "policies",
+        cfg.device,
+        {
+            "config": asdict(cfg),
+            "trace": {
+                "users": users,
+                "posts": posts,
+                "profile_mean": profile_mean,
+                "profile_sd": profile_sd,
+                "post_tokens": post_tokens,
+                "device_fraction": device_fraction,
+                "seed": 0,
+            },
+            "repeats": repeats,
+            "saturation_qps": saturation_qps,
+            "qps": qps,
+            "burst_run": asdict(burst),
+            "median_runs": [asdict(r) for r in runs],
+            "runs": [asdict(r) for r in all_runs],
+            "decision_ms_by_depth": decisions,
+        },
+    )

@@ -92,8 +92,13 @@ def write_report(json_path: str | None, bench: str, device: str, results: dict[s
 
 def spread(values: list[float]) -> dict[str, Any]:
     """Median, min, max and count of repeated measurements (every value kept)."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
-            "values": values}  # fmt: skip
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "values": values,
+    }
 
 
 def headline_row(
@@ -106,8 +111,10 @@ def headline_row(
     """One row: (system, per-run values) of ours and of the peer, run i of each side by side; the
     ratio is taken run by run (ours / peer when higher is better, else peer / ours: > 1 is ours ahead)."""
     (ours_system, mine), (peer_system, theirs) = ours, peer
-    ratios = [(a / b if higher_is_better else b / a) if min(a, b) > 0 else float("nan")
-              for a, b in zip(mine, theirs, strict=True)]  # fmt: skip
+    ratios = [
+        (a / b if higher_is_better else b / a) if min(a, b) > 0 else float("nan")
+        for a, b in zip(mine, theirs, strict=True)
+    ]
     return {
         "measure": measure,
         "unit": unit,
@@ -134,8 +141,10 @@ def print_headline(rows: list[dict[str, Any]]) -> None:
     print("headline (medians of paired runs, min-max; ratio > 1: ours ahead)")
     for row in rows:
         r = row["ratio"]
-        print(f"  {row['measure']}: {_cell(row['ours'], row['unit'])} vs {_cell(row['peer'], row['unit'])}: "
-              f"{r['median']:.2f}x ({r['min']:.2f}–{r['max']:.2f}, n={r['n']})")  # fmt: skip
+        print(
+            f"  {row['measure']}: {_cell(row['ours'], row['unit'])} vs {_cell(row['peer'], row['unit'])}: "
+            f"{r['median']:.2f}x ({r['min']:.2f}–{r['max']:.2f}, n={r['n']})"
+        )
 
 
 def _machine(prov: dict[str, Any]) -> str:
@@ -169,8 +178,12 @@ def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/")
             )
         commit = prov.get("commit", "?")
         commands.append(f"- {link} (commit `{commit[:12]}`): `{prov.get('command', doc.get('command', '?'))}`")
-    lines += ["", "Ratios are taken run by run (ours and the peer's runs interleaved), then their median; rows of "
-              f"fewer than {MIN_TABLE_RUNS} paired runs stay in their JSON only.", ""]
+    lines += [
+        "",
+        "Ratios are taken run by run (ours and the peer's runs interleaved), then their median; rows of "
+        f"fewer than {MIN_TABLE_RUNS} paired runs stay in their JSON only.",
+        "",
+    ]
     lines += commands + ["", END]
     return "\n".join(lines)
 

@@ -25,8 +25,9 @@ from tiered.engine import Engine
 log = logging.getLogger(__name__)
 
 
-def run_server_bench(cfg: Config, config_path: str | None, overrides: list[str], requests: int, tokens: int,
-                     json_path: str | None) -> dict[str, object]:  # fmt: skip
+def run_server_bench(
+    cfg: Config, config_path: str | None, overrides: list[str], requests: int, tokens: int, json_path: str | None
+) -> dict[str, object]:
     g = torch.Generator().manual_seed(0)
     engine = Engine(cfg)
     vocab = engine.model.args.vocab_size
@@ -58,9 +59,20 @@ def run_server_bench(cfg: Config, config_path: str | None, overrides: list[str],
     print(f"in-process engine: median {1e3 * med_in:.2f} ms")
     print(f"through tiered serve: median {1e3 * med_http:.2f} ms")
     paired = statistics.median(h - i for i, h in zip(in_process, over_http, strict=True))
-    print(f"server overhead per request: {1e3 * (med_http - med_in):.2f} ms (difference of medians), "
-          f"{1e3 * paired:.2f} ms (median of paired differences)")  # fmt: skip
-    return write_report(json_path, "server", cfg.device, {
-        "requests": requests, "tokens": tokens, "in_process_seconds": in_process, "http_seconds": over_http,
-        "median_overhead_seconds": med_http - med_in, "median_paired_overhead_seconds": paired,
-    })  # fmt: skip
+    print(
+        f"server overhead per request: {1e3 * (med_http - med_in):.2f} ms (difference of medians), "
+        f"{1e3 * paired:.2f} ms (median of paired differences)"
+    )
+    return write_report(
+        json_path,
+        "server",
+        cfg.device,
+        {
+            "requests": requests,
+            "tokens": tokens,
+            "in_process_seconds": in_process,
+            "http_seconds": over_http,
+            "median_overhead_seconds": med_http - med_in,
+            "median_paired_overhead_seconds": paired,
+        },
+    )

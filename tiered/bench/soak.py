@@ -66,9 +66,16 @@ def _metrics(http: httpx.Client, url: str) -> dict[str, float]:
 
 
 def run_soak(
-    cfg: Config, minutes: float, concurrency: int, invalid_fraction: float, users: int, profile_tokens: int,
-    out_dir: Path, json_path: str | None, seed: int = 0,
-) -> dict[str, Any]:  # fmt: skip
+    cfg: Config,
+    minutes: float,
+    concurrency: int,
+    invalid_fraction: float,
+    users: int,
+    profile_tokens: int,
+    out_dir: Path,
+    json_path: str | None,
+    seed: int = 0,
+) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     cfg = replace(cfg, model=replace(cfg.model, path=str(folder)))
@@ -88,11 +95,13 @@ def run_soak(
             http.post(f"{url}/v1/completions", json={"prompt": p + [vocab[5]], "max_tokens": 1}).raise_for_status()
         before = _metrics(http, url)
         rss = {"warm": _rss(pids)}
-        stats = asyncio.run(_drive(url, minutes, concurrency, invalid_fraction, profiles, probe, labels, vocab,
-                                   max_len, rng, pids, rss))  # fmt: skip
+        stats = asyncio.run(
+            _drive(url, minutes, concurrency, invalid_fraction, profiles, probe, labels, vocab, max_len, rng, pids, rss)
+        )
         time.sleep(2.0)
-        idle = http.post(f"{url}/v1/completions", json={"prompt": probe, "max_tokens": 1,
-                                                        "logprob_token_ids": labels}).json()  # fmt: skip
+        idle = http.post(
+            f"{url}/v1/completions", json={"prompt": probe, "max_tokens": 1, "logprob_token_ids": labels}
+        ).json()
         stats["probe_logprobs"].append(idle["choices"][0]["logprob_token_ids"])
         stats["ok"] += 1
         after = _metrics(http, url)
@@ -111,17 +120,29 @@ def run_soak(
     probe_diff = max(abs(lp[str(t)] - float(ref[t])) for lp in stats["probe_logprobs"] for t in labels)
     answered = after["vllm:request_success_total"] - before["vllm:request_success_total"]
     report = {
-        "minutes": minutes, "concurrency": concurrency, "invalid_fraction": invalid_fraction, "users": users,
-        "profile_tokens": profile_tokens, "valid_sent": stats["valid_sent"], "ok_200": stats["ok"],
-        "server_answered": answered, "invalid_sent": stats["invalid_sent"], "invalid_by_status": stats["invalid"],
-        "valid_failures": stats["valid_failures"], "server_errors_5xx": stats["5xx"],
-        "probe_answers": len(stats["probe_logprobs"]), "probe_max_abs_diff_vs_forward": probe_diff,
-        "rss_bytes": rss, "rss_samples": stats["rss_samples"],
+        "minutes": minutes,
+        "concurrency": concurrency,
+        "invalid_fraction": invalid_fraction,
+        "users": users,
+        "profile_tokens": profile_tokens,
+        "valid_sent": stats["valid_sent"],
+        "ok_200": stats["ok"],
+        "server_answered": answered,
+        "invalid_sent": stats["invalid_sent"],
+        "invalid_by_status": stats["invalid"],
+        "valid_failures": stats["valid_failures"],
+        "server_errors_5xx": stats["5xx"],
+        "probe_answers": len(stats["probe_logprobs"]),
+        "probe_max_abs_diff_vs_forward": probe_diff,
+        "rss_bytes": rss,
+        "rss_samples": stats["rss_samples"],
         "idle_pinned_blocks": after["tiered:device_tier_pinned_blocks"],
-        "idle_waiting": after["vllm:num_requests_waiting"], "engine_restarts": after["tiered:engine_restarts_total"],
-        "host_tier_failures": after["tiered:host_tier_failures_total"], "engine_alive": engine_alive,
+        "idle_waiting": after["vllm:num_requests_waiting"],
+        "engine_restarts": after["tiered:engine_restarts_total"],
+        "host_tier_failures": after["tiered:host_tier_failures_total"],
+        "engine_alive": engine_alive,
         "latency_p50_seconds": statistics.median(stats["latency"]) if stats["latency"] else None,
-    }  # fmt: skip
+    }
     report["exactly_once"] = stats["ok"] == stats["valid_sent"] + 1 == answered
     growth = rss["end"] - rss.get("fifth", rss["warm"])
     report["rss_growth_bytes"] = growth
@@ -140,19 +161,39 @@ def run_soak(
         f"RSS (API + engine): warm {rss['warm'] / 2**20:.0f} MiB, after 1/5 {rss.get('fifth', 0) / 2**20:.0f} MiB, "
         f"end {rss['end'] / 2**20:.0f} MiB (growth over the last 4/5: {growth / 2**20:+.1f} MiB)"
     )
-    print(f"idle: pinned blocks {after['tiered:device_tier_pinned_blocks']:.0f}, "
-          f"waiting {after['vllm:num_requests_waiting']:.0f}; "
-          f"engine restarts {after['tiered:engine_restarts_total']:.0f}")  # fmt: skip
+    print(
+        f"idle: pinned blocks {after['tiered:device_tier_pinned_blocks']:.0f}, "
+        f"waiting {after['vllm:num_requests_waiting']:.0f}; "
+        f"engine restarts {after['tiered:engine_restarts_total']:.0f}"
+    )
     return write_report(json_path, "soak", cfg.device, report)
 
 
 async def _drive(
-    url: str, minutes: float, concurrency: int, invalid_fraction: float, profiles: list[list[int]],
-    probe: list[int], labels: list[int], vocab: list[int], max_len: int, rng: random.Random, pids: list[int],
+    url: str,
+    minutes: float,
+    concurrency: int,
+    invalid_fraction: float,
+    profiles: list[list[int]],
+    probe: list[int],
+    labels: list[int],
+    vocab: list[int],
+    max_len: int,
+    rng: random.Random,
+    pids: list[int],
     rss: dict[str, int],
-) -> dict[str, Any]:  # fmt: skip
-    stats: dict[str, Any] = {"valid_sent": 0, "ok": 0, "invalid_sent": 0, "invalid": {}, "valid_failures": [],
-                             "5xx": 0, "probe_logprobs": [], "latency": [], "rss_samples": []}  # fmt: skip
+) -> dict[str, Any]:
+    stats: dict[str, Any] = {
+        "valid_sent": 0,
+        "ok": 0,
+        "invalid_sent": 0,
+        "invalid": {},
+        "valid_failures": [],
+        "5xx": 0,
+        "probe_logprobs": [],
+        "latency": [],
+        "rss_samples": [],
+    }
     loop = asyncio.get_running_loop()
     start = loop.time()
     end = start + 60 * minutes
@@ -166,8 +207,11 @@ async def _drive(
                     body = INVALID[kind](rng.choice(profiles), max_len)
                     stats["invalid_sent"] += 1
                     if body is None:
-                        r = await client.post(f"{url}/v1/completions", content=b"\xff{not json",
-                                              headers={"content-type": "application/json"})  # fmt: skip
+                        r = await client.post(
+                            f"{url}/v1/completions",
+                            content=b"\xff{not json",
+                            headers={"content-type": "application/json"},
+                        )
                     else:
                         r = await client.post(f"{url}/v1/completions", json=body)
                     key = f"{kind}:{r.status_code}"

@@ -71,10 +71,18 @@ def summarize(system: str, multiple: float, qps: float, records: list[Record], m
     lat = [r.latency_seconds for r in ok]
     tokens = sum(r.num_tokens for r in ok) or 1
     return Summary(
-        system, multiple, qps, len(records), len(records) - len(ok), len(ok) / makespan if makespan > 0 else math.nan,
-        statistics.fmean(lat) if lat else math.nan, percentile(lat, 0.5), percentile(lat, 0.99),
-        sum(r.device_hit_tokens for r in ok) / tokens, sum(r.host_hit_tokens for r in ok) / tokens,
-    )  # fmt: skip
+        system,
+        multiple,
+        qps,
+        len(records),
+        len(records) - len(ok),
+        len(ok) / makespan if makespan > 0 else math.nan,
+        statistics.fmean(lat) if lat else math.nan,
+        percentile(lat, 0.5),
+        percentile(lat, 0.99),
+        sum(r.device_hit_tokens for r in ok) / tokens,
+        sum(r.host_hit_tokens for r in ok) / tokens,
+    )
 
 
 def sustainable_qps(points: list[tuple[float, float]], slo: float) -> tuple[float, bool]:
@@ -95,10 +103,24 @@ def median_summary(runs: list[Summary]) -> Summary:
     if len(runs) == 1:
         return runs[0]
     first = runs[0]
-    med = {k: statistics.median(getattr(r, k) for r in runs) for k in (
-        "throughput_qps", "mean_latency_seconds", "p50_latency_seconds", "p99_latency_seconds", "device_hit_rate",
-        "host_hit_rate")}  # fmt: skip
+    med = {
+        k: statistics.median(getattr(r, k) for r in runs)
+        for k in (
+            "throughput_qps",
+            "mean_latency_seconds",
+            "p50_latency_seconds",
+            "p99_latency_seconds",
+            "device_hit_rate",
+            "host_hit_rate",
+        )
+    }
     errors = [r.jct_error for r in runs if r.jct_error is not None]
-    return Summary(first.system, first.multiple, first.offered_qps, first.num_requests,
-                   max(r.num_errors for r in runs), **med,
-                   jct_error=statistics.median(errors) if errors else None)  # fmt: skip
+    return Summary(
+        first.system,
+        first.multiple,
+        first.offered_qps,
+        first.num_requests,
+        max(r.num_errors for r in runs),
+        **med,
+        jct_error=statistics.median(errors) if errors else None,
+    )

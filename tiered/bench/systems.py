@@ -66,18 +66,23 @@ def check_vllm_sizing(cfg: Config, python: str | None) -> None:
     """What a run with vllm systems needs, checked before anything starts (BenchError naming it)."""
     check_vllm_python(python)
     if cfg.engine.memory_budget_bytes:
-        raise BenchError("vLLM's KV memory is sized from cache.device_tier_bytes (and the host tier's): set "
-                         "engine.memory_budget_bytes=0 so our device tier has that size too")  # fmt: skip
+        raise BenchError(
+            "vLLM's KV memory is sized from cache.device_tier_bytes (and the host tier's): set "
+            "engine.memory_budget_bytes=0 so our device tier has that size too"
+        )
 
 
 def check_vllm_python(python: str | None) -> str:
     """The Python that runs `vllm serve` for the vllm systems; a BenchError that says how to get one."""
     if not python:
-        raise BenchError(f"the vllm systems need --vllm-python (a Python with vLLM; `make bench-env` builds "
-                         f"{DEFAULT_VLLM_PYTHON})")  # fmt: skip
+        raise BenchError(
+            f"the vllm systems need --vllm-python (a Python with vLLM; `make bench-env` builds {DEFAULT_VLLM_PYTHON})"
+        )
     if not Path(python).exists():
-        raise BenchError(f"--vllm-python {python} does not exist: run `make bench-env` (it builds "
-                         f"{DEFAULT_VLLM_PYTHON}) or pass a Python with vLLM")  # fmt: skip
+        raise BenchError(
+            f"--vllm-python {python} does not exist: run `make bench-env` (it builds "
+            f"{DEFAULT_VLLM_PYTHON}) or pass a Python with vLLM"
+        )
     return python
 
 
@@ -91,8 +96,13 @@ MIXED_FIXED_SYSTEM = re.compile(r"^tiered-fixed([1-9][0-9]*)$")  # pieces of N t
 # -adaptive: the cap floored at a fair share of the step budget (--long-prefill-token-threshold-adaptive).
 # vLLM 0.32's V1 scheduler has no --max-num-partial-prefills: the cap is its one knob for a long prefill.
 MIXED_VLLM_SYSTEM = re.compile(r"^vllm-(priority-)?chunk([1-9][0-9]*)(?:-cap([1-9][0-9]*)(-adaptive)?)?$")
-MIXED_SYSTEM_FORMS = [*MIXED_TIERED_SYSTEMS, "tiered-fixedN", "vllm-chunkN", "vllm-priority-chunkN",
-                      "vllm-[priority-]chunkN-capM[-adaptive]"]  # fmt: skip
+MIXED_SYSTEM_FORMS = [
+    *MIXED_TIERED_SYSTEMS,
+    "tiered-fixedN",
+    "vllm-chunkN",
+    "vllm-priority-chunkN",
+    "vllm-[priority-]chunkN-capM[-adaptive]",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,7 +136,11 @@ def mixed_system(name: str) -> MixedSystem | None:
     if m := MIXED_FIXED_SYSTEM.match(name):
         return MixedSystem(name, ("scheduler.pieces=fixed", f"scheduler.piece_tokens={m.group(1)}"))
     if m := MIXED_VLLM_SYSTEM.match(name):
-        return MixedSystem(name, vllm_step_tokens=int(m.group(2)), priority=bool(m.group(1)),
-                           vllm_long_prefill_cap=int(m.group(3) or 0),
-                           vllm_adaptive_cap=bool(m.group(4)))  # fmt: skip
+        return MixedSystem(
+            name,
+            vllm_step_tokens=int(m.group(2)),
+            priority=bool(m.group(1)),
+            vllm_long_prefill_cap=int(m.group(3) or 0),
+            vllm_adaptive_cap=bool(m.group(4)),
+        )
     return None

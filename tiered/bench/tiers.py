@@ -165,26 +165,35 @@ def load_vs_compute(cfg: Config, lengths: list[int], repeats: int) -> tuple[list
         best_compute = min(computed) * n / (n + 1)
         num_bytes = n * kv_per_token
         stage = HostStages(
-            n, num_bytes, _copy_seconds(num_bytes, repeats), *best, stored.store_allocate_seconds,
-            stored.store_copy_seconds, stored.store_put_seconds, stored.store_thread_cpu_seconds,
-            _median(timed["offload"]), _median(timed["discard"]),
-        )  # fmt: skip
+            n,
+            num_bytes,
+            _copy_seconds(num_bytes, repeats),
+            *best,
+            stored.store_allocate_seconds,
+            stored.store_copy_seconds,
+            stored.store_put_seconds,
+            stored.store_thread_cpu_seconds,
+            _median(timed["offload"]),
+            _median(timed["discard"]),
+        )
         stages.append(stage)
         r = LoadVsCompute(n, best_load, best_compute, best_load / n, best_compute / n, best_compute / best_load)
         log.info(
             "%6d tokens: load %.1f ms (%.2f us/token), compute %.0f ms (%.1f us/token): compute/load %.1fx",
-            n, 1e3 * r.load_seconds, 1e6 * r.load_seconds_per_token, 1e3 * r.compute_seconds,
-            1e6 * r.compute_seconds_per_token, r.compute_over_load,
-        )  # fmt: skip
+            n,
+            1e3 * r.load_seconds,
+            1e6 * r.load_seconds_per_token,
+            1e3 * r.compute_seconds,
+            1e6 * r.compute_seconds_per_token,
+            r.compute_over_load,
+        )
         out.append(r)
     return out, stages
 
 
 def _delta(before: HostTierStats, after: HostTierStats) -> HostTierStats:
     """The counters' growth between two snapshots."""
-    return HostTierStats(**{
-        f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(HostTierStats)
-    })  # fmt: skip
+    return HostTierStats(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(HostTierStats)})
 
 
 def print_stages(stages: list[HostStages]) -> None:
@@ -245,8 +254,13 @@ def run_sequence(cfg: Config, trace: list[torch.Tensor], suffix: SuffixPolicy) -
     engine.close()
     log.info(
         "suffix %-7s: %.2f s for %d requests; hit tokens device %d, host %d, computed %d",
-        suffix, seconds, len(trace), dev, host, miss,
-    )  # fmt: skip
+        suffix,
+        seconds,
+        len(trace),
+        dev,
+        host,
+        miss,
+    )
     return run
 
 
@@ -254,16 +268,25 @@ def bench_config(model_dir: str, dtype: str, device: str, block_tokens: int, max
     """The engine this benchmark runs: `block_tokens` blocks, every block kept (`retention: all`),
     a 4 GB LMCache CPU tier; the device tier is sized per part."""
     cfg = Config(device=device)
-    cache = CacheConfig(block_tokens=block_tokens, retention="all",
-                        host=HostTierConfig(lmcache={"max_local_cpu_size": 4.0}))  # fmt: skip
+    cache = CacheConfig(
+        block_tokens=block_tokens, retention="all", host=HostTierConfig(lmcache={"max_local_cpu_size": 4.0})
+    )
     model = replace(cfg.model, path=model_dir, dtype=dtype, max_model_len=max_model_len)  # type: ignore[arg-type]
     return replace(cfg, model=model, cache=cache)
 
 
 def run_tiers_bench(
-    cfg: Config, lengths: list[int], users: int, profile_tokens: int, post_tokens: int, rounds: int,
-    device_fraction: float, repeats: int, json_path: str | None, sequence_repeats: int = 1,
-) -> dict[str, object]:  # fmt: skip
+    cfg: Config,
+    lengths: list[int],
+    users: int,
+    profile_tokens: int,
+    post_tokens: int,
+    rounds: int,
+    device_fraction: float,
+    repeats: int,
+    json_path: str | None,
+    sequence_repeats: int = 1,
+) -> dict[str, object]:
     costs, stages = load_vs_compute(cfg, lengths, repeats)
     device_bytes = int(device_fraction * users * profile_tokens * kv_bytes_per_token(cfg))
     sized = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
@@ -290,32 +313,39 @@ def run_tiers_bench(
         ms_load, ms_compute = 1e3 * c.load_seconds, 1e3 * c.compute_seconds
         print(f"{c.num_tokens:>7} {ms_load:>8.1f} {ms_compute:>10.0f} {c.compute_over_load:>11.1f}x")
     print_stages(stages)
-    print(f"\nrevisit trace: {users} users x {rounds} rounds, profile {profile_tokens} + post {post_tokens} tokens, "
-          f"device tier {device_fraction:.0%} of the profiles ({runs[0].device_tier_blocks} blocks)")  # fmt: skip
+    print(
+        f"\nrevisit trace: {users} users x {rounds} rounds, profile {profile_tokens} + post {post_tokens} tokens, "
+        f"device tier {device_fraction:.0%} of the profiles ({runs[0].device_tier_blocks} blocks)"
+    )
     print(f"{'suffix':<8} {'seconds':>8} {'device hit':>10} {'host hit':>9} {'computed':>9}")
     for r in runs:
         hits = f"{r.num_device_hit_tokens:>10} {r.num_host_hit_tokens:>9} {r.num_miss_tokens:>9}"
         print(f"{r.suffix:<8} {r.seconds:>8.2f} {hits}")
     print(f"end to end, discard takes {speedup:.2f}x the time of offload (median of {sequence_repeats} paired runs)")
     print_headline(headline)
-    return write_report(json_path, "tiers", cfg.device, {
-        "model": {"path": cfg.model.path, "dtype": config_precision(cfg).compute},
-        "block_tokens": cfg.cache.block_tokens,
-        "load_vs_compute": [asdict(c) for c in costs],
-        "host_stages": [
-            {**asdict(st), "load_seconds": st.load_seconds, "load_fraction_of_copy": st.load_fraction_of_copy}
-            for st in stages
-        ],
-        "trace": {
-            "users": users,
-            "profile_tokens": profile_tokens,
-            "post_tokens": post_tokens,
-            "rounds": rounds,
-            "device_fraction": device_fraction,
-            "device_tier_bytes": device_bytes,
-        },  # fmt: skip
-        "runs": [asdict(r) for r in runs],
-        "offload_speedup_over_discard": speedup,
-        "sequence_repeats": sequence_repeats,
-        "headline": headline,
-    })  # fmt: skip
+    return write_report(
+        json_path,
+        "tiers",
+        cfg.device,
+        {
+            "model": {"path": cfg.model.path, "dtype": config_precision(cfg).compute},
+            "block_tokens": cfg.cache.block_tokens,
+            "load_vs_compute": [asdict(c) for c in costs],
+            "host_stages": [
+                {**asdict(st), "load_seconds": st.load_seconds, "load_fraction_of_copy": st.load_fraction_of_copy}
+                for st in stages
+            ],
+            "trace": {
+                "users": users,
+                "profile_tokens": profile_tokens,
+                "post_tokens": post_tokens,
+                "rounds": rounds,
+                "device_fraction": device_fraction,
+                "device_tier_bytes": device_bytes,
+            },
+            "runs": [asdict(r) for r in runs],
+            "offload_speedup_over_discard": speedup,
+            "sequence_repeats": sequence_repeats,
+            "headline": headline,
+        },
+    )

@@ -154,9 +154,18 @@ def revisit(
     scale: float = 1.0,
     seed: int = 0,
 ) -> Trace:
-    params = {"users": users, "posts": posts, "rounds": rounds, "profile_mean": profile_mean,
-              "profile_sd": profile_sd, "profile_min": profile_min, "profile_max": profile_max,
-              "post_tokens": post_tokens, "scale": scale, "seed": seed}  # fmt: skip
+    params = {
+        "users": users,
+        "posts": posts,
+        "rounds": rounds,
+        "profile_mean": profile_mean,
+        "profile_sd": profile_sd,
+        "profile_min": profile_min,
+        "profile_max": profile_max,
+        "post_tokens": post_tokens,
+        "scale": scale,
+        "seed": seed,
+    }
     _check(users >= 1 and posts >= 1 and rounds >= 1, "users, posts and rounds must be >= 1")
     d = _Draw(vocab, seed)
     profiles = d.profiles(users, profile_mean, profile_sd, profile_min, profile_max, scale)
@@ -191,9 +200,19 @@ def visits(
 
     A finite Zipf law, so any exponent >= 0 works (0: uniform). With the defaults, the 5 most popular
     of 64 users make about half of the visits (54% expected), and a dozen users never come."""
-    params = {"users": users, "visits": visits, "posts": posts, "profile_mean": profile_mean,
-              "profile_sd": profile_sd, "profile_min": profile_min, "profile_max": profile_max,
-              "post_tokens": post_tokens, "zipf": zipf, "scale": scale, "seed": seed}  # fmt: skip
+    params = {
+        "users": users,
+        "visits": visits,
+        "posts": posts,
+        "profile_mean": profile_mean,
+        "profile_sd": profile_sd,
+        "profile_min": profile_min,
+        "profile_max": profile_max,
+        "post_tokens": post_tokens,
+        "zipf": zipf,
+        "scale": scale,
+        "seed": seed,
+    }
     _check(users >= 1 and visits >= 1 and posts >= 1, "users, visits and posts must be >= 1")
     _check(zipf >= 0, f"the Zipf exponent must be >= 0, got {zipf}")
     d = _Draw(vocab, seed)
@@ -209,9 +228,13 @@ def visits(
 
 
 def credit_verification(
-    vocab: list[int], users: int = 16, min_tokens: int = 40000, max_tokens: int = 60000, scale: float = 1.0,
+    vocab: list[int],
+    users: int = 16,
+    min_tokens: int = 40000,
+    max_tokens: int = 60000,
+    scale: float = 1.0,
     seed: int = 0,
-) -> Trace:  # fmt: skip
+) -> Trace:
     _check(users >= 1 and 1 <= min_tokens <= max_tokens and scale > 0, "need users >= 1, 1 <= min <= max, scale > 0")
     params = {"users": users, "min_tokens": min_tokens, "max_tokens": max_tokens, "scale": scale, "seed": seed}
     d = _Draw(vocab, seed)

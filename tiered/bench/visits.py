@@ -145,10 +145,16 @@ def lora_calls(visits: list[Visit], k: int) -> list[Call]:
 def _adapters(model_dir: Path, k: int, out_dir: Path) -> dict[str, Path]:
     """K seeded adapters of the model (made once per folder and reused)."""
     root = out_dir / "adapters"
-    return {f"lora{i}": (root / f"lora{i}" if (root / f"lora{i}" / "adapter_config.json").exists() else
-                         make_adapter(model_dir, root / f"lora{i}", rank=LORA_RANK, alpha=2.0 * LORA_RANK,
-                                      targets=LORA_TARGETS, seed=i))
-            for i in range(k)}  # fmt: skip
+    return {
+        f"lora{i}": (
+            root / f"lora{i}"
+            if (root / f"lora{i}" / "adapter_config.json").exists()
+            else make_adapter(
+                model_dir, root / f"lora{i}", rank=LORA_RANK, alpha=2.0 * LORA_RANK, targets=LORA_TARGETS, seed=i
+            )
+        )
+        for i in range(k)
+    }
 
 
 def working_set_tokens(trace: Trace, block_tokens: int) -> int:
@@ -170,8 +176,9 @@ def vllm_prefix_cache_tokens(url: str) -> tuple[int, int]:
     return int(totals[VLLM_COUNTERS[0]]), int(totals[VLLM_COUNTERS[1]])
 
 
-def physical_limit(a: ModelArgs, cache: CacheUse, num_prompts: int, num_visits: int, visits_per_s: float,
-                   matmul_rate: float) -> PhysicalLimit:  # fmt: skip
+def physical_limit(
+    a: ModelArgs, cache: CacheUse, num_prompts: int, num_visits: int, visits_per_s: float, matmul_rate: float
+) -> PhysicalLimit:
     """`num_prompts` forwards of the run's mean split: computed tokens attending to a cached prefix.
 
     Attention over the cached prefix costs FLOPs too, so a token's cost depends on the split;

@@ -70,8 +70,10 @@ class RouteHeaders:
 
         async def send_named(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start" and route["replica"]:
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-tiered-replica", route["replica"].encode())]}  # fmt: skip
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-tiered-replica", route["replica"].encode())],
+                }
             await send(message)
 
         await self.app(scope, receive, send_named)
@@ -146,8 +148,14 @@ class ReplicaClient:
         route = ROUTE.get() or {}
         first = reqs[0]
         c = self.config
-        key = route_key(first.token_ids, c.cache.block_tokens, c.cluster.affinity_tokens, route.get("user"),
-                        first.cache_salt, first.lora_name)  # fmt: skip
+        key = route_key(
+            first.token_ids,
+            c.cache.block_tokens,
+            c.cluster.affinity_tokens,
+            route.get("user"),
+            first.cache_salt,
+            first.lora_name,
+        )
         frames = [encode(r) for r in reqs]
         tokens = sum(len(r.token_ids) for r in reqs)
         for r in reqs:
@@ -160,15 +168,25 @@ class ReplicaClient:
                     reply = await wait_answers(self, answer, len(reqs), disconnected)
                 except RayActorError as exc:  # the replica died (ActorDiedError): nothing runs there any more
                     if attempt == 2:
-                        raise APIError(503, "the engine replica serving this request died, and so did the one it was "
-                                       "retried on; retry shortly", type_="service_unavailable") from None  # fmt: skip
-                    log.warning("an engine replica died holding %d request(s) (%s); retrying them on another",
-                                len(reqs), type(exc).__name__)  # fmt: skip
+                        raise APIError(
+                            503,
+                            "the engine replica serving this request died, and so did the one it was "
+                            "retried on; retry shortly",
+                            type_="service_unavailable",
+                        ) from None
+                    log.warning(
+                        "an engine replica died holding %d request(s) (%s); retrying them on another",
+                        len(reqs),
+                        type(exc).__name__,
+                    )
                     continue
                 except ActorUnavailableError:  # unreachable for now, maybe still computing: not retried
                     call.cancel()
-                    raise APIError(503, "the engine replica serving this request is unreachable; retry shortly",
-                                   type_="service_unavailable") from None  # fmt: skip
+                    raise APIError(
+                        503,
+                        "the engine replica serving this request is unreachable; retry shortly",
+                        type_="service_unavailable",
+                    ) from None
                 except BaseException:
                     call.cancel()  # Ray Serve cancels it in the replica, which cancels it in its engine
                     answer.cancel()
@@ -185,5 +203,8 @@ class ReplicaClient:
                 self.pending.pop(r.request_id, None)
 
     async def adapter(self, name: str, path: str | None) -> AdapterReply:
-        raise APIError(501, "runtime LoRA updates are not available with replicas: list the adapters in "
-                       "lora.modules (--lora-modules)", type_="not_implemented")  # fmt: skip
+        raise APIError(
+            501,
+            "runtime LoRA updates are not available with replicas: list the adapters in lora.modules (--lora-modules)",
+            type_="not_implemented",
+        )

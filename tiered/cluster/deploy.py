@@ -60,10 +60,14 @@ class EngineReplica:
     def info(self) -> dict[str, Any]:
         ready = self.client.ready
         engine = self.client.process
-        return {"replica": self.replica, "pid": os.getpid(), "engine_pid": engine.pid if engine else None,
-                "max_model_len": ready.max_model_len if ready else 0,
-                "vocab_size": ready.vocab_size if ready else 0,
-                "precision": ready.precision if ready else {}}  # fmt: skip
+        return {
+            "replica": self.replica,
+            "pid": os.getpid(),
+            "engine_pid": engine.pid if engine else None,
+            "max_model_len": ready.max_model_len if ready else 0,
+            "vocab_size": ready.vocab_size if ready else 0,
+            "precision": ready.precision if ready else {},
+        }
 
     def check_health(self) -> None:
         if self.client.gave_up:
@@ -112,8 +116,10 @@ def build(config: Config, app_kwargs: dict[str, Any] | None = None) -> Any:
     """The Ray Serve application (not yet running)."""
     c = config.cluster
     if config.lora.allow_runtime_updates:
-        raise ConfigError("lora.allow_runtime_updates: runtime LoRA updates are not available with replicas; "
-                          "list the adapters in lora.modules (--lora-modules)")  # fmt: skip
+        raise ConfigError(
+            "lora.allow_runtime_updates: runtime LoRA updates are not available with replicas; "
+            "list the adapters in lora.modules (--lora-modules)"
+        )
     gpus = c.gpus_per_replica if c.gpus_per_replica is not None else (1.0 if config.device.startswith("cuda") else 0.0)
     router_fields: dict[str, Any] = {
         "request_router_class": "tiered.cluster.router.AffinityRouter",
@@ -133,9 +139,12 @@ def build(config: Config, app_kwargs: dict[str, Any] | None = None) -> Any:
         request_router_config=router,
     )
     ingress: Any = serve.deployment(
-        serve.ingress()(Ingress), name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        serve.ingress()(Ingress),
+        name="Ingress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max(config.scheduler.max_waiting * c.replicas, 1) + 64,
-    )  # fmt: skip
+    )
     cfg = replica_config(config)
     return ingress.bind(engine.bind(cfg), cfg, app_kwargs or {})
 
@@ -144,13 +153,16 @@ def deploy(config: Config, host: str = "127.0.0.1", port: int = 8000, app_kwargs
     """Join the Ray cluster at `config.cluster.address` (None: start one on this machine), deploy
     the replicas and the ingress, and return the ingress's URL once every replica serves."""
     if not ray.is_initialized():
-        ray.init(address=config.cluster.address, include_dashboard=False, configure_logging=False,
-                 log_to_driver=True)  # fmt: skip
+        ray.init(address=config.cluster.address, include_dashboard=False, configure_logging=False, log_to_driver=True)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build(config, app_kwargs), name=APP_NAME, route_prefix="/")
     url = f"http://{host}:{port}"
-    log.info("%d engine replica(s) serve at %s (Ray Serve; routing: %s)", config.cluster.replicas, url,
-             config.cluster.routing)  # fmt: skip
+    log.info(
+        "%d engine replica(s) serve at %s (Ray Serve; routing: %s)",
+        config.cluster.replicas,
+        url,
+        config.cluster.routing,
+    )
     return url
 
 
@@ -162,9 +174,7 @@ def shutdown() -> None:
     ray.shutdown()
 
 
-def serve_until_stopped(
-    config: Config, host: str, port: int, app_kwargs: dict[str, Any] | None = None
-) -> None:  # fmt: skip
+def serve_until_stopped(config: Config, host: str, port: int, app_kwargs: dict[str, Any] | None = None) -> None:
     """`tiered serve --replicas N`: deploy, then wait for SIGINT/SIGTERM and take everything down."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

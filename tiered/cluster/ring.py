@@ -55,7 +55,7 @@ class Ring:
 
 def bounded_choice(
     ring: Ring, key: int, loads: Mapping[str, float], cost: float, epsilon: float, total: float | None = None
-) -> str:  # fmt: skip
+) -> str:
     """The first replica on `key`'s ring walk that can take `cost` more and stay within its
     capacity: (1 + epsilon) x the mean load once this request is placed, plus this request (the
     paper's ceiling, for loads in tokens rather than unit requests). So an idle replica always has
@@ -77,9 +77,13 @@ def user_key(user: str) -> int:
 
 
 def route_key(
-    token_ids: Sequence[int], block_tokens: int, affinity_tokens: int, user: str | None = None,
-    salt: str | None = None, adapter: str | None = None,
-) -> int:  # fmt: skip
+    token_ids: Sequence[int],
+    block_tokens: int,
+    affinity_tokens: int,
+    user: str | None = None,
+    salt: str | None = None,
+    adapter: str | None = None,
+) -> int:
     """Where on the ring a request lands: its `x-user-id` when the client sent one, else the chained
     key of the prompt's first whole blocks (up to `affinity_tokens`), which is the device tier's
     key of that block: requests that share those blocks share a replica. A prompt shorter than a

@@ -156,16 +156,28 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         require(self.fairness >= 0, "scheduler.fairness", f"must be >= 0, got {self.fairness}")
-        require(self.default_slo_ms is None or 0 < self.default_slo_ms <= 1e9, "scheduler.default_slo_ms",
-                 f"must be in (0, 1e9] ms or null, got {self.default_slo_ms}")  # fmt: skip
-        require(self.piece_tokens >= 1 and self.max_yield_delay >= 0, "scheduler.piece_tokens",
-                 "piece_tokens must be >= 1 and max_yield_delay >= 0")  # fmt: skip
+        require(
+            self.default_slo_ms is None or 0 < self.default_slo_ms <= 1e9,
+            "scheduler.default_slo_ms",
+            f"must be in (0, 1e9] ms or null, got {self.default_slo_ms}",
+        )
+        require(
+            self.piece_tokens >= 1 and self.max_yield_delay >= 0,
+            "scheduler.piece_tokens",
+            "piece_tokens must be >= 1 and max_yield_delay >= 0",
+        )
         require(self.max_waiting >= 1, "scheduler.max_waiting", f"must be >= 1, got {self.max_waiting}")
         require(self.max_batch_tokens >= 0, "scheduler.max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
-        require(bool(self.profile_tokens) and min(self.profile_tokens) >= 2, "scheduler.profile_tokens",
-                 "must list lengths >= 2")  # fmt: skip
-        require(all(0 < f <= 1 for f in self.profile_miss_fractions), "scheduler.profile_miss_fractions",
-                 "must be in (0, 1]")  # fmt: skip
+        require(
+            bool(self.profile_tokens) and min(self.profile_tokens) >= 2,
+            "scheduler.profile_tokens",
+            "must list lengths >= 2",
+        )
+        require(
+            all(0 < f <= 1 for f in self.profile_miss_fractions),
+            "scheduler.profile_miss_fractions",
+            "must be in (0, 1]",
+        )
 
 
 @dataclass(slots=True)
@@ -226,10 +238,16 @@ class EngineConfig:
         require(self.threads >= 0, "engine.threads", f"must be >= 0, got {self.threads}")
         require(self.pipeline_stages >= 1, "engine.pipeline_stages", f"must be >= 1, got {self.pipeline_stages}")
         require(self.threads_per_stage >= 0, "engine.threads_per_stage", f"must be >= 0, got {self.threads_per_stage}")
-        require(self.pipeline_microbatches >= 0, "engine.pipeline_microbatches",
-                f"must be >= 0, got {self.pipeline_microbatches}")  # fmt: skip
-        require(self.pipeline_batches_in_flight >= 0, "engine.pipeline_batches_in_flight",
-                f"must be >= 0, got {self.pipeline_batches_in_flight}")  # fmt: skip
+        require(
+            self.pipeline_microbatches >= 0,
+            "engine.pipeline_microbatches",
+            f"must be >= 0, got {self.pipeline_microbatches}",
+        )
+        require(
+            self.pipeline_batches_in_flight >= 0,
+            "engine.pipeline_batches_in_flight",
+            f"must be >= 0, got {self.pipeline_batches_in_flight}",
+        )
         require(self.pipeline_timeout_s > 0, "engine.pipeline_timeout_s", f"must be > 0, got {self.pipeline_timeout_s}")
 
 
@@ -272,8 +290,11 @@ class LoraConfig:
         require(self.max_lora_rank >= 1, "lora.max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
         require(self.enabled or not self.modules, "lora.modules", "needs lora.enabled: true (--enable-lora)")
         for name, path in self.modules.items():
-            require(isinstance(name, str) and bool(name) and isinstance(path, str) and bool(path),
-                     "lora.modules", f"must map adapter names to folders, got {name!r}: {path!r}")  # fmt: skip
+            require(
+                isinstance(name, str) and bool(name) and isinstance(path, str) and bool(path),
+                "lora.modules",
+                f"must map adapter names to folders, got {name!r}: {path!r}",
+            )
 
 
 @dataclass(slots=True)
@@ -305,12 +326,18 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         require(self.replicas >= 1, "cluster.replicas", f"must be >= 1, got {self.replicas}")
         require(self.cpus_per_replica > 0, "cluster.cpus_per_replica", f"must be > 0, got {self.cpus_per_replica}")
-        require(self.gpus_per_replica is None or self.gpus_per_replica >= 0, "cluster.gpus_per_replica",
-                 f"must be >= 0, got {self.gpus_per_replica}")  # fmt: skip
+        require(
+            self.gpus_per_replica is None or self.gpus_per_replica >= 0,
+            "cluster.gpus_per_replica",
+            f"must be >= 0, got {self.gpus_per_replica}",
+        )
         require(self.load_factor > 0, "cluster.load_factor", f"must be > 0, got {self.load_factor}")
         require(self.affinity_tokens >= 1, "cluster.affinity_tokens", f"must be >= 1, got {self.affinity_tokens}")
-        require(self.health_check_period_s > 0 and self.health_check_timeout_s > 0, "cluster.health_check_period_s",
-                 "the health check's period and timeout must be > 0")  # fmt: skip
+        require(
+            self.health_check_period_s > 0 and self.health_check_timeout_s > 0,
+            "cluster.health_check_period_s",
+            "the health check's period and timeout must be > 0",
+        )
 
 
 @dataclass(slots=True)
@@ -339,7 +366,10 @@ class Config:
         """What a pipeline of stages does not support yet, refused by name rather than ignored."""
         later = "is not yet supported with engine.pipeline_stages > 1"
         for key in ("remote_url", "local_disk"):  # each stage's LMCache holds its layers' chunks in its memory
-            require(not self.cache.host.lmcache.get(key), f"cache.host.lmcache.{key}",
-                    f"a shared or disk backend {later} (each stage's host tier is in its own memory)")  # fmt: skip
+            require(
+                not self.cache.host.lmcache.get(key),
+                f"cache.host.lmcache.{key}",
+                f"a shared or disk backend {later} (each stage's host tier is in its own memory)",
+            )
         require(self.forward.mode != "chunked", "forward.mode", f"'chunked' {later} (use hybrid or vanilla)")
         require(self.cluster.replicas == 1, "cluster.replicas", f"replicas {later}")

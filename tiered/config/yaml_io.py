@@ -49,9 +49,7 @@ def _check_value(value: Any, hint: Any, key: str) -> Any:
     elif hint is int:
         require(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
     elif hint is float:
-        require(
-            isinstance(value, int | float) and not isinstance(value, bool), key, f"must be a number, got {value!r}"
-        )
+        require(isinstance(value, int | float) and not isinstance(value, bool), key, f"must be a number, got {value!r}")
         return float(value)
     elif hint is str:
         require(isinstance(value, str), key, f"must be a string, got {value!r}")

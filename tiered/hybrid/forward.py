@@ -89,8 +89,13 @@ def _check_lead(items: Sequence[BatchItem], i: int) -> None:
     if item.lead is None:
         return
     lead = items[item.lead] if 0 <= item.lead < len(items) else None
-    if (lead is None or lead.lead is not None or item.lead == i or lead.prefix_kv is not item.prefix_kv
-            or lead.adapter is not item.adapter):  # fmt: skip
+    if (
+        lead is None
+        or lead.lead is not None
+        or item.lead == i
+        or lead.prefix_kv is not item.prefix_kv
+        or lead.adapter is not item.adapter
+    ):
         raise ForwardInputError(
             f"item {i}: lead {item.lead} must be another item, not a follower, on the same prefix and adapter"
         )
@@ -223,9 +228,13 @@ def _pack(items: Sequence[BatchItem]) -> tuple[list[int], list[_Group]]:
 
 
 def _layer_by_layer(
-    model: CausalLM, items: Sequence[BatchItem], prefix_lens: list[int], chunk: int, hold_kv: bool,
+    model: CausalLM,
+    items: Sequence[BatchItem],
+    prefix_lens: list[int],
+    chunk: int,
+    hold_kv: bool,
     hidden: Tensor | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """hybrid (chunk < N, KV dropped per layer) and vanilla (chunk = N, KV held to the end).
 
     Per layer: K,V of all packed tokens, chunk by chunk; then, chunk by chunk, the chunk's

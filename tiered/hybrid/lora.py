@@ -103,8 +103,15 @@ def _shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each target module."""
     d, f = args.hidden_size, args.intermediate_size
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
+    return {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
 
 
 def _pattern_value(patterns: dict[str, Any], module_path: str, default: Any) -> Any:
@@ -142,8 +149,10 @@ def read_adapter(name: str, folder: str | Path, args: ModelArgs, max_rank: int) 
         cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
         for path in (cfg_path, weights_path):
             if not path.is_file():
-                raise AdapterNotFoundError(f"adapter '{name}': {path} does not exist (a PEFT LoRA folder holds "
-                                           f"{CONFIG_FILE} and {WEIGHTS_FILE})")  # fmt: skip
+                raise AdapterNotFoundError(
+                    f"adapter '{name}': {path} does not exist (a PEFT LoRA folder holds "
+                    f"{CONFIG_FILE} and {WEIGHTS_FILE})"
+                )
         return _read_adapter(name, folder, cfg_path, weights_path, args, max_rank)
     except (OSError, RuntimeError) as exc:  # unreadable, or `~user` that does not exist
         raise AdapterError(f"adapter '{name}': {folder} cannot be read ({exc})") from None
@@ -190,12 +199,15 @@ def _read_adapter(
     for key, shape in shapes.items():
         m = _KEY.match(key)
         if m is None or m.group(2) not in expected:
-            raise AdapterError(f"adapter '{name}': {weights_path}: tensor '{key}' is not a LoRA A/B weight of "
-                               f"{', '.join(TARGET_MODULES)} (other targets are not supported)")  # fmt: skip
+            raise AdapterError(
+                f"adapter '{name}': {weights_path}: tensor '{key}' is not a LoRA A/B weight of "
+                f"{', '.join(TARGET_MODULES)} (other targets are not supported)"
+            )
         layer, module = int(m.group(1)), m.group(2)
         if layer >= args.num_layers:
-            raise AdapterError(f"adapter '{name}': {weights_path}: tensor '{key}' names layer {layer}; "
-                               f"the model has {args.num_layers}")  # fmt: skip
+            raise AdapterError(
+                f"adapter '{name}': {weights_path}: tensor '{key}' names layer {layer}; the model has {args.num_layers}"
+            )
         found.setdefault((layer, module), {})[m.group(3)] = shape
     if not found:
         raise AdapterError(f"adapter '{name}': {weights_path} holds no LoRA weights")
@@ -218,8 +230,9 @@ def _read_adapter(
         scales[f"{layer}.{module}"] = alpha_mod / (math.sqrt(r_mod) if rslora else r_mod)
         rank = max(rank, r_mod)
     if rank > max_rank:
-        raise AdapterError(f"adapter '{name}': {cfg_path}: field 'r' is {rank}, above lora.max_lora_rank "
-                           f"(--max-lora-rank) {max_rank}")  # fmt: skip
+        raise AdapterError(
+            f"adapter '{name}': {cfg_path}: field 'r' is {rank}, above lora.max_lora_rank (--max-lora-rank) {max_rank}"
+        )
     identity = _digest(cfg_path.read_bytes(), weights_path.read_bytes())
     targets = tuple(m for m in TARGET_MODULES if any(mod == m for _, mod in found))
     return AdapterSpec(name, folder, rank, targets, identity, scales)

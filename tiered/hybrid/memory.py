@@ -65,9 +65,15 @@ class GatheredPrefix(Sequence[LayerKV]):
 
 
 def measure_forward_peak(
-    model: CausalLM, num_tokens: int, mode: ForwardMode, chunk_tokens: int, num_requests: int = 1,
-    prefix_tokens: int = 0, first_stage: bool = True, last_stage: bool = True,
-) -> ForwardPeak:  # fmt: skip
+    model: CausalLM,
+    num_tokens: int,
+    mode: ForwardMode,
+    chunk_tokens: int,
+    num_requests: int = 1,
+    prefix_tokens: int = 0,
+    first_stage: bool = True,
+    last_stage: bool = True,
+) -> ForwardPeak:
     """Run one forward of `num_tokens` random tokens and return its memory peak.
 
     With `num_requests` > 1 it is a batch: that many requests of `num_tokens` new tokens each,

@@ -144,9 +144,14 @@ def _linear_accumulate_(acc: Tensor, x: Tensor, proj: nn.Linear) -> None:
 
 
 def kv_step(
-    layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_out: Tensor, v_out: Tensor,
+    layer: DecoderLayer,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_out: Tensor,
+    v_out: Tensor,
     lora: LoraSlice | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Norm, k/v projections (plus each row's adapter, if any) and RoPE of keys for a slice of
     tokens x [n, D] into k/v [n, Hkv, Dh]."""
     attn = layer.self_attn

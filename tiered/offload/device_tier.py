@@ -76,9 +76,16 @@ class DeviceTier:
     """
 
     def __init__(
-        self, args: ModelArgs, block_tokens: int, budget_bytes: int, dtype: torch.dtype, device: str | torch.device,
-        *, num_blocks: int | None = None, hold_kv: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        args: ModelArgs,
+        block_tokens: int,
+        budget_bytes: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        *,
+        num_blocks: int | None = None,
+        hold_kv: bool = True,
+    ) -> None:
         """`num_blocks`: the pool's size (default: what `budget_bytes` holds). `hold_kv=False`: the
         index alone, with a pool of no layers: a pipeline's coordinator decides, and each stage
         process keeps its layers' KV in a pool of the same block ids (tiered/pipeline)."""

@@ -64,8 +64,13 @@ class Host(Protocol):
 
     def get(self, keys: Sequence[int]) -> tuple[list[Any], int]: ...
 
-    def load(self, objs: Sequence[Any], block_ids: Sequence[int], views: Callable[[Sequence[int]], list[Tensor]],
-             num_remote: int = 0) -> None: ...  # fmt: skip
+    def load(
+        self,
+        objs: Sequence[Any],
+        block_ids: Sequence[int],
+        views: Callable[[Sequence[int]], list[Tensor]],
+        num_remote: int = 0,
+    ) -> None: ...
 
     def release(self, objs: Sequence[Any]) -> None: ...
 

@@ -49,8 +49,16 @@ _KEY_MASK = (1 << 64) - 1  # LMCache prints chunk hashes in hex: keep them unsig
 class HostTier:
     """LMCache's storage (CPU, disk, remote backends as configured) keyed by our block keys."""
 
-    def __init__(self, cfg: HostTierConfig, block_tokens: int, args: ModelArgs, dtype: torch.dtype, instance_id: str,
-                 model_name: str | None = None, evict: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: HostTierConfig,
+        block_tokens: int,
+        args: ModelArgs,
+        dtype: torch.dtype,
+        instance_id: str,
+        model_name: str | None = None,
+        evict: bool = True,
+    ) -> None:
         """`instance_id` names this tier's LMCache engine in the process; `model_name` (default:
         the instance id) is LMCache's model name, part of every chunk key: engines that share a
         remote store (`remote_url`) share chunks when they give the same name (the model's identity).
@@ -66,8 +74,9 @@ class HostTier:
         self.chunk_bytes = block_tokens * args.kv_bytes_per_token(dtype)
         self._dtype, self._evict = dtype, evict
         self._engine, config = lm.start_lmcache(cfg.lmcache, args, block_tokens, dtype, instance_id, model_name)
-        local_gb = float(config.max_local_cpu_size or 0) + (float(config.max_local_disk_size or 0)
-                                                            if config.local_disk else 0.0)  # fmt: skip
+        local_gb = float(config.max_local_cpu_size or 0) + (
+            float(config.max_local_disk_size or 0) if config.local_disk else 0.0
+        )
         # How many chunks this tier's local backends hold (a remote store's size is unknown: keys we
         # learn of it are bounded with the local ones, and a forgotten one costs only a lookup).
         self.capacity_chunks = int(local_gb * 2**30 / self.chunk_bytes)
@@ -152,8 +161,13 @@ class HostTier:
             lm.touch_local(self._storage, [self._key(k) for k in keys[: len(out)]])  # a hit: just used
         return out, num_remote
 
-    def load(self, objs: Sequence[Any], block_ids: Sequence[int], views: Callable[[Sequence[int]], list[Tensor]],
-             num_remote: int = 0) -> None:  # fmt: skip
+    def load(
+        self,
+        objs: Sequence[Any],
+        block_ids: Sequence[int],
+        views: Callable[[Sequence[int]], list[Tensor]],
+        num_remote: int = 0,
+    ) -> None:
         """`copy_into` the device-tier blocks `block_ids` (`views` gives their tensors)."""
         self.copy_into(objs, views(block_ids), num_remote)
 

@@ -203,9 +203,13 @@ def reentrant_observability_lock() -> None:
 
 
 def start_lmcache(
-    lmcache_options: dict[str, Any], args: ModelArgs, block_tokens: int, dtype: torch.dtype, instance_id: str,
+    lmcache_options: dict[str, Any],
+    args: ModelArgs,
+    block_tokens: int,
+    dtype: torch.dtype,
+    instance_id: str,
     model_name: str,
-) -> tuple[Any, Any]:  # fmt: skip
+) -> tuple[Any, Any]:
     """An LMCache engine for chunks of `block_tokens` tokens of this model's KV, and its config.
     `lmcache_options` are LMCache's own keys (`cache.host.lmcache`): an unknown one is an error."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -217,20 +221,26 @@ def start_lmcache(
     for key in lmcache_options:
         if key not in known:
             raise ConfigError(f"unknown config key 'cache.host.lmcache.{key}' (not an LMCache 0.5.6 key)")
-    config = lmcache_config({
-        **lmcache_options,
-        "chunk_size": block_tokens,
-        "save_unfull_chunk": False,
-        "py_enable_gc": True,  # LMCache would otherwise disable Python's GC process-wide
-    })  # fmt: skip
+    config = lmcache_config(
+        {
+            **lmcache_options,
+            "chunk_size": block_tokens,
+            "save_unfull_chunk": False,
+            "py_enable_gc": True,  # LMCache would otherwise disable Python's GC process-wide
+        }
+    )
     metadata = LMCacheMetadata(
-        model_name=model_name, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0, kv_dtype=dtype,
-        kv_shape=(args.num_layers, 2, block_tokens, args.num_kv_heads, args.head_dim), chunk_size=block_tokens,
-    )  # fmt: skip
+        model_name=model_name,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=dtype,
+        kv_shape=(args.num_layers, 2, block_tokens, args.num_kv_heads, args.head_dim),
+        chunk_size=block_tokens,
+    )
     # We never call LMCache's token-level store/retrieve, so it needs no GPU connector.
-    engine = LMCacheEngineBuilder.get_or_create(instance_id, config, metadata, None, lambda t, r: None,
-                                                lambda o, r: o)  # fmt: skip
+    engine = LMCacheEngineBuilder.get_or_create(instance_id, config, metadata, None, lambda t, r: None, lambda o, r: o)
     engine.post_init()
     quiet_lmcache()
     return engine, config
-

@@ -30,9 +30,12 @@ class PrefixLoader:
     during `prepare`) and the one prefetch thread; the device tier and `host_keys` lock for themselves."""
 
     def __init__(
-        self, device_tier: DeviceTier, host_tier: Host | None, host_keys: HostKeys,
+        self,
+        device_tier: DeviceTier,
+        host_tier: Host | None,
+        host_keys: HostKeys,
         on_change: Callable[[Iterable[int]], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.device_tier, self.host_tier, self.host_keys = device_tier, host_tier, host_keys
         self.block_tokens = device_tier.block_tokens
         self.on_change = on_change  # keys whose tier changed (the scheduler re-scores their requests)

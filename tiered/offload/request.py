@@ -76,8 +76,9 @@ class StoreBatch:
         """Copy `layer`'s K,V of chunk i from rows rows[i] to rows[i] + block_tokens of a forward's k, v."""
         bt = self.views[0].shape[2] if self.views else 0
         dst = [view[0, layer] for view in self.views] + [view[1, layer] for view in self.views]
-        torch._foreach_copy_(dst, [k[r : r + bt] for r in rows] + [v[r : r + bt] for r in rows],
-                             non_blocking=non_blocking)  # fmt: skip
+        torch._foreach_copy_(
+            dst, [k[r : r + bt] for r in rows] + [v[r : r + bt] for r in rows], non_blocking=non_blocking
+        )
 
 
 @dataclass(slots=True)

@@ -140,9 +140,12 @@ class KVTiers:
     # ---- loading ---------------------------------------------------------------------------
 
     def prepare(
-        self, req: TierRequest, shared_keys: Collection[int] = (), planned_keys: set[int] | None = None,
+        self,
+        req: TierRequest,
+        shared_keys: Collection[int] = (),
+        planned_keys: set[int] | None = None,
         park: bool = False,
-    ) -> Prepared:  # fmt: skip
+    ) -> Prepared:
         """Pin the request's prefix (loading host hits) and plan its retention and offload.
 
         `shared_keys`: block keys of other waiting requests, for the `prefix` retention policy.
@@ -155,8 +158,7 @@ class KVTiers:
         prefix, loaded, remote, load = self.loader.find_prefix(req)
         try:
             from_host = set(prefetched) | set(loaded)
-            return self._plan(req, prefix, from_host, from_remote | remote, wait, load, shared_keys, planned_keys,
-                              park)  # fmt: skip
+            return self._plan(req, prefix, from_host, from_remote | remote, wait, load, shared_keys, planned_keys, park)
         except BaseException:
             self.device_tier.unpin(prefix)  # what _plan pinned it released itself
             raise
@@ -342,4 +344,3 @@ class KVTiers:
         self.loader.close()
         if self.host_tier is not None:
             self.host_tier.close()
-

@@ -64,8 +64,9 @@ class StagedHost:
     """The coordinator's host tier: the index of the chunks every stage's LMCache holds (`Host`).
     Threads: the engine loop, the prefetch thread (loads) and nothing else; one lock."""
 
-    def __init__(self, cfg: HostTierConfig, capacity_chunks: int, chunk_bytes: int, block_tokens: int,
-                 model_name: str) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: HostTierConfig, capacity_chunks: int, chunk_bytes: int, block_tokens: int, model_name: str
+    ) -> None:
         self.cfg, self.capacity_chunks, self.model_name = cfg, capacity_chunks, model_name
         self.chunk_bytes, self.block_tokens = chunk_bytes, block_tokens
         self.remote_url: str | None = None
@@ -100,8 +101,13 @@ class StagedHost:
         with self._lock:
             return [k for k in keys if k not in self._held]
 
-    def load(self, objs: Sequence[Any], block_ids: Sequence[int], views: Callable[[Sequence[int]], list[Tensor]],
-             num_remote: int = 0) -> None:  # fmt: skip
+    def load(
+        self,
+        objs: Sequence[Any],
+        block_ids: Sequence[int],
+        views: Callable[[Sequence[int]], list[Tensor]],
+        num_remote: int = 0,
+    ) -> None:
         """Every stage loads chunk `objs[i]` into its block `block_ids[i]` before the next batch."""
         with self._lock:
             self._ops.before.extend((LOAD, key, b) for key, b in zip(objs, block_ids, strict=True))
@@ -242,15 +248,20 @@ def staged_host(config: Config, args: ModelArgs, kv_dtype: str, model_name: str)
     chunk_bytes = bt * args.kv_bytes_per_token(DTYPES[kv_dtype])
     capacity = int(float(lmcache_config(host.lmcache).max_local_cpu_size or 0) * 2**30 // chunk_bytes)
     if capacity < 1:
-        raise ConfigError(f"config key 'cache.host.lmcache.max_local_cpu_size': holds no {chunk_bytes}-byte chunk "
-                          "of the model")  # fmt: skip
-    log.info("host tier: LMCache in every stage, one index of %d chunks (%.1f MiB of the whole model's K,V)", capacity,
-             capacity * chunk_bytes / 2**20)  # fmt: skip
+        raise ConfigError(
+            f"config key 'cache.host.lmcache.max_local_cpu_size': holds no {chunk_bytes}-byte chunk of the model"
+        )
+    log.info(
+        "host tier: LMCache in every stage, one index of %d chunks (%.1f MiB of the whole model's K,V)",
+        capacity,
+        capacity * chunk_bytes / 2**20,
+    )
     return StagedHost(host, capacity, chunk_bytes, bt, model_name)
 
 
-def stage_host_config(cfg: HostTierConfig, capacity_chunks: int, stage_chunk_bytes: int,
-                      in_flight_chunks: int) -> HostTierConfig:  # fmt: skip
+def stage_host_config(
+    cfg: HostTierConfig, capacity_chunks: int, stage_chunk_bytes: int, in_flight_chunks: int
+) -> HostTierConfig:
     """A stage's LMCache: room for the index's chunks of its layers, STAGE_ROOM to spare, and the
     chunks the batches in the pipe may store before their DROPs run (`in_flight_chunks`), in its
     CPU memory; no disk or remote backend (the config refuses them with stages)."""
@@ -263,11 +274,13 @@ def stage_host_config(cfg: HostTierConfig, capacity_chunks: int, stage_chunk_byt
 class StageHost:
     """A stage's LMCache tier of its layers, doing what the coordinator's `StagedHost` decided."""
 
-    def __init__(self, cfg: HostTierConfig, block_tokens: int, args: ModelArgs, dtype: torch.dtype, stage: int,
-                 model_name: str) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: HostTierConfig, block_tokens: int, args: ModelArgs, dtype: torch.dtype, stage: int, model_name: str
+    ) -> None:
         # LMCache never evicts on its own here (the index does): a store without room is reported dropped.
-        self.tier = HostTier(cfg, block_tokens, args, dtype, f"stage-{stage}-{uuid.uuid4().hex[:8]}", model_name,
-                             evict=False)  # fmt: skip
+        self.tier = HostTier(
+            cfg, block_tokens, args, dtype, f"stage-{stage}-{uuid.uuid4().hex[:8]}", model_name, evict=False
+        )
         self.missed: list[int] = []  # this batch's LOADs that found no chunk
         self.dropped: list[int] = []  # this batch's stores that found no memory
 

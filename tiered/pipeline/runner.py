@@ -67,8 +67,9 @@ def _stage_device(device: str, stage: int) -> str:
     return f"cuda:{base + stage}"
 
 
-def pool_blocks(specs: Sequence[StageSpec], loaded: Sequence[StageLoaded], budget_bytes: int,
-                device_tier_bytes: int) -> int:  # fmt: skip
+def pool_blocks(
+    specs: Sequence[StageSpec], loaded: Sequence[StageLoaded], budget_bytes: int, device_tier_bytes: int
+) -> int:
     """The blocks of every stage's pool (the same on all: a block id names the same tokens on every
     stage). With `budget_bytes` (engine.memory_budget_bytes, each stage's): the fewest any stage
     has room for, (budget - its weights and profile peak) // its bytes per block; a stage whose
@@ -80,8 +81,9 @@ def pool_blocks(specs: Sequence[StageSpec], loaded: Sequence[StageLoaded], budge
         f"stage {sp.stage} (layers {sp.layers.start}-{sp.layers.stop - 1}): weights {st.weights_bytes} bytes, with "
         f"one {sp.profile_tokens}-token forward {st.peak_bytes} bytes at the peak, {st.peak_bytes - budget_bytes} "
         "bytes over"
-        for sp, st in zip(specs, loaded, strict=True) if st.peak_bytes >= budget_bytes
-    ]  # fmt: skip
+        for sp, st in zip(specs, loaded, strict=True)
+        if st.peak_bytes >= budget_bytes
+    ]
     if over:
         raise PipelineStartError(
             f"model.max_model_len {specs[0].profile_tokens} does not fit engine.memory_budget_bytes {budget_bytes} "
@@ -89,10 +91,19 @@ def pool_blocks(specs: Sequence[StageSpec], loaded: Sequence[StageLoaded], budge
         )
     room = [(budget_bytes - st.peak_bytes) // st.bytes_per_block for st in loaded]
     for sp, st, blocks in zip(specs, loaded, room, strict=True):
-        log.info("stage %d (layers %d-%d): weights %.1f MiB, profile run of %d tokens peak %.1f MiB of a %.1f MiB "
-                 "budget -> room for %d blocks of %.1f KiB", sp.stage, sp.layers.start, sp.layers.stop - 1,
-                 st.weights_bytes / 2**20, sp.profile_tokens, st.peak_bytes / 2**20, budget_bytes / 2**20, blocks,
-                 st.bytes_per_block / 2**10)  # fmt: skip
+        log.info(
+            "stage %d (layers %d-%d): weights %.1f MiB, profile run of %d tokens peak %.1f MiB of a %.1f MiB "
+            "budget -> room for %d blocks of %.1f KiB",
+            sp.stage,
+            sp.layers.start,
+            sp.layers.stop - 1,
+            st.weights_bytes / 2**20,
+            sp.profile_tokens,
+            st.peak_bytes / 2**20,
+            budget_bytes / 2**20,
+            blocks,
+            st.bytes_per_block / 2**10,
+        )
     return min(room)
 
 
@@ -115,9 +126,18 @@ class PipelineRunner:
     stage's pool holds (`DeviceTier(hold_kv=False)`, for the engine's tiers). A restart keeps the
     size and forgets the index's contents; `ready` says what each stage's pool holds."""
 
-    def __init__(self, specs: list[StageSpec], args: ModelArgs, num_microbatches: int, budget_bytes: int,
-                 device_tier_bytes: int, max_in_flight: int = 1, timeout_s: float = 600.0,
-                 adapters: Adapters | None = None, host: StagedHost | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        specs: list[StageSpec],
+        args: ModelArgs,
+        num_microbatches: int,
+        budget_bytes: int,
+        device_tier_bytes: int,
+        max_in_flight: int = 1,
+        timeout_s: float = 600.0,
+        adapters: Adapters | None = None,
+        host: StagedHost | None = None,
+    ) -> None:
         """`host`: the index of the stages' host tiers (tiered/pipeline/host.py), None: no host tier."""
         self._specs, self.num_microbatches, self.host = specs, num_microbatches, host
         self._tickets: deque[_Ticket] = deque()
@@ -139,8 +159,9 @@ class PipelineRunner:
             self._stop()
             raise
         # The index holds no K,V (the stages do): it lives in this process's memory, on no device.
-        self.device_tier = DeviceTier(args, specs[0].block_tokens, 0, DTYPES[specs[0].kv_dtype], "cpu",
-                                      num_blocks=num_blocks, hold_kv=False)  # fmt: skip
+        self.device_tier = DeviceTier(
+            args, specs[0].block_tokens, 0, DTYPES[specs[0].kv_dtype], "cpu", num_blocks=num_blocks, hold_kv=False
+        )
         self._allocate(num_blocks, started)
         self._specs = [replace(sp, profile_tokens=0) for sp in specs]  # a restart keeps the pools' size
 
@@ -177,18 +198,26 @@ class PipelineRunner:
         for conn in self._conns:
             conn.send(AllocatePool(num_blocks))
         self.ready = [self._receive_start(s, StageReady, started) for s in range(len(self._conns))]
-        log.info("pipeline: %d stages (layers %s) ready in %.1f s, %d threads each, pools of %d blocks (%s MiB)",
-                 len(self._specs), ", ".join(f"{sp.layers.start}-{sp.layers.stop - 1}" for sp in self._specs),
-                 time.monotonic() - started, self._specs[0].threads, num_blocks,
-                 ", ".join(f"{r.pool_bytes / 2**20:.1f}" for r in self.ready))  # fmt: skip
+        log.info(
+            "pipeline: %d stages (layers %s) ready in %.1f s, %d threads each, pools of %d blocks (%s MiB)",
+            len(self._specs),
+            ", ".join(f"{sp.layers.start}-{sp.layers.stop - 1}" for sp in self._specs),
+            time.monotonic() - started,
+            self._specs[0].threads,
+            num_blocks,
+            ", ".join(f"{r.pool_bytes / 2**20:.1f}" for r in self.ready),
+        )
 
     def _receive_start(self, stage: int, expected: type[_StartMessage], started: float) -> _StartMessage:
         """Stage `stage`'s next start-up message; anything else stops the pipeline (PipelineStartError)."""
         message = self._receive(stage, deadline=started + START_TIMEOUT_S)
         if not isinstance(message, expected):
             self._stop(kill=True)
-            why = f"stage {message.stage}: {message.error}" if isinstance(message, StageFailed) else (
-                f"stage {stage} not ready in {START_TIMEOUT_S:.0f} s" if message is None else message)
+            why = (
+                f"stage {message.stage}: {message.error}"
+                if isinstance(message, StageFailed)
+                else (f"stage {stage} not ready in {START_TIMEOUT_S:.0f} s" if message is None else message)
+            )
             raise PipelineStartError(f"the pipeline did not start: {why} (its log says more)")
         return message
 
@@ -293,8 +322,12 @@ class PipelineRunner:
                 break
             missed = self._done()[1]
             num_missed += len(missed)
-        log.warning("a stage's host tier lacked %d chunks it was told to load: %d batches computed again, the "
-                    "chunks forgotten on every stage", num_missed, lost)  # fmt: skip
+        log.warning(
+            "a stage's host tier lacked %d chunks it was told to load: %d batches computed again, the "
+            "chunks forgotten on every stage",
+            num_missed,
+            lost,
+        )
         raise ForwardRetry(f"a stage's host tier lacked chunks it was told to load; {lost} batches computed again")
 
     def check_host(self, evict: dict[int, list[int]] | None = None) -> list[HostHeld]:
@@ -326,8 +359,11 @@ class PipelineRunner:
         return out  # type: ignore[return-value]
 
     def _fail(self, why: str) -> None:
-        log.error("pipeline failed: %s; restarting it (%d batches in the pipe lost, its device-tier blocks "
-                  "forgotten)", why, self._in_flight)  # fmt: skip
+        log.error(
+            "pipeline failed: %s; restarting it (%d batches in the pipe lost, its device-tier blocks forgotten)",
+            why,
+            self._in_flight,
+        )
         self._stop(kill=True)
         self.device_tier.forget()
         if self.host is not None:
@@ -361,16 +397,25 @@ class PipelineRunner:
         self._stop(kill=self._in_flight > 0)  # batches nobody will collect: do not wait for them
 
 
-def start_pipeline(config: Config, model_dir: Path, args: ModelArgs, precision: Precision, attention: str,
-                   device: str, adapters: Adapters | None = None, model_name: str = "") -> PipelineRunner:  # fmt: skip
+def start_pipeline(
+    config: Config,
+    model_dir: Path,
+    args: ModelArgs,
+    precision: Precision,
+    attention: str,
+    device: str,
+    adapters: Adapters | None = None,
+    model_name: str = "",
+) -> PipelineRunner:
     """The engine's pipeline of `engine.pipeline_stages` stage processes, its pools sized
     (ConfigError: more stages than layers; PipelineStartError: a stage failed or does not fit
     engine.memory_budget_bytes, each stage's budget). `model_name`: the host tier's keys name it."""
     e = config.engine
     stages, num_layers = e.pipeline_stages, args.num_layers
     if stages > num_layers:
-        raise ConfigError(f"config key 'engine.pipeline_stages': must be <= the model's {num_layers} layers, "
-                          f"got {stages}")  # fmt: skip
+        raise ConfigError(
+            f"config key 'engine.pipeline_stages': must be <= the model's {num_layers} layers, got {stages}"
+        )
     threads = e.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // stages)
     profile_tokens = config.model.max_model_len if e.memory_budget_bytes else 0
     host = staged_host(config, args, precision.kv, model_name)
@@ -383,14 +428,42 @@ def start_pipeline(config: Config, model_dir: Path, args: ModelArgs, precision: 
 
     def stage_host(layers: range) -> HostTierConfig | None:
         stage_chunk = bt * replace(args, num_layers=len(layers)).kv_bytes_per_token(DTYPES[precision.kv])
-        return stage_host_config(config.cache.host, host.capacity_chunks, stage_chunk,
-                                 batch_chunks * in_flight) if host else None  # fmt: skip
+        return (
+            stage_host_config(config.cache.host, host.capacity_chunks, stage_chunk, batch_chunks * in_flight)
+            if host
+            else None
+        )
 
     specs = [
-        StageSpec(s, stages, layers, str(model_dir), precision.compute, precision.kv, _stage_device(device, s),
-                  attention, bt, profile_tokens, threads, "", config.forward.mode, config.forward.chunk_tokens,
-                  config.lora.max_loras, stage_host(layers), model_name)
+        StageSpec(
+            s,
+            stages,
+            layers,
+            str(model_dir),
+            precision.compute,
+            precision.kv,
+            _stage_device(device, s),
+            attention,
+            bt,
+            profile_tokens,
+            threads,
+            "",
+            config.forward.mode,
+            config.forward.chunk_tokens,
+            config.lora.max_loras,
+            stage_host(layers),
+            model_name,
+        )
         for s, layers in enumerate(stage_layers(num_layers, stages))
-    ]  # fmt: skip
-    return PipelineRunner(specs, args, microbatches, e.memory_budget_bytes, config.cache.device_tier_bytes, in_flight,
-                          e.pipeline_timeout_s, adapters, host)  # fmt: skip
+    ]
+    return PipelineRunner(
+        specs,
+        args,
+        microbatches,
+        e.memory_budget_bytes,
+        config.cache.device_tier_bytes,
+        in_flight,
+        e.pipeline_timeout_s,
+        adapters,
+        host,
+    )

@@ -24,8 +24,9 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
     return out
 
 
-def cut_microbatches(plans: Sequence[ItemPlan], num_microbatches: int,
-                     cost: Callable[[HitSplit], float] | None = None) -> list[list[int]]:  # fmt: skip
+def cut_microbatches(
+    plans: Sequence[ItemPlan], num_microbatches: int, cost: Callable[[HitSplit], float] | None = None
+) -> list[list[int]]:
     """The batch's items per micro-batch (indices, in batch order), of even cost: `cost` of an
     item's split (the pipeline's stage models, tiered/pipeline/costs.py), else its computed tokens.
 
@@ -35,8 +36,15 @@ def cut_microbatches(plans: Sequence[ItemPlan], num_microbatches: int,
     lead's stash when it comes later, see `microbatch_plans`). Empty micro-batches are dropped."""
     weigh = cost or (lambda split: float(split.num_miss_tokens))
     weights = [weigh(plan_split(plan)) for plan in plans]
-    jobs = [Job(str(i), plan.num_computed_tokens, plan.num_prefix_tokens + plan.num_shared,
-                None if plan.lead is None else str(plan.lead)) for i, plan in enumerate(plans)]  # fmt: skip
+    jobs = [
+        Job(
+            str(i),
+            plan.num_computed_tokens,
+            plan.num_prefix_tokens + plan.num_shared,
+            None if plan.lead is None else str(plan.lead),
+        )
+        for i, plan in enumerate(plans)
+    ]
     waves = form_waves(jobs, num_microbatches, cost=lambda job: weights[int(job.request_id)])
     return [[int(job.request_id) for job in wave] for wave in waves]
 
@@ -67,8 +75,11 @@ def microbatch_plans(plans: Sequence[ItemPlan], cut: list[list[int]]) -> list[li
                 plan = replace(plan, stash_key=i, stash_rows=stash_rows[i])
             if plan.lead is not None:
                 lead = plan.lead
-                plan = replace(plan, lead=position[lead]) if lead in position else replace(plan, lead=None,
-                                                                                          reads_stash=lead)  # fmt: skip
+                plan = (
+                    replace(plan, lead=position[lead])
+                    if lead in position
+                    else replace(plan, lead=None, reads_stash=lead)
+                )
             mb.append(plan)
         out.append(mb)
     return out

@@ -165,9 +165,14 @@ def load_stage(spec: StageSpec) -> tuple[CausalLM, StageLoaded]:
     use_attention(model, spec.attention)
     peak = 0
     if spec.profile_tokens:
-        peak = measure_forward_peak(model, spec.profile_tokens, spec.mode, spec.chunk_tokens,
-                                    first_stage=spec.stage == 0,
-                                    last_stage=spec.stage == spec.num_stages - 1).peak_bytes  # fmt: skip
+        peak = measure_forward_peak(
+            model,
+            spec.profile_tokens,
+            spec.mode,
+            spec.chunk_tokens,
+            first_stage=spec.stage == 0,
+            last_stage=spec.stage == spec.num_stages - 1,
+        ).peak_bytes
     bytes_per_block = spec.block_tokens * model.args.kv_bytes_per_token(DTYPES[spec.kv_dtype])
     return model, StageLoaded(spec.stage, weights_bytes(model), peak, bytes_per_block)
 
@@ -177,16 +182,25 @@ class Stage:
         """`model`: the stage's part (`load_stage`); `num_blocks`: its pool's, the coordinator's
         device tier's (the same block ids on every stage)."""
         self.spec, self.model = spec, model
-        self.host = StageHost(spec.host, spec.block_tokens, model.args, DTYPES[spec.kv_dtype], spec.stage,
-                              spec.model_name) if spec.host is not None else None  # fmt: skip
+        self.host = (
+            StageHost(spec.host, spec.block_tokens, model.args, DTYPES[spec.kv_dtype], spec.stage, spec.model_name)
+            if spec.host is not None
+            else None
+        )
         self._stores: list[StoreBatch] = []  # the micro-batch's stores, submitted after its forward
-        self.pool = DeviceTier(model.args, spec.block_tokens, 0, DTYPES[spec.kv_dtype], spec.device,
-                               num_blocks=num_blocks)  # fmt: skip
+        self.pool = DeviceTier(
+            model.args, spec.block_tokens, 0, DTYPES[spec.kv_dtype], spec.device, num_blocks=num_blocks
+        )
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
         self.busy_seconds, self.num_microbatches = 0.0, 0
         self._stash: dict[int, dict[int, LayerKV]] = {}  # lead's index in the batch -> layer -> its first rows
-        self._adapters = Adapters(LoraConfig(max_loras=spec.max_loras), model.args, DTYPES[spec.compute_dtype],
-                                  spec.device, first_layer=spec.layers.start)  # fmt: skip
+        self._adapters = Adapters(
+            LoraConfig(max_loras=spec.max_loras),
+            model.args,
+            DTYPES[spec.compute_dtype],
+            spec.device,
+            first_layer=spec.layers.start,
+        )
         # Sends to the next stage not yet known complete, with the tensors they read: a stage goes
         # on to the next micro-batch, or the next batch, without waiting for its successor.
         self._sends: list[tuple[Tensor, dist.Work]] = []
@@ -208,8 +222,14 @@ class Stage:
                 hidden = torch.empty((num_tokens, a.hidden_size), dtype=DTYPES[s.compute_dtype], device=s.device)
                 dist.recv(hidden, src=s.stage - 1)
             start = time.perf_counter()
-            out = forward_batch(self.model, self._items(plans), mode=s.mode, chunk_tokens=s.chunk_tokens,
-                                hidden=hidden, last_stage=self.last)  # fmt: skip
+            out = forward_batch(
+                self.model,
+                self._items(plans),
+                mode=s.mode,
+                chunk_tokens=s.chunk_tokens,
+                hidden=hidden,
+                last_stage=self.last,
+            )
             if s.device.startswith("cuda"):  # its kernels' time, not their launch's
                 torch.cuda.synchronize(s.device)
             seconds.append(time.perf_counter() - start)
@@ -248,16 +268,30 @@ class Stage:
         for plan in plans:
             # One prefix object per prefix (a follower and its lead in this micro-batch must share it),
             # and per stash and shared length for followers whose lead ran before.
-            key: tuple[object, ...] = (plan.prefix_blocks, plan.reads_stash,
-                                       plan.num_shared if plan.reads_stash is not None else 0)  # fmt: skip
+            key: tuple[object, ...] = (
+                plan.prefix_blocks,
+                plan.reads_stash,
+                plan.num_shared if plan.reads_stash is not None else 0,
+            )
             if key not in prefixes and (plan.prefix_blocks or plan.reads_stash is not None):
                 pool = PrefixKV(self.pool, list(plan.prefix_blocks), self.model.args.num_layers)
-                prefixes[key] = pool if plan.reads_stash is None else _StashedPrefix(
-                    pool, self._stash[plan.reads_stash], plan.num_shared)
+                prefixes[key] = (
+                    pool
+                    if plan.reads_stash is None
+                    else _StashedPrefix(pool, self._stash[plan.reads_stash], plan.num_shared)
+                )
             shared = plan.num_shared if plan.lead is not None else 0  # else read from the stash, or none
             adapter = self._adapters.weights(plan.adapter) if plan.adapter is not None else None
-            items.append(BatchItem(plan.token_ids, prefixes.get(key), self._sink(plan), lead=plan.lead,
-                                   num_shared=shared, adapter=adapter))  # fmt: skip
+            items.append(
+                BatchItem(
+                    plan.token_ids,
+                    prefixes.get(key),
+                    self._sink(plan),
+                    lead=plan.lead,
+                    num_shared=shared,
+                    adapter=adapter,
+                )
+            )
         return items
 
     def _sink(self, plan: ItemPlan) -> KVSink | None:
@@ -343,8 +377,7 @@ def run_stage(spec: StageSpec, conn: Connection) -> None:
     try:
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(spec.device)
-        dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.stage,
-                                world_size=spec.num_stages)  # fmt: skip
+        dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.stage, world_size=spec.num_stages)
         model, loaded = load_stage(spec)
         conn.send(loaded)
         if (pool := conn.recv()) is None:

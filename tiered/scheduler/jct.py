@@ -54,10 +54,13 @@ class JCTSample:
     @classmethod
     def of(cls, splits: Sequence[HitSplit], seconds: float) -> JCTSample:
         return cls(
-            sum(s.num_tokens for s in splits), sum(s.num_miss_tokens for s in splits),
-            sum(s.num_host_hit_tokens for s in splits), seconds,
-            sum(_pairs(s.num_miss_tokens, s.num_tokens) for s in splits), sum(s.num_remote_hit_tokens for s in splits),
-        )  # fmt: skip
+            sum(s.num_tokens for s in splits),
+            sum(s.num_miss_tokens for s in splits),
+            sum(s.num_host_hit_tokens for s in splits),
+            seconds,
+            sum(_pairs(s.num_miss_tokens, s.num_tokens) for s in splits),
+            sum(s.num_remote_hit_tokens for s in splits),
+        )
 
     def features(self) -> list[float]:
         m = float(self.num_miss_tokens)

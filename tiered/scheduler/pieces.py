@@ -61,9 +61,7 @@ def fits(now: float, piece_seconds: float, urgent: Sequence[Urgent]) -> bool:
     return True
 
 
-def choose_piece(
-    now: float, split: HitSplit, urgent: Sequence[Urgent], jct: JCTModel, block_tokens: int
-) -> int:
+def choose_piece(now: float, split: HitSplit, urgent: Sequence[Urgent], jct: JCTModel, block_tokens: int) -> int:
     """Tokens of the head to compute now: all of its misses (no yield), a block-aligned piece, or 0
     (yield before starting). `split`: the head's hits and misses now; `urgent`: in deadline order,
     only requests that can still meet their deadline when run at once."""

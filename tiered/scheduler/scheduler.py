@@ -116,9 +116,13 @@ class Scheduler:
     # ---- queue -----------------------------------------------------------------------------
 
     def add(
-        self, request: TierRequest, arrival: float | None = None, priority: int = 0,
-        params: ScoreParams = DEFAULT_PARAMS, slo_seconds: float | None = None,
-    ) -> Waiting:  # fmt: skip
+        self,
+        request: TierRequest,
+        arrival: float | None = None,
+        priority: int = 0,
+        params: ScoreParams = DEFAULT_PARAMS,
+        slo_seconds: float | None = None,
+    ) -> Waiting:
         """Queue a request (its id must not be waiting already: ValueError); with `slo_seconds`,
         its deadline is its arrival plus that."""
         if request.request_id in self._waiting:
@@ -126,8 +130,9 @@ class Scheduler:
         split = self.tiers.estimate(request)
         now = self.clock() if arrival is None else arrival
         deadline = None if slo_seconds is None else now + slo_seconds
-        w = Waiting(request, self._seq, now, split, self.jct.predict(split), priority=priority, params=params,
-                    deadline=deadline)  # fmt: skip
+        w = Waiting(
+            request, self._seq, now, split, self.jct.predict(split), priority=priority, params=params, deadline=deadline
+        )
         self._seq += 1
         self._enqueue(w)
         return w

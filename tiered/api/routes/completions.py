@@ -39,8 +39,14 @@ async def completions(body: CompletionRequest, request: Request, s: ServingDep) 
         if wanted:
             choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
         choices.append(choice)
-    return {"id": response_id("cmpl", request), "object": "text_completion", "created": int(time.time()),
-            "model": s.model_id(body.model), "choices": choices, "usage": usage(list(outs))}  # fmt: skip
+    return {
+        "id": response_id("cmpl", request),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": s.model_id(body.model),
+        "choices": choices,
+        "usage": usage(list(outs)),
+    }
 
 
 @router.post("/v1/chat/completions")
@@ -62,9 +68,19 @@ async def chat(body: ChatRequest, request: Request, s: ServingDep) -> dict[str, 
     if body.logprobs:
         as_ids = s.as_token_ids(body.return_tokens_as_token_ids)
         logprobs = chat_logprobs(s.token_texts, out, body.top_logprobs or 0, as_ids)
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "logprobs": logprobs, "finish_reason": "length"}  # fmt: skip
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": "length",
+    }
     if body.logprob_token_ids:
         choice["logprob_token_ids"] = {str(t): lp for t, lp in out.logprobs}
-    return {"id": response_id("chatcmpl", request), "object": "chat.completion", "created": int(time.time()),
-            "model": s.model_id(body.model), "choices": [choice], "usage": usage([out])}  # fmt: skip
+    return {
+        "id": response_id("chatcmpl", request),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": s.model_id(body.model),
+        "choices": [choice],
+        "usage": usage([out]),
+    }

@@ -28,11 +28,20 @@ async def models(s: ServingDep) -> dict[str, Any]:
     the folder, `parent` the first served name); the folder-name alias is accepted, not listed."""
     ready = s.client.ready
     precision = ready.precision if ready else {}
-    card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "tiered", "root": s.config.model.path,
-            "parent": None, "max_model_len": s.max_model_len,
-            # ours: the precision the engine resolved (model.dtype: auto picks it per machine)
-            "dtype": precision.get("compute"), "kv_cache_dtype": precision.get("kv"),
-            "checkpoint_dtype": precision.get("checkpoint"), "dtype_reason": precision.get("reason")}  # fmt: skip
+    card = {
+        "id": s.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "tiered",
+        "root": s.config.model.path,
+        "parent": None,
+        "max_model_len": s.max_model_len,
+        # ours: the precision the engine resolved (model.dtype: auto picks it per machine)
+        "dtype": precision.get("compute"),
+        "kv_cache_dtype": precision.get("kv"),
+        "checkpoint_dtype": precision.get("checkpoint"),
+        "dtype_reason": precision.get("reason"),
+    }
     bases = [{**card, "id": name} for name in s.served_names]
     adapters = [{**card, "id": name, "root": path, "parent": s.model_name} for name, path in s.client.adapters.items()]
     return {"object": "list", "data": [*bases, *adapters]}

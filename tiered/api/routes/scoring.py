@@ -23,8 +23,14 @@ async def generative_scoring(body: ScoreBody, request: Request, s: ServingDep) -
         {"index": i, "token_probs": {str(t): p for t, p in zip(body.label_token_ids, row, strict=True)}}
         for i, row in enumerate(scores)
     ]
-    return {"id": response_id("genscore", request), "object": "generative_score", "created": int(time.time()),
-            "model": s.model_id(body.model), "results": results, "usage": usage(outs)}  # fmt: skip
+    return {
+        "id": response_id("genscore", request),
+        "object": "generative_score",
+        "created": int(time.time()),
+        "model": s.model_id(body.model),
+        "results": results,
+        "usage": usage(outs),
+    }
 
 
 @router.post("/v1/score")

@@ -60,12 +60,18 @@ def _command(output: Path) -> list[str]:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        *compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *compiler(),
+        *FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
-        str(SOURCE), "-o", str(output),
-        *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu",
+        str(SOURCE),
+        "-o",
+        str(output),
+        *(f"-L{p}" for p in library_paths()),
+        "-lc10",
+        "-ltorch_cpu",
         *(f"-Wl,-rpath,{p}" for p in library_paths()),
-    ]  # fmt: skip
+    ]
 
 
 def library_path(cache_dir: str | Path | None = None) -> Path:

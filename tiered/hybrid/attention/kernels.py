@@ -201,8 +201,15 @@ def varlen_(
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
     lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
     cu_q_t, cu_k_t = (torch.tensor(cu, dtype=torch.int32, device=q.device) for cu in (cu_q, cu_k))
-    out = _varlen_attn(q[first:last], torch.cat(keys).to(q.dtype), torch.cat(values).to(q.dtype), cu_q_t, cu_k_t,
-                       max(lengths_q), max(lengths_k))  # fmt: skip
+    out = _varlen_attn(
+        q[first:last],
+        torch.cat(keys).to(q.dtype),
+        torch.cat(values).to(q.dtype),
+        cu_q_t,
+        cu_k_t,
+        max(lengths_q),
+        max(lengths_k),
+    )
     q[first:last].copy_(out)
 
 

