@@ -95,3 +95,14 @@ def test_the_table_holds_every_headline_row_and_its_command(tmp_path: Path) -> N
     assert splice(text, table, "R") == f"# R\n{table}\nafter\n"
     with pytest.raises(ValueError, match="R has no generated-table markers"):
         splice("# R\n", table, "R")
+
+
+def test_a_lone_prompt_refuses_what_it_cannot_size(tmp_path: Path) -> None:
+    from tiered.bench.alone import AloneOptions, run_alone_bench
+    from tiered.bench.traces import BenchError
+
+    cfg = load_config(DEFAULT_CONFIG)
+    with pytest.raises(BenchError, match="unknown system.*vllm-full"):
+        run_alone_bench(cfg, AloneOptions(["tiered", "vllm-full"], out_dir=tmp_path))
+    with pytest.raises(BenchError, match="--tokens must be >= 2"):
+        run_alone_bench(cfg, AloneOptions(["tiered"], tokens=1, out_dir=tmp_path))

@@ -54,7 +54,8 @@ class AloneRun:
 
 
 def _check(cfg: Config, opts: AloneOptions) -> None:
-    known = [*VISIT_TIERED_SYSTEMS, *VISIT_VLLM_SYSTEMS]
+    # A lone prompt has no working set to size a peer by: vllm-full means nothing here.
+    known = [*VISIT_TIERED_SYSTEMS, *(s for s, setup in VISIT_VLLM_SYSTEMS.items() if setup.kv != "working-set")]
     unknown = [s for s in opts.systems if s not in known]
     if unknown or not opts.systems:
         raise BenchError(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
