@@ -25,4 +25,8 @@ M="--config configs/bench-m.yaml --long-tokens 16384 --long-per-minute 0.5 --lon
 $T bench mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 1 \
   --systems tiered,vllm-chunk2048,vllm-chunk1024-cap256,vllm-priority-chunk2048-cap512 \
   --json $R/mixed-bench-m-16k-sweep.json --plots benchmarks/out/mixed-16k-sweep
+# The sweep's best vLLM setting (most short calls in time), repeated: the table's 16 K row.
+$T bench mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 3 \
+  --systems tiered,vllm-priority-chunk2048-cap512 \
+  --json $R/mixed-bench-m-16k.json --plots benchmarks/out/mixed-16k
 $T bench report
