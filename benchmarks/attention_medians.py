@@ -1,8 +1,8 @@
 """Attention kernels side by side, for a machine other processes share: rounds interleaved (the
 kernel order reversed every other round), the median of each kernel's times, and its range.
-`tiered bench attention` keeps the best of 2, which load on a shared machine scatters.
+`python -m benchmarks attention` keeps the best of 2, which load on a shared machine scatters.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/attention_medians.py \
+    .venv/bin/python -m benchmarks.attention_medians \
         --vllm-library /tmp/vllmenv/lib/python3.11/site-packages --json benchmarks/out/attention-medians.json
 """
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tiered.bench.kernels import ATTENTION_SHAPES
+from benchmarks.kernels import ATTENTION_SHAPES
 from tiered.hybrid.attention import KERNELS, reference_, vllm_cpu
 from tiered.hybrid.attention.select import make_inputs
 

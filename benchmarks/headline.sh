@@ -1,32 +1,32 @@
 #!/usr/bin/env bash
 # Every JSON in benchmarks/results/ (the generated table at the top of RESULTS.md) comes from one of
-# these commands; then `tiered bench report` rewrites the tables. Run on an otherwise idle machine:
+# these commands; then `python -m benchmarks report` rewrites the tables. Run on an otherwise idle machine:
 # they measure time (about an hour on 2 CPU cores). The peer needs `make bench-env`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make venv bench-env
-T=.venv/bin/tiered
+B=".venv/bin/python -m benchmarks"
 R=benchmarks/results
 # Visits at saturation and at 0.5x / 0.8x of vLLM's saturation rate, against vLLM at its best.
-$T bench visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 --systems tiered,vllm \
+$B visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 --systems tiered,vllm \
   --multiples 0.5,0.8 --load-of vllm --repeats 3 --warm-up-visits 4 --json $R/visits-bench-m.json \
   --plots benchmarks/out/visits-bench-m
 # The same at saturation against vLLM with our device tier's KV only, and against vLLM eager.
-$T bench visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 \
+$B visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 \
   --systems tiered,vllm-devkv,vllm-eager --multiples '' --repeats 3 --warm-up-visits 4 \
   --json $R/visits-bench-m-devkv-eager.json --plots benchmarks/out/visits-bench-m-devkv-eager
 # A lone uncached 8 K prompt (credit verification).
-$T bench alone --config configs/bench-m.yaml --tokens 8192 --systems tiered,vllm --repeats 3 \
+$B alone --config configs/bench-m.yaml --tokens 8192 --systems tiered,vllm --repeats 3 \
   --json $R/alone-bench-m-8k.json
 # A revisit sequence, one request at a time: the host tier (offload) against PrefillOnly's discard.
-$T bench tiers --model embedded:bench-m --sequence-repeats 3 --json $R/tiers-bench-m.json
+$B tiers --model embedded:bench-m --sequence-repeats 3 --json $R/tiers-bench-m.json
 # Short calls among 16 K prompts: vLLM's sweep, one run each beside ours (data, not table rows: n = 1).
 M="--config configs/bench-m.yaml --long-tokens 16384 --long-per-minute 0.5 --long-slo-ms 180000 --short-slo-ms 5000"
-$T bench mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 1 \
+$B mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 1 \
   --systems tiered,vllm-chunk2048,vllm-chunk1024-cap256,vllm-priority-chunk2048-cap512 \
   --json $R/mixed-bench-m-16k-sweep.json --plots benchmarks/out/mixed-16k-sweep
 # The sweep's best vLLM setting (most short calls in time), repeated: the table's 16 K row.
-$T bench mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 3 \
+$B mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 3 \
   --systems tiered,vllm-priority-chunk2048-cap512 \
   --json $R/mixed-bench-m-16k.json --plots benchmarks/out/mixed-16k
-$T bench report
+$B report

@@ -1,5 +1,5 @@
 """The 16 K mixed-workload plot of RESULTS.md (2026-12-02, evening): calls answered within their
-objective per second against offered load, from `tiered bench mixed` JSONs: ours and the fixed piece
+objective per second against offered load, from `python -m benchmarks mixed` JSONs: ours and the fixed piece
 sizes on the final code (run h, and fixed 512 under srjf), ours before the last fixes and vLLM's
 chunked prefill from run g (see RESULTS.md)."""
 

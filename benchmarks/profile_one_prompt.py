@@ -1,7 +1,7 @@
 """One fresh prompt of N tokens through `tiered.Engine` in this process, profiled (cProfile, by
 own time): where a lone long prefill spends its time. The config's keys can be overridden.
 
-    .venv/bin/python benchmarks/profile_one_prompt.py 16384 scheduler.pieces=never cache.suffix=discard
+    .venv/bin/python -m benchmarks.profile_one_prompt 16384 scheduler.pieces=never cache.suffix=discard
 """
 
 from __future__ import annotations

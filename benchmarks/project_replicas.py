@@ -4,16 +4,16 @@
    Redis. For each profile length, a new user's visit (the profile computed: `miss`), a second
    visit of that user on the same engine (`local`), and a visit of that user on the other engine,
    which loads the profile from Redis (`remote`). Medians of `--repeats` users, fitted as a + b·P.
-2. `project`: the simulation (`tiered/bench/cluster_sim.py`, whose docstring is the model) for
+2. `project`: the simulation (`benchmarks/cluster_sim.py`, whose docstring is the model) for
    8, 64 and 512 replicas, affinity (the Ray Serve router's ring with the bounded load) against
    round robin: the highest offered QPS within a P99 SLO, and at it the share of visits served
    from each tier, Redis's bandwidth and the busiest replica's load. One plot.
 3. `size`: the fewest replicas (affinity) that serve `--qps` within the SLO, and Redis's bandwidth then.
 
-    .venv/bin/python benchmarks/project_replicas.py measure --config configs/bench-m.yaml \
+    .venv/bin/python -m benchmarks.project_replicas measure --config configs/bench-m.yaml \
         --json benchmarks/out/costs-bench-m.json
-    .venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json
-    .venv/bin/python benchmarks/project_replicas.py size --costs benchmarks/out/costs-bench-m.json --qps 500
+    .venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json
+    .venv/bin/python -m benchmarks.project_replicas size --costs benchmarks/out/costs-bench-m.json --qps 500
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from tiered.bench.cluster_sim import Cluster, Costs, Outcome, arrivals, max_qps, profiles, simulate
+from benchmarks.cluster_sim import Cluster, Costs, Outcome, arrivals, max_qps, profiles, simulate
 
 POSTS, POST_TOKENS = 8, 150
 
@@ -46,8 +46,8 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def measure(a: argparse.Namespace) -> None:
+    from benchmarks.traces import QUESTION_TOKENS, ordinary_token_ids
     from tiered.api.launch import start_redis
-    from tiered.bench.traces import QUESTION_TOKENS, ordinary_token_ids
     from tiered.config import load_config, with_overrides
     from tiered.embedded import resolve_model_path
     from tiered.engine import Engine

@@ -3,16 +3,16 @@
 
 Those two runs measured the matmul rate once, at start (386 and 205 GFLOP/s on the same machine:
 the second while the first command's vLLM workers were still exiting), so the share rows had an
-unstable denominator. `tiered bench visits` now writes the computed-tokens/s rows itself; this
+unstable denominator. `python -m benchmarks visits` now writes the computed-tokens/s rows itself; this
 script recomputes them for the JSONs written before, with the same `headline_row`, pairing the
 runs as the harness did (the reference's runs of pair i are its runs i*R .. (i+1)*R - 1).
-Run: .venv/bin/python benchmarks/rebuild_computed_rows.py benchmarks/results/visits-*.json
+Run: .venv/bin/python -m benchmarks.rebuild_computed_rows benchmarks/results/visits-*.json
 """
 
 import json
 import sys
 
-from tiered.bench.report import headline_row
+from benchmarks.report import headline_row
 
 OLD = "share of the matmul rate at saturation"
 NEW = "computed (uncached) tokens/s at saturation"

@@ -17,8 +17,8 @@ engine.threads=1 and each engine process pinned to its core; the consistent-hash
 bounded load) and `ray-roundrobin` (the same two, round robin). `--no-redis` runs every system
 without the remote tier, so a replica has only its own tiers.
 
-    .venv/bin/python benchmarks/replicas.py --config configs/bench.yaml --users 32 --visits 48
-    scripts/loopback .venv/bin/python benchmarks/replicas.py --ray --config configs/bench.yaml
+    .venv/bin/python -m benchmarks.replicas --config configs/bench.yaml --users 32 --visits 48
+    scripts/loopback .venv/bin/python -m benchmarks.replicas --ray --config configs/bench.yaml
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
+from benchmarks.load import Call, run_http
+from benchmarks.traces import ordinary_token_ids, visits
+from benchmarks.visits import split_visits
 from tiered.api.launch import free_port, start_redis, start_router, start_server, stop_server
-from tiered.bench.load import Call, run_http
-from tiered.bench.traces import ordinary_token_ids, visits
-from tiered.bench.visits import split_visits
 from tiered.config import Config, load_config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 
@@ -153,11 +154,12 @@ def on_ray(cfg: Config, calls: list[Call], concurrency: int) -> dict[str, dict[s
     from tiered.cluster import deploy
 
     results = {}
-    for name, replicas, routing in (
+    systems: tuple[tuple[str, int, Literal["affinity", "round_robin"]], ...] = (
         ("ray-one", 1, "affinity"),
         ("ray-affinity", 2, "affinity"),
         ("ray-roundrobin", 2, "round_robin"),
-    ):
+    )
+    for name, replicas, routing in systems:
         c = replace(cfg.cluster, replicas=replicas, cpus_per_replica=2.0 / replicas, routing=routing)
         url = deploy.deploy(replace(cfg, cluster=c), port=free_port(), app_kwargs={"served_model_names": ["model"]})
         try:

@@ -1,7 +1,7 @@
 """The soak's workload straight into an Engine in one process: RSS every 30 s after a 60 s warm-up,
 and the size of LMCache's chunk-reuse record (the engine's RSS creep of issue 12).
 
-    .venv/bin/python benchmarks/rss_hunt.py MINUTES notrace|trace [trim]
+    .venv/bin/python -m benchmarks.rss_hunt MINUTES notrace|trace [trim]
 
 `trace`: tracemalloc (12 frames) and the allocations that grew most; `trim`: malloc_trim(0) every 30 s."""
 
@@ -14,9 +14,9 @@ import tracemalloc
 
 import psutil
 
+from benchmarks.traces import ordinary_token_ids
 from tiered.api.engine_process import _response, _stats
 from tiered.api.protocol import encode
-from tiered.bench.traces import ordinary_token_ids
 from tiered.config import load_config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, ScoreParams
@@ -65,7 +65,9 @@ with Engine(cfg) as eng:
         gc.collect()
         rss = proc.memory_info().rss
         traced = tracemalloc.get_traced_memory()[0] if trace else 0
-        record = len(eng.tiers.host_tier._storage.local_cpu_backend.cache_policy.chunk_hash_to_init_timestamp)
+        host = eng.tiers.host_tier
+        assert host is not None, "this hunt needs the host tier"
+        record = len(host._storage.local_cpu_backend.cache_policy.chunk_hash_to_init_timestamp)  # type: ignore[attr-defined]
         print(
             f"{time.monotonic() - t0:6.0f}s n={total} rss {(rss - base) / 2**20:+7.1f} MiB "
             f"traced {traced / 2**20:7.2f} MiB "
@@ -76,6 +78,7 @@ with Engine(cfg) as eng:
             s1 = tracemalloc.take_snapshot()
     if trace:
         s2 = tracemalloc.take_snapshot()
+        assert s1 is not None
         for stat in s2.compare_to(s1, "traceback")[:12]:
             print(stat)
             for line in stat.traceback.format()[-12:]:

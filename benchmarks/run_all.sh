@@ -68,42 +68,42 @@ $T bench visits --config configs/bench-m.yaml --set cache.device_tier_bytes=1216
   --multiples 0.5 --json benchmarks/out/visits-lora-bench-m.json --plots benchmarks/out/visits-lora-bench-m
 # Issue 14: replicas sharing one Redis tier behind vllm-router (one replica on 2 cores; two on one core each,
 # consistent_hash on x-user-id against round_robin), then users moved to the other replica
-.venv/bin/python benchmarks/replicas.py --config configs/bench.yaml --users 32 --visits 48 \
+.venv/bin/python -m benchmarks.replicas --config configs/bench.yaml --users 32 --visits 48 \
   --json benchmarks/out/replicas-bench.json
-.venv/bin/python benchmarks/replicas.py --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 \
+.venv/bin/python -m benchmarks.replicas --config configs/bench-m.yaml --set cache.device_tier_bytes=121634816 \
   --set cache.host.lmcache.max_local_cpu_size=0.125 --users 32 --visits 48 --json benchmarks/out/replicas-bench-m.json
-.venv/bin/python benchmarks/replicas.py --config configs/bench.yaml --set cache.device_tier_bytes=50331648 \
+.venv/bin/python -m benchmarks.replicas --config configs/bench.yaml --set cache.device_tier_bytes=50331648 \
   --set cache.host.lmcache.max_local_cpu_size=0.02 --users 32 --visits 48 --json benchmarks/out/replicas-bench-tight.json
 # Issue 14: the same on Ray Serve (`tiered serve --replicas N`), in a loopback-only network namespace
-scripts/loopback .venv/bin/python benchmarks/replicas.py --ray --config configs/bench.yaml --users 32 --visits 48 \
+scripts/loopback .venv/bin/python -m benchmarks.replicas --ray --config configs/bench.yaml --users 32 --visits 48 \
   --json benchmarks/out/ray-replicas-bench.json
 for r in "" "--no-redis"; do  # a working set larger than one replica's tiers, with and without the shared Redis
-  scripts/loopback .venv/bin/python benchmarks/replicas.py --ray $r --config configs/bench.yaml \
+  scripts/loopback .venv/bin/python -m benchmarks.replicas --ray $r --config configs/bench.yaml \
     --set cache.device_tier_bytes=25165824 --set cache.host.lmcache.max_local_cpu_size=0.02 --users 64 --visits 144 \
     --json "benchmarks/out/ray-replicas-bench-ws${r:+-noredis}.json"
 done
 # Issue 14: per-visit costs on this machine, then the cluster simulation for 8, 64, 512 replicas and sizing
-.venv/bin/python benchmarks/project_replicas.py measure --config configs/bench-m.yaml \
+.venv/bin/python -m benchmarks.project_replicas measure --config configs/bench-m.yaml \
   --json benchmarks/out/costs-bench-m.json
-.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json \
+.venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json \
   --json benchmarks/out/cluster-sim-z1.1.json --plot benchmarks/cluster-sim.png
-.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --zipf 0.8 \
+.venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json --zipf 0.8 \
   --json benchmarks/out/cluster-sim-z0.8.json
-.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --remote-gbps 1.25 \
+.venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json --remote-gbps 1.25 \
   --json benchmarks/out/cluster-sim-z1.1-link.json --plot benchmarks/cluster-sim-link.png
 for q in 10 100 1000; do
-  .venv/bin/python benchmarks/project_replicas.py size --costs benchmarks/out/costs-bench-m.json --qps $q \
+  .venv/bin/python -m benchmarks.project_replicas size --costs benchmarks/out/costs-bench-m.json --qps $q \
     --users 100000 --remote-gbps 1.25
 done
-.venv/bin/python benchmarks/project_replicas.py size --costs benchmarks/out/costs-bench-m.json --qps 1000 \
+.venv/bin/python -m benchmarks.project_replicas size --costs benchmarks/out/costs-bench-m.json --qps 1000 \
   --users 100000
 for lf in 0.05 0.1; do  # the bound's epsilon
-  .venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --load-factor $lf \
+  .venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json --load-factor $lf \
     --json benchmarks/out/cluster-sim-z1.1-lf$lf.json
 done
-.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
+.venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
   --remote-gbps 1.25 --replicas 512 --json benchmarks/out/cluster-sim-z1.1-lf0.05-link.json
-.venv/bin/python benchmarks/project_replicas.py project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
+.venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json --load-factor 0.05 \
   --zipf 0.8 --json benchmarks/out/cluster-sim-z0.8-lf0.05.json
 # Issue 15: offload against discard under one policy (FCFS, calibrated at lambda 0.5 and 4)
 $T bench load --config configs/bench.yaml --kind revisit --users 16 --posts 4 --rounds 2 --scale 0.125 \
@@ -155,7 +155,7 @@ $T bench mixed --config configs/bench-m.yaml --set scheduler.policy=srjf --short
 $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --users 4 --long-tokens 512 \
   --long-per-minute 0 --alone-repeats 1 --systems tiered \
   --json benchmarks/out/mixed-bench-m-nolong-h.json --plots benchmarks/out/mixed-bench-m-nolong-h
-.venv/bin/python benchmarks/plot_mixed_16k.py
+.venv/bin/python -m benchmarks.plot_mixed_16k
 $T bench pipeline-sim --json benchmarks/out/pipeline-sim.json --plots benchmarks  # WavePP, simulated (seconds)
 $T bench stages --config configs/bench-m.yaml --json benchmarks/out/stages-bench-m.json  # 2 stages x 1 core vs 1 x 2 (~12 min)
 $T bench stages --config configs/bench-m.yaml --users 2 --visits 16 --profile-tokens 1792 --exact-profiles \

@@ -2,7 +2,7 @@
 
 Run with a Python that has vLLM installed (the `bench` extra), e.g.:
     VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 PYTHONPATH=. \
-        python benchmarks/vllm_loads.py .models/bench [dtype] [adapter]
+        python -m benchmarks.vllm_loads .models/bench [dtype] [adapter]
 Prints, per prompt, vLLM's and our logprob of vLLM's top token, and the largest difference. With
 an adapter folder (PEFT format, e.g. from `tiered make-adapter`), both run with that LoRA adapter.
 """

@@ -1,5 +1,7 @@
 """The package's import graph, read from the source with `ast`: no cycles (type-only imports
-included), and the layers import downwards (`scheduler/` decides, it does not drive the engine)."""
+included, and `from PACKAGE import name` counted as an import of the package's `__init__`, whose
+namespace it reads), and the layers import downwards (`scheduler/` decides, it does not drive the
+engine)."""
 
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ def imports_of(path: Path) -> set[str]:
             found.update(_resolve(a.name) for a in node.names if a.name.split(".")[0] == "tiered")
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "tiered":
             module = node.module or ""
+            if module in MODULES and MODULES[module].name == "__init__.py":
+                found.add(module)  # the package's namespace is read, so its __init__ runs first
             for a in node.names:
                 found.add(f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else _resolve(module))
     found.discard(None)
-    found.discard(_module_name(path))
+    found.discard(_module_name(path) if path.is_relative_to(ROOT) else None)
     return {m for m in found if m is not None}
 
 
@@ -73,6 +77,18 @@ def test_the_walk_sees_the_imports_it_should() -> None:
     assert "tiered.engine" in GRAPH["tiered"]  # under TYPE_CHECKING and in a function: both count
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_from_a_package_import_counts_the_package_init(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from tiered.hybrid.attention import native\nfrom tiered.hybrid.attention.kernels import KERNELS\n"
+    )
+    assert imports_of(source) == {
+        "tiered.hybrid.attention",
+        "tiered.hybrid.attention.native",
+        "tiered.hybrid.attention.kernels",
+    }
 
 
 def test_the_package_has_no_import_cycle() -> None:

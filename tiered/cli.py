@@ -99,13 +99,13 @@ def cmd_make_adapter(args: argparse.Namespace) -> int:
 
 def serve_replicas(cfg: Config, args: argparse.Namespace, app_kwargs: dict[str, Any]) -> int:
     """`tiered serve --replicas N`: the app on Ray Serve (tiered.cluster.deploy)."""
-    from tiered import logs
+    from tiered.logs import setup as setup_logging
 
     try:
         from tiered.cluster.deploy import serve_until_stopped
     except ImportError as exc:
         raise ConfigError(f"--replicas needs Ray Serve: pip install 'tiered[ray]' ({exc})") from None
-    logs.setup()
+    setup_logging()
     serve_until_stopped(cfg, args.host, args.port, app_kwargs)
     return 0
 
@@ -114,9 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server: the API process here, the engine in a child process."""
     import uvicorn
 
-    from tiered import logs
     from tiered.api.app import build_app
     from tiered.api.args import api_key, chat_template, check_adapters, serve_overrides, served_model_names
+    from tiered.logs import uvicorn_config
 
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
@@ -136,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
-        log_config=logs.uvicorn_config(args.uvicorn_log_level),
+        log_config=uvicorn_config(args.uvicorn_log_level),
     )
     return 0
 
@@ -222,25 +222,21 @@ def build_parser() -> argparse.ArgumentParser:
     ma.add_argument("--seed", type=int, default=0)
     ma.set_defaults(func=cmd_make_adapter)
 
-    from tiered.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from tiered import logs
+    from tiered.logs import setup as setup_logging
 
-    logs.setup(logging.DEBUG if args.verbose else logging.INFO)
-    from tiered.bench.traces import BenchError
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO)
     from tiered.hybrid.forward import ForwardInputError
     from tiered.hybrid.loader import ModelLoadError
 
     try:
         return int(args.func(args))
-    except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError, BenchError) as exc:
+    except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError) as exc:
         print(f"tiered: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,4 +1,4 @@
-"""Options both command lines take (`tiered ...` in `cli.py`, `tiered bench ...` in `bench/cli.py`):
+"""Options both command lines take (`tiered ...` in `cli.py`, `python -m benchmarks ...` in `benchmarks/cli.py`):
 the config file and `--set` overrides, sizes and integer lists, the device. Imports no torch."""
 
 from __future__ import annotations

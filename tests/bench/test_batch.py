@@ -1,17 +1,16 @@
-"""`tiered bench batch` runs end to end on the tiny model and reports what it says it does."""
+"""`python -m benchmarks batch` runs end to end on the tiny model and reports what it says it does."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tiered.cli import main
+from benchmarks.cli import main
 
 
 def test_batch_bench_writes_both_cases(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "batch.json"
     args = [
-        "bench",
         "batch",
         "--model",
         str(tiny_dir),

@@ -1,10 +1,10 @@
-"""The cluster simulation (tiered.bench.cluster_sim): queueing, tiers and routing as its model says."""
+"""The cluster simulation (benchmarks.cluster_sim): queueing, tiers and routing as its model says."""
 
 from __future__ import annotations
 
 import pytest
 
-from tiered.bench.cluster_sim import Cluster, Costs, arrivals, max_qps, profiles, simulate
+from benchmarks.cluster_sim import Cluster, Costs, arrivals, max_qps, profiles, simulate
 
 COSTS = Costs(miss=(0.1, 1e-4), local=(0.02, 0.0), remote=(0.02, 1e-5), kv_bytes_per_token=1000)
 

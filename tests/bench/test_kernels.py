@@ -1,4 +1,4 @@
-"""`tiered bench attention` runs end to end and reports every kernel on every shape it names."""
+"""`python -m benchmarks attention` runs end to end and reports every kernel on every shape it names."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiered.bench import kernels as kernels_module
-from tiered.cli import main
+from benchmarks import kernels as kernels_module
+from benchmarks.cli import main
 from tiered.hybrid.attention.select import ShapeClass, available
 
 
@@ -20,7 +20,6 @@ def test_attention_bench_times_every_kernel_on_every_shape(
     monkeypatch.setattr(kernels_module, "ATTENTION_SHAPES", shapes)
     out = tmp_path / "attention.json"
     args = [
-        "bench",
         "attention",
         "--model",
         str(tiny_dir),

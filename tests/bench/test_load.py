@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tiered.bench.load import run_load_bench
-from tiered.bench.stats import Summary, percentile, sustainable_qps, tail_name
-from tiered.bench.traces import BenchError, Trace, credit_verification, post_recommendation, revisit
+from benchmarks.load import run_load_bench
+from benchmarks.stats import Summary, percentile, sustainable_qps, tail_name
+from benchmarks.traces import BenchError, Trace, credit_verification, post_recommendation, revisit
 from tiered.config import load_config
 
 VOCAB = list(range(10, 500))
@@ -100,7 +100,7 @@ def test_a_small_load_run_writes_json_and_plots(tiny_dir: Path, tmp_path: Path) 
     by = {(s["system"], s["multiple"]): s for s in doc["summaries"]}
     assert by[("prefillonly", 0.5)]["host_hit_rate"] == 0  # discard: no host tier
     assert by[("tiered", 0.5)]["host_hit_rate"] > 0  # returning users' profiles come back from LMCache
-    from tiered.bench.plots import plot_load
+    from benchmarks.plots import plot_load
 
     paths = plot_load(tmp_path / "load.json", tmp_path / "plots")
     assert [p.name for p in paths] == ["latency.png", "throughput.png", "cdf.png"]

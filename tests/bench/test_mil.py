@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tiered.bench.mil import find_mil, forward_flops, probe_peak
-from tiered.cli import main
+from benchmarks.cli import main
+from benchmarks.mil import find_mil, forward_flops, probe_peak
 from tiered.hybrid.loader import read_args
 
 
@@ -51,7 +51,6 @@ def test_cli_writes_the_documented_json(tiny_dir: Path, tmp_path: Path, capsys: 
     out = tmp_path / "mil.json"
     code = main(
         [
-            "bench",
             "mil",
             "--model",
             str(tiny_dir),
@@ -85,5 +84,5 @@ def test_cli_writes_the_documented_json(tiny_dir: Path, tmp_path: Path, capsys: 
 
 def test_cli_names_a_bad_budget(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["bench", "mil", "--budget", "lots"])
+        main(["mil", "--budget", "lots"])
     assert "'lots' is not a size" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`tiered bench mixed`: the seeded mixed trace, goodput scoring on hand-made records, the systems,
+"""`python -m benchmarks mixed`: the seeded mixed trace, goodput scoring on hand-made records, the systems,
 refusals before anything starts, and one small run over HTTP on the tiny model."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tiered.bench.goodput import print_goodput, score_run
-from tiered.bench.load import Call, read_usage
-from tiered.bench.mixed import run_mixed_bench
-from tiered.bench.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace, build_trace, calls_for
-from tiered.bench.stats import Record
-from tiered.bench.systems import MixedSystem, mixed_system
-from tiered.bench.traces import QUESTION_TOKENS, BenchError, ordinary_token_ids
-from tiered.cli import main
+from benchmarks.cli import main
+from benchmarks.goodput import print_goodput, score_run
+from benchmarks.load import Call, read_usage
+from benchmarks.mixed import run_mixed_bench
+from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace, build_trace, calls_for
+from benchmarks.stats import Record
+from benchmarks.systems import MixedSystem, mixed_system
+from benchmarks.traces import QUESTION_TOKENS, BenchError, ordinary_token_ids
 from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
 
@@ -205,10 +205,10 @@ def test_bad_systems_and_options_fail_before_anything_starts(tmp_path: Path) -> 
         MixedParams(long_tokens=0, alone_repeats=0)
     with pytest.raises(BenchError, match="one of --minutes and --calls"):
         MixedParams(minutes=None)
-    assert main(["bench", "mixed", "--systems", "tiered,vllm-fast", "--plots", str(tmp_path)]) != 0
-    assert main(["bench", "mixed", "--long-tokens", "0", "--plots", str(tmp_path)]) != 0
+    assert main(["mixed", "--systems", "tiered,vllm-fast", "--plots", str(tmp_path)]) != 0
+    assert main(["mixed", "--long-tokens", "0", "--plots", str(tmp_path)]) != 0
     with pytest.raises(SystemExit):
-        main(["bench", "mixed", "--minutes", "1", "--calls", "4"])
+        main(["mixed", "--minutes", "1", "--calls", "4"])
     assert not list(tmp_path.iterdir())
 
 
@@ -266,6 +266,6 @@ def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
     assert (tmp_path / "tiered-fixed32.yaml").read_text().count("piece_tokens: 32") == 1
     assert saved["summaries"][0]["num_requests"] == len(trace.of(SHORT))
     assert (tmp_path / "tiered-never.yaml").exists()
-    from tiered.bench.plots import plot_goodput
+    from benchmarks.plots import plot_goodput
 
     assert plot_goodput(doc, tmp_path / "plots").name == "goodput.png"

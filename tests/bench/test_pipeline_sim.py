@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tiered.bench.pipeline_sim import StageCosts, Workload, simulate, visits
-from tiered.cli import main
+from benchmarks.cli import main
+from benchmarks.pipeline_sim import StageCosts, Workload, simulate, visits
 
 FLAT = StageCosts(c0=0.0, c1=1e-3, c2=0.0, c4=0.0, hidden_size=8)  # 1 ms per computed token, nothing else
 
@@ -44,7 +44,7 @@ def test_visits_reuse_profiles_and_are_seeded() -> None:
 
 
 def test_the_command_prints_its_table_and_refuses_bad_costs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "pipeline-sim", "--stages", "1,2", "--visits", "16"]) == 0
+    assert main(["pipeline-sim", "--stages", "1,2", "--visits", "16"]) == 0
     assert "by cost" in capsys.readouterr().out
-    assert main(["bench", "pipeline-sim", "--costs", "1,2"]) == 2
+    assert main(["pipeline-sim", "--costs", "1,2"]) == 2
     assert "--costs" in capsys.readouterr().err

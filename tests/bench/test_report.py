@@ -1,6 +1,6 @@
 """The harness's honesty rules: provenance in every document, the peer's launch at its defaults with
 our KV bytes, paired ratios, a wait for quiet servers, and the committed results tables equal to
-what `tiered bench report` writes."""
+what `python -m benchmarks report` writes."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tiered.bench.report import END, START, headline_row, render_table, splice, write_report, write_tables
-from tiered.bench.servers import wait_quiet
-from tiered.bench.vllm import VLLMServer, kv_memory_bytes, peer_launch
+from benchmarks.report import END, START, headline_row, render_table, splice, write_report, write_tables
+from benchmarks.servers import wait_quiet
+from benchmarks.vllm import VLLMServer, kv_memory_bytes, peer_launch
 from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
 
@@ -75,7 +75,9 @@ def test_a_run_waits_until_no_server_computes() -> None:
 def test_the_committed_results_tables_are_the_generated_ones() -> None:
     targets = [(ROOT / "benchmarks" / "RESULTS.md", "results/"), (ROOT / "README.md", "benchmarks/results/")]
     stale = write_tables(targets, ROOT / "benchmarks" / "results", check=True)
-    assert stale == [], f"run `tiered bench report`: {', '.join(map(str, stale))} differ from the generated table"
+    assert stale == [], (
+        f"run `python -m benchmarks report`: {', '.join(map(str, stale))} differ from the generated table"
+    )
 
 
 def test_the_table_holds_every_headline_row_and_its_command(tmp_path: Path) -> None:
@@ -98,8 +100,8 @@ def test_the_table_holds_every_headline_row_and_its_command(tmp_path: Path) -> N
 
 
 def test_a_lone_prompt_refuses_what_it_cannot_size(tmp_path: Path) -> None:
-    from tiered.bench.alone import AloneOptions, run_alone_bench
-    from tiered.bench.traces import BenchError
+    from benchmarks.alone import AloneOptions, run_alone_bench
+    from benchmarks.traces import BenchError
 
     cfg = load_config(DEFAULT_CONFIG)
     with pytest.raises(BenchError, match="unknown system.*vllm-full"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiered.bench.soak import run_soak
+from benchmarks.soak import run_soak
 from tiered.config import load_config
 
 

@@ -1,4 +1,4 @@
-"""`tiered bench stages`: its system names, and a run on the tiny model (equal answers, bubbles reported)."""
+"""`python -m benchmarks stages`: its system names, and a run on the tiny model (equal answers, bubbles reported)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tiered.bench.stages import system_overrides
-from tiered.bench.traces import BenchError
-from tiered.cli import main
+from benchmarks.cli import main
+from benchmarks.stages import system_overrides
+from benchmarks.traces import BenchError
 
 
 def test_system_names_set_the_pipeline_keys_and_bad_ones_are_named() -> None:
@@ -38,7 +38,6 @@ def test_two_stages_answer_as_one_process_and_report_their_bubbles(tiny_dir: Pat
     out = tmp_path / "stages.json"
     code = main(
         [
-            "bench",
             "stages",
             "--set",
             f"model.path={tiny_dir}",

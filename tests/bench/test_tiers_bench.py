@@ -1,11 +1,11 @@
-"""`tiered bench tiers`: its trace, and its two parts run through the engine on the tiny model."""
+"""`python -m benchmarks tiers`: its trace, and its two parts run through the engine on the tiny model."""
 
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from tiered.bench.tiers import bench_config, load_vs_compute, revisit_trace, run_sequence
+from benchmarks.tiers import bench_config, load_vs_compute, revisit_trace, run_sequence
 from tiered.config import Config, HostTierConfig
 from tiered.hybrid.loader import read_args
 

@@ -1,4 +1,4 @@
-"""The visits trace (seeded, exact, Zipf users) and `tiered bench visits`: helpers and a small real run."""
+"""The visits trace (seeded, exact, Zipf users) and `python -m benchmarks visits`: helpers and a small real run."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from tiered.bench import servers as bench_servers
-from tiered.bench.traces import QUESTION_TOKENS, BenchError, Trace, TraceRequest, revisit, visits
-from tiered.bench.visits import (
+from benchmarks import servers as bench_servers
+from benchmarks.cli import main
+from benchmarks.traces import QUESTION_TOKENS, BenchError, Trace, TraceRequest, revisit, visits
+from benchmarks.visits import (
     VisitsOptions,
     run_visits_bench,
     split_visits,
     vllm_prefix_cache_tokens,
     working_set_tokens,
 )
-from tiered.cli import main
 from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
 
@@ -115,7 +115,6 @@ def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
 def test_the_cli_writes_a_visits_trace(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "v.json"
     args = [
-        "bench",
         "trace",
         "visits",
         "--set",
@@ -227,6 +226,6 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
             end = r["arrival_seconds"] + r["latency_seconds"]
             answered[v["user"]] = min(answered.get(v["user"], end), end)
     assert doc["runs"][0]["summary"]["p99_latency_seconds"] >= doc["runs"][0]["summary"]["p50_latency_seconds"] > 0
-    from tiered.bench.plots import plot_load
+    from benchmarks.plots import plot_load
 
     assert [p.name for p in plot_load(doc, tmp_path / "plots")] == ["latency.png", "throughput.png", "cdf.png"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiered.bench.mil import probe_peak
+from benchmarks.mil import probe_peak
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.model import CausalLM

@@ -20,7 +20,6 @@ from dataclasses import asdict
 
 import zmq
 
-from tiered import logs
 from tiered.api.protocol import (
     AdapterCommand,
     AdapterReply,
@@ -38,6 +37,7 @@ from tiered.config import Config
 from tiered.engine import Engine, Result, ScoreParams
 from tiered.hybrid.forward import ForwardInputError
 from tiered.hybrid.lora import AdapterError
+from tiered.logs import setup as setup_logging
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.5
@@ -53,7 +53,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
     """Run until SIGTERM or until the parent process is gone."""
-    logs.setup()
+    setup_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     parent = os.getppid()

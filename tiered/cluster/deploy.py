@@ -26,11 +26,11 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from tiered import logs
 from tiered.api.errors import APIError
 from tiered.api.protocol import decode, encode
 from tiered.config import Config, ConfigError
 from tiered.embedded import resolve_model_path
+from tiered.logs import setup_ours
 
 log = logging.getLogger(__name__)
 APP_NAME = "tiered"
@@ -43,7 +43,7 @@ class EngineReplica:
     async def __init__(self, config: Config) -> None:  # type: ignore[misc]  # Ray Serve awaits it
         from tiered.api.engine_client import EngineClient
 
-        logs.setup_ours()
+        setup_ours()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.client = EngineClient(config)
         await self.client.start()
@@ -89,7 +89,7 @@ class Ingress:
     def __init__(self, engines: Any, config: Config, app_kwargs: dict[str, Any]) -> None:
         from tiered.cluster.client import ReplicaClient
 
-        logs.setup_ours()
+        setup_ours()
         self.config, self.app_kwargs = config, app_kwargs
         self.client = ReplicaClient(engines, config)
 

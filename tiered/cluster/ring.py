@@ -7,7 +7,7 @@ with bounded loads", Mirrokni, Thorup and Zadimoghaddam, 2018). So a user's requ
 where the user's KV is cached while that replica keeps up, and spill to the next replica on the
 ring (the same one every time, where the remote tier makes the move cheap) when it does not.
 Adding or losing a replica moves only the keys whose arc it owned. The Ray Serve router
-(`tiered.cluster.router`) and the cluster simulation (`tiered.bench.cluster_sim`) both route with
+(`tiered.cluster.router`) and the cluster simulation (`benchmarks.cluster_sim`) both route with
 this.
 """
 

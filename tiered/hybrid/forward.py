@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tiered import validation
 from tiered.config import ForwardMode
 from tiered.hybrid.attention import KERNELS, Piece
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
@@ -41,6 +40,7 @@ from tiered.hybrid.model import (
     rope_cos_sin,
 )
 from tiered.validation import InputError
+from tiered.validation import check_token_ids as check_token_list
 
 LayerKV = tuple[Tensor, Tensor]
 """K and V of one layer, each [tokens, kv_heads, head_dim]."""
@@ -75,11 +75,11 @@ class BatchItem:
 
 def check_token_ids(token_ids: Tensor, vocab_size: int) -> None:
     """A non-empty 1-D tensor of ids inside the vocabulary, or ForwardInputError naming the bad value
-    (`validation.check_token_ids` on its smallest and largest id: the same rule, in O(1) Python)."""
+    (`check_token_list` on its smallest and largest id: the same rule, in O(1) Python)."""
     if token_ids.ndim != 1 or token_ids.numel() == 0:
         raise ForwardInputError(f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}")
     try:
-        validation.check_token_ids([int(token_ids.min()), int(token_ids.max())], vocab_size)
+        check_token_list([int(token_ids.min()), int(token_ids.max())], vocab_size)
     except InputError as exc:
         raise ForwardInputError(str(exc)) from None
 

@@ -3,7 +3,7 @@
 On cpu the kernel's peak counter is reset (`/proc/self/clear_refs` with 5) just before the
 forward and VmHWM read after it; the forward's peak is VmHWM minus the resident size before it.
 For a clean reading run it in a process of its own with a fixed glibc mmap threshold (see
-`tiered.bench.mil`), so freed tensors go back to the OS and residency follows live memory.
+`benchmarks.mil`), so freed tensors go back to the OS and residency follows live memory.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ at 106), so bf16 weights are upcast once at load (exact) and the forward runs in
 
 The rule reads the CPU's flags (`avx512_bf16` or `amx_bf16` for bf16, `avx512_fp16` or
 `amx_fp16` for fp16) rather than timing GEMMs at start-up: the flags are what oneDNN dispatches
-on, they cost nothing, and they do not change with load; `tiered bench precision` measures both
+on, they cost nothing, and they do not change with load; `python -m benchmarks precision` measures both
 rates on the machine at hand and says whether they agree with the rule.
 
 `cache.kv_dtype: auto` keeps KV in the compute dtype. A narrower tier dtype can be set

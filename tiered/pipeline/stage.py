@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tiered import logs
 from tiered.adapters import Adapters
 from tiered.config import ForwardMode, HostTierConfig, LoraConfig
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
@@ -33,6 +32,7 @@ from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterError, AdapterSpec
 from tiered.hybrid.memory import measure_forward_peak, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
+from tiered.logs import setup as setup_logging
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.request import PrefixKV, StoreBatch
 from tiered.pipeline.host import HostOps, StageHost
@@ -371,7 +371,7 @@ def run_stage(spec: StageSpec, conn: Connection) -> None:
     """A stage process's main: join the group, load (and measure) its layers and report them, then
     allocate the pool the coordinator sizes and forward until told to stop (None, also an answer
     to StageLoaded: another stage failed or did not fit its budget)."""
-    logs.setup()
+    setup_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the coordinator stops us
     torch.set_num_threads(spec.threads)
     try:

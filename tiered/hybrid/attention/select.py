@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from tiered.config import ConfigError
-from tiered.hybrid.attention import KERNELS, Piece, reference_, vllm_cpu
+from tiered.hybrid.attention import vllm_cpu
+from tiered.hybrid.attention.interface import Piece
+from tiered.hybrid.attention.kernels import KERNELS, reference_
 from tiered.hybrid.precision import cpu_flags, cpu_name
 from tiered.measured import cache_key, load_cached, save_cached
 

@@ -34,12 +34,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tiered.hybrid.attention.kernels import Kernel, Piece
+from tiered.hybrid.attention.interface import Kernel, Piece
 
 log = logging.getLogger(__name__)
 
 TESTED_VERSION = "0.32.0"
-# A multiple of 32 (vLLM's CPU kernels require it). Measured on an AVX2 EPYC: see `tiered bench attention`.
+# A multiple of 32 (vLLM's CPU kernels require it). Measured on an AVX2 EPYC: see `python -m benchmarks attention`.
 BLOCK_TOKENS = 32
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU backend's list
 SCHEMAS = {

@@ -1,4 +1,4 @@
-"""`tiered bench precision` and `tiered bench attention`: the machine's rates that decide the
+"""`python -m benchmarks precision` and `python -m benchmarks attention`: the machine's rates that decide the
 compute precision and the attention kernel, measured side by side in one process.
 
 - precision: the linear layer of the 126 M model's MLP (2,048 x 1,024 -> 4,096) and a 2,048³
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tiered.bench.mil import matmul_flops_per_s
+from benchmarks.mil import matmul_flops_per_s
 from tiered.hybrid.attention import vllm_cpu
 from tiered.hybrid.attention.select import SHAPE_CLASSES, ShapeClass, available, fastest, time_kernels
 from tiered.hybrid.loader import DTYPES, read_args

@@ -1,4 +1,4 @@
-"""`tiered bench batch`: what batching and the prefix path buy, forward by forward.
+"""`python -m benchmarks batch`: what batching and the prefix path buy, forward by forward.
 
 Side by side in one process, on one model, timings interleaved (best of `repeats`):
 - **visit**: N requests of `new` tokens each on one shared cached prefix of `prefix` tokens
@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tiered.bench.mil import forward_flops, matmul_flops_per_s
-from tiered.bench.report import write_report
+from benchmarks.mil import forward_flops, matmul_flops_per_s
+from benchmarks.report import write_report
 from tiered.hybrid.attention import KERNELS, Piece
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model

@@ -1,4 +1,4 @@
-"""`tiered bench mixed`: short calls with a tight latency objective among long uncached prompts.
+"""`python -m benchmarks mixed`: short calls with a tight latency objective among long uncached prompts.
 
 The traffic (`mixed_trace.py`) goes over loopback HTTP to each system in turn, the same seeded
 calls at the same times for every system, --repeats runs per offered load (--short-qps). The
@@ -13,7 +13,7 @@ Per system, first: a prompt of --long-tokens alone on the idle server (fresh pro
 the objectives per class and in all, the short calls' P50 / P99, each long call's slowdown
 (`goodput.py`), and, ours, pieces per long call (`usage.tiered.num_pieces`) and the /metrics
 samples on pieces, yields and parked KV (`goodput.PIECE_METRICS`, after minus before the run;
-absent: not shown). Then `tiered bench load`'s per-load table of the short calls and their
+absent: not shown). Then `python -m benchmarks load`'s per-load table of the short calls and their
 sustainable QPS at P99 / mean latency <= the short objective.
 
 Systems (`systems.mixed_system`): `tiered` (`scheduler.pieces=deadline`: SLOWeave), `tiered-fixedN`
@@ -39,15 +39,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from tiered.bench.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
-from tiered.bench.load import Call, print_tables, run_http, sustainable_table
-from tiered.bench.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
-from tiered.bench.report import headline_row, print_headline, write_report
-from tiered.bench.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
-from tiered.bench.stats import Record, Summary, summarize
-from tiered.bench.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
-from tiered.bench.traces import BenchError, ordinary_token_ids
-from tiered.bench.vllm import VLLMServer, peer_launch
+from benchmarks.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
+from benchmarks.load import Call, print_tables, run_http, sustainable_table
+from benchmarks.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
+from benchmarks.report import headline_row, print_headline, write_report
+from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
+from benchmarks.stats import Record, Summary, summarize
+from benchmarks.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
+from benchmarks.traces import BenchError, ordinary_token_ids
+from benchmarks.vllm import VLLMServer, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.loader import resolve_device
@@ -113,7 +113,7 @@ def _measure(
 
 
 def short_summary(score: RunScore, trace: MixedTrace, records: list[Record]) -> Summary:
-    """The short calls as `tiered bench load` sums a run up (`multiple`: the short QPS itself)."""
+    """The short calls as `python -m benchmarks load` sums a run up (`multiple`: the short QPS itself)."""
     short = {c.call.call_id for c in trace.of(SHORT)}
     return summarize(
         score.system,

@@ -101,7 +101,7 @@ class _LRU:
 def profiles(
     users: int, mean: int = 1800, sd: int = 300, low: int = 1200, high: int = 2400, seed: int = 0
 ) -> list[int]:
-    """Profile lengths as the visit trace draws them (tiered.bench.traces.visits)."""
+    """Profile lengths as the visit trace draws them (benchmarks.traces.visits)."""
     rng = random.Random(seed)
     return [min(high, max(low, round(rng.gauss(mean, sd)))) for _ in range(users)]
 

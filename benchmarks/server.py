@@ -1,4 +1,4 @@
-"""`tiered bench server`: what the HTTP server adds per request over the in-process engine.
+"""`python -m benchmarks server`: what the HTTP server adds per request over the in-process engine.
 
 Low load: one request at a time, alternating between the two sides. The same config runs
 in-process (`Engine.submit` + `run`) and behind `tiered serve` (the openai-style POST
@@ -17,8 +17,8 @@ import time
 import httpx
 import torch
 
+from benchmarks.report import write_report
 from tiered.api.launch import start_server, stop_server
-from tiered.bench.report import write_report
 from tiered.config import Config
 from tiered.engine import Engine
 

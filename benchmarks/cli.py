@@ -1,14 +1,15 @@
-"""`tiered bench ...`: the benchmark subcommands (figures for benchmarks/RESULTS.md).
+"""`python -m benchmarks ...`: the benchmark subcommands (figures for benchmarks/RESULTS.md).
 
-Apart from `tiered/cli.py` so each holds one job; like it, importing this module imports no torch
-(each command imports what it runs)."""
+Importing this module imports no torch: each command imports what it runs."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
-from tiered.bench import pipeline_sim, stages
-from tiered.bench.commands import (
+from benchmarks import pipeline_sim, stages
+from benchmarks.commands import (
     _add_model_args,
     _add_trace_args,
     cmd_bench_alone,
@@ -30,9 +31,14 @@ from tiered.bench.commands import (
 from tiered.cli_options import add_config_args, parse_bytes, parse_float_list, parse_int_list
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`tiered bench ...`: every benchmark's subcommand."""
-    bench = sub.add_parser("bench", help="benchmarks (figures for benchmarks/RESULTS.md)")
+def build_parser() -> argparse.ArgumentParser:
+    """`python -m benchmarks ...`: every benchmark's subcommand."""
+    bench = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="The benchmark harness of tiered: each subcommand measures one thing and can write "
+        "a JSON (the committed ones, under benchmarks/results/, feed the table of benchmarks/RESULTS.md).",
+    )
+    bench.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_mil_parser(bsub)
     _add_batch_parser(bsub)
@@ -50,6 +56,24 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     _add_server_parser(bsub)
     for module in (pipeline_sim, stages):  # subcommands that declare their own parser
         module.add_parser(bsub)
+    return bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, set up logging, run the subcommand; a bad value is a one-line error and exit status 2."""
+    args = build_parser().parse_args(argv)
+    from benchmarks.traces import BenchError
+    from tiered import logs
+    from tiered.config import ConfigError
+    from tiered.hybrid.forward import ForwardInputError
+    from tiered.hybrid.loader import ModelLoadError
+
+    logs.setup(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        return int(args.func(args))
+    except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError, BenchError) as exc:
+        print(f"benchmarks: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _add_mil_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -179,7 +203,7 @@ def _add_trace_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         "trace",
         help="write a seeded workload trace (post recommendation, credit verification, revisit) to a file",
         description="Generate a trace with token ids from the configured model's tokenizer and write it as JSON "
-        "(kind, parameters, requests in arrival order). See tiered/bench/traces.py for each workload's shape.",
+        "(kind, parameters, requests in arrival order). See benchmarks/traces.py for each workload's shape.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_config_args(tr)
@@ -189,7 +213,7 @@ def _add_trace_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tiered.bench.systems import DEFAULT_VLLM_PYTHON, SYSTEMS
+    from benchmarks.systems import DEFAULT_VLLM_PYTHON, SYSTEMS
 
     ld = bsub.add_parser(
         "load",
@@ -283,7 +307,8 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vs.add_argument(
         "--trace",
         default=None,
-        help="a visits trace written by `tiered bench trace visits` (else one is generated from the options below)",
+        help="a visits trace written by `python -m benchmarks trace visits` (else one is generated from the "
+        "options below)",
     )
     vg = vs.add_argument_group("trace (lengths in tokens)")
     vg.add_argument("--users", type=int, default=16, help="distinct users (profiles)")
@@ -298,7 +323,7 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vg.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%)")
     vg.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf (0: uniform)")
     vg.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
-    from tiered.bench.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
+    from benchmarks.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
 
     vs.add_argument(
         "--systems",
@@ -363,7 +388,7 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
 
 
 def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tiered.bench.systems import DEFAULT_VLLM_PYTHON, MIXED_SYSTEM_FORMS
+    from benchmarks.systems import DEFAULT_VLLM_PYTHON, MIXED_SYSTEM_FORMS
 
     mx = bsub.add_parser(
         "mixed",
@@ -459,10 +484,10 @@ def _add_soak_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
 def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pl = bsub.add_parser(
         "plot",
-        help="PNG plots from a `tiered bench load` JSON",
+        help="PNG plots from a `python -m benchmarks load` JSON",
         description="latency.png (mean and P99 against offered QPS), throughput.png, cdf.png.",
     )
-    pl.add_argument("json_file", help="JSON written by `tiered bench load --json`")
+    pl.add_argument("json_file", help="JSON written by `python -m benchmarks load --json`")
     pl.add_argument("--out", required=True, help="folder for the PNGs")
     pl.set_defaults(func=cmd_bench_plot)
 
@@ -528,7 +553,7 @@ def _add_report_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
 
 
 def _add_alone_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tiered.bench.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
+    from benchmarks.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
 
     al = bsub.add_parser(
         "alone",
@@ -536,7 +561,7 @@ def _add_alone_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         description="All --systems are started and warmed up alike (a short call, then one prompt of --tokens). "
         "Then --repeats rounds: each system in turn gets the same fresh seeded prompt of --tokens under its own "
         "cache salt, over HTTP, once no server computes. Reports each run's latency and tokens/s, and headline "
-        "rows (the first system against each other, run by run). Systems as `tiered bench visits` names them "
+        "rows (the first system against each other, run by run). Systems as `python -m benchmarks visits` names them "
         "(vllm: compiled, the KV memory of our device + host tiers).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from tiered.bench.traces import BenchError
+from benchmarks.traces import BenchError
 from tiered.config import Config
 
 # The Python of the vllm systems unless --vllm-python: the venv `make bench-env` builds (its VLLM_VENV).
 DEFAULT_VLLM_PYTHON = "/tmp/vllmenv/bin/python"
 
-# `tiered bench load`: our engine in-process (config overrides), over HTTP, and vLLM.
+# `python -m benchmarks load`: our engine in-process (config overrides), over HTTP, and vLLM.
 ENGINE_SYSTEMS: dict[str, list[str]] = {
     "tiered": ["scheduler.policy=calibrated", "cache.suffix=offload"],
     "prefillonly": ["scheduler.policy=calibrated", "cache.suffix=discard"],
@@ -31,7 +31,7 @@ HTTP_SYSTEMS = {"tiered-http": ["scheduler.policy=calibrated", "cache.suffix=off
 VLLM_SYSTEMS = {"vllm": True, "vllm-nochunk": False}  # chunked prefill on / off
 SYSTEMS = [*ENGINE_SYSTEMS, *HTTP_SYSTEMS, *VLLM_SYSTEMS]
 
-# `tiered bench visits`: `tiered serve` variants and `vllm serve` over HTTP.
+# `python -m benchmarks visits`: `tiered serve` variants and `vllm serve` over HTTP.
 VISIT_TIERED_SYSTEMS: dict[str, list[str]] = {
     "tiered": [],
     "tiered-single": ["scheduler.max_batch_tokens=0"],
@@ -86,7 +86,7 @@ def check_vllm_python(python: str | None) -> str:
     return python
 
 
-# `tiered bench mixed`: `tiered serve` by how its prefills yield, and `vllm serve` by its chunk size.
+# `python -m benchmarks mixed`: `tiered serve` by how its prefills yield, and `vllm serve` by its chunk size.
 MIXED_TIERED_SYSTEMS: dict[str, list[str]] = {
     "tiered": ["scheduler.pieces=deadline"],  # SLOWeave: pieces sized so urgent waiting requests meet their deadlines
     "tiered-never": ["scheduler.pieces=never"],  # every prefill in one pass
@@ -107,7 +107,7 @@ MIXED_SYSTEM_FORMS = [
 
 @dataclass(slots=True, frozen=True)
 class MixedSystem:
-    """One system of `tiered bench mixed`, parsed from its name."""
+    """One system of `python -m benchmarks mixed`, parsed from its name."""
 
     name: str
     overrides: tuple[str, ...] = ()  # ours: config overrides (`scheduler.pieces` ...)
@@ -130,7 +130,7 @@ class MixedSystem:
 
 
 def mixed_system(name: str) -> MixedSystem | None:
-    """The system a `tiered bench mixed` name stands for; None for a name that is none of them."""
+    """The system a `python -m benchmarks mixed` name stands for; None for a name that is none of them."""
     if name in MIXED_TIERED_SYSTEMS:
         return MixedSystem(name, tuple(MIXED_TIERED_SYSTEMS[name]))
     if m := MIXED_FIXED_SYSTEM.match(name):

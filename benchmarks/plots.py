@@ -1,4 +1,4 @@
-"""PNG plots of a `tiered bench load` JSON: latency against QPS, throughput, latency CDFs."""
+"""PNG plots of a `python -m benchmarks load` JSON: latency against QPS, throughput, latency CDFs."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def plot_load(doc_or_path: dict[str, Any] | str | Path, out_dir: str | Path) -> 
 
 
 def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
-    """goodput.png for a `tiered bench mixed` run: goodput per class and in all against the offered
+    """goodput.png for a `python -m benchmarks mixed` run: goodput per class and in all against the offered
     short calls/s (dotted: the offered rate), and the short calls' P50 / P99 against their objective."""
     import matplotlib
 

@@ -1,4 +1,4 @@
-"""`tiered bench stages`: pipeline stages measured on this machine.
+"""`python -m benchmarks stages`: pipeline stages measured on this machine.
 
 The same visits (Zipf users, each visit a profile + `posts` posts, every prompt queued at once:
 saturation; or in --rounds of consecutive visits, each queued once the previous is answered)
@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from tiered.bench.traces import BenchError
+from benchmarks.traces import BenchError
 from tiered.cli_options import add_config_args
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,8 @@ def rounds(requests: list[Any], num_rounds: int) -> list[list[Any]]:
 
 
 def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tiered.bench.report import write_report
-    from tiered.bench.traces import ordinary_token_ids, visits
+    from benchmarks.report import write_report
+    from benchmarks.traces import ordinary_token_ids, visits
     from tiered.config import load_config
     from tiered.embedded import resolve_model_path
 
@@ -174,7 +174,7 @@ def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`tiered bench stages` (this module imports no torch at CLI start)."""
+    """`python -m benchmarks stages` (this module imports no torch at CLI start)."""
     p = bsub.add_parser(
         "stages",
         help="pipeline stages on this machine: S processes x N/S threads against one process x N",

@@ -1,4 +1,4 @@
-"""`tiered bench alone`: one fresh long prompt on an idle server (credit verification), ours against vLLM.
+"""`python -m benchmarks alone`: one fresh long prompt on an idle server (credit verification), ours against vLLM.
 
 Both servers run at once, started and warmed up alike (a short call and one prompt of the same
 length under its own cache salt). Then, --repeats times, each system in turn gets the same fresh
@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tiered.bench.load import Call, run_http
-from tiered.bench.report import headline_row, print_headline, write_report
-from tiered.bench.servers import Served, serve_tiered, serve_vllm, wait_quiet
-from tiered.bench.systems import VISIT_TIERED_SYSTEMS, VISIT_VLLM_SYSTEMS, check_vllm_sizing
-from tiered.bench.traces import BenchError, ordinary_token_ids
-from tiered.bench.vllm import VLLMServer, kv_memory_bytes, peer_launch
+from benchmarks.load import Call, run_http
+from benchmarks.report import headline_row, print_headline, write_report
+from benchmarks.servers import Served, serve_tiered, serve_vllm, wait_quiet
+from benchmarks.systems import VISIT_TIERED_SYSTEMS, VISIT_VLLM_SYSTEMS, check_vllm_sizing
+from benchmarks.traces import BenchError, ordinary_token_ids
+from benchmarks.vllm import VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.loader import resolve_device

@@ -89,7 +89,9 @@ class Trace:
         except FileNotFoundError:
             raise BenchError(f"trace file '{path}' does not exist") from None
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise BenchError(f"trace file '{path}' is not a trace written by `tiered bench trace`: {exc}") from None
+            raise BenchError(
+                f"trace file '{path}' is not a trace written by `python -m benchmarks trace`: {exc}"
+            ) from None
 
 
 def ordinary_token_ids(model_dir: str | Path) -> list[int]:

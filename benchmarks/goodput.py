@@ -1,4 +1,4 @@
-"""Goodput of a `tiered bench mixed` run, from its records: calls answered within their objective.
+"""Goodput of a `python -m benchmarks mixed` run, from its records: calls answered within their objective.
 
 A call is good when it was answered (no error) within its objective, its latency running from its
 arrival to its answer on the client's clock; goodput is good calls per second of the arrival
@@ -14,8 +14,8 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-from tiered.bench.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace
-from tiered.bench.stats import Record, percentile
+from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace
+from benchmarks.stats import Record, percentile
 
 # /metrics samples of ours on prefills that yield (tolerated absent): pieces, yields, parked KV.
 PIECE_METRICS = re.compile(r"^tiered:.*(piece|yield|park)")

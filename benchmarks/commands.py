@@ -1,4 +1,4 @@
-"""What each `tiered bench ...` subcommand runs (its parser is in `bench/cli.py`). Each command
+"""What each `python -m benchmarks ...` subcommand runs (its parser is in `benchmarks/cli.py`). Each command
 imports what it runs, so importing this module imports no torch."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tiered.cli_options import config_from_args, resolve_device
 from tiered.config import Config
 
 if TYPE_CHECKING:
-    from tiered.bench.traces import Trace
+    from benchmarks.traces import Trace
 
 
 def _add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -37,7 +37,7 @@ def _compute_dtype(args: argparse.Namespace, folder: Path) -> str:
 
 
 def cmd_bench_mil(args: argparse.Namespace) -> int:
-    from tiered.bench.mil import run_mil_bench
+    from benchmarks.mil import run_mil_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
@@ -61,7 +61,7 @@ def cmd_bench_mil(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
-    from tiered.bench.batch import run_batch_bench
+    from benchmarks.batch import run_batch_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
@@ -82,7 +82,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from tiered.bench.tiers import bench_config, run_tiers_bench
+    from benchmarks.tiers import bench_config, run_tiers_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
@@ -106,7 +106,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_policies(args: argparse.Namespace) -> int:
-    from tiered.bench.policies import run_policies_bench
+    from benchmarks.policies import run_policies_bench
 
     cfg = config_from_args(args)
     run_policies_bench(
@@ -127,7 +127,7 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
 
 
 def _trace_from_args(args: argparse.Namespace, cfg: Config) -> Trace:
-    from tiered.bench import traces
+    from benchmarks import traces
     from tiered.embedded import resolve_model_path
 
     if getattr(args, "trace", None):
@@ -158,8 +158,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_load(args: argparse.Namespace) -> int:
-    from tiered.bench.load import run_load_bench
-    from tiered.bench.plots import plot_load
+    from benchmarks.load import run_load_bench
+    from benchmarks.plots import plot_load
 
     cfg = config_from_args(args)
     trace = _trace_from_args(args, cfg)
@@ -184,7 +184,7 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_plot(args: argparse.Namespace) -> int:
-    from tiered.bench.plots import plot_load
+    from benchmarks.plots import plot_load
 
     for path in plot_load(args.json_file, args.out):
         print(f"wrote {path}")
@@ -192,7 +192,7 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from tiered.bench.soak import run_soak
+    from benchmarks.soak import run_soak
     from tiered.config import with_overrides
 
     pressure = [
@@ -217,8 +217,8 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_visits(args: argparse.Namespace) -> int:
-    from tiered.bench.plots import plot_load
-    from tiered.bench.visits import VisitsOptions, run_visits_bench
+    from benchmarks.plots import plot_load
+    from benchmarks.visits import VisitsOptions, run_visits_bench
 
     cfg = config_from_args(args)
     trace = _trace_from_args(args, cfg)
@@ -246,9 +246,9 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_mixed(args: argparse.Namespace) -> int:
-    from tiered.bench.mixed import run_mixed_bench
-    from tiered.bench.mixed_trace import MixedParams
-    from tiered.bench.plots import plot_goodput
+    from benchmarks.mixed import run_mixed_bench
+    from benchmarks.mixed_trace import MixedParams
+    from benchmarks.plots import plot_goodput
 
     params = MixedParams(
         args.short_slo_ms,
@@ -274,7 +274,7 @@ def cmd_bench_mixed(args: argparse.Namespace) -> int:
 
 
 def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
-    from tiered.bench.traces import KINDS
+    from benchmarks.traces import KINDS
 
     kinds = list(KINDS)
     if kind_positional:
@@ -283,7 +283,7 @@ def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
         p.add_argument(
             "--trace",
             default=None,
-            help="a trace file written by `tiered bench trace` (else one is "
+            help="a trace file written by `python -m benchmarks trace` (else one is "
             "generated from --kind and the options below)",
         )
         p.add_argument("--kind", choices=kinds, default="post_recommendation", help="workload to generate")
@@ -305,21 +305,21 @@ def _add_trace_args(p: argparse.ArgumentParser, kind_positional: bool) -> None:
 
 
 def cmd_bench_server(args: argparse.Namespace) -> int:
-    from tiered.bench.server import run_server_bench
+    from benchmarks.server import run_server_bench
 
     run_server_bench(config_from_args(args), args.config, args.overrides, args.requests, args.tokens, args.json)
     return 0
 
 
 def cmd_bench_precision(args: argparse.Namespace) -> int:
-    from tiered.bench.kernels import run_precision_bench
+    from benchmarks.kernels import run_precision_bench
 
     run_precision_bench(resolve_device(args.device), args.json)
     return 0
 
 
 def cmd_bench_attention(args: argparse.Namespace) -> int:
-    from tiered.bench.kernels import run_attention_bench
+    from benchmarks.kernels import run_attention_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
@@ -337,12 +337,12 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_report(args: argparse.Namespace) -> int:
-    from tiered.bench.report import write_tables
+    from benchmarks.report import write_tables
 
     targets = [(Path(args.results_md), ""), (Path(args.readme), "benchmarks/")]
     for target, _ in targets:
         if not target.exists():
-            raise SystemExit(f"tiered bench report: {target} does not exist")
+            raise SystemExit(f"python -m benchmarks report: {target} does not exist")
     results = Path(args.results)
     prefixes = [(path, f"{prefix}{results.name}/") for path, prefix in targets]
     stale = write_tables(prefixes, results, check=args.check)
@@ -354,7 +354,7 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_alone(args: argparse.Namespace) -> int:
-    from tiered.bench.alone import AloneOptions, run_alone_bench
+    from benchmarks.alone import AloneOptions, run_alone_bench
 
     opts = AloneOptions(
         systems=args.systems,

@@ -1,4 +1,4 @@
-"""`tiered bench load`: a trace under Poisson load, on our engine and on vLLM, side by side.
+"""`python -m benchmarks load`: a trace under Poisson load, on our engine and on vLLM, side by side.
 
 1. Saturation: the reference system (the first of --systems that is ours) runs the whole trace
    submitted at once; saturation QPS = requests / makespan.
@@ -35,9 +35,8 @@ from typing import Any
 
 import httpx
 
-from tiered.api.launch import start_server, stop_server
-from tiered.bench.report import write_report
-from tiered.bench.stats import (
+from benchmarks.report import write_report
+from benchmarks.stats import (
     Record,
     Summary,
     median_summary,
@@ -46,9 +45,10 @@ from tiered.bench.stats import (
     summarize,
     sustainable_qps,
 )
-from tiered.bench.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS, check_vllm_python
-from tiered.bench.traces import BenchError, Trace
-from tiered.bench.vllm import VLLMServer, peer_launch
+from benchmarks.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS, check_vllm_python
+from benchmarks.traces import BenchError, Trace
+from benchmarks.vllm import VLLMServer, peer_launch
+from tiered.api.launch import start_server, stop_server
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result

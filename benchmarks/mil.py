@@ -1,8 +1,8 @@
-"""`tiered bench mil`: maximum input length (MIL) under a memory budget, and prefill speed.
+"""`python -m benchmarks mil`: maximum input length (MIL) under a memory budget, and prefill speed.
 
 For each forward mode:
 - peak memory of one forward against input length, each length probed in a fresh process
-  (`tiered.bench.probe`), and the longest input whose peak fits the budget, found by doubling
+  (`benchmarks.probe`), and the longest input whose peak fits the budget, found by doubling
   then bisection to `resolution` tokens. Measured, never computed from a formula.
 - single-request prefill throughput (tokens/s) at a few lengths, in this process, and the
   achieved FLOP/s as a fraction of this machine's measured matmul rate in the same dtype.
@@ -17,10 +17,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from tiered.bench.report import write_report
+from benchmarks.report import write_report
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES, load_model, read_args
@@ -92,7 +93,7 @@ def probe_peak(
     cmd = [
         sys.executable,
         "-m",
-        "tiered.bench.probe",
+        "benchmarks.probe",
         "--model",
         model_dir,
         "--dtype",
@@ -112,7 +113,10 @@ def probe_peak(
     ]
     # A fixed mmap threshold makes glibc return every freed tensor to the OS, so the resident
     # size follows live memory (its dynamic threshold would keep freed blocks in the heap).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    # The probe is a module of this harness: its repository root goes on the child's path.
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": path}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         if "out of memory" in done.stderr.lower() or done.returncode in (-9, 137):

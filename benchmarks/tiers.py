@@ -1,4 +1,4 @@
-"""`tiered bench tiers`: what the host tier is worth.
+"""`python -m benchmarks tiers`: what the host tier is worth.
 
 1. Load against recompute: the cost per token of bringing a prefix back from the host tier
    (LMCache retrieval into device blocks) against computing it again, at a few lengths. The
@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from tiered.bench.load import kv_bytes_per_token
-from tiered.bench.report import headline_row, print_headline, write_report
+from benchmarks.load import kv_bytes_per_token
+from benchmarks.report import headline_row, print_headline, write_report
 from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
 from tiered.engine import Engine
 from tiered.hybrid.loader import read_args

@@ -1,4 +1,4 @@
-"""The traffic of `tiered bench mixed`: short visit calls with a tight objective among long, uncached prompts.
+"""The traffic of `python -m benchmarks mixed`: short visit calls with a tight objective among long, uncached prompts.
 
 Two arrival processes over one window (seeded; strings seed `random.Random`, so the draws do not
 depend on the Python process):
@@ -25,10 +25,10 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from tiered.bench.load import Call
-from tiered.bench.systems import MixedSystem
-from tiered.bench.traces import BenchError, credit_verification, visits
-from tiered.bench.visits import split_visits
+from benchmarks.load import Call
+from benchmarks.systems import MixedSystem
+from benchmarks.traces import BenchError, credit_verification, visits
+from benchmarks.visits import split_visits
 
 SHORT, LONG = "short", "long"
 PRIORITY = {SHORT: 0, LONG: 1}  # vLLM's `priority` on its priority systems: lower runs first

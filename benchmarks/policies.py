@@ -1,4 +1,4 @@
-"""`tiered bench policies`: scheduling policies on a post-recommendation burst, JCT error, decision cost.
+"""`python -m benchmarks policies`: scheduling policies on a post-recommendation burst, JCT error, decision cost.
 
 1. Post recommendation (the paper's workload, scaled): U users x P candidate posts; each request
    is the user's profile (normal length) + one post, interleaved across users (seeded). A burst
@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from tiered.bench.load import kv_bytes_per_token, run_engine
-from tiered.bench.report import write_report
-from tiered.bench.stats import percentile, poisson_arrivals
-from tiered.bench.traces import Trace, ordinary_token_ids, post_recommendation
+from benchmarks.load import kv_bytes_per_token, run_engine
+from benchmarks.report import write_report
+from benchmarks.stats import percentile, poisson_arrivals
+from benchmarks.traces import Trace, ordinary_token_ids, post_recommendation
 from tiered.config import Config
 from tiered.engine import Engine, Result
 from tiered.scheduler.scheduler import Decision

@@ -1,4 +1,4 @@
-"""`tiered bench visits`: a recommendation service's traffic, one HTTP call per user visit.
+"""`python -m benchmarks visits`: a recommendation service's traffic, one HTTP call per user visit.
 
 A visit is one `POST /v1/completions` whose `prompt` lists the visit's N prompts (the user's
 profile + a candidate post + the question each, `max_tokens=1`): the call a recommendation
@@ -46,16 +46,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tiered.bench.load import SLO_FACTORS, Call, print_tables, run_http, sustainable_table
-from tiered.bench.mil import forward_flops, matmul_flops_per_s
-from tiered.bench.report import headline_row, print_headline, write_report
-from tiered.bench.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
-from tiered.bench.stats import Record, Summary, median_summary, poisson_arrivals, summarize, tail_name
-from tiered.bench.systems import LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check_vllm_sizing
-from tiered.bench.systems import VISIT_SYSTEMS as SYSTEMS
-from tiered.bench.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
-from tiered.bench.traces import BenchError, Trace, TraceRequest
-from tiered.bench.vllm import VLLMServer, kv_memory_bytes, peer_launch
+from benchmarks.load import SLO_FACTORS, Call, print_tables, run_http, sustainable_table
+from benchmarks.mil import forward_flops, matmul_flops_per_s
+from benchmarks.report import headline_row, print_headline, write_report
+from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
+from benchmarks.stats import Record, Summary, median_summary, poisson_arrivals, summarize, tail_name
+from benchmarks.systems import LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check_vllm_sizing
+from benchmarks.systems import VISIT_SYSTEMS as SYSTEMS
+from benchmarks.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
+from benchmarks.traces import BenchError, Trace, TraceRequest
+from benchmarks.vllm import VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import make_adapter, resolve_model_path
 from tiered.hybrid.args import ModelArgs
@@ -117,7 +117,7 @@ class Saturation:
 def split_visits(trace: Trace) -> list[Visit]:
     """The trace's visits in order; each visit's prompts in trace order."""
     if trace.kind != "visits":
-        raise BenchError(f"`tiered bench visits` needs a visits trace, got '{trace.kind}'")
+        raise BenchError(f"`python -m benchmarks visits` needs a visits trace, got '{trace.kind}'")
     by_visit: dict[int, list[TraceRequest]] = {}
     for r in trace.requests:
         by_visit.setdefault(r.visit, []).append(r)

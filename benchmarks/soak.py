@@ -1,4 +1,4 @@
-"""`tiered bench soak`: a bounded soak of `tiered serve` with valid and invalid requests mixed.
+"""`python -m benchmarks soak`: a bounded soak of `tiered serve` with valid and invalid requests mixed.
 
 A server starts with a small device tier and a small host tier (both evict all the time) on the
 configured model. `--concurrency` clients send requests for `--minutes`: valid completions
@@ -33,10 +33,10 @@ import httpx
 import psutil
 import torch
 
+from benchmarks.report import write_report
+from benchmarks.traces import ordinary_token_ids
 from tiered.api.launch import start_server, stop_server
 from tiered.api.metrics import parse
-from tiered.bench.report import write_report
-from tiered.bench.traces import ordinary_token_ids
 from tiered.config import Config, write_config
 from tiered.embedded import resolve_model_path
 

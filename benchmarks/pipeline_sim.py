@@ -29,7 +29,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tiered.bench.traces import BenchError
+from benchmarks.traces import BenchError
 from tiered.cli_options import parse_float_list, parse_int_list
 from tiered.scheduler.waves import Job, form_by_count, form_waves
 
@@ -194,7 +194,7 @@ def run_pipeline_sim(
     """Every (reuse, S, cut, schedule) of the module docstring; a table, JSON and a plot."""
     from dataclasses import asdict, replace
 
-    from tiered.bench.report import write_report
+    from benchmarks.report import write_report
 
     outcomes = [
         simulate(costs, replace(w, cached_users=cached), s, per_stage * s, cut, schedule)
@@ -266,7 +266,7 @@ def plot_pipeline(outcomes: list[Outcome], out_dir: str) -> str:
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`tiered bench pipeline-sim` (this module imports no torch: it parses at CLI start)."""
+    """`python -m benchmarks pipeline-sim` (this module imports no torch: it parses at CLI start)."""
     p = bsub.add_parser(
         "pipeline-sim",
         help="pipeline-parallel prefill under prefix reuse (WavePP), simulated for S stages",
@@ -274,7 +274,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "by count (GPipe) or by the work they compute after hits (waves), fill-and-drain per batch or continuous; "
         "stage costs from the JCT model (--costs c0,c1,c2,c4: bench-m's fit on this machine by default) x "
         "--scale, plus activations over --link-gbps. Prints throughput per device (1 = one device without a "
-        "pipe) and bubble fractions, with and without prefix reuse. See tiered/bench/pipeline_sim.py for the model.",
+        "pipe) and bubble fractions, with and without prefix reuse. See benchmarks/pipeline_sim.py for the model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--stages", type=parse_int_list, default=[1, 2, 4, 8], help="stage counts to simulate")

@@ -1,0 +1,1 @@
+"""The benchmark harness: `python -m benchmarks ...` (figures go to benchmarks/RESULTS.md)."""

@@ -1,1 +1,0 @@
-"""Benchmark harness: `tiered bench ...` (figures go to benchmarks/RESULTS.md)."""
