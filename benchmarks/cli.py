@@ -28,7 +28,7 @@ from benchmarks.commands import (
     cmd_bench_trace,
     cmd_bench_visits,
 )
-from tiered.cli_options import add_config_args, parse_bytes, parse_float_list, parse_int_list
+from tiered.config.options import add_config_args, parse_bytes, parse_float_list, parse_int_list
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, set up logging, run the subcommand; a bad value is a one-line error and exit status 2."""
     args = build_parser().parse_args(argv)
     from benchmarks.traces import BenchError
-    from tiered import logs
     from tiered.config import ConfigError
     from tiered.hybrid.forward import ForwardInputError
     from tiered.hybrid.loader import ModelLoadError
+    from tiered.logs import setup as setup_logging
 
-    logs.setup(logging.DEBUG if args.verbose else logging.INFO)
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args))
     except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError, BenchError) as exc:

@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tiered.cli_options import config_from_args, resolve_device
 from tiered.config import Config
+from tiered.config.options import config_from_args, resolve_device
 
 if TYPE_CHECKING:
     from benchmarks.traces import Trace

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.mil import matmul_flops_per_s
 from tiered.hybrid.attention import vllm_cpu
-from tiered.hybrid.attention.select import SHAPE_CLASSES, ShapeClass, available, fastest, time_kernels
+from tiered.hybrid.attention.select import SHAPE_CLASSES, KernelShape, ShapeClass, available, fastest, time_kernels
 from tiered.hybrid.loader import DTYPES, read_args
 from tiered.hybrid.precision import NATIVE_CPU_FLAGS, cpu_flags, cpu_name, resolve_precision
 
@@ -119,7 +119,7 @@ def run_attention_bench(
     rates[dtype] = matmul_flops_per_s(dtype, device, *((2048, 5) if dtype == torch.float32 else (1024, 2))) / 1e9
     matmul, matmul_bf16 = rates[dtype], rates[torch.bfloat16]
     best = max(rates.values())  # the machine's matmul roofline in its fastest dtype (fp32 or bf16)
-    timings = time_kernels(names, shapes, a.num_heads, a.num_kv_heads, a.head_dim, dtype, device)
+    timings = time_kernels(names, shapes, KernelShape(a.num_heads, a.num_kv_heads, a.head_dim, dtype, device))
     doc = {
         "machine": machine(),
         "device": device,

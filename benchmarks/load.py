@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.launch import start_server, stop_server
 from benchmarks.report import write_report
 from benchmarks.stats import (
     Record,
@@ -48,7 +49,6 @@ from benchmarks.stats import (
 from benchmarks.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS, check_vllm_python
 from benchmarks.traces import BenchError, Trace
 from benchmarks.vllm import VLLMServer, peer_launch
-from tiered.api.launch import start_server, stop_server
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result

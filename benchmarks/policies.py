@@ -127,7 +127,8 @@ def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: i
                 start = time.perf_counter()
                 for _ in range(picks):
                     head.waiting.yield_until = None  # its bound, set by a yield, would end the search
-                    engine.pieces.decide(head)
+                    assert sched.pieces is not None
+                    sched.pieces.decide(head, sched.by_deadline)
                 out["pieces"][depth] = 1e3 * (time.perf_counter() - start) / picks
                 log.info("pieces     queue depth %6d: %.3f ms per decision", depth, out["pieces"][depth])
             total = 0.0

@@ -46,11 +46,12 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def measure(a: argparse.Namespace) -> None:
+    from benchmarks.launch import start_redis
     from benchmarks.traces import QUESTION_TOKENS, ordinary_token_ids
-    from tiered.api.launch import start_redis
     from tiered.config import load_config, with_overrides
     from tiered.embedded import resolve_model_path
     from tiered.engine import Engine
+    from tiered.engine.score import RequestOptions
 
     redis, url = start_redis(tempfile.mkdtemp(), maxmemory="8gb")
     cfg = with_overrides(load_config(a.config, a.set), [f"cache.host.lmcache.remote_url={url}"])
@@ -65,7 +66,9 @@ def measure(a: argparse.Namespace) -> None:
         question = tokens(1, QUESTION_TOKENS)
         start = time.perf_counter()
         for p in range(POSTS):
-            engine.submit(profile + tokens(seed * 100 + p, POST_TOKENS) + question, cache_salt=salt)
+            engine.submit(
+                profile + tokens(seed * 100 + p, POST_TOKENS) + question, options=RequestOptions(cache_salt=salt)
+            )
         engine.run()
         return time.perf_counter() - start
 

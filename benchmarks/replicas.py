@@ -36,10 +36,10 @@ from typing import Literal
 
 import psutil
 
+from benchmarks.launch import free_port, start_redis, start_router, start_server, stop_server
 from benchmarks.load import Call, run_http
 from benchmarks.traces import ordinary_token_ids, visits
 from benchmarks.visits import split_visits
-from tiered.api.launch import free_port, start_redis, start_router, start_server, stop_server
 from tiered.config import Config, load_config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 

@@ -17,8 +17,8 @@ import time
 import httpx
 import torch
 
+from benchmarks.launch import start_server, stop_server
 from benchmarks.report import write_report
-from tiered.api.launch import start_server, stop_server
 from tiered.config import Config
 from tiered.engine import Engine
 

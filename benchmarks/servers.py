@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import psutil
 
+from benchmarks.launch import start_server, stop_server
 from benchmarks.load import WARM_UP, Call, run_http
 from benchmarks.vllm import VLLMServer
-from tiered.api.launch import start_server, stop_server
 from tiered.config import Config, write_config
 
 log = logging.getLogger(__name__)

@@ -33,9 +33,9 @@ import httpx
 import psutil
 import torch
 
+from benchmarks.launch import start_server, stop_server
 from benchmarks.report import write_report
 from benchmarks.traces import ordinary_token_ids
-from tiered.api.launch import start_server, stop_server
 from tiered.api.metrics import parse
 from tiered.config import Config, write_config
 from tiered.embedded import resolve_model_path

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from benchmarks.traces import BenchError
-from tiered.cli_options import add_config_args
+from tiered.config.options import add_config_args
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def system_overrides(name: str) -> list[str]:
 
 
 def _config_path(args: argparse.Namespace) -> Any:
-    from tiered.cli_options import DEFAULT_CONFIG
+    from tiered.config.options import DEFAULT_CONFIG
 
     return args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
 
@@ -59,8 +59,8 @@ def _config_path(args: argparse.Namespace) -> Any:
 def _run_system(args: argparse.Namespace, name: str, requests: list[Any]) -> dict[str, Any]:
     from tiered.config import load_config
     from tiered.engine import Engine
-    from tiered.pipeline.runner import PipelineRunner
-    from tiered.score import ScoreParams
+    from tiered.engine.score import ScoreParams
+    from tiered.hybrid.pipeline.coordinator import PipelineRunner
 
     cfg = load_config(_config_path(args), [*args.overrides, *system_overrides(name)])
     params = ScoreParams(logprob_token_ids=tuple(args.token_ids))

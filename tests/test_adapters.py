@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tiered.adapters import UnknownAdapterError
 from tiered.config import load_config
 from tiered.embedded import make_adapter
 from tiered.engine import Engine, Result, ScoreParams
+from tiered.engine.adapters import UnknownAdapterError
+from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import forward
 from tiered.hybrid.lora import AdapterError, load_adapter, read_adapter
 
@@ -45,7 +46,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 
 def _run(engine: Engine, prompts: list[tuple[torch.Tensor, str | None]]) -> list[Result]:
-    ids = [engine.submit(p, YES_NO, adapter=a) for p, a in prompts]
+    ids = [engine.submit(p, YES_NO, options=RequestOptions(adapter=a)) for p, a in prompts]
     by_id = {r.request_id: r for r in engine.run()}
     return [by_id[i] for i in ids]
 
@@ -130,17 +131,17 @@ def test_adapters_load_and_unload_at_runtime(tiny_dir: Path, tmp_path: Path, two
     engine = _engine(tiny_dir, tmp_path, {})
     prompt = _ids(40, 3)
     with pytest.raises(UnknownAdapterError, match="The model `small` does not exist"):
-        engine.submit(prompt, YES_NO, adapter="small")
+        engine.submit(prompt, YES_NO, options=RequestOptions(adapter="small"))
     engine.add_adapter("small", str(two["small"]))
     with pytest.raises(AdapterError, match="already been loaded"):
         engine.add_adapter("small", str(two["wide"]))
-    waiting = engine.submit(prompt, YES_NO, adapter="small")
+    waiting = engine.submit(prompt, YES_NO, options=RequestOptions(adapter="small"))
     engine.remove_adapter("small")  # a request already waiting still runs with it
     (r,) = engine.run()
     assert r.request_id == waiting and r.error is None
     assert abs(r.logprobs[11] - float(_reference(engine, two["small"], prompt)[11])) < 1e-4
     with pytest.raises(UnknownAdapterError, match="The model `small` does not exist"):
-        engine.submit(prompt, YES_NO, adapter="small")
+        engine.submit(prompt, YES_NO, options=RequestOptions(adapter="small"))
     with pytest.raises(UnknownAdapterError, match="cannot be found"):
         engine.remove_adapter("small")
     engine.close()
@@ -152,7 +153,7 @@ def test_the_scheduler_fills_a_batch_with_the_heads_adapter_first(
     engine = _engine(tiny_dir, tmp_path, two, "scheduler.policy=fcfs", "scheduler.max_batch_tokens=60")
     # Arrival order alternates adapters; the budget takes three 20-token requests.
     order = ["small", "wide", "small", "wide", "small", "wide"]
-    ids = [engine.submit(_ids(20, 30 + i), YES_NO, adapter=a) for i, a in enumerate(order)]
+    ids = [engine.submit(_ids(20, 30 + i), YES_NO, options=RequestOptions(adapter=a)) for i, a in enumerate(order)]
     first = engine.step()
     assert [r.request_id for r in first] == [ids[0], ids[2], ids[4]]
     engine.close()

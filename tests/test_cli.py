@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from tiered import __version__
-from tiered.api.args import api_key, chat_template, serve_overrides, served_model_names
+from tiered.api.serve_options import api_key, chat_template, serve_overrides, served_model_names
 from tiered.cli import build_parser, main
-from tiered.cli_options import parse_bytes
 from tiered.config import ConfigError, load_config
+from tiered.config.options import parse_bytes
 
 
 def test_run_scores_every_example_post_through_the_engine(

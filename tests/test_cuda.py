@@ -12,7 +12,7 @@ from tiered.config import CacheConfig, HostTierConfig
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.memory import measure_forward_peak
-from tiered.offload.tiers import KVTiers
+from tiered.offload.tiers import KVTiers, TierSetup
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +38,7 @@ def test_cuda_offload_through_pinned_side_stream_gives_the_same_logits(tiny_dir:
         retention="none",
         host=HostTierConfig(lmcache={"max_local_cpu_size": 0.05}),
     )
-    tiers = KVTiers(cfg, a, torch.float32, "cuda", "test-cuda")
+    tiers = KVTiers(cfg, TierSetup(a, torch.float32, "cuda", "test-cuda"))
     try:
         ids = torch.randint(0, 1300, (500,), generator=torch.Generator().manual_seed(1))
         ref, first = forward_with_tiers(model, tiers, tiers.new_request("a", ids))

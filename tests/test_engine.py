@@ -9,6 +9,7 @@ import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine, EngineStartError, ScoreParams
+from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import ForwardInputError, forward
 
 
@@ -73,10 +74,12 @@ def test_priority_allowed_tokens_logit_bias_and_cancel(tiny_dir: Path, tmp_path:
     p = [torch.randint(3, 1300, (40,), generator=g) for _ in range(4)]
     ref = torch.log_softmax(forward(engine.model, p[0]), dim=-1)
     allowed = (int(ref.argsort()[5]), int(ref.argsort()[9]))  # neither is the argmax
-    late = engine.submit(p[0], ScoreParams(logprob_token_ids=allowed, allowed_token_ids=allowed), priority=1)
+    late = engine.submit(
+        p[0], ScoreParams(logprob_token_ids=allowed, allowed_token_ids=allowed), options=RequestOptions(priority=1)
+    )
     gone = engine.submit(p[1])
     biased = engine.submit(p[2], ScoreParams(logit_bias=((7, 100.0),)))
-    urgent = engine.submit(p[3], priority=-1)
+    urgent = engine.submit(p[3], options=RequestOptions(priority=-1))
     assert engine.cancel(gone) and not engine.cancel(gone) and engine.num_cancelled == 1
     results = engine.run()
     # fcfs within a priority; lower priority values first; the cancelled one never runs.
@@ -94,13 +97,13 @@ def test_cache_salt_shares_kv_only_within_a_salt(tiny_dir: Path, tmp_path: Path)
     ids = torch.randint(3, 1300, (100,), generator=torch.Generator().manual_seed(2))
     splits = []
     for salt in ("a", "b", "a", None):
-        engine.submit(ids, cache_salt=salt)
+        engine.submit(ids, options=RequestOptions(cache_salt=salt))
         (r,) = engine.run()
         engine.tiers.flush()
         splits.append(r.split.num_device_hit_tokens + r.split.num_host_hit_tokens)
     assert splits == [0, 0, 96, 0]  # 6 blocks of 16 below the last token
     engine.tiers.device_tier.clear()  # now only the host tier (LMCache, salt in its key) has them
-    engine.submit(ids, cache_salt="b")
+    engine.submit(ids, options=RequestOptions(cache_salt="b"))
     (r,) = engine.run()
     assert r.split.num_host_hit_tokens == 96
     engine.close()

@@ -1,4 +1,4 @@
-"""Prefills that yield (tiered/pieces.py): pieces equal one pass, parked on the device or in the
+"""Prefills that yield (tiered/engine/pieces.py): pieces equal one pass, parked on the device or in the
 host tier; deadlines decide when a long request yields; its delay stays bounded; expired requests."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine
+from tiered.engine.score import RequestOptions, Result, ScoreParams
 from tiered.hybrid.forward import ForwardInputError
 from tiered.hybrid.loader import read_args
 from tiered.scheduler.jct import JCTModel
-from tiered.score import Result, ScoreParams
 
 BT = 16
 TOP = ScoreParams(top_logprobs=5)
@@ -105,7 +105,7 @@ def test_a_long_request_yields_to_a_request_that_would_miss_its_deadline(
             tiny_dir, tmp_path, f"scheduler.policy={policy}", f"scheduler.pieces={pieces}", "model.max_model_len=4096"
         ) as engine:
             long_id = engine.submit(long_ids, TOP)
-            short_id = engine.submit(short_ids, TOP, slo_ms=60_000 if pieces == "never" else 60)
+            short_id = engine.submit(short_ids, TOP, options=RequestOptions(slo_ms=60_000 if pieces == "never" else 60))
             done = {r.request_id: r for r in engine.run()}
         first = min(done.values(), key=lambda r: r.finished_at).request_id
         assert first == (short_id if pieces == "deadline" else long_id)
@@ -128,7 +128,7 @@ def test_a_request_already_late_goes_before_the_rest_of_a_long_one(tiny_dir: Pat
     ) as engine:
         long_id = engine.submit(long_ids, TOP)
         time.sleep(0.01)  # 10 s forgiven to the long one by λ: it is the head
-        short_id = engine.submit(short_ids, TOP, slo_ms=1)
+        short_id = engine.submit(short_ids, TOP, options=RequestOptions(slo_ms=1))
         done = {r.request_id: r for r in engine.run()}
     short, long_ = done[short_id], done[long_id]
     assert short.deadline_met is False
@@ -147,7 +147,7 @@ def test_pieces_sized_by_deadline_leave_room_for_the_urgent_and_equal_one_pass(t
         whole = _one(one, long_ids)
     with _engine(tiny_dir, tmp_path, "scheduler.policy=fcfs", "model.max_model_len=4096") as engine:
         long_id = engine.submit(long_ids, TOP)
-        short_id = engine.submit(short_ids, TOP, slo_ms=1000)
+        short_id = engine.submit(short_ids, TOP, options=RequestOptions(slo_ms=1000))
         done = {r.request_id: r for r in engine.run()}
         assert engine.pieces.num_pieces >= 1
     # Its deadline holds as far as the JCT model predicts this machine (here: a fixed 1 ms per
@@ -176,7 +176,9 @@ def test_a_long_request_under_a_stream_of_urgent_ones_finishes_within_its_bound(
         long_id = engine.submit(_ids(2000, 6), TOP)
         start, done = time.monotonic(), None
         for i in range(400):
-            engine.submit(_ids(50, 100 + i), TOP, slo_ms=6)  # 5 ms predicted: no block of the long one fits
+            engine.submit(
+                _ids(50, 100 + i), TOP, options=RequestOptions(slo_ms=6)
+            )  # 5 ms predicted: no block of the long one fits
             done = next((r for r in engine.step() if r.request_id == long_id), None)
             if done is not None or time.monotonic() - start > 3.0:
                 break
@@ -191,7 +193,7 @@ def test_a_long_request_under_a_stream_of_urgent_ones_finishes_within_its_bound(
 def test_expired_requests_fail_clearly_only_with_drop_expired(tiny_dir: Path, tmp_path: Path) -> None:
     for drop in (True, False):
         with _engine(tiny_dir, tmp_path, f"scheduler.drop_expired={str(drop).lower()}") as engine:
-            rid = engine.submit(_ids(40, 7), TOP, slo_ms=1)
+            rid = engine.submit(_ids(40, 7), TOP, options=RequestOptions(slo_ms=1))
             time.sleep(0.01)
             (r,) = engine.run()
         assert r.request_id == rid
@@ -204,7 +206,7 @@ def test_expired_requests_fail_clearly_only_with_drop_expired(tiny_dir: Path, tm
 @pytest.mark.parametrize("bad", [-5, 0, 2e9, float("nan"), "10"])
 def test_bad_objectives_are_refused_by_name(tiny_dir: Path, tmp_path: Path, bad: object) -> None:
     with _engine(tiny_dir, tmp_path) as engine, pytest.raises(ForwardInputError, match="slo_ms"):
-        engine.submit(_ids(10, 8), slo_ms=bad)  # type: ignore[arg-type]
+        engine.submit(_ids(10, 8), options=RequestOptions(slo_ms=bad))  # type: ignore[arg-type]
 
 
 def test_pieces_with_adapters_and_batches_equal_one_pass(
@@ -226,7 +228,7 @@ def test_pieces_with_adapters_and_batches_equal_one_pass(
             "lora.enabled=true",
             adapter,
         ) as engine:
-            ids = [engine.submit(p, TOP, adapter=a) for p, a in prompts]
+            ids = [engine.submit(p, TOP, options=RequestOptions(adapter=a)) for p, a in prompts]
             by_id = {r.request_id: r for r in engine.run()}
             results[pieces] = [by_id[i] for i in ids]
     assert results["fixed"][0].num_pieces == 5 and results["never"][0].num_pieces == 1
@@ -355,7 +357,7 @@ def test_a_batch_takes_no_request_that_would_make_a_member_miss_its_deadline(tin
             tiny_dir, tmp_path, "scheduler.max_batch_tokens=4096", "model.max_model_len=4096", "scheduler.pieces=never"
         ) as engine:
             long_id = engine.submit(_ids(3000, 40), TOP)
-            short_id = engine.submit(_ids(50, 41), TOP, slo_ms=slo_ms)
+            short_id = engine.submit(_ids(50, 41), TOP, options=RequestOptions(slo_ms=slo_ms))
             done = {r.request_id: r for r in engine.run()}
         assert done[short_id].batch_size == done[long_id].batch_size == (1 if slo_ms else 2)
         assert done[short_id].finished_at <= done[long_id].finished_at

@@ -11,9 +11,9 @@ from collections.abc import Collection
 from torch import Tensor
 
 from tiered.config import ForwardMode
+from tiered.engine.request import Prepared, TierRequest
 from tiered.hybrid.forward import forward
 from tiered.hybrid.model import CausalLM
-from tiered.offload.request import Prepared, TierRequest
 from tiered.offload.tiers import KVTiers
 
 

@@ -9,13 +9,13 @@ __all__ = ["Engine", "Result", "ScoreParams", "__version__"]
 
 if TYPE_CHECKING:  # what type checkers see; at run time `import tiered` stays free of torch
     from tiered.engine import Engine
-    from tiered.score import Result, ScoreParams
+    from tiered.engine.score import Result, ScoreParams
 
 
 def __getattr__(name: str) -> object:
     # `tiered.Engine` without importing torch for `import tiered`.
     if name in ("Engine", "ScoreParams", "Result"):
-        from tiered import engine
+        import tiered.engine
 
-        return getattr(engine, name)
+        return getattr(tiered.engine, name)
     raise AttributeError(name)

@@ -1,3 +1,5 @@
+"""`python -m tiered`: the `tiered` command line."""
+
 import sys
 
 from tiered.cli import main

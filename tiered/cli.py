@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from tiered import __version__
-from tiered.api.args import add_serve_args
-from tiered.cli_options import DEFAULT_CONFIG, add_config_args, add_pipeline_args, config_from_args, resolve_device
+from tiered.api.serve_options import add_serve_args
 from tiered.config import Config, ConfigError, load_config
+from tiered.config.options import DEFAULT_CONFIG, add_config_args, add_pipeline_args, config_from_args, resolve_device
 
 log = logging.getLogger("tiered")
 
@@ -29,7 +29,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from tiered.embedded import resolve_model_path
     from tiered.engine import Engine
-    from tiered.score import ScoreParams
+    from tiered.engine.score import ScoreParams
 
     cfg = config_from_args(args)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
@@ -69,6 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
+    """`tiered make-model`: write a seeded embedded checkpoint to `--out`."""
     from tiered.embedded import make_model
 
     out = make_model(args.name, args.out)
@@ -77,6 +78,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_make_adapter(args: argparse.Namespace) -> int:
+    """`tiered make-adapter`: write a seeded LoRA adapter for `--model` to `--out`."""
     from tiered.embedded import make_adapter, resolve_model_path
 
     model_dir = resolve_model_path(args.model, args.models_dir)
@@ -115,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tiered.api.app import build_app
-    from tiered.api.args import api_key, chat_template, check_adapters, serve_overrides, served_model_names
+    from tiered.api.serve_options import api_key, chat_template, check_adapters, serve_overrides, served_model_names
     from tiered.logs import uvicorn_config
 
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
@@ -142,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `tiered` argument parser: the run, serve, make-model and make-adapter subcommands."""
     from tiered.embedded import SHAPES
 
     p = argparse.ArgumentParser(prog="tiered", description="A prefill-only LLM inference engine with tiered KV.")
@@ -226,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse `argv`, set up logging and run the chosen subcommand; a user error prints and returns 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     from tiered.logs import setup as setup_logging

@@ -35,6 +35,8 @@ STAMP = "tiered-embedded.json"  # what the folder was made from
 
 @dataclass(frozen=True, slots=True)
 class Shape:
+    """A project-made model's shape, seed and stored dtype: what `make_model` writes a checkpoint from."""
+
     architecture: str
     hidden_size: int
     num_layers: int
@@ -151,6 +153,7 @@ def _weights(shape: Shape) -> dict[str, torch.Tensor]:
 
 
 def corpus_text() -> str:
+    """The bundled text corpus the embedded tokenizer is trained on."""
     return (Path(__file__).parent / "data" / "corpus.txt").read_text()
 
 

@@ -13,6 +13,7 @@ DATE_FORMAT = "%H:%M:%S"
 
 
 def setup(level: int = logging.INFO) -> None:
+    """Configure the root logger with the shared format at `level` (a no-op if logging is already set up)."""
     logging.basicConfig(level=level, format=FORMAT, datefmt=DATE_FORMAT)
 
 

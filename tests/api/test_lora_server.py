@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from tiered.api.launch import start_server, stop_server
+from benchmarks.launch import start_server, stop_server
 from tiered.cli import main
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model

@@ -18,7 +18,7 @@ from tiered.api.app import build_app
 from tiered.api.metrics import parse
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse
 from tiered.config import load_config
-from tiered.validation import InputError, check_prompt
+from tiered.engine.validation import InputError, check_prompt
 
 MAX_LEN = 64
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from tiered.api.launch import ServerProcess, start_server, stop_server
+from benchmarks.launch import ServerProcess, start_server, stop_server
 from tiered.api.metrics import parse
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model, read_args

@@ -17,8 +17,8 @@ from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTra
 from benchmarks.stats import Record
 from benchmarks.systems import MixedSystem, mixed_system
 from benchmarks.traces import QUESTION_TOKENS, BenchError, ordinary_token_ids
-from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
+from tiered.config.options import DEFAULT_CONFIG
 
 VOCAB = list(range(10, 500))
 SMALL = MixedParams(

@@ -15,8 +15,8 @@ import pytest
 from benchmarks.report import END, START, headline_row, render_table, splice, write_report, write_tables
 from benchmarks.servers import wait_quiet
 from benchmarks.vllm import VLLMServer, kv_memory_bytes, peer_launch
-from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
+from tiered.config.options import DEFAULT_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 

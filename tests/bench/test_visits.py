@@ -19,8 +19,8 @@ from benchmarks.visits import (
     vllm_prefix_cache_tokens,
     working_set_tokens,
 )
-from tiered.cli_options import DEFAULT_CONFIG
 from tiered.config import load_config
+from tiered.config.options import DEFAULT_CONFIG
 
 VOCAB = list(range(10, 500))
 SMALL = {"profile_mean": 100, "profile_sd": 20, "profile_min": 80, "profile_max": 120, "post_tokens": 10}

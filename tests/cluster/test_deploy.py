@@ -30,7 +30,7 @@ if [name for _, name in socket.if_nameindex()] != ["lo"]:
 
 from ray import serve  # noqa: E402
 
-from tiered.api.launch import free_port  # noqa: E402
+from benchmarks.launch import free_port  # noqa: E402
 from tiered.api.metrics import parse  # noqa: E402
 from tiered.cluster import deploy  # noqa: E402
 from tiered.config import load_config  # noqa: E402
@@ -203,7 +203,7 @@ def test_shutdown_completes_and_stops_the_engines(cluster: str) -> None:
 
 
 def test_tiered_serve_replicas_from_the_command_line(tiny_dir: Path, tmp_path: Path) -> None:
-    from tiered.api.launch import start_server
+    from benchmarks.launch import start_server
 
     proc, url = start_server(
         [

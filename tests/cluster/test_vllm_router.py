@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tiered.api.launch import ServerProcess, start_router, start_server, stop_server
+from benchmarks.launch import ServerProcess, start_router, start_server, stop_server
 from tiered.api.metrics import parse
 
 

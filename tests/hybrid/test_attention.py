@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiered.config import ConfigError
+from tiered.config import AttentionConfig, ConfigError
 from tiered.hybrid.attention import KERNELS, Piece, reference_
 from tiered.hybrid.attention import select as select_module
-from tiered.hybrid.attention.select import KernelTiming, ShapeClass, choose_kernel, fastest
+from tiered.hybrid.attention.select import KernelShape, KernelTiming, ShapeClass, choose_kernel, fastest
 
 CPU_KERNELS = [name for name, kernel in KERNELS.items() if kernel.runs_on("cpu")]
 # Every CPU kernel, including those whose library this interpreter lacks (skipped, with the reason, where absent).
@@ -111,17 +111,18 @@ def test_choice_is_measured_once_then_cached_and_a_forced_kernel_is_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(select_module, "SHAPE_CLASSES", (ShapeClass("tiny", 2, 16, 32),))
-    first = choose_kernel("auto", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024)
+    heads = KernelShape(4, 2, 32, torch.float32, "cpu")
+    first = choose_kernel(AttentionConfig(profile_cache_dir=str(tmp_path)), heads, 1024)
     assert first in CPU_KERNELS and len(list(tmp_path.glob("attention-*.json"))) == 1
 
     def must_not_measure(*args: object, **kwargs: object) -> None:
         raise AssertionError("measured again")
 
     monkeypatch.setattr(select_module, "time_kernels", must_not_measure)
-    assert choose_kernel("auto", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024) == first
-    assert choose_kernel("masked", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024) == "masked"
+    assert choose_kernel(AttentionConfig(profile_cache_dir=str(tmp_path)), heads, 1024) == first
+    assert choose_kernel(AttentionConfig("masked", str(tmp_path)), heads, 1024) == "masked"
     with pytest.raises(ConfigError, match="attention.kernel.*varlen.*cpu"):
-        choose_kernel("varlen", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024)
+        choose_kernel(AttentionConfig("varlen", str(tmp_path)), heads, 1024)
 
 
 def _varlen_on_cpu(

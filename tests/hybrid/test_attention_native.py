@@ -129,12 +129,13 @@ import logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
 from tiered.hybrid.attention import build, select
-from tiered.config import ConfigError
+from tiered.config import AttentionConfig, ConfigError
 build.default_cache_dir = lambda: Path(sys.argv[1])
 build.main()
 print("available:", ",".join(select.available("cpu")))
 try:
-    select.choose_kernel("native", 4, 2, 64, __import__("torch").float32, "cpu", sys.argv[1], 256)
+    heads = select.KernelShape(4, 2, 64, __import__("torch").float32, "cpu")
+    select.choose_kernel(AttentionConfig("native", sys.argv[1]), heads, 256)
 except ConfigError as e:
     print("config error:", e)
 """

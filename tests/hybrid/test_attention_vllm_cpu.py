@@ -16,7 +16,7 @@ from tiered.config import ConfigError, load_config
 from tiered.config.tree import AttentionConfig
 from tiered.engine import Engine, ScoreParams
 from tiered.hybrid.attention import KERNELS, Piece, reference_, vllm_cpu
-from tiered.hybrid.attention.select import available, choose_kernel
+from tiered.hybrid.attention.select import KernelShape, available, choose_kernel
 from tiered.hybrid.attention.vllm_cpu import LibraryError, PagedPlan, Write, find_library, library_file, plan_pages
 
 
@@ -164,7 +164,11 @@ def test_an_unloadable_library_leaves_the_kernel_unavailable_with_its_reason(tmp
 @pytest.mark.usefixtures("restore_library")
 def test_a_forced_vllm_kernel_that_cannot_load_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"'attention.kernel': 'vllm-cpu' does not run .*neither a folder nor a file"):
-        choose_kernel("vllm-cpu", 4, 2, 32, torch.float32, "cpu", str(tmp_path), 1024, str(tmp_path / "missing"))
+        choose_kernel(
+            AttentionConfig("vllm-cpu", str(tmp_path), str(tmp_path / "missing")),
+            KernelShape(4, 2, 32, torch.float32, "cpu"),
+            1024,
+        )
     with pytest.raises(ConfigError, match="attention.vllm_library"):
         AttentionConfig(vllm_library=" ")
     assert AttentionConfig(kernel="vllm-cpu", vllm_library="none").kernel == "vllm-cpu"

@@ -12,7 +12,7 @@ import torch
 from tiered.config import CacheConfig, HostTierConfig
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.model import CausalLM
-from tiered.offload.tiers import KVTiers
+from tiered.offload.tiers import KVTiers, TierSetup
 
 BT = 16  # tokens per block in these tests (the test modules say it again)
 _ids = itertools.count()
@@ -40,7 +40,7 @@ def make_tiers(model: CausalLM) -> Iterator:
         block_bytes = BT * a.kv_bytes_per_token(torch.float32)
         host = cache.pop("host", None) or HostTierConfig(lmcache={"max_local_cpu_size": 0.05}, **(host_options or {}))
         cfg = CacheConfig(block_tokens=BT, device_tier_bytes=device_blocks * block_bytes, host=host, **cache)  # type: ignore[arg-type]
-        made.append(KVTiers(cfg, a, torch.float32, "cpu", f"test-{next(_ids)}", model_identity))
+        made.append(KVTiers(cfg, TierSetup(a, torch.float32, "cpu", f"test-{next(_ids)}", model_identity)))
         return made[-1]
 
     yield make

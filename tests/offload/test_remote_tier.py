@@ -13,6 +13,7 @@ import torch
 from through_tiers import forward_with_tiers
 
 from tiered.config import HostTierConfig
+from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import model_identity
 from tiered.hybrid.model import CausalLM
@@ -149,7 +150,7 @@ def test_two_engines_share_one_redis_with_salted_prompts(tiny_dir, tmp_path, red
     results = []
     for _ in range(2):
         with Engine(cfg) as engine:
-            engine.submit(ids, params, cache_salt="tenant-a")
+            engine.submit(ids, params, options=RequestOptions(cache_salt="tenant-a"))
             (result,) = engine.run()
             engine.tiers.flush()
             _in_redis_salted(engine, ids, 18)

@@ -227,7 +227,7 @@ def test_a_removed_disk_tier_degrades_to_recomputation(model: CausalLM, make_tie
 def test_an_unreachable_remote_store_degrades_to_recomputation(model: CausalLM, make_tiers, caplog) -> None:
     """A remote LMCache store on a port where nothing listens: the engine starts and computes, and a
     second engine that would have loaded the first one's chunks from that store computes them too."""
-    from tiered.api.launch import free_port
+    from benchmarks.launch import free_port
 
     lm = {"max_local_cpu_size": 0.01, "remote_url": f"lm://127.0.0.1:{free_port()}", "remote_serde": "naive"}
     ids = _tokens(200, 9)

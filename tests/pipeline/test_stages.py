@@ -18,12 +18,12 @@ import torch
 from tiered.api.engine_process import _response
 from tiered.config import ConfigError, load_config
 from tiered.engine import Engine, EngineStartError, ScoreParams
+from tiered.engine.score import RequestOptions, Result
 from tiered.hybrid.memory import weights_bytes
-from tiered.pipeline import PipelineRunner, PipelineStartError
-from tiered.pipeline.runner import pool_blocks
-from tiered.pipeline.split import stage_layers
-from tiered.pipeline.stage import StageLoaded, StageSpec
-from tiered.score import Result
+from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError
+from tiered.hybrid.pipeline.coordinator import pool_blocks
+from tiered.hybrid.pipeline.split import stage_layers
+from tiered.hybrid.pipeline.stage import StageLoaded, StageSpec
 
 TOL = 1e-4
 PARAMS = ScoreParams(logprob_token_ids=tuple(range(0, 2048, 37)), top_logprobs=5)
@@ -73,7 +73,10 @@ def _prompts(seed: int, num: int, prefix_tokens: int = 300) -> list[torch.Tensor
 
 def _run(engine: Engine, prompts: list[torch.Tensor], adapters: list[str | None] | None = None) -> list[Result]:
     """Results in prompt order, each request answered exactly once."""
-    ids = [engine.submit(p, PARAMS, adapter=a) for p, a in zip(prompts, adapters or [None] * len(prompts), strict=True)]
+    ids = [
+        engine.submit(p, PARAMS, options=RequestOptions(adapter=a))
+        for p, a in zip(prompts, adapters or [None] * len(prompts), strict=True)
+    ]
     results = engine.run()
     assert sorted(r.request_id for r in results) == sorted(ids)
     by_id = {r.request_id: r for r in results}

@@ -10,10 +10,10 @@ import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine
-from tiered.offload.request import TierRequest
+from tiered.engine.request import TierRequest
+from tiered.engine.score import ScoreParams
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Scheduler
-from tiered.score import ScoreParams
 
 BT = 16
 MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0, 0.0])  # a job costs 1 ms per computed token

@@ -39,6 +39,8 @@ T = TypeVar("T")
 
 
 class Counts(Protocol):
+    """What `wait_answers` needs of a client: its config, and the counters it bumps."""
+
     config: Config
     cancelled: int
     timed_out: int
@@ -124,6 +126,7 @@ class EngineClient:
                 pass
 
     async def start(self) -> None:
+        """Start reading responses and the engine process, wait until it is ready, then watch it."""
         self._reader = asyncio.create_task(self._read())
         self._spawn()
         await self._wait_ready()
@@ -191,6 +194,7 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
+        """The engine process runs and has reported that it is ready."""
         return self.ready is not None and self.process is not None and self.process.is_alive()
 
     async def run(
@@ -238,9 +242,11 @@ class EngineClient:
             self.pending.pop(command.request_id, None)
 
     def full(self, incoming: int) -> bool:
+        """Whether `incoming` more requests would put the unanswered ones past `scheduler.max_waiting`."""
         return len(self.pending) + incoming > self.config.scheduler.max_waiting
 
     def stop(self) -> None:
+        """Stop reading and watching, end the engine process (SIGTERM, killed after 30 s), close the sockets."""
         self._stopping = True
         for task in (self._reader, self._watchdog):
             if task is not None:

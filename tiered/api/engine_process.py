@@ -35,6 +35,7 @@ from tiered.api.protocol import (
 )
 from tiered.config import Config
 from tiered.engine import Engine, Result, ScoreParams
+from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import ForwardInputError
 from tiered.hybrid.lora import AdapterError
 from tiered.logs import setup as setup_logging
@@ -188,11 +189,7 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel | AdapterCommand, res
             req.token_ids,
             params,
             req.request_id,
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-            adapter=req.lora_name,
-            slo_ms=req.slo_ms,
-            arrival=arrival,
+            RequestOptions(req.priority, req.cache_salt, req.lora_name, req.slo_ms, arrival),
         )
     except ForwardInputError as exc:
         status = getattr(exc, "status", 400)  # 404: an unknown adapter

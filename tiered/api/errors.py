@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
+    """An error for the client: its HTTP status, message, the field at fault (`param`) and OpenAI's type."""
+
     def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type_
@@ -26,6 +28,7 @@ class ClientGone(Exception):
 
 
 def error_body(status: int, message: str, type_: str, param: str | None) -> dict[str, Any]:
+    """OpenAI's error envelope for one failure."""
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 

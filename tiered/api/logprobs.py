@@ -1,16 +1,6 @@
 """How the output token and its alternatives are written in `logprobs` (vLLM's shapes).
 
-A token is written as its text decoded alone (`decode([id])`); where decoding drops the leading
-space the vocabulary piece has (SentencePiece's Metaspace `▁`), the space is put back, as vLLM
-does, so that `▁true` and `true` stay two texts. With `return_tokens_as_token_ids` (the request's
-field, else the server's `--return-tokens-as-token-ids`) every token is written `token_id:<id>`
-instead: ids that decode alike stay apart, and a piece that is not valid UTF-8 alone (one byte of a
-multi-byte character, which decodes to U+FFFD) can be mapped back to its id.
-
-Completions' `top_logprobs` maps token text to logprob, so two ids that decode alike would be one
-key, the later overwriting the earlier (vLLM lets that happen). Here the ids whose texts collide in
-one answer are written `token_id:<id>`, in `tokens` too (the chosen token stays a key of its row);
-the others keep their text. Chat lists its alternatives, so nothing collides there.
+Design notes: docs/internals.md, section `tiered/api/logprobs.py`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """`GET /metrics`: Prometheus metrics through prometheus_client, in vLLM's names where vLLM has one.
 
-- Per request, observed as each answer leaves (counters `_total`, histograms with vLLM's
-  buckets, a `model_name` label: the base model or the LoRA adapter): `vllm:request_success`,
-  `vllm:prompt_tokens`, `vllm:generation_tokens`, `vllm:prefix_cache_queries` / `_hits`,
-  `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`,
-  `vllm:request_prefill_time_seconds`, `vllm:request_prompt_tokens`; ours: hits split by tier
-  (`tiered:prefix_cache_hits{tier="device"|"host"}`) and tokens a batch computed once for
-  several requests.
-- The engine's statistics (JCT error, host-tier counters, pinned blocks, ...) come from the
-  engine process in their own message (`EngineStats`), at most a few times a second, and are
-  exposed as they were last reported; LMCache's own metrics (`lmcache:`, kept in the engine
-  process's registry) travel in the same message and are appended as LMCache rendered them.
-- The API process's own counters: timeouts, disconnects, engine restarts, requests waiting.
+Design notes: docs/internals.md, section `tiered/api/metrics.py`.
 """
 
 from __future__ import annotations
@@ -137,6 +126,7 @@ class Metrics:
         r.register(_Reported(client_counters, engine_stats))
 
     def observe(self, model: str, out: ScoreResponse, e2e_seconds: float, route: str = "") -> None:
+        """Count one answered request for `model` (and its deadline outcome on `route`) in the per-request metrics."""
         self.success.labels(model, "length").inc()
         if out.deadline_met is not None:
             self.deadline.labels(model, route, "met" if out.deadline_met else "missed").inc()
@@ -155,6 +145,7 @@ class Metrics:
         self.prompt_hist.labels(model).observe(out.num_tokens)
 
     def render(self) -> bytes:
+        """The exposition text: this registry's metrics, then LMCache's as the engine last reported them."""
         text = generate_latest(self.registry)
         stats = self.engine_stats()
         if stats is not None and stats.lmcache_metrics:
@@ -172,6 +163,7 @@ class _Reported:
         self.client_counters, self.engine_stats = client_counters, engine_stats
 
     def collect(self) -> Iterator[Metric]:
+        """prometheus_client's collector hook: the API process's counters, then the engine's last statistics."""
         c = self.client_counters()
         yield _gauge("vllm:num_requests_waiting", "Requests sent to the engine and not answered yet.", c["waiting"])
         yield _counter("tiered:request_timeout", "Requests cancelled past server.request_timeout_s.", c["timed_out"])

@@ -10,6 +10,8 @@ import msgpack
 
 @dataclass(slots=True)
 class ScoreRequest:
+    """One prompt to prefill and score: its token ids, choice fields, priority, adapter and latency objective."""
+
     request_id: str
     token_ids: list[int]
     logprob_token_ids: list[int] = field(default_factory=list)
@@ -36,6 +38,8 @@ class AdapterCommand:
 
 @dataclass(slots=True)
 class AdapterReply:
+    """The engine's answer to an AdapterCommand: `error` None on success, else the message and its status."""
+
     request_id: str
     error: str | None = None
     error_status: int = 400
@@ -63,6 +67,8 @@ class HostCounters:
 
 @dataclass(slots=True)
 class ScoreResponse:
+    """The engine's answer to a ScoreRequest: the chosen token, logprobs, cache hits, timings, or an error."""
+
     request_id: str
     error: str | None = None  # set when the engine refused or failed the request
     error_status: int = 400  # the HTTP status for `error`: 400 refused input, 500 failed (out of memory)
@@ -105,7 +111,7 @@ class EngineStats:
 
 @dataclass(slots=True)
 class PieceCounters:
-    """Prefills that yield (tiered/pieces.py), counted since the engine started."""
+    """Prefills that yield (tiered/engine/pieces.py), counted since the engine started."""
 
     yields: int = 0  # pieces after which a request waited again
     deferrals: int = 0  # heads that waited before starting, an urgent request run first
@@ -140,10 +146,12 @@ Message = ScoreRequest | ScoreResponse | Ready | Cancel | AdapterCommand | Adapt
 
 
 def encode(message: Message) -> bytes:
+    """A message as a msgpack frame: its type's name and its fields."""
     return msgpack.packb({"type": _NAMES[type(message)], "body": asdict(message)})
 
 
 def decode(frame: bytes) -> Any:
+    """A msgpack frame back as its message dataclass (tuples and nested counters restored)."""
     raw = msgpack.unpackb(frame)
     cls = _TYPES[raw["type"]]
     body = raw["body"]

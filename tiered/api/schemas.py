@@ -34,6 +34,8 @@ class ChoiceFields(EngineFields):
 
 
 class CompletionRequest(ChoiceFields):
+    """OpenAI's body for POST /v1/completions; `max_tokens` must be 1 (prefill-only)."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 1
     logprobs: int | None = None
@@ -55,6 +57,8 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    """vLLM's body for POST /detokenize: the token ids to turn back into text."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
@@ -81,12 +85,16 @@ class LoadLoraRequest(BaseModel):
 
 
 class UnloadLoraRequest(BaseModel):
+    """vLLM's body for POST /v1/unload_lora_adapter."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
     lora_name: str
 
 
 class ChatRequest(ChoiceFields):
+    """OpenAI's body for POST /v1/chat/completions; `max_tokens` or `max_completion_tokens` must be 1."""
+
     messages: list[dict[str, Any]]
     stream: bool | None = False
     add_special_tokens: bool = False  # vLLM's: the chat template writes its own BOS

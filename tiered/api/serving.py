@@ -1,7 +1,7 @@
 """The serving layer of the API (vLLM's `OpenAIServing`): tokenize, validate once, send to the
 engine, read its answers back. The routes (`routes/`) only parse bodies and shape responses.
 
-Validation uses `tiered.validation`, the rules the engine itself applies: nothing too long,
+Validation uses `tiered.engine.validation`, the rules the engine itself applies: nothing too long,
 empty or out of vocabulary reaches the engine, and the 400 names the field.
 """
 
@@ -21,7 +21,7 @@ from tiered.api.metrics import Metrics
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse, cached_tokens
 from tiered.api.schemas import ChoiceFields, EngineFields, ScoreBody
 from tiered.config import Config
-from tiered.validation import InputError, check_prompt, check_slo_ms, check_token_ids
+from tiered.engine.validation import InputError, check_prompt, check_slo_ms, check_token_ids
 
 
 class Client(Protocol):
@@ -34,16 +34,39 @@ class Client(Protocol):
     cancelled: int
 
     @property
-    def stats(self) -> EngineStats | None: ...
+    def stats(self) -> EngineStats | None:
+        """The engine's statistics as last reported (None before any report)."""
+        ...
+
     @property
-    def restarts(self) -> int: ...
+    def restarts(self) -> int:
+        """Engine processes started after one died."""
+        ...
+
     @property
-    def alive(self) -> bool: ...
-    async def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def full(self, incoming: int) -> bool: ...
-    async def run(self, reqs: list[ScoreRequest], disconnected: Any = None) -> list[ScoreResponse]: ...
-    async def adapter(self, name: str, path: str | None) -> AdapterReply: ...
+    def alive(self) -> bool:
+        """Whether the engine is up and takes requests."""
+        ...
+
+    async def start(self) -> None:
+        """Start the engine and wait until it serves."""
+        ...
+
+    def stop(self) -> None:
+        """Stop the engine."""
+        ...
+
+    def full(self, incoming: int) -> bool:
+        """Whether `incoming` more requests would overfill the engine's queue."""
+        ...
+
+    async def run(self, reqs: list[ScoreRequest], disconnected: Any = None) -> list[ScoreResponse]:
+        """Send requests together and return their answers (cancelled if `disconnected()` turns true)."""
+        ...
+
+    async def adapter(self, name: str, path: str | None) -> AdapterReply:
+        """Load (`path`) or unload (None) a LoRA adapter; the engine's reply."""
+        ...
 
 
 def refuse_stream(stream: bool | None) -> None:
@@ -109,10 +132,12 @@ class Serving:
 
     @property
     def max_model_len(self) -> int:
+        """The longest prompt the engine takes: as it reported, else the config's until it has."""
         ready = self.client.ready
         return ready.max_model_len if ready else self.config.model.max_model_len
 
     def check_serving(self) -> None:
+        """503 unless the engine serves (it may be starting or restarting)."""
         if not self.client.alive:
             raise APIError(
                 503, "the engine is not serving (starting or restarting); retry shortly", type_="service_unavailable"
@@ -144,6 +169,7 @@ class Serving:
     # ---- validating ------------------------------------------------------------------------
 
     def check_ids(self, ids: list[int], param: str) -> None:
+        """400 naming `param` when an id is outside the vocabulary."""
         try:
             check_token_ids(ids, self.vocab_size, param)
         except InputError as exc:
@@ -151,6 +177,7 @@ class Serving:
 
     @property
     def vocab_size(self) -> int:
+        """The vocabulary size the engine reported, else the tokenizer's until it has."""
         ready = self.client.ready
         return ready.vocab_size if ready else len(self.tokenizer)
 

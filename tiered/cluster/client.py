@@ -110,14 +110,17 @@ class ReplicaClient:
 
     @property
     def stats(self) -> EngineStats | None:
+        """The replicas' last reported statistics, merged as one engine's (None if none reported)."""
         return merge_stats([decode(r["stats"]) for r in reports().values() if r.get("stats")])
 
     @property
     def restarts(self) -> int:  # engine processes restarted inside the replicas
+        """Engine processes restarted inside the replicas, summed over their last reports."""
         return sum(int(r.get("restarts", 0)) for r in reports().values())
 
     @property
     def alive(self) -> bool:
+        """Whether a replica has answered `start`'s `info` call."""
         return self.ready is not None
 
     @property
@@ -139,12 +142,15 @@ class ReplicaClient:
             await asyncio.sleep(0.1)
 
     def stop(self) -> None:
+        """Nothing to do: Ray Serve stops the replicas."""
         pass  # Ray Serve stops the replicas
 
     def full(self, incoming: int) -> bool:
+        """Whether `incoming` more requests would pass `scheduler.max_waiting` summed over the replicas."""
         return len(self.pending) + incoming > self.config.scheduler.max_waiting * self.config.cluster.replicas
 
     async def run(self, reqs: list[ScoreRequest], disconnected: Any = None) -> list[ScoreResponse]:
+        """Send a call's requests to the replica the router picks; retried once elsewhere if that one dies."""
         route = ROUTE.get() or {}
         first = reqs[0]
         c = self.config
@@ -203,6 +209,7 @@ class ReplicaClient:
                 self.pending.pop(r.request_id, None)
 
     async def adapter(self, name: str, path: str | None) -> AdapterReply:
+        """Refused (501): runtime LoRA updates are not available with replicas."""
         raise APIError(
             501,
             "runtime LoRA updates are not available with replicas: list the adapters in lora.modules (--lora-modules)",

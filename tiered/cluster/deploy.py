@@ -1,16 +1,6 @@
 """`tiered serve --replicas N` on Ray Serve: N engine replicas and one OpenAI-compatible ingress.
 
-- `EngineReplica` (one per replica): an `EngineClient`, so each replica runs its engine process
-  as `tiered serve` does (restarted if it dies). Ray reserves `cluster.cpus_per_replica` CPUs
-  (the engine's torch threads) or `cluster.gpus_per_replica` GPUs for it; Ray's health check
-  fails once its engine is gone for good, and Ray replaces the replica.
-- `Ingress` (one): `build_app` (the same routes, errors and metrics as `tiered serve`) over a
-  `ReplicaClient`, whose handle routes with `AffinityRouter` (`cluster.routing`).
-- `deploy(config)`: the Python entry point: joins (or starts) a Ray cluster and deploys the app;
-  `serve(config, ...)`: what the CLI runs, until SIGINT/SIGTERM.
-
-On a machine whose tests may only reach loopback, run Ray inside a network namespace of its own
-(README, "Replicas on Ray Serve"): Ray binds the machine's address and probes a public one.
+Design notes: docs/internals.md, section `tiered/cluster/deploy.py`.
 """
 
 from __future__ import annotations
@@ -58,6 +48,7 @@ class EngineReplica:
         return {"replica": self.replica, "outs": [encode(o) for o in outs]}
 
     def info(self) -> dict[str, Any]:
+        """This replica's ids and its engine's limits (max_model_len, vocab_size, precision), for the ingress."""
         ready = self.client.ready
         engine = self.client.process
         return {
@@ -70,10 +61,12 @@ class EngineReplica:
         }
 
     def check_health(self) -> None:
+        """Ray Serve's health check: fails once the engine is gone for good, so Ray replaces the replica."""
         if self.client.gave_up:
             raise RuntimeError("the engine process is gone and was not replaced")
 
     def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's routing statistics: the engine's stats (encoded) and restarts, for /metrics."""
         stats = self.client.stats
         return {"stats": encode(stats) if stats is not None else None, "restarts": self.client.restarts}
 

@@ -50,6 +50,7 @@ class Ring:
                     return
 
     def owner(self, key: int) -> str:
+        """The member that owns `key`: the first one clockwise from it."""
         return next(self.walk(key))
 
 

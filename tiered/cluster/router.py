@@ -1,23 +1,6 @@
 """The engine deployment's Ray Serve request router: prefix affinity with a bounded load.
 
-It runs in the ingress replica, inside its handle to the engine replicas. A request sent with
-`route=(key, tokens)` (the ingress computes both, `tiered.cluster.ring.route_key`) goes to the
-replica that owns `key` on a consistent-hash ring of the running replicas, unless that
-replica's queued tokens would go past (1 + load_factor) x an even share plus the request; then
-to the next replica on the ring that has room (`tiered.cluster.ring.bounded_choice`).
-
-Queued tokens are counted here, from what this router chose and what has come back (exact with
-one ingress replica, which is what `deploy` starts). Should the chosen replica refuse the call
-(it already holds `max_ongoing_requests` calls) or be gone, Ray sends the call to the least busy
-of the others; its tokens stay counted against the chosen one until the call ends. A call whose
-routing was cancelled (a timeout, a client gone) before it reached a replica never gets Ray's
-completion callback: such records are dropped here. With `policy="round_robin"` it cycles
-through the replicas instead (the baseline of the benchmarks). Calls without a route (`info`)
-go to any replica.
-
-Ray pickles this module by value into the ingress (a custom router's module is), so it keeps no
-state of its own at module level: each router registers in `tiered.cluster.client.ROUTERS`, where
-the ingress's /metrics reads what the replicas last reported through Ray's routing statistics.
+Design notes: docs/internals.md, section `tiered/cluster/router.py`.
 """
 
 from __future__ import annotations
@@ -35,7 +18,10 @@ PRUNE_PERIOD_S = 1.0
 
 
 class AffinityRouter(RequestRouter):
+    """Ray Serve request router: a bounded-load consistent-hash ring over the replicas, or round robin."""
+
     def initialize_state(self, policy: str = "affinity", load_factor: float = 0.25, **_: Any) -> None:
+        """Ray Serve's setup hook: the policy, the per-replica token counts, registration in ROUTERS."""
         self.policy, self.load_factor = policy, load_factor
         self.queued: dict[str, float] = {}  # replica id -> tokens routed there and not answered yet
         # internal request id -> (replica id, tokens, the pending request while it is being routed)
@@ -48,6 +34,7 @@ class AffinityRouter(RequestRouter):
         client.ROUTERS.add(self)
 
     def ring(self, ids: list[str]) -> Ring:
+        """The ring over `ids`, rebuilt only when the set of replicas changes."""
         if self._ring is None or self._ring.members != sorted(ids):
             self._ring = Ring(ids)
         return self._ring
@@ -55,6 +42,7 @@ class AffinityRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        """Rank replicas for a call: the chosen one, then the others (any order for a call without a route)."""
         if pending_request is not None:
             # Every replica is in the ranks below: when none has room, wait before asking again.
             pending_request.routing_context.should_backoff = True
@@ -100,8 +88,10 @@ class AffinityRouter(RequestRouter):
                 self._forget(request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Ray Serve's callback when a call ends: its tokens leave its replica's count."""
         self._forget(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """Ray Serve's callback when a replica dies: its queued tokens are forgotten."""
         super().on_replica_actor_died(replica_id)
         self.queued.pop(replica_id.unique_id, None)

@@ -19,6 +19,7 @@ class ConfigError(ValueError):
 
 
 def require(ok: bool, key: str, message: str) -> None:
+    """Raise ConfigError naming `key` unless `ok`: how each section checks its invariants."""
     if not ok:
         raise ConfigError(f"config key '{key}': {message}")
 
@@ -108,8 +109,8 @@ class CacheConfig:
     # What happens to KV that does not stay on the device.
     suffix: SuffixPolicy = "offload"
     # Precision of the KV both tiers keep. auto: the compute dtype. A narrower one (bfloat16 under
-    # fp32 compute: twice the tokens per byte, converted as blocks are stored and read) measured
-    # 0.93-0.94x on the visit workload at equal bytes: set it where the working set outgrows the tiers.
+    # fp32 compute: twice the tokens per byte, converted as blocks are stored and read) costs the
+    # conversions: set it where the working set outgrows the tiers.
     kv_dtype: DType = "auto"
     host: HostTierConfig = field(default_factory=HostTierConfig)
 
@@ -218,7 +219,7 @@ class EngineConfig:
     # torch threads of each stage process. 0: the machine's cores // pipeline_stages (at least 1).
     threads_per_stage: int = 0
     # How a batch goes through the stages: `waves` (cut into micro-batches of even predicted seconds
-    # on the slowest stage, tiered/pipeline/costs.py, that follow one another, stage s on micro-batch
+    # on the slowest stage, tiered/hybrid/pipeline/costs.py, that follow one another, stage s on micro-batch
     # i while stage s + 1 is on i - 1) or `fill-drain` (the whole batch through every stage in turn:
     # GPipe's baseline with one micro-batch).
     pipeline_schedule: Literal["waves", "fill-drain"] = "waves"

@@ -12,6 +12,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 @dataclass(frozen=True, slots=True)
 class Llama3RopeScaling:
+    """Llama-3's frequency-dependent RoPE scaling, as config.json's `rope_scaling` gives it."""
+
     factor: float
     low_freq_factor: float
     high_freq_factor: float
@@ -20,6 +22,8 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class ModelArgs:
+    """A decoder's shape and options, read from its checkpoint's config.json."""
+
     architecture: str
     vocab_size: int
     hidden_size: int

@@ -1,23 +1,6 @@
 """The forward pass over a batch of requests, in three modes, through one code path.
 
-- `hybrid` (ours): the new tokens of every request in the batch are packed along the token axis;
-  the layer loop runs each token-wise op (norm, q/k/v, RoPE at each request's own positions,
-  o_proj, MLP) chunk by chunk over the packed tokens into preallocated buffers. A layer first
-  makes K,V of all tokens; then each chunk makes its queries and attends, per request, to its
-  cached prefix, its earlier tokens and its own tokens, before its o_proj and MLP. Requests given
-  the same prefix object read it once per layer. Alive at once: the residual,
-  the current layer's K,V and one chunk's scratch; each request's KV sink receives its K,V as
-  soon as the layer's K,V are made, then they are dropped with the layer.
-- `vanilla`: the same loop with one chunk of all tokens, and every layer's K,V held until the
-  end of the forward (what a general engine keeps for decoding).
-- `chunked`: Sarathi-style; the whole model runs per token chunk, each chunk attending to the
-  K,V of the chunks before it, so every layer's K,V is kept for the whole forward. A comparison
-  mode: a batch runs request by request.
-
-Every request may carry a prefix (K,V per layer of its first P tokens, e.g. cache hits) and a
-LoRA adapter (`lora.py`): requests of one adapter are packed next to each other, and each
-projection adds each run's low-rank update to its rows. The forward returns the fp32 logits of
-each request's last token only: a prefill-only engine needs nothing else.
+Design notes: docs/internals.md, section `tiered/hybrid/forward.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +12,8 @@ import torch
 from torch import Tensor
 
 from tiered.config import ForwardMode
+from tiered.engine.validation import InputError
+from tiered.engine.validation import check_token_ids as check_token_list
 from tiered.hybrid.attention import KERNELS, Piece
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
@@ -39,8 +24,6 @@ from tiered.hybrid.model import (
     q_step,
     rope_cos_sin,
 )
-from tiered.validation import InputError
-from tiered.validation import check_token_ids as check_token_list
 
 LayerKV = tuple[Tensor, Tensor]
 """K and V of one layer, each [tokens, kv_heads, head_dim]."""
@@ -327,6 +310,7 @@ class _LayerPrefixes:
         self._kv: dict[int, LayerKV] = {}
 
     def get(self, group: int) -> tuple[Tensor | None, Tensor | None]:
+        """A group's prefix K,V for this layer in the compute dtype, gathered on first ask (None, None: no prefix)."""
         prefix = self._groups[group].prefix_kv
         if prefix is None:
             return None, None
@@ -337,6 +321,7 @@ class _LayerPrefixes:
         return self._kv[group]
 
     def release_before(self, row: int) -> None:
+        """Drop the prefixes of groups whose rows all end by packed row `row`."""
         for g in [g for g in self._kv if self._groups[g].segments[-1][1] <= row]:
             del self._kv[g]
 

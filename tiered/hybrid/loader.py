@@ -95,6 +95,7 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def read_args(folder: str | Path) -> ModelArgs:
+    """The model's shape from an HF checkpoint folder's config.json (ModelLoadError if it has none)."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():

@@ -73,6 +73,7 @@ class LoraWeights:
 
     @property
     def nbytes(self) -> int:
+        """Device bytes the adapter's A and B matrices take."""
         return sum(a.nbytes + b.nbytes for layer in self.layers for a, b, _ in layer.values())
 
 

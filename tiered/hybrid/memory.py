@@ -22,6 +22,8 @@ from tiered.hybrid.model import CausalLM
 
 @dataclass(slots=True)
 class ForwardPeak:
+    """One measured forward: its tokens, peak memory (weights included), weights, seconds and how it was measured."""
+
     num_tokens: int
     peak_bytes: int  # weights + the forward's activations
     weights_bytes: int

@@ -21,12 +21,15 @@ from tiered.hybrid.lora import LoraSlice
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale, computed in fp32 as HF does."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        """Normalize x over its last dim in fp32, cast back to x's dtype, then scale."""
         # fp32 statistics, cast back before the weight: HF's order, so bf16 rounds the same way.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -34,6 +37,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """A layer's q/k/v/o projections (attention itself runs in `forward.py`'s kernels)."""
+
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
@@ -43,6 +48,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """A layer's gated MLP projections: gate, up and down."""
+
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
@@ -51,6 +58,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer's modules: input norm, attention projections, post-attention norm, MLP."""
+
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -60,6 +69,8 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
+    """The embedding, the decoder layers and the final norm (HF's `model.` submodule)."""
+
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
@@ -84,6 +95,7 @@ class CausalLM(nn.Module):
 
     @property
     def layers(self) -> list[DecoderLayer]:
+        """The decoder layers, in order."""
         return list(self.model.layers)  # type: ignore[arg-type]
 
     def last_token_logits(self, hidden_last: Tensor) -> Tensor:

@@ -1,20 +1,6 @@
 """Which precision the forward computes in, and which the KV tiers keep, on this machine.
 
-`model.dtype: auto` computes in the checkpoint's dtype where the device computes it natively
-and in fp32 where it would be emulated. A CPU without bf16 dot-product instructions (AVX2-only
-EPYCs, older Xeons) runs torch's bf16 GEMMs through a conversion path several times slower
-than fp32 (measured on an AVX2 EPYC: bf16 `F.linear` 2,048 x 1,024 -> 4,096 at 18 GFLOP/s, fp32
-at 106), so bf16 weights are upcast once at load (exact) and the forward runs in fp32.
-
-The rule reads the CPU's flags (`avx512_bf16` or `amx_bf16` for bf16, `avx512_fp16` or
-`amx_fp16` for fp16) rather than timing GEMMs at start-up: the flags are what oneDNN dispatches
-on, they cost nothing, and they do not change with load; `python -m benchmarks precision` measures both
-rates on the machine at hand and says whether they agree with the rule.
-
-`cache.kv_dtype: auto` keeps KV in the compute dtype. A narrower tier dtype can be set
-(`bfloat16` under fp32 compute: twice the tokens per byte; the device tier converts as it writes,
-the forward widens a prefix as it gathers it). The conversions cost time, so it pays only where
-the working set outgrows the tiers (measurements in benchmarks/RESULTS.md).
+Design notes: docs/internals.md, section `tiered/hybrid/precision.py`.
 """
 
 from __future__ import annotations

@@ -57,6 +57,8 @@ class _Block:
 
 @dataclass(slots=True)
 class DeviceTierStats:
+    """A snapshot of the pool's occupancy and its hit, query and eviction counters."""
+
     num_blocks: int
     num_used_blocks: int
     num_pinned_blocks: int
@@ -149,6 +151,7 @@ class DeviceTier:
     # ---- pinning and allocation ------------------------------------------------------------
 
     def pin(self, block_ids: Sequence[int]) -> None:
+        """Add one pin to each block: a cached one is not evictable until its last pin goes."""
         with self._lock:
             for b in block_ids:
                 if b in self._blocks:
@@ -272,6 +275,7 @@ class DeviceTier:
             self.num_hit_tokens = self.num_queried_tokens = self.num_evictions = 0
 
     def stats(self) -> DeviceTierStats:
+        """The pool's occupancy and counters now."""
         with self._lock:
             # A cached block is in the LRU exactly when nothing pins it; uncached ones are all pinned.
             pinned = len(self._blocks) - len(self._lru) + len(self._pins)

@@ -1,6 +1,6 @@
 """What every host tier offers the KV tiers: its counters and its calls. Two kinds: LMCache in this
 process (`host_tier.HostTier`), or a pipeline's index of the LMCache tiers its stage processes
-hold (`tiered.pipeline.host.StagedHost`)."""
+hold (`tiered.hybrid.pipeline.host.StagedHost`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from tiered.config import HostTierConfig
-from tiered.offload.request import StoreBatch
+from tiered.engine.request import StoreBatch
 
 
 @dataclass(slots=True)
@@ -39,10 +39,12 @@ class HostTierStats:
 
     @property
     def load_seconds(self) -> float:
+        """Seconds loads took in all: key lookup, LMCache's get and the copies into device blocks."""
         return self.load_lookup_seconds + self.load_get_seconds + self.load_copy_seconds
 
     @property
     def load_bytes_per_second(self) -> float:
+        """Bytes loaded per second of load time (0 before any load)."""
         return self.num_loaded_bytes / self.load_seconds if self.load_seconds else 0.0
 
     @property
@@ -62,7 +64,9 @@ class Host(Protocol):
     # Called with keys the tier is known to have given up (a pipeline's index); LMCache evicts silently.
     on_forgotten: Callable[[list[int]], None] | None
 
-    def get(self, keys: Sequence[int]) -> tuple[list[Any], int]: ...
+    def get(self, keys: Sequence[int]) -> tuple[list[Any], int]:
+        """Chunks of the leading `keys` held, each with a reference, and how many came from the remote store."""
+        ...
 
     def load(
         self,
@@ -70,30 +74,58 @@ class Host(Protocol):
         block_ids: Sequence[int],
         views: Callable[[Sequence[int]], list[Tensor]],
         num_remote: int = 0,
-    ) -> None: ...
+    ) -> None:
+        """Copy chunks `get` returned into the device-tier blocks `block_ids`, releasing them."""
+        ...
 
-    def release(self, objs: Sequence[Any]) -> None: ...
+    def release(self, objs: Sequence[Any]) -> None:
+        """Drop the references of chunks `get` returned that will not be loaded."""
+        ...
 
-    def touch(self, keys: Sequence[int]) -> None: ...
+    def touch(self, keys: Sequence[int]) -> None:
+        """Mark held `keys` as just used, so the tier evicts them later."""
+        ...
 
-    def missing(self, keys: Sequence[int]) -> list[int]: ...
+    def missing(self, keys: Sequence[int]) -> list[int]:
+        """Of `keys`, those the tier does not hold."""
+        ...
 
-    def begin_store(self, keys: list[int]) -> StoreBatch | None: ...
+    def begin_store(self, keys: list[int]) -> StoreBatch | None:
+        """Room to store the chunks of a leading part of `keys`; None when there is none."""
+        ...
 
-    def write_block(self, store: StoreBatch, block_id: int, views: Callable[[Sequence[int]], list[Tensor]]) -> None: ...
+    def write_block(self, store: StoreBatch, block_id: int, views: Callable[[Sequence[int]], list[Tensor]]) -> None:
+        """Copy the device-tier block `block_id` into the store's one chunk."""
+        ...
 
-    def count_store_copy(self, seconds: float) -> None: ...
+    def count_store_copy(self, seconds: float) -> None:
+        """Add `seconds` the forward's KV sink spent copying into store chunks to the counters."""
+        ...
 
-    def submit(self, batch: StoreBatch) -> bool: ...
+    def submit(self, batch: StoreBatch) -> bool:
+        """Hand a written batch over to be stored; False if it was dropped instead."""
+        ...
 
-    def abort_store(self, batch: StoreBatch) -> None: ...
+    def abort_store(self, batch: StoreBatch) -> None:
+        """Give up a batch whose forward did not run, freeing what `begin_store` reserved."""
+        ...
 
-    def flush(self) -> None: ...
+    def flush(self) -> None:
+        """Wait until every batch submitted so far is stored or dropped."""
+        ...
 
-    def clear(self) -> None: ...
+    def clear(self) -> None:
+        """Drop every chunk the tier holds."""
+        ...
 
-    def reset_stats(self) -> None: ...
+    def reset_stats(self) -> None:
+        """Zero the counters."""
+        ...
 
-    def stats(self) -> HostTierStats: ...
+    def stats(self) -> HostTierStats:
+        """A copy of the counters."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Shut the tier down when the engine stops."""
+        ...

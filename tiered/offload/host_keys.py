@@ -42,10 +42,12 @@ class BoundedKeys:
         return dropped
 
     def difference_update(self, keys: Iterable[int]) -> None:
+        """Remove `keys` (those not present are ignored)."""
         for k in keys:
             self._keys.pop(k, None)
 
     def clear(self) -> None:
+        """Remove every key."""
         self._keys.clear()
 
 
@@ -62,6 +64,7 @@ class HostKeys:
 
     @property
     def cap(self) -> int:
+        """The most keys held before the oldest are forgotten."""
         return self._held.cap
 
     def __contains__(self, key: object) -> bool:
@@ -72,6 +75,7 @@ class HostKeys:
         return len(self._held)
 
     def storing(self, keys: Iterable[int]) -> None:
+        """Keys queued for the store thread: they count as held until their store lands or is dropped."""
         with self._lock:
             self._storing.update(keys)
 
@@ -96,6 +100,7 @@ class HostKeys:
         return gone
 
     def clear(self) -> list[int]:
+        """Forget every held key (queued ones stay); returns those forgotten."""
         with self._lock:
             gone = list(self._held)
             self._held.clear()

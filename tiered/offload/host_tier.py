@@ -1,25 +1,6 @@
 """The host tier: LMCache 0.5.6 used as a library (with `lmcache_setup.py`, the only modules that import it).
 
-We use LMCache below its token-level API (`store`/`retrieve` hash every token and copy each chunk
-through a connector): at its storage manager, with our own chained block keys as its chunk
-hashes. A chunk is one LMCache memory object of the device tier's block layout ([2, layers,
-block_tokens, kv_heads*head_dim], LMCache's KV_2LTD), so every transfer is one contiguous copy:
-
-- Store: `begin_store` allocates memory objects from LMCache's allocator; the forward's KV sink
-  writes each layer's K,V straight into them (the only copy a store costs the forward); `submit`
-  hands them to the store thread, whose one job is LMCache's `batched_put` (its bookkeeping and a
-  disk or remote backend's writes), under a CPU share (`store_cpu_share`: it sleeps after each put
-  to stay under it), from a bounded queue (`max_pending_stores`: past it a store is dropped). A
-  chunk submitted but not yet put is already readable: `get` finds it in `_pending`.
-- Load: `get` returns the memory objects of the leading keys it holds (pending first, then
-  LMCache's backends); `copy_into` copies each into a device-tier block (one copy per chunk).
-
-Every LMCache call is guarded: an exception is logged once per kind, counted, and turns into a
-miss (or a dropped store), so a failing host tier degrades to recomputation and never fails a
-request. Threads: the engine, prefetch and store threads all call in; one lock guards the queue,
-`_pending` and the counters and serialises our LMCache calls, except the store thread's put
-(LMCache's backends lock themselves: a slow backend never holds up an allocation or a load). A
-pending chunk holds a reference of its own, so LMCache cannot free it while a load may read it.
+Design notes: docs/internals.md, section `tiered/offload/host_tier.py`.
 """
 
 from __future__ import annotations
@@ -36,10 +17,10 @@ import torch
 from torch import Tensor
 
 from tiered.config import HostTierConfig
+from tiered.engine.request import StoreBatch
 from tiered.hybrid.args import ModelArgs
 from tiered.offload import lmcache_setup as lm
 from tiered.offload.host_base import HostTierStats
-from tiered.offload.request import StoreBatch
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +43,8 @@ class HostTier:
         """`instance_id` names this tier's LMCache engine in the process; `model_name` (default:
         the instance id) is LMCache's model name, part of every chunk key: engines that share a
         remote store (`remote_url`) share chunks when they give the same name (the model's identity).
-        `evict=False`: a store finds no memory rather than evict (a pipeline stage's: tiered/pipeline/host.py)."""
+        `evict=False`: a store finds no memory rather than evict (a pipeline stage's:
+        tiered/hybrid/pipeline/host.py)."""
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.memory_management import MemoryFormat
 
@@ -191,6 +173,7 @@ class HostTier:
             self.stats_.num_remote_hit_tokens += num_remote * self.block_tokens
 
     def release(self, objs: Sequence[Any]) -> None:
+        """Drop the references `get` took on objects that will not be copied."""
         with self._lock:
             for obj in objs:
                 obj.ref_count_down()
@@ -248,6 +231,7 @@ class HostTier:
         store.ready.record(torch.cuda.current_stream(block.device))
 
     def count_store_copy(self, seconds: float) -> None:
+        """Add the seconds the forward's KV sink spent writing into store chunks (measured by the caller)."""
         with self._lock:
             self.stats_.store_copy_seconds += seconds
 
@@ -268,7 +252,7 @@ class HostTier:
         return False
 
     def remove(self, keys: list[int]) -> None:
-        """Take `keys` out of LMCache after every store queued before (tiered/pipeline/host.py)."""
+        """Take `keys` out of LMCache after every store queued before (tiered/hybrid/pipeline/host.py)."""
         with self._lock:
             if keys and not self._closed:
                 for k in keys:  # a store of it not yet put is no longer readable (a later one will be)
@@ -376,6 +360,7 @@ class HostTier:
             self._engine.clear()
 
     def num_local_chunks(self) -> int:
+        """Chunks LMCache's local backends hold now."""
         with self._lock:
             return lm.count_local(self._storage)
 
@@ -386,6 +371,7 @@ class HostTier:
             self.stats_ = HostTierStats(num_pending_stores=pending)
 
     def stats(self) -> HostTierStats:
+        """A copy of the counters, taken under the lock."""
         with self._lock:
             return replace(self.stats_)
 

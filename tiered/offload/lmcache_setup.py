@@ -49,6 +49,7 @@ class _NotOurConcern(logging.Filter):
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Drop the records that carry one of MARKS."""
         message = record.getMessage()
         return not any(mark in message for mark in self.MARKS)
 
@@ -87,6 +88,7 @@ def lmcache_config(options: dict[str, Any]) -> Any:
 
 
 def lmcache_config_keys() -> set[str]:
+    """Every key LMCache's config knows (to check the keys of `cache.host.lmcache`)."""
     from lmcache.v1 import config as lmcache_config
 
     return set(lmcache_config._CONFIG_DEFINITIONS)

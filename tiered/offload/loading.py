@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from tiered.engine.request import TierRequest
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.host_base import Host
 from tiered.offload.host_keys import HostKeys
-from tiered.offload.request import TierRequest
 
 
 def max_prefix_blocks(req: TierRequest, block_tokens: int) -> int:
@@ -159,4 +159,5 @@ class PrefixLoader:
         return loaded, remote, time.perf_counter() - start
 
     def close(self) -> None:
+        """Stop the prefetch thread, waiting for the loads already submitted."""
         self._prefetcher.shutdown(wait=True)

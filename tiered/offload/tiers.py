@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from tiered.config import CacheConfig
+from tiered.engine.request import HitSplit, PrefixKV, Prepared, StoreBatch, TierRequest
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import KVSink
 from tiered.offload.device_tier import DeviceTier, DeviceTierStats
@@ -29,15 +30,29 @@ from tiered.offload.host_base import Host, HostTierStats
 from tiered.offload.host_keys import HostKeys
 from tiered.offload.host_tier import HostTier
 from tiered.offload.loading import PrefixLoader, max_prefix_blocks
-from tiered.offload.request import HitSplit, PrefixKV, Prepared, StoreBatch, TierRequest
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class TierStats:
+    """Counters of both tiers: the device tier's, and the host tier's (None when there is none)."""
+
     device: DeviceTierStats
     host: HostTierStats | None
+
+
+@dataclass(frozen=True, slots=True)
+class TierSetup:
+    """What the tiers hold KV for: the model's shape, the KV dtype and device, this engine's id,
+    and the model's identity (LMCache's model name in the host tier's keys: engines that share a
+    remote store share chunks when they give the same one; default: `instance_id`)."""
+
+    args: ModelArgs
+    dtype: torch.dtype
+    device: str
+    instance_id: str
+    model_identity: str | None = None
 
 
 class KVTiers:
@@ -50,20 +65,15 @@ class KVTiers:
     def __init__(
         self,
         cfg: CacheConfig,
-        args: ModelArgs,
-        dtype: torch.dtype,
-        device: str,
-        instance_id: str,
-        model_identity: str | None = None,
+        setup: TierSetup,
         device_tier: DeviceTier | None = None,
         host_tier: Host | None = None,
     ) -> None:
-        """`model_identity` names the model in the host tier's keys (LMCache's model name): engines
-        that share a remote store share chunks when they give the same one. Default: `instance_id`.
-        `device_tier`: a pipeline's index (`DeviceTier(hold_kv=False)`: its stages hold the KV and
+        """`device_tier`: a pipeline's index (`DeviceTier(hold_kv=False)`: its stages hold the KV and
         it sized their pools); default: a pool of `cfg.device_tier_bytes` in this process.
-        `host_tier`: a pipeline's index of its stages' LMCache tiers (`tiered.pipeline.host`);
+        `host_tier`: a pipeline's index of its stages' LMCache tiers (`tiered.hybrid.pipeline.host`);
         default, with `cfg.suffix: offload`: LMCache in this process."""
+        args, dtype, device = setup.args, setup.dtype, setup.device
         self.cfg = cfg
         self.args = args
         self.device = torch.device(device)
@@ -74,7 +84,9 @@ class KVTiers:
         self.host_tier: Host | None = host_tier
         if cfg.suffix == "offload":
             if self.host_tier is None:
-                self.host_tier = HostTier(cfg.host, cfg.block_tokens, args, dtype, instance_id, model_identity)
+                self.host_tier = HostTier(
+                    cfg.host, cfg.block_tokens, args, dtype, setup.instance_id, setup.model_identity
+                )
             self.host_tier.on_stored = self._stored
             if cfg.host.write_policy == "on-evict":
                 self.device_tier.on_evict = self._evicted
@@ -86,14 +98,15 @@ class KVTiers:
         self.on_change: Callable[[Iterable[int]], None] | None = None
         self.device_tier.on_change = lambda key: self._changed((key,))
         self.loader = PrefixLoader(self.device_tier, self.host_tier, self.host_keys, self._changed)
-        log.info(
-            "device tier: %d blocks of %d tokens (%.1f MiB); host tier: %s; retention %s, suffix %s",
-            self.device_tier.num_blocks,
-            cfg.block_tokens,
-            self.device_tier.num_blocks * self.device_tier.bytes_per_block / 2**20,
-            self._describe_host() if self.host_tier else "off",
-            cfg.retention,
-            cfg.suffix,
+        log.debug("%s", self.describe())
+
+    def describe(self) -> str:
+        """The tiers in one line: device blocks and bytes, the host tier, the policies."""
+        dt, cfg = self.device_tier, self.cfg
+        return (
+            f"device tier: {dt.num_blocks} blocks of {cfg.block_tokens} tokens "
+            f"({dt.num_blocks * dt.bytes_per_block / 2**20:.1f} MiB); host tier: "
+            f"{self._describe_host() if self.host_tier else 'off'}; retention {cfg.retention}, suffix {cfg.suffix}"
         )
 
     def _describe_host(self) -> str:
@@ -107,6 +120,7 @@ class KVTiers:
     def new_request(
         self, request_id: str, token_ids: Sequence[int] | Tensor, salt: str | None = None, adapter: str | None = None
     ) -> TierRequest:
+        """A request's tier view: its tokens and block keys (salted by `salt` and `adapter`), computed once."""
         return TierRequest.make(request_id, token_ids, self.block_tokens, salt, adapter)
 
     # ---- scoring (no side effects) ---------------------------------------------------------
@@ -225,6 +239,7 @@ class KVTiers:
         return out
 
     def prefix_kv(self, prepared: Prepared) -> PrefixKV | None:
+        """The request's cached prefix as the forward reads it, one layer at a time (None: no prefix)."""
         if not prepared.prefix_blocks:
             return None
         return PrefixKV(self.device_tier, prepared.prefix_blocks, self.args.num_layers)
@@ -320,6 +335,7 @@ class KVTiers:
         self._changed(self.host_keys.clear())
 
     def flush(self) -> None:
+        """Wait until every store submitted to the host tier so far has finished (no-op without one)."""
         if self.host_tier is not None:
             self.host_tier.flush()
 
@@ -331,6 +347,7 @@ class KVTiers:
         self._changed(self.host_keys.clear())
 
     def stats(self) -> TierStats:
+        """A snapshot of the device and host tiers' counters."""
         return TierStats(self.device_tier.stats(), self.host_tier.stats() if self.host_tier else None)
 
     def prefetch(self, req: TierRequest) -> None:
@@ -338,9 +355,11 @@ class KVTiers:
         self.loader.prefetch(req)
 
     def drop_prefetch(self, request_id: str) -> None:
+        """Forget a prefetch for a request that will not run (what it loaded stays cached)."""
         self.loader.drop_prefetch(request_id)
 
     def close(self) -> None:
+        """Stop the prefetch thread, then close the host tier."""
         self.loader.close()
         if self.host_tier is not None:
             self.host_tier.close()

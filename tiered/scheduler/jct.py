@@ -1,22 +1,6 @@
 """Job completion time (JCT) model: predicted seconds of one request from its hit split.
 
-Output length is always 1, so a job's time follows from its input: with T tokens in total, M of
-them computed (misses), H loaded from the host tier and R from a shared remote tier,
-
-    jct = c0 + c1*M + c2*M*(T - M/2) + c3*H + c4*(T - M) + c5*R
-
-(c1: token-wise ops; c2: attention: the (query, key) pairs of M computed tokens after T - M
-cached ones, M*(T - M) + M²/2; counting M*T, as before, counted a fully computed request's
-pairs twice, so one c2 could not fit both computed and cached requests; c3: host load;
-c4: handling the cached prefix, gathering its blocks per layer; c5: a remote load, over the
-network, on top of c4 — learnt online from observed jobs, as the start-up grid has none). A
-batch is one forward: c0 once, the other terms summed over its requests (`predict_batch`), so
-the fit separates the cost of a forward from the cost of a token once batches have been observed.
-The coefficients come from a least-squares fit on a profile grid measured at start (cached on
-disk, keyed by model, device and config). Online, every finished job joins the fit (the last
-256 of them beside the profile grid) and the model is refitted, so it follows what
-the profile grid missed: the real prefix path, background stores, the machine's load. `error`
-is the mean absolute percentage error of the latest predictions, each made before its job ran.
+Design notes: docs/internals.md, section `tiered/scheduler/jct.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiered.offload.request import HitSplit
+from tiered.engine.request import HitSplit
 
 log = logging.getLogger(__name__)
 NUM_FEATURES = 6
@@ -53,6 +37,7 @@ class JCTSample:
 
     @classmethod
     def of(cls, splits: Sequence[HitSplit], seconds: float) -> JCTSample:
+        """One forward over requests with these hit splits, their counts and attention pairs summed."""
         return cls(
             sum(s.num_tokens for s in splits),
             sum(s.num_miss_tokens for s in splits),
@@ -63,6 +48,7 @@ class JCTSample:
         )
 
     def features(self) -> list[float]:
+        """The fit's feature row, as the module docstring's terms: 1, M, pairs, H, T - M, R."""
         m = float(self.num_miss_tokens)
         pairs = _pairs(m, self.num_tokens) if self.num_attention_pairs < 0 else float(self.num_attention_pairs)
         cached = float(self.num_tokens - self.num_miss_tokens)
@@ -71,6 +57,8 @@ class JCTSample:
 
 @dataclass(slots=True)
 class JCTModel:
+    """Predicted seconds of a forward from its requests' hit splits, refitted online on finished jobs."""
+
     coefficients: list[float]  # c0..c5 as in the module docstring (missing trailing ones: 0)
     profile: list[JCTSample] = field(default_factory=list)
     _observed: deque[JCTSample] = field(default_factory=lambda: deque(maxlen=256))
@@ -81,6 +69,7 @@ class JCTModel:
 
     @classmethod
     def fit(cls, samples: list[JCTSample]) -> JCTModel:
+        """A model fitted on `samples`, kept as its profile grid for later refits."""
         return cls(_fit(samples), profile=list(samples))
 
     def predict(self, split: HitSplit) -> float:

@@ -1,31 +1,26 @@
 """How much of a long request to compute now (SLOWeave's chunk choice, for prefill-only work).
 
-A request that runs alone may compute its new tokens in block-aligned pieces over several steps:
-after a piece, its KV is parked in the tiers and the request goes back to the queue (keeping its
-arrival and its place), to resume as a request whose prefix is cached. Between pieces, waiting
-requests with deadlines run.
-
-`deadline`: when no waiting request would miss its deadline behind the whole request, it runs
-in one piece, as without pieces. Otherwise the piece is the largest block-aligned size whose
-predicted time still lets the most urgent waiting requests (in deadline order, each after the
-ones before it) finish by their deadlines: a binary search over sizes, valid because the piece
-time the JCT model predicts is monotone in the piece's tokens (`JCTModel.piece_seconds`). When
-not even one block fits, the request yields before starting and the most urgent one runs; so
-does a request already past its deadline that is shorter than the long one's rest (not under
-`fcfs`: there only the urgent go ahead).
-`fixed`: pieces of `piece_tokens` (rounded to blocks), deadlines or not. `never`: one piece.
-
-A request stops yielding once it has spent (1 + max_yield_delay) x its predicted time alone since
-its first piece started: its delay is bounded whatever keeps arriving.
+Design notes: docs/internals.md, section `tiered/scheduler/pieces.py`.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tiered.offload.request import HitSplit
+from tiered.config import SchedulerConfig
+from tiered.engine.request import HitSplit
 from tiered.scheduler.jct import JCTModel
+from tiered.scheduler.step import Decision, PieceStats, Waiting
+
+HORIZON_S = 60.0  # objectives seen this recently stand for the arrivals a piece must leave room for
+# A piece cut for arrivals that have not happened costs at least this many times its fixed part
+# (JCTModel.piece_seconds with no tokens: a step, and reading its prefix).
+PIECE_OVERHEAD_SHARE = 5
+LOST_CAUSE_SHARE = 0.25  # of a lost cause's objective: the time a like request with a cached prefix needs
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,3 +84,92 @@ def _longest_piece(split: HitSplit, block_tokens: int) -> int:
     """The longest piece that is not the last: the last holds the final token (its logits), so a
     piece before it ends on the last block boundary before that token."""
     return (split.num_tokens - 1) // block_tokens * block_tokens - split.num_hit_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class PieceChoice:
+    """Compute `num_tokens` of the head now and let it wait again; or, with `take`, run that
+    urgent request first and let the head wait before it starts."""
+
+    num_tokens: int | None = None
+    take: str | None = None
+
+
+class PiecePolicy:
+    """Whether the head of a one-request batch runs whole, in a piece, or waits for an urgent one
+    (`scheduler.pieces`), from the objectives seen lately and the JCT model's piece times."""
+
+    def __init__(self, config: SchedulerConfig, block_tokens: int, jct: JCTModel, stats: PieceStats) -> None:
+        self.config = config
+        self.block_tokens = block_tokens
+        self.jct = jct
+        self.stats = stats
+        self._objectives: deque[tuple[float, float, float]] = deque()  # (arrival, objective s, predicted s)
+
+    def saw(self, arrival: float, slo_seconds: float, jct: float) -> None:
+        """A request with an objective arrived (requests like it may arrive during a long prefill)."""
+        self._objectives.append((arrival, slo_seconds, jct))
+        while self._objectives and self._objectives[0][0] < arrival - HORIZON_S:
+            self._objectives.popleft()
+
+    def _anticipated(self, now: float) -> tuple[Urgent, float] | None:
+        """One request arriving now with the tightest slack seen lately (a lost cause's: see the
+        module's docstring; but not one whose objective no request could meet, a quarter of it
+        below a one-block request's predicted time), with the tightest objective among those seen; None
+        when no objective was seen in HORIZON_S."""
+        cheapest = self.jct.predict(HitSplit(0, 0, self.block_tokens))
+        slack = [
+            (slo - jct, jct, slo) if jct < slo else (slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE, slo)
+            for t, slo, jct in self._objectives
+            if t >= now - HORIZON_S and (jct < slo or slo * LOST_CAUSE_SHARE >= cheapest)
+        ]
+        if not slack:
+            return None
+        least, jct, _ = min(slack)
+        return Urgent("(an arrival)", now + least + jct, jct), min(s[2] for s in slack)
+
+    def decide(self, d: Decision, by_deadline: Callable[[], list[Waiting]]) -> PieceChoice | None:
+        """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole.
+        `by_deadline`: the waiting requests with a deadline, earliest first."""
+        sc, bt, w, jct = self.config, self.block_tokens, d.waiting, self.jct
+        split = w.split
+        now = time.monotonic()
+        if sc.pieces == "never" or split.num_miss_tokens <= bt:
+            return None
+        if sc.pieces == "fixed":  # a baseline: always in pieces (as chunked prefill), no bound needed
+            n = fixed_piece(split, sc.piece_tokens, bt)
+            choice = PieceChoice(n) if n < split.num_miss_tokens else None
+        elif w.yield_until is not None and now >= w.yield_until:  # yielded long enough: it runs now
+            return None
+        else:
+            whole = jct.piece_seconds(split, split.num_miss_tokens)
+            waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in by_deadline() if u.deadline is not None]
+            urgent = [u for u in waiting if now + u.jct <= u.deadline < now + whole + u.jct]
+            late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if sc.policy != "fcfs" else []
+            arrival, tightest = self._anticipated(now) or (None, math.inf)
+            if w.deadline is not None and w.deadline - w.arrival <= tightest + 1e-6:
+                arrival = None  # a call as tight as those anticipated: a real one is not cut for a guess
+            if not urgent and late:  # missed already and shorter than the long one's rest: it goes first
+                n, urgent = 0, late[:1]
+            elif not urgent and arrival is None:
+                return None
+            else:
+                planned = sorted(urgent + ([arrival] if arrival is not None else []), key=lambda u: u.deadline)
+                n = choose_piece(now, split, planned, jct, bt)
+                if not urgent:  # only an anticipated arrival: never a wait, never a piece mostly overhead
+                    n = max(n, self._least_piece(split))
+            choice = PieceChoice(take=urgent[0].request_id) if n == 0 else PieceChoice(n)
+            if n >= split.num_miss_tokens:
+                return None
+        if choice is not None and w.yield_until is None:  # its delay is bounded from its first yield on (deadline)
+            w.yield_until = now + (1 + sc.max_yield_delay) * w.jct
+        if choice is not None and choice.take is not None:
+            self.stats.num_deferrals += 1
+        return choice
+
+    def _least_piece(self, split: HitSplit) -> int:
+        """The smallest block-aligned piece that costs PIECE_OVERHEAD_SHARE times its fixed part."""
+        jct, bt = self.jct, self.block_tokens
+        floor = PIECE_OVERHEAD_SHARE * jct.piece_seconds(split, 0)
+        below = largest_feasible(bt, split.num_miss_tokens, lambda p: jct.piece_seconds(split, p) < floor)
+        return below + bt

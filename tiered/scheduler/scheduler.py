@@ -1,34 +1,6 @@
 """Which waiting request runs next.
 
-Policies (lower score runs first; ties by arrival):
-- `fcfs`: arrival order.
-- `srjf`: predicted JCT, scored once at arrival (against the tiers as they were then).
-- `calibrated` (ours): predicted JCT against the tiers' *current* contents, minus λ·waiting
-  time. λ is dimensionless: seconds of predicted JCT forgiven per second waited, so a request
-  that has waited W seconds competes as if it were λ·W seconds shorter; λ = 0 is pure SRJF
-  with re-scoring, and any λ > 0 bounds starvation.
-- `priority` (vLLM's request field): a request with a lower value runs before any with a
-  higher one, whatever the policy; the policy orders requests of equal priority (default 0).
-- SGLang's cache-aware policies, as peers: `lpm` (longest cached prefix first), `spf` (fewest
-  uncached tokens first), `hrrn` (highest response ratio (wait + JCT) / JCT first).
-
-Batches. `pick_batch` takes the policy's pick as the batch's head, then fills
-the batch up to a budget of computed tokens: first with waiting requests that share the head's
-first block (prefix-homogeneous: they read one copy of the prefix), then with those of the head's
-LoRA adapter, then with the others, in the policy's order, at most `lora.max_loras` adapters in
-a batch (Feather's homogeneity, one step further). Only requests of the head's priority join
-it, so a batch never carries a request past a higher-priority one; the head was chosen with λ,
-so fairness holds for the head, and a filler only rides along: never one that would make the
-batch end (its members' predicted times summed) past a member's deadline it meets without it.
-Blocks that another request of the batch computes (a new user's profile, shared by all the
-prompts of the visit) are computed once by the forward, so they do not count against the budget
-twice. Every policy batches this way, so policies still compare.
-
-Cost. `jct − λ·(now − arrival)` orders requests like `jct + λ·arrival`, which does not change
-with time, so calibrated, srjf, lpm, spf and fcfs keep a lazy heap. A request is re-scored only
-when a block key it contains enters or leaves a tier (an inverted index from key to waiting
-requests), so a pick costs O(changed requests × their blocks + log n), not O(n). `hrrn`'s ratio
-changes with time for every request: it scans all of them, as SGLang does.
+Design notes: docs/internals.md, section `tiered/scheduler/scheduler.py`.
 """
 
 from __future__ import annotations
@@ -39,52 +11,23 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from tiered.config import SchedulerPolicy
-from tiered.offload.request import HitSplit, TierRequest
+from tiered.engine.request import TierRequest
+from tiered.engine.score import DEFAULT_PARAMS, ScoreParams
 from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel
-from tiered.score import DEFAULT_PARAMS, ScoreParams
+from tiered.scheduler.pieces import PiecePolicy
+from tiered.scheduler.step import Decision, Step, StepLimits, Waiting
 
-
-@dataclass(slots=True)
-class Waiting:
-    """A request from its arrival until it is picked: the one entry the engine keeps for it."""
-
-    request: TierRequest
-    seq: int  # arrival order: fcfs's score and every policy's tie-break
-    arrival: float
-    split: HitSplit  # estimated against the tiers, re-estimated when its blocks move
-    jct: float
-    version: int = 0  # heap entries of an older version are stale
-    priority: int = 0
-    params: ScoreParams = DEFAULT_PARAMS  # what to return (logprobs, the chosen token)
-    deadline: float | None = None  # arrival + its latency objective (monotonic seconds)
-    # Between the pieces of a request that yields (scheduler/pieces.py): pieces done, its hits
-    # before the first, device blocks held for it, and until when it may yield again.
-    num_pieces: int = 0
-    first_split: HitSplit | None = None
-    parked: list[int] = field(default_factory=list)
-    yield_until: float | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass(slots=True)
-class Decision:
-    """What `pick` chose and what it expected."""
-
-    waiting: Waiting
-    predicted_jct: float
-    decision_seconds: float
-    num_rescored: int = 0
-    queue_depth: int = 0
+__all__ = ["Decision", "Scheduler", "Waiting"]
 
 
 class Scheduler:
+    """The waiting requests, ordered by `policy`; `schedule` decides each engine step.
+
+    `limits` bound a step; `pieces` decides whether a long head yields (None: it never does)."""
+
     def __init__(
         self,
         policy: SchedulerPolicy,
@@ -92,12 +35,16 @@ class Scheduler:
         tiers: KVTiers,
         jct: JCTModel,
         clock: Callable[[], float] = time.monotonic,
+        limits: StepLimits | None = None,
+        pieces: PiecePolicy | None = None,
     ) -> None:
         self.policy = policy
         self.fairness = fairness
         self.tiers = tiers
         self.jct = jct
         self.clock = clock
+        self.limits = limits or StepLimits()
+        self.pieces = pieces
         self._waiting: dict[str, Waiting] = {}  # request id -> entry
         self._heap: list[tuple[int, float, int, str, int]] = []  # (priority, score, seq, request id, version)
         self._by_key: dict[int, set[str]] = defaultdict(set)  # block key -> ids of the requests that hold it
@@ -135,6 +82,8 @@ class Scheduler:
         )
         self._seq += 1
         self._enqueue(w)
+        if slo_seconds is not None and self.pieces is not None:
+            self.pieces.saw(w.arrival, slo_seconds, w.jct)
         return w
 
     def requeue(self, w: Waiting) -> None:
@@ -292,7 +241,7 @@ class Scheduler:
         longest cached prefix, which bounds the forward's memory (the start-up profile run
         proved `max_model_len` tokens fit). `max_adapters`: most distinct LoRA adapters in the
         batch (0: no bound). A request that yielded between pieces runs alone, head or not: its
-        next piece is decided for a batch of one (tiered/pieces.py), and its remaining tokens,
+        next piece is decided for a batch of one (tiered/engine/pieces.py), and its remaining tokens,
         however few, read a long prefix. A request does not join when the batch, with it (each
         member's predicted time summed), would end past a member's deadline the batch meets without it."""
         head = self.pick()
@@ -377,6 +326,44 @@ class Scheduler:
             service = max(w.jct, 1e-9)
             return -(self.clock() - w.arrival + service) / service
         return self._score(w)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def schedule(self) -> Step:
+        """The next step: the batch (`pick_batch`), whether its head runs in a piece or waits for
+        an urgent request (`pieces`), the prefix to prefetch, and the requests that expired."""
+        lim = self.limits
+        expired = self.take_expired() if lim.drop_expired else []
+        batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters)
+        piece = self.pieces.decide(batch[0], self.by_deadline) if self.pieces and len(batch) == 1 else None
+        if piece is not None and piece.take is not None:  # yield before starting: the most urgent first
+            self.requeue(batch[0].waiting)
+            batch = [self.take(piece.take)]
+            piece = None
+        prefetch = None
+        if batch and lim.prefetch:
+            nxt = self.peek()
+            if nxt is not None and nxt.split.num_host_hit_tokens > 0 and not self._batch_makes(batch, nxt):
+                prefetch = nxt.request
+        piece_tokens = None if piece is None else piece.num_tokens
+        parked = self.num_parked_blocks() if piece_tokens is not None else 0
+        return Step(batch, piece_tokens, prefetch, expired, self.waiting_keys() if batch else set(), parked)
+
+    def take_expired(self) -> list[Waiting]:
+        """Take out the waiting requests whose deadline has passed (`scheduler.drop_expired`)."""
+        now = self.clock()
+        out = []
+        while (first := self.by_deadline(limit=1)) and (first[0].deadline or now) < now:
+            self.remove(first[0].request_id)
+            out.append(first[0])
+        return out
+
+    def _batch_makes(self, batch: list[Decision], nxt: Waiting) -> bool:
+        """The next request's first host-resident block is one this batch loads or computes: it
+        will be on the device when the batch ends, so loading it now would load it twice."""
+        first_host = nxt.split.num_device_hit_tokens // self.tiers.block_tokens
+        key = nxt.request.keys[first_host]
+        return any(key in d.waiting.request.keys for d in batch)
 
     def peek(self) -> Waiting | None:
         """The request `pick` would choose now, left in the queue (the prefetch target)."""

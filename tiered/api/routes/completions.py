@@ -18,6 +18,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, s: ServingDep) -> dict[str, Any]:
+    """OpenAI's POST /v1/completions: one choice per prompt, its one token (max_tokens must be 1), logprobs."""
     if body.max_tokens is not None and body.max_tokens != 1:
         message = f"max_tokens must be 1: this engine serves prefill-only requests (got {body.max_tokens})"
         raise APIError(400, message, "max_tokens")
@@ -51,6 +52,7 @@ async def completions(body: CompletionRequest, request: Request, s: ServingDep) 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request, s: ServingDep) -> dict[str, Any]:
+    """OpenAI's POST /v1/chat/completions: the messages through the chat template, answered with one token."""
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if limit is not None and limit != 1:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

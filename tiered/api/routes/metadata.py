@@ -18,6 +18,7 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(s: ServingDep) -> JSONResponse:
+    """200 while the engine serves, 503 otherwise (starting, restarting, or gone)."""
     alive = s.client.alive
     return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
 
@@ -49,11 +50,13 @@ async def models(s: ServingDep) -> dict[str, Any]:
 
 @router.get("/version")
 async def version() -> dict[str, str]:
+    """The server's version (`tiered.__version__`)."""
     return {"version": __version__}
 
 
 @router.get("/metrics")
 async def metrics(s: ServingDep) -> Response:
+    """The Prometheus metrics, in the text exposition format."""
     return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -74,6 +77,7 @@ async def tokenize(body: TokenizeRequest, s: ServingDep) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, s: ServingDep) -> dict[str, str]:
+    """vLLM's POST /detokenize: token ids (checked against the vocabulary) back to text."""
     s.adapter(body.model)
     s.check_ids(body.tokens, "tokens")
     return {"prompt": str(s.tokenizer.decode(body.tokens))}

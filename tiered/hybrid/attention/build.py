@@ -1,20 +1,6 @@
 """Builds the `native` attention kernel (csrc/attend.cpp, csrc/isa.h) into a shared library, once, cached.
 
-One compiler call (the `CXX` compiler, else `c++`) against torch's headers and libraries, no
-ninja and no pybind: the library registers its ops with `TORCH_LIBRARY` and is loaded with
-`torch.ops.load_library`. Flags are `-O3 -fopenmp`, never `-march=native`: the source picks its
-ISA path at run time (every SIMD function carries its own target attribute), so one library runs
-on any x86-64 CPU, and a cache folder shared by machines of different CPUs (a container image, a
-network home) never holds a library that faults with an illegal instruction. -fopenmp makes
-`at::parallel_for` parallel; the library then uses the OpenMP runtime torch already loaded.
-
-The cache folder is keyed by the sources' hash, torch's version, the compiler and the flags:
-`<repo>/.cache/native/<key>/attend.so` in a source checkout (ignored by git), else
-`~/.cache/tiered/native/<key>/`. Builds take a file lock and move the library into place when
-complete, so concurrent processes build once and never load a half-written file.
-
-`make venv` runs `python -m tiered.hybrid.attention.build`, which builds or logs why it cannot
-and exits 0 either way: a machine without a compiler still gets an engine, without `native`.
+Design notes: docs/internals.md, section `tiered/hybrid/attention/build.py`.
 """
 
 from __future__ import annotations
@@ -49,6 +35,7 @@ def compiler() -> list[str]:
 
 
 def default_cache_dir() -> Path:
+    """Where the built library is cached: the checkout's `.cache/native` if writable, else `~/.cache/tiered/native`."""
     package_root = Path(__file__).resolve().parents[3]
     if (package_root / "pyproject.toml").exists() and os.access(package_root, os.W_OK):
         return package_root / ".cache" / "native"

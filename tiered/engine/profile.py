@@ -1,32 +1,26 @@
 """The engine's start-up profile of the JCT model: forwards measured on a grid of lengths and
 cached fractions (plus real host-tier loads when there is a host tier), fitted, and cached per
-exact setup. It drives the engine through its public methods (`forward`, `synchronize`) and the
-tiers' (`prepare`, `finish`, `flush`, `clear`); `scheduler/` keeps the model it fits.
+exact setup. It runs on the engine's parts (`Parts.forward`, `synchronize`) and the tiers'
+(`prepare`, `finish`, `flush`, `clear`); `scheduler/` keeps the model it fits.
 
 With one process the grid runs the model alone, a cached prefix given as K,V tensors. With
 pipeline stages the coordinator holds no weights: the grid runs through the stages
-(`engine.forward`), each cached prefix computed first and kept in the device tier."""
+(`Parts.forward`), each cached prefix computed first and kept in the device tier."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from tiered.config import Config
+from tiered.engine.measured import cache_key, load_cached, save_cached
+from tiered.engine.request import Prepared
+from tiered.engine.startup import Parts
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES
-from tiered.hybrid.model import CausalLM
-from tiered.hybrid.precision import Precision
-from tiered.measured import cache_key, load_cached, save_cached
-from tiered.offload.request import Prepared
-from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel, JCTSample
 
 log = logging.getLogger(__name__)
@@ -37,23 +31,20 @@ log = logging.getLogger(__name__)
 JCT_PROFILE_VERSION = 4
 
 
-class Engine(Protocol):
-    """What the profile reads of `tiered.Engine` (a protocol: this module does not import the engine)."""
-
-    config: Config
-    model: CausalLM
-    model_dir: Path
-    precision: Precision
-    device: str
-    max_model_len: int
-    tiers: KVTiers
-
-    def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]: ...
-
-    def synchronize(self) -> None: ...
+def jct_for(parts: Parts, jct_model: JCTModel | None = None) -> JCTModel:
+    """`jct_model`, or the profile of `parts`; a pipeline's stage models start from it. On failure
+    the runner stops (no engine is left to stop it)."""
+    try:
+        jct = jct_model or profile_jct(parts)
+        if parts.pipeline is not None:
+            parts.pipeline.stage_models.use_prior(jct)
+    except BaseException:
+        parts.runner.close()
+        raise
+    return jct
 
 
-def profile_jct(engine: Engine) -> JCTModel:
+def profile_jct(engine: Parts) -> JCTModel:
     """Fit the JCT model on a measured grid, or reuse the fit cached for this exact setup."""
     sc, f, cache = engine.config.scheduler, engine.config.forward, engine.config.cache
     totals = sorted({min(t, engine.max_model_len) for t in sc.profile_tokens})
@@ -90,11 +81,11 @@ def profile_jct(engine: Engine) -> JCTModel:
         path = save_cached(sc.profile_cache_dir, "jct", key, [asdict(s) for s in samples], parts)
         log.info("JCT profile: %d samples in %.1f s, cached in %s", len(samples), time.perf_counter() - start, path)
     model = JCTModel.fit(samples)
-    log.info("JCT model: %s", ", ".join(f"{c:.3g}" for c in model.coefficients))
+    log.debug("JCT model: %s", ", ".join(f"{c:.3g}" for c in model.coefficients))
     return model
 
 
-def _measure_grid(engine: Engine, totals: list[int], fractions: list[float]) -> list[JCTSample]:
+def _measure_grid(engine: Parts, totals: list[int], fractions: list[float]) -> list[JCTSample]:
     if engine.config.engine.pipeline_stages > 1:
         return _measure_through_stages(engine, totals, fractions)
     a = engine.model.args
@@ -129,8 +120,8 @@ def _measure_grid(engine: Engine, totals: list[int], fractions: list[float]) -> 
     return samples
 
 
-def _measure_through_stages(engine: Engine, totals: list[int], fractions: list[float]) -> list[JCTSample]:
-    """The grid through `engine.forward`, for a pipeline. A job's prefix is computed first and
+def _measure_through_stages(engine: Parts, totals: list[int], fractions: list[float]) -> list[JCTSample]:
+    """The grid through `Parts.forward`, for a pipeline. A job's prefix is computed first and
     kept in the device tier (`park`: whatever the retention policy), then the job reads it there
     and computes the rest; a sample records the split the job got (whole blocks of the prefix, as
     many as the tier holds). The tiers end empty, their counters zeroed."""
@@ -162,7 +153,7 @@ def _measure_through_stages(engine: Engine, totals: list[int], fractions: list[f
     return samples
 
 
-def _measure_host_loads(engine: Engine, totals: list[int], g: torch.Generator, bt: int) -> list[JCTSample]:
+def _measure_host_loads(engine: Parts, totals: list[int], g: torch.Generator, bt: int) -> list[JCTSample]:
     """Jobs whose prefix all comes from the host tier: real LMCache stores and retrievals."""
     samples = []
     for total in totals:

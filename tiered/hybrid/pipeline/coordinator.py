@@ -20,17 +20,16 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from tiered.adapters import Adapters
 from tiered.config import Config, ConfigError, HostTierConfig
+from tiered.engine.adapters import Adapters
+from tiered.engine.request import HitSplit, Prepared
+from tiered.engine.runner import ForwardRetry, ForwardUnavailable, ItemPlan
 from tiered.hybrid.args import ModelArgs
-from tiered.hybrid.loader import DTYPES
-from tiered.hybrid.precision import Precision
-from tiered.offload.device_tier import DeviceTier
-from tiered.offload.request import HitSplit, Prepared
-from tiered.pipeline.costs import StageModels
-from tiered.pipeline.host import LOAD, StagedHost, stage_host_config, staged_host
-from tiered.pipeline.split import cut_microbatches, microbatch_plans, plan_split, stage_layers
-from tiered.pipeline.stage import (
+from tiered.hybrid.loader import DTYPES, read_args, resolve_device
+from tiered.hybrid.pipeline.costs import StageModels
+from tiered.hybrid.pipeline.host import LOAD, StagedHost, stage_host_config, staged_host
+from tiered.hybrid.pipeline.split import cut_microbatches, microbatch_plans, plan_split, stage_layers
+from tiered.hybrid.pipeline.stage import (
     AllocatePool,
     Forward,
     HostCheck,
@@ -44,7 +43,8 @@ from tiered.pipeline.stage import (
     StatsRequest,
     run_stage,
 )
-from tiered.runner import ForwardRetry, ForwardUnavailable, ItemPlan
+from tiered.hybrid.precision import Precision
+from tiered.offload.device_tier import DeviceTier
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class PipelineRunner:
         adapters: Adapters | None = None,
         host: StagedHost | None = None,
     ) -> None:
-        """`host`: the index of the stages' host tiers (tiered/pipeline/host.py), None: no host tier."""
+        """`host`: the index of the stages' host tiers (tiered/hybrid/pipeline/host.py), None: no host tier."""
         self._specs, self.num_microbatches, self.host = specs, num_microbatches, host
         self._tickets: deque[_Ticket] = deque()
         self.adapters = adapters  # the engine's: which folder an adapter identity names
@@ -344,6 +344,7 @@ class PipelineRunner:
         return out  # type: ignore[return-value]
 
     def forward(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> Tensor:
+        """One batch through the pipe and back: `submit`, then `collect` its logits."""
         return self.collect(self.submit(prepared, plans))
 
     def stats(self) -> list[StageStats]:
@@ -394,22 +395,22 @@ class PipelineRunner:
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def close(self) -> None:
+        """Stop the stage processes (killed if batches are still in the pipe)."""
         self._stop(kill=self._in_flight > 0)  # batches nobody will collect: do not wait for them
 
 
 def start_pipeline(
     config: Config,
     model_dir: Path,
-    args: ModelArgs,
     precision: Precision,
     attention: str,
-    device: str,
     adapters: Adapters | None = None,
     model_name: str = "",
 ) -> PipelineRunner:
     """The engine's pipeline of `engine.pipeline_stages` stage processes, its pools sized
     (ConfigError: more stages than layers; PipelineStartError: a stage failed or does not fit
     engine.memory_budget_bytes, each stage's budget). `model_name`: the host tier's keys name it."""
+    args, device = read_args(model_dir), resolve_device(config.device)
     e = config.engine
     stages, num_layers = e.pipeline_stages, args.num_layers
     if stages > num_layers:

@@ -14,6 +14,7 @@ import httpx
 
 
 def free_port() -> int:
+    """A loopback TCP port that is free now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -26,6 +27,7 @@ class ServerProcess(subprocess.Popen[bytes]):
     log_path: Path
 
     def log_tail(self, chars: int = 4000) -> str:
+        """The last `chars` characters of the server's log (for error messages)."""
         return self.log_path.read_text(errors="replace")[-chars:]
 
 
@@ -144,5 +146,6 @@ def wait_healthy(
 
 
 def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """SIGTERM the process and wait up to `timeout_s` for it to exit."""
     proc.terminate()
     proc.wait(timeout_s)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tiered.offload.request import HitSplit
+from tiered.engine.request import HitSplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class ScoreParams:
         return [*self.logprob_token_ids, *self.allowed_token_ids, *(t for t, _ in self.logit_bias)]
 
     def choose(self, logits: Tensor) -> int:
+        """The output token: the argmax of `logits` after `logit_bias`, among `allowed_token_ids` if given."""
         if not self.allowed_token_ids and not self.logit_bias:
             return int(torch.argmax(logits))
         biased = logits.clone()
@@ -42,8 +43,27 @@ class ScoreParams:
 DEFAULT_PARAMS = ScoreParams()  # frozen: one shared default is safe
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """How a request is served (vLLM's request fields): `priority` (lower runs first);
+    `cache_salt` (cached KV is shared only with requests of the same salt, in both tiers);
+    `adapter` (the name of a served LoRA adapter); `slo_ms` (its latency objective, ms from its
+    arrival; default `scheduler.default_slo_ms`); `arrival` (time.monotonic(); default now)."""
+
+    priority: int = 0
+    cache_salt: str | None = None
+    adapter: str | None = None
+    slo_ms: float | None = None
+    arrival: float | None = None
+
+
+DEFAULT_OPTIONS = RequestOptions()
+
+
 @dataclass(slots=True)
 class Result:
+    """A request's answer: its output token and logprobs, hit split, timings and, if it failed, why."""
+
     request_id: str
     num_tokens: int
     split: HitSplit
@@ -80,6 +100,7 @@ class Result:
         expired: bool = False,
         unavailable: bool = False,
     ) -> Result:
+        """A result for a request that failed before computing (`error` says why), with no hits or output."""
         return cls(
             request_id,
             num_tokens,
@@ -101,4 +122,5 @@ class Result:
 
     @property
     def latency_seconds(self) -> float:
+        """Time the request spent in the engine: queued, prefetch wait, load and compute."""
         return self.queued_seconds + self.prefetch_wait_seconds + self.load_seconds + self.compute_seconds

@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 
 
 def cache_key(parts: dict[str, object]) -> str:
+    """A short hash of what a measurement depends on, naming its cache file."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -30,6 +31,7 @@ def load_cached(folder: str | Path, kind: str, key: str) -> Any | None:
 
 
 def save_cached(folder: str | Path, kind: str, key: str, body: Any, parts: dict[str, object]) -> Path:
+    """Write a measurement's body (with the parts its key hashes) to its cache file; returns the path."""
     path = Path(folder) / f"{kind}-{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": parts, "body": body}, indent=1, default=str) + "\n")

@@ -1,21 +1,21 @@
-"""Pieces of the engine's step: a batch handed to the runner (`Launched`) and the answers made
-from its logits; requests that fail before a forward (expired, their adapter unreadable)."""
+"""The answers of a step: those made from a batch's logits (`Launched`: a batch handed to the
+runner), and the failures of requests that expired, whose adapter is unreadable, or whose batch
+the runner lost."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from tiered.adapters import Adapters
+from tiered.engine.adapters import Adapters
+from tiered.engine.request import Prepared
+from tiered.engine.score import Result
 from tiered.offload.device_tier import DeviceTier
-from tiered.offload.request import Prepared
-from tiered.scheduler.scheduler import Decision, Scheduler
-from tiered.score import Result
+from tiered.scheduler.step import Decision, Waiting
 
 log = logging.getLogger(__name__)
 
@@ -75,23 +75,20 @@ def batch_results(launched: Launched, logits: Tensor, load: float, compute: floa
     return results
 
 
-def expire(scheduler: Scheduler, drop: Callable[[str], object]) -> list[Result]:
-    """`scheduler.drop_expired`: fail the waiting requests whose deadline has passed (`drop` takes each out)."""
+def expired_results(expired: list[Waiting]) -> list[Result]:
+    """`scheduler.drop_expired`: the failures of the requests taken out past their deadline."""
     now = time.monotonic()
-    out = []
-    while (first := scheduler.by_deadline(limit=1)) and (deadline := first[0].deadline or now) < now:
-        drop((w := first[0]).request_id)
-        late = 1e3 * (now - deadline)
-        out.append(
-            Result.failed(
-                w.request_id,
-                w.request.token_ids.numel(),
-                f"deadline exceeded: {late:.0f} ms past its latency objective while it waited (scheduler.drop_expired)",
-                now - w.arrival,
-                expired=True,
-            )
+    return [
+        Result.failed(
+            w.request_id,
+            w.request.token_ids.numel(),
+            f"deadline exceeded: {1e3 * (now - (w.deadline or now)):.0f} ms past its latency objective while it "
+            "waited (scheduler.drop_expired)",
+            now - w.arrival,
+            expired=True,
         )
-    return out
+        for w in expired
+    ]
 
 
 def load_adapters(adapters: Adapters | None, batch: list[Decision], started: float) -> list[Result]:
@@ -110,14 +107,9 @@ def load_adapters(adapters: Adapters | None, batch: list[Decision], started: flo
     ]
 
 
-def give_back(lost: list[Decision], device_tier: DeviceTier, scheduler: Scheduler | None, why: str) -> list[Result]:
-    """Requests whose batch was lost (their prepared requests already aborted): each waits again with
-    the `scheduler` (as it was: a request that yielded keeps its parked KV), or without one fails
-    with a 503 naming `why` (its parked KV released)."""
-    if scheduler is not None:
-        for d in lost:
-            scheduler.requeue(d.waiting)
-        return []
+def unavailable_results(lost: list[Decision], device_tier: DeviceTier, why: str) -> list[Result]:
+    """Requests whose batch was lost with the runner (their prepared requests already aborted):
+    each fails with a 503 naming `why`, its parked KV released."""
     for d in lost:
         device_tier.unpin(d.waiting.parked)
     return [

@@ -1,0 +1,172 @@
+"""`tiered.Engine`: the in-process API. Submit requests, step, get results.
+
+A step has one contract: the scheduler decides it (`Scheduler.schedule` returns a `Step`: the
+batch, a piece of a request that yields, the prefix to prefetch, the requests that expired), the
+executor runs it (`Executor.execute`: one forward, or a batch sent into a pipeline) and returns
+its output, and the engine applies that (requests to wait again go back to the scheduler) and
+returns the results. Start-up (model, precision, kernel, memory split, tiers) is `startup.py`;
+the JCT profile, `profile.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from tiered.config import Config
+from tiered.engine.adapters import UnknownAdapterError
+from tiered.engine.executor import Executor
+from tiered.engine.profile import jct_for
+from tiered.engine.request import Prepared
+from tiered.engine.score import DEFAULT_OPTIONS, DEFAULT_PARAMS, RequestOptions, Result, ScoreParams
+from tiered.engine.startup import EngineStartError, start
+from tiered.engine.validation import InputError, check_prompt, check_slo_ms, check_token_ids
+from tiered.hybrid.forward import ForwardInputError
+from tiered.scheduler.jct import JCTModel
+from tiered.scheduler.pieces import PiecePolicy
+from tiered.scheduler.scheduler import Scheduler
+from tiered.scheduler.step import PieceStats, StepLimits
+
+__all__ = ["Engine", "EngineStartError"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Model + KV tiers + scheduler in one process. Not thread-safe: one caller drives it."""
+
+    def __init__(self, config: Config, jct_model: JCTModel | None = None) -> None:
+        self.config = config
+        self.parts = parts = start(config)
+        self.jct = jct_for(parts, jct_model)
+        self.device, self.model, self.tiers, self.adapters = parts.device, parts.model, parts.tiers, parts.adapters
+        self.precision, self.model_dir, self.max_model_len = parts.precision, parts.model_dir, parts.max_model_len
+        self.model_identity, self.runner = parts.model_identity, parts.runner
+        sc = config.scheduler
+        limits = StepLimits(
+            sc.max_batch_tokens, self.max_model_len, config.lora.max_loras, sc.prefetch, sc.drop_expired
+        )
+        self.pieces = PieceStats()
+        policy = PiecePolicy(sc, self.tiers.block_tokens, self.jct, self.pieces)
+        self.scheduler = Scheduler(sc.policy, sc.fairness, self.tiers, self.jct, limits=limits, pieces=policy)
+        self.executor = Executor(parts, self.jct, self.pieces)
+        self.num_cancelled = 0
+        log.info(
+            "engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s, pieces %s; %s",
+            self.model_dir.name,
+            self.device,
+            self.precision.compute,
+            parts.kernel,
+            sc.policy,
+            sc.fairness,
+            sc.prefetch,
+            sc.pieces,
+            self.tiers.describe(),
+        )
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on the CPU): timings end here."""
+        self.parts.synchronize()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(
+        self,
+        token_ids: Sequence[int] | Tensor,
+        params: ScoreParams = DEFAULT_PARAMS,
+        request_id: str | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
+    ) -> str:
+        """Queue a request; returns its id. Bad input raises ForwardInputError naming the value.
+        `params`: what to answer; `options`: how to serve it (priority, cache salt, adapter,
+        latency objective, arrival: `RequestOptions`)."""
+        adapter, slo_ms = options.adapter, options.slo_ms
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
+        vocab = self.model.args.vocab_size
+        try:  # the API process already checked; an in-process caller is checked by the same rule here
+            check_prompt(ids.tolist(), vocab, self.max_model_len)
+            check_token_ids(params.token_ids(), vocab)
+            check_slo_ms(slo_ms)
+        except InputError as exc:
+            raise ForwardInputError(str(exc)) from None
+        identity = None
+        if adapter is not None:
+            if self.adapters is None:
+                raise UnknownAdapterError(f"The model `{adapter}` does not exist (LoRA is not enabled).")
+            identity = self.adapters.spec(adapter).identity
+        slo_ms = self.config.scheduler.default_slo_ms if slo_ms is None else slo_ms
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.scheduler:
+            raise ForwardInputError(f"request id {request_id!r} is already waiting")
+        slo_s = None if slo_ms is None else slo_ms / 1e3
+        req = self.tiers.new_request(request_id, ids, options.cache_salt, identity)
+        self.scheduler.add(req, options.arrival, options.priority, params, slo_s)
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting request (timed out, client gone). False if it is not waiting."""
+        w = self.scheduler.remove(request_id)
+        if w is None:
+            return False
+        self.executor.release(w)
+        self.num_cancelled += 1
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (not yet in a forward)."""
+        return len(self.scheduler)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests not yet answered: queued, or in a batch in the runner (a pipeline holds up to
+        `engine.pipeline_batches_in_flight`); `step()` until it is 0 answers them all."""
+        return len(self.scheduler) + self.executor.num_in_flight
+
+    def step(self) -> list[Result]:
+        """Run the next step (one forward); the results it produced: those of the batch, or, with
+        batches in flight (a pipeline), of the oldest one; [] when nothing waits or the step computed
+        a piece of a request that yields (it waits again, its finished KV parked)."""
+        output = self.executor.execute(self.scheduler.schedule())
+        for w in output.requeue:
+            self.scheduler.requeue(w)
+        return output.results
+
+    def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
+        """One forward over prepared requests, outside the scheduler (`Parts.forward`)."""
+        return self.parts.forward(prepared)
+
+    # ---- adapters --------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter from a PEFT folder (AdapterError names what is wrong with it)."""
+        if self.adapters is None:
+            raise ForwardInputError("LoRA is not enabled (lora.enabled / --enable-lora)")
+        self.adapters.add(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving `name` (UnknownAdapterError if it is not served); waiting requests still run."""
+        if self.adapters is None:
+            raise UnknownAdapterError(f"The lora adapter '{name}' cannot be found.")
+        self.adapters.remove(name)
+
+    def run(self) -> list[Result]:
+        """Run until nothing waits; results in completion order."""
+        results = []
+        while self.num_unfinished:
+            results += self.step()
+        return results
+
+    def close(self) -> None:
+        """Stop the runner and the tiers."""
+        self.parts.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,91 @@
+"""What one engine step is: the scheduler's answer (`Step`), the requests it names, and the
+counters of prefills that yield. The executor runs a `Step`; the engine applies its output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiered.engine.request import HitSplit, TierRequest
+from tiered.engine.score import DEFAULT_PARAMS, ScoreParams
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A request from its arrival until it is picked: the one entry the engine keeps for it."""
+
+    request: TierRequest
+    seq: int  # arrival order: fcfs's score and every policy's tie-break
+    arrival: float
+    split: HitSplit  # estimated against the tiers, re-estimated when its blocks move
+    jct: float
+    version: int = 0  # heap entries of an older version are stale
+    priority: int = 0
+    params: ScoreParams = DEFAULT_PARAMS  # what to return (logprobs, the chosen token)
+    deadline: float | None = None  # arrival + its latency objective (monotonic seconds)
+    # Between the pieces of a request that yields (scheduler/pieces.py): pieces done, its hits
+    # before the first, device blocks held for it, and until when it may yield again.
+    num_pieces: int = 0
+    first_split: HitSplit | None = None
+    parked: list[int] = field(default_factory=list)
+    yield_until: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.request_id
+
+
+@dataclass(slots=True)
+class Decision:
+    """What `pick` chose and what it expected."""
+
+    waiting: Waiting
+    predicted_jct: float
+    decision_seconds: float
+    num_rescored: int = 0
+    queue_depth: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class StepLimits:
+    """What bounds a step (config `scheduler.*`, `model.max_model_len`, `lora.max_loras`)."""
+
+    max_batch_tokens: int = 0  # computed tokens per forward; 0: one request per forward
+    max_model_len: int = 1 << 30  # computed tokens plus the longest cached prefix
+    max_adapters: int = 0  # distinct LoRA adapters per batch; 0: no bound
+    prefetch: bool = True  # start loading the next pick's host-resident prefix
+    drop_expired: bool = False  # fail waiting requests whose deadline passed
+
+
+@dataclass(slots=True)
+class Step:
+    """One step, as the scheduler decided it (vLLM v1's SchedulerOutput, for prefill-only work).
+
+    `batch`: the requests of one forward, head first. `piece_tokens`: the head (alone) computes only
+    this many of its tokens, parks their KV and waits again; None: every request runs whole.
+    `prefetch`: a waiting request whose host-resident prefix starts loading now. `expired`:
+    requests taken out because their deadline passed. `waiting_keys`: block keys of the requests
+    still waiting (the tiers keep those). `num_parked_blocks`: device blocks the waiting requests
+    hold between their pieces (counted only for a piece)."""
+
+    batch: list[Decision] = field(default_factory=list)
+    piece_tokens: int | None = None
+    prefetch: TierRequest | None = None
+    expired: list[Waiting] = field(default_factory=list)
+    waiting_keys: set[int] = field(default_factory=set)
+    num_parked_blocks: int = 0
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters (identities) the batch computes with."""
+        return [a for d in self.batch if (a := d.waiting.request.adapter) is not None]
+
+
+@dataclass(slots=True)
+class PieceStats:
+    """Counters of prefills that yield (the metrics' `pieces_*`)."""
+
+    num_pieces: int = 0  # pieces that ended in a yield
+    num_deferrals: int = 0  # heads that waited before starting, an urgent request ahead
+    parked_device_bytes: int = 0  # KV of finished pieces held on the device for their request
+    parked_host_bytes: int = 0  # ... and left to the host tier (no room on the device, or over the cap)
