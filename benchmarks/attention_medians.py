@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.kernels import ATTENTION_SHAPES
 from tiered.hybrid.attention import KERNELS, reference_, vllm_cpu
-from tiered.hybrid.attention.select import make_inputs
+from tiered.hybrid.attention.select import KernelShape, make_inputs
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
             for shape in ATTENTION_SHAPES:
-                q, k, v, pk, pv = make_inputs(shape, heads, kv_heads, head_dim, dtype, "cpu")
+                q, k, v, pk, pv = make_inputs(shape, KernelShape(heads, kv_heads, head_dim, dtype, "cpu"))
                 expected = q.clone()
                 reference_(expected, k, v, shape.pieces(), pk, pv)
                 times: dict[str, list[float]] = {n: [] for n in names}

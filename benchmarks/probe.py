@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict
 
 from tiered.hybrid.loader import load_model
-from tiered.hybrid.memory import measure_forward_peak
+from tiered.hybrid.memory import PeakShape, measure_forward_peak
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefix-tokens", type=int, default=0, help="one cached prefix all requests share")
     a = p.parse_args(argv)
     model = load_model(a.model, a.dtype, a.device)
-    peak = measure_forward_peak(model, a.tokens, a.mode, a.chunk_tokens, a.requests, a.prefix_tokens)
+    shape = PeakShape(a.tokens, a.requests, a.prefix_tokens)
+    peak = measure_forward_peak(model, shape, a.mode, a.chunk_tokens)
     json.dump(asdict(peak), sys.stdout)
 
 

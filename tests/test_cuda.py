@@ -11,7 +11,7 @@ from through_tiers import forward_with_tiers
 from tiered.config import CacheConfig, HostTierConfig
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model
-from tiered.hybrid.memory import measure_forward_peak
+from tiered.hybrid.memory import PeakShape, measure_forward_peak
 from tiered.offload.tiers import KVTiers, TierSetup
 
 pytestmark = [
@@ -53,6 +53,6 @@ def test_cuda_offload_through_pinned_side_stream_gives_the_same_logits(tiny_dir:
 
 def test_cuda_peak_is_max_allocated(tiny_dir: Path) -> None:
     model = load_model(tiny_dir, "bfloat16", "cuda")
-    short = measure_forward_peak(model, 1024, "hybrid", 256)
-    long = measure_forward_peak(model, 8192, "hybrid", 256)
+    short = measure_forward_peak(model, PeakShape(1024), "hybrid", 256)
+    long = measure_forward_peak(model, PeakShape(8192), "hybrid", 256)
     assert short.method == "cuda max allocated" and short.weights_bytes < short.peak_bytes < long.peak_bytes

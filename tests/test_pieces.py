@@ -42,7 +42,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 
 def _one(engine: Engine, ids: torch.Tensor, **kw: object) -> Result:
-    rid = engine.submit(ids, TOP, **kw)  # type: ignore[arg-type]
+    rid = engine.submit(ids, TOP, options=RequestOptions(**kw))  # type: ignore[arg-type]
     (r,) = [r for r in engine.run() if r.request_id == rid]
     assert r.error is None, r.error
     return r

@@ -41,8 +41,8 @@ def test_every_isa_path_equals_the_fp32_reference(
     reference_(expected, k, v, pieces, pk, pv)
     got = q.clone()
     one_block = torch.zeros(1, dtype=torch.int64)
-    pools = (pk[None], pv[None], one_block) if pk is not None and pv is not None else (None, None, None)
-    assert native.attend_paged_(got, k, v, pieces, *pools, prefix, isa=isa) == isa
+    paged = native.PagedPrefix(pk[None], pv[None], one_block, prefix) if pk is not None and pv is not None else None
+    assert native.attend_paged_(got, k, v, pieces, paged, isa=isa) == isa
     assert got.dtype == dtype
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
@@ -64,7 +64,7 @@ def test_the_prefix_is_read_through_a_block_table(isa: str, dtype: torch.dtype) 
     expected = q.clone().float()
     reference_(expected, k, v, pieces, prefix_k, prefix_v)
     got = q.clone()
-    native.attend_paged_(got, k, v, pieces, pool_k, pool_v, block_ids, prefix_tokens, isa=isa)
+    native.attend_paged_(got, k, v, pieces, native.PagedPrefix(pool_k, pool_v, block_ids, prefix_tokens), isa=isa)
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
@@ -82,10 +82,7 @@ def test_auto_takes_the_best_path_here_and_strided_views_are_read_in_place() -> 
             kv[:, 0],
             kv[:, 1],
             pieces,
-            pk[None],
-            pv[None],  # type: ignore[index]
-            torch.zeros(1, dtype=torch.int64),
-            prefix,
+            native.PagedPrefix(pk[None], pv[None], torch.zeros(1, dtype=torch.int64), prefix),  # type: ignore[index]
         )
         == native.cpu_isas()[0]
     )
@@ -97,17 +94,17 @@ def test_bad_inputs_are_errors_that_say_what_is_wrong() -> None:
     q, k, v, _, _ = _case([Piece(0, 0, 8)], 8, 0, 4, 2, 64, torch.float32)
     pool = torch.zeros(2, 16, 2, 64)
     with pytest.raises(RuntimeError, match="block id 3 is not in the pool"):
-        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], pool, pool, torch.tensor([3]), 10)
+        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], native.PagedPrefix(pool, pool, torch.tensor([3]), 10))
     with pytest.raises(RuntimeError, match="do not fit"):
-        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], pool, pool, torch.tensor([0]), 17)
+        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], native.PagedPrefix(pool, pool, torch.tensor([0]), 17))
     with pytest.raises(RuntimeError, match="reaches past"):
-        native.attend_paged_(q, k, v, [Piece(0, 4, 8)], None, None, None, 0)
+        native.attend_paged_(q, k, v, [Piece(0, 4, 8)], None)
     with pytest.raises(RuntimeError, match="unknown isa"):
-        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, None, None, 0, isa="neon")
+        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, isa="neon")
     missing = [isa for isa in native.ISAS if isa not in native.cpu_isas()]
     if missing:
         with pytest.raises(RuntimeError, match=f"cannot run the {missing[0]} path"):
-            native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, None, None, 0, isa=missing[0])
+            native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, isa=missing[0])
 
 
 @needs_native

@@ -98,6 +98,7 @@ class Serving:
         client: Client,
         metrics: Metrics,
         served_names: Sequence[str],
+        *,
         alias: str | None = None,
         return_tokens_as_token_ids: bool = False,
     ) -> None:

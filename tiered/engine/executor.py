@@ -63,6 +63,7 @@ class Executor:
         self.jct = jct
         self.stats = stats
         self._in_flight: deque[Launched] = deque()  # batches in the runner, oldest first
+        self._picked: list[Decision] = []  # the step's batch until it is sent to the runner or answered
         self._last_done = 0.0  # perf_counter when the runner's last batch ended
 
     @property
@@ -86,18 +87,19 @@ class Executor:
         started = time.monotonic()
         out.results += (failed := load_adapters(self.parts.adapters, step.batch, started))
         gone = {r.request_id for r in failed}
-        batch = [d for d in step.batch if d.waiting.request_id not in gone]
+        self._picked = batch = [d for d in step.batch if d.waiting.request_id not in gone]
         try:
             self._run(step, batch, started, out)
         except ForwardUnavailable as exc:  # a pipeline stage died or hung (restarted): its batches fail, 503
-            self._unavailable(batch, str(exc), isinstance(exc, ForwardRetry), out)
+            self._unavailable(str(exc), isinstance(exc, ForwardRetry), out)
+        self._picked = []
         return out
 
     def _run(self, step: Step, batch: list[Decision], started: float, out: StepOutput) -> None:
         piece = step.piece_tokens
         if batch and piece is None and self.runner.max_in_flight > 1:
             self._in_flight.append(self._launch(batch, step.waiting_keys, started))  # into the pipe
-            batch.clear()  # sent: from here on the pipe holds it
+            self._picked = []  # sent: from here on the pipe holds it
             return self._collect(self.runner.max_in_flight - 1, out)
         if not batch:  # nothing to send: answer the oldest batch in the pipe, if any
             return self._collect(max(0, len(self._in_flight) - 1), out)
@@ -115,7 +117,6 @@ class Executor:
                 self._release_memory()
                 log.warning("a batch of %d requests ran out of memory; running them one by one", len(batch))
                 out.results += [r for d in batch for r in self._run_alone(d, step.waiting_keys, started)]
-        batch.clear()
 
     def _collect(self, keep: int, out: StepOutput) -> None:
         """Answer the oldest batches in the runner until `keep` remain."""
@@ -123,10 +124,10 @@ class Executor:
             out.results += self._complete(self._in_flight[0])
             self._in_flight.popleft()
 
-    def _unavailable(self, picked: list[Decision], why: str, retry: bool, out: StepOutput) -> None:
+    def _unavailable(self, why: str, retry: bool, out: StepOutput) -> None:
         """The runner lost every batch in it: each request of those and of the batch picked but not
         sent fails with a 503, or with `retry` (ForwardRetry) waits again as it was."""
-        lost = list(picked)
+        lost, self._picked = self._picked, []
         while self._in_flight:
             launched = self._in_flight.popleft()
             for p in launched.prepared:

@@ -20,7 +20,7 @@ from tiered.engine.request import Prepared
 from tiered.engine.runner import LocalRunner, Runner, plan_batch
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
 from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, resolve_device
-from tiered.hybrid.memory import measure_forward_peak
+from tiered.hybrid.memory import PeakShape, measure_forward_peak
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError, start_pipeline
 from tiered.hybrid.precision import Precision, precision_for
@@ -108,7 +108,7 @@ def start(config: Config) -> Parts:
 def _split_memory(config: Config, model: CausalLM, budget: int) -> int:
     """Device-tier bytes = budget − weights − peak of a max_model_len forward (profile run)."""
     f, max_len = config.forward, config.model.max_model_len
-    peak = measure_forward_peak(model, max_len, f.mode, f.chunk_tokens)
+    peak = measure_forward_peak(model, PeakShape(max_len), f.mode, f.chunk_tokens)
     left = budget - peak.peak_bytes
     log.info(
         "profile run: %d tokens peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f MiB",

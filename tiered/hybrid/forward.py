@@ -154,9 +154,7 @@ def forward_batch(
             if it.lead is not None:
                 ids = torch.cat([items[it.lead].token_ids[: it.num_shared], ids])
                 num_before -= it.num_shared
-            last_hidden.append(
-                _chunked(model, ids.to(device), chunk_tokens, it.prefix_kv, num_before, it.kv_sink, it.adapter)
-            )
+            last_hidden.append(_chunked(model, it, ids.to(device), chunk_tokens, num_before))
         return model.last_token_logits(torch.stack(last_hidden))
     if mode not in ("hybrid", "vanilla"):
         raise ValueError(f"unknown forward mode '{mode}' (expected vanilla, chunked or hybrid)")
@@ -249,11 +247,11 @@ def _layer_by_layer(
         v = torch.empty_like(k)
         lora = [LoraSlice(i, r) if r else None for r in runs]
         for (s, e), lo in zip(bounds, lora, strict=True):
-            kv_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), k[s:e], v[s:e], lo)
+            kv_step(layer, x[s:e], rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), (k[s:e], v[s:e]), lo)
         if hold_kv:
             held.append((k, v))
         else:
-            _to_sinks(items, order, rows, shared, i, k, v)
+            _to_sinks(items, order, rows, shared, i, (k, v))
         prefixes = _LayerPrefixes(groups, i, x.dtype)
         for (s, e), pieces_of_chunk, lo in zip(bounds, chunk_pieces, lora, strict=True):
             n = e - s
@@ -265,7 +263,7 @@ def _layer_by_layer(
             mlp_step_(layer, x[s:e], gate_buf, up_buf, lo)
         del k, v, prefixes
     for i, (k, v) in enumerate(held):
-        _to_sinks(items, order, rows, shared, i, k, v)
+        _to_sinks(items, order, rows, shared, i, (k, v))
     return x
 
 
@@ -332,10 +330,10 @@ def _to_sinks(
     rows: list[tuple[int, int]],
     shared: list[tuple[int, int] | None],
     layer: int,
-    k: Tensor,
-    v: Tensor,
+    kv: LayerKV,
 ) -> None:
     """Each item's K,V after its prefix; a follower's start with the lead's shared rows."""
+    k, v = kv
     for idx, (s, e), sh in zip(order, rows, shared, strict=True):
         sink = items[idx].kv_sink
         if sink is None:
@@ -346,16 +344,10 @@ def _to_sinks(
             sink(layer, torch.cat([k[sh[0] : sh[1]], k[s:e]]), torch.cat([v[sh[0] : sh[1]], v[s:e]]))
 
 
-def _chunked(
-    model: CausalLM,
-    token_ids: Tensor,
-    chunk: int,
-    prefix_kv: Sequence[LayerKV] | None,
-    num_prefix: int,
-    kv_sink: KVSink | None,
-    adapter: LoraWeights | None = None,
-) -> Tensor:
-    """Sarathi-style chunked prefill: the whole model per chunk, all layers' K,V kept."""
+def _chunked(model: CausalLM, item: BatchItem, token_ids: Tensor, chunk: int, num_prefix: int) -> Tensor:
+    """Sarathi-style chunked prefill of `token_ids` (the item's, a follower's with its shared ones
+    first) after `num_prefix` tokens of its prefix: the whole model per chunk, all layers' K,V kept."""
+    prefix_kv, kv_sink, adapter = item.prefix_kv, item.kv_sink, item.adapter
     a = model.args
     T, P = token_ids.numel(), num_prefix
     chunk = min(chunk, T)
@@ -382,7 +374,7 @@ def _chunked(
         for i, layer in enumerate(model.layers):
             k, v = kv[i]
             lo = LoraSlice(i, [LoraRun(0, n, adapter)]) if adapter is not None else None
-            kv_step(layer, x, cos, sin, k[P + s : P + e], v[P + s : P + e], lo)
+            kv_step(layer, x, (cos, sin), (k[P + s : P + e], v[P + s : P + e]), lo)
             q_step(layer, x, cos, sin, q[:n], lo)
             attend_(q, k, v, [Piece(0, P + s, n, ((0, P + s),) if P + s else ())], None, None)  # earlier: visible
             o_proj_step_(layer, x, q[:n].view(n, -1), lo)

@@ -66,34 +66,36 @@ class GatheredPrefix(Sequence[LayerKV]):
         return k.clone(), v.clone()
 
 
-def measure_forward_peak(
-    model: CausalLM,
-    num_tokens: int,
-    mode: ForwardMode,
-    chunk_tokens: int,
-    num_requests: int = 1,
-    prefix_tokens: int = 0,
-    first_stage: bool = True,
-    last_stage: bool = True,
-) -> ForwardPeak:
-    """Run one forward of `num_tokens` random tokens and return its memory peak.
+@dataclass(frozen=True, slots=True)
+class PeakShape:
+    """The forward whose peak is measured: `num_requests` requests of `num_tokens` new tokens
+    each, on one shared prefix of `prefix_tokens` (held outside the forward, as the device tier
+    holds it; the forward's gather of each layer counts). A pipeline stage's part of the model: a
+    stage after the first (`first_stage=False`) starts from a residual stream [N, D] of random
+    values, allocated inside the measured forward as the stage allocates the buffer it receives
+    into; a stage before the last (`last_stage=False`) ends with its residual stream, not logits."""
 
-    With `num_requests` > 1 it is a batch: that many requests of `num_tokens` new tokens each,
-    all on one shared prefix of `prefix_tokens` (held outside the forward, as the device tier
-    holds it; the forward's gather of each layer counts).
+    num_tokens: int
+    num_requests: int = 1
+    prefix_tokens: int = 0
+    first_stage: bool = True
+    last_stage: bool = True
 
-    A pipeline stage's part of the model (tiered/pipeline): a stage after the first
-    (`first_stage=False`) starts from a residual stream [N, D] of random values, allocated inside
-    the measured forward as the stage allocates the buffer it receives into; a stage before the
-    last (`last_stage=False`) ends with its residual stream, not logits."""
+
+def measure_forward_peak(model: CausalLM, shape: PeakShape, mode: ForwardMode, chunk_tokens: int) -> ForwardPeak:
+    """Run one forward of `shape` on random tokens and return its memory peak."""
+    num_tokens, num_requests, prefix_tokens = shape.num_tokens, shape.num_requests, shape.prefix_tokens
+    first_stage, last_stage = shape.first_stage, shape.last_stage
     a = model.args
     g = torch.Generator().manual_seed(0)
     device = model.inv_freq.device
     dtype = next(p.dtype for p in model.parameters() if not p.is_meta)
     prefix = None
     if prefix_tokens:
-        shape = (prefix_tokens, a.num_kv_heads, a.head_dim)
-        layers = [tuple(torch.randn(shape, generator=g).to(device, dtype) for _ in "kv") for _ in range(a.num_layers)]
+        kv_shape = (prefix_tokens, a.num_kv_heads, a.head_dim)
+        layers = [
+            tuple(torch.randn(kv_shape, generator=g).to(device, dtype) for _ in "kv") for _ in range(a.num_layers)
+        ]
         prefix = GatheredPrefix(layers)  # type: ignore[arg-type]
     items = [BatchItem(torch.randint(0, a.vocab_size, (num_tokens,), generator=g), prefix) for _ in range(num_requests)]
     warm = [BatchItem(it.token_ids[: min(64, num_tokens)], prefix) for it in items[:2]]

@@ -158,14 +158,13 @@ def _linear_accumulate_(acc: Tensor, x: Tensor, proj: nn.Linear) -> None:
 def kv_step(
     layer: DecoderLayer,
     x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    k_out: Tensor,
-    v_out: Tensor,
+    rope: tuple[Tensor, Tensor],
+    out: tuple[Tensor, Tensor],
     lora: LoraSlice | None = None,
 ) -> None:
-    """Norm, k/v projections (plus each row's adapter, if any) and RoPE of keys for a slice of
-    tokens x [n, D] into k/v [n, Hkv, Dh]."""
+    """Norm, k/v projections (plus each row's adapter, if any) and RoPE (`rope`: cos, sin) of keys
+    for a slice of tokens x [n, D] into `out`: k, v [n, Hkv, Dh]."""
+    (cos, sin), (k_out, v_out) = rope, out
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     n = x.shape[0]

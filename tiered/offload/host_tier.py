@@ -37,6 +37,7 @@ class HostTier:
         args: ModelArgs,
         dtype: torch.dtype,
         instance_id: str,
+        *,
         model_name: str | None = None,
         evict: bool = True,
     ) -> None:

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -40,6 +41,17 @@ class TierStats:
 
     device: DeviceTierStats
     host: HostTierStats | None
+
+
+class _Found(NamedTuple):
+    """A request's cached prefix as `prepare` found it: its pinned device blocks, those loaded from
+    the host tier and from a remote store, seconds waited for its prefetch and spent loading."""
+
+    prefix: list[int]
+    from_host: set[int]
+    from_remote: set[int]
+    wait: float
+    load: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +97,7 @@ class KVTiers:
         if cfg.suffix == "offload":
             if self.host_tier is None:
                 self.host_tier = HostTier(
-                    cfg.host, cfg.block_tokens, args, dtype, setup.instance_id, setup.model_identity
+                    cfg.host, cfg.block_tokens, args, dtype, setup.instance_id, model_name=setup.model_identity
                 )
             self.host_tier.on_stored = self._stored
             if cfg.host.write_policy == "on-evict":
@@ -171,8 +183,8 @@ class KVTiers:
         prefetched, from_remote, wait = self.loader.take_prefetch(req.request_id)
         prefix, loaded, remote, load = self.loader.find_prefix(req)
         try:
-            from_host = set(prefetched) | set(loaded)
-            return self._plan(req, prefix, from_host, from_remote | remote, wait, load, shared_keys, planned_keys, park)
+            found = _Found(prefix, set(prefetched) | set(loaded), from_remote | remote, wait, load)
+            return self._plan(req, found, shared_keys, planned_keys, park)
         except BaseException:
             self.device_tier.unpin(prefix)  # what _plan pinned it released itself
             raise
@@ -180,15 +192,12 @@ class KVTiers:
     def _plan(
         self,
         req: TierRequest,
-        prefix: list[int],
-        from_host: set[int],
-        from_remote: set[int],
-        wait: float,
-        load: float,
+        found: _Found,
         shared_keys: Collection[int],
         planned_keys: set[int] | None,
         park: bool = False,
     ) -> Prepared:
+        prefix, from_host, from_remote, wait, load = found
         bt = self.block_tokens
         num_host = sum(1 for b in prefix if b in from_host)
         num_remote = sum(1 for b in prefix if b in from_remote)

@@ -34,6 +34,7 @@ class Scheduler:
         fairness: float,
         tiers: KVTiers,
         jct: JCTModel,
+        *,
         clock: Callable[[], float] = time.monotonic,
         limits: StepLimits | None = None,
         pieces: PiecePolicy | None = None,

@@ -6,6 +6,7 @@ Design notes: docs/internals.md, section `tiered/hybrid/attention/kernels.py`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,20 +36,22 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[
     return out, total.log_().add_(top)
 
 
+class PartCalls(NamedTuple):
+    """How `_by_parts_` calls: the part kernel, over `kv_heads_per_call` KV heads a call (None: all)."""
+
+    part: PartFn
+    kv_heads_per_call: int | None
+
+
 def _by_parts_(
-    part: PartFn,
-    kv_heads_per_call: int | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pieces: list[Piece],
-    prefix_k: Tensor | None,
-    prefix_v: Tensor | None,
+    calls: PartCalls, q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix: tuple[Tensor, Tensor] | None
 ) -> None:
     """One `part` call over the shared prefix for the queries of all pieces (requests that share
     a prefix read it once, no copy per request), one per visible range, one causal over each
     piece's own keys; merged by log-sum-exp. Calls cover `kv_heads_per_call` KV heads (None: all),
     so scratch is that many query groups' output, not another [L, H, Dh] tensor."""
+    part, kv_heads_per_call = calls
+    prefix_k, prefix_v = prefix if prefix is not None else (None, None)
     num_kv_heads = k.shape[1]
     per_call = kv_heads_per_call or num_kv_heads
     group = q.shape[1] // num_kv_heads
@@ -84,18 +87,22 @@ def _flash_part(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, 
 # ---- whole kernels -----------------------------------------------------------------------------
 
 
+def _prefix(pk: Tensor | None, pv: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    return None if pk is None or pv is None else (pk, pv)
+
+
 def _flash_head_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
-    _by_parts_(_flash_part, 1, q, k, v, pieces, pk, pv)
+    _by_parts_(PartCalls(_flash_part, 1), q, k, v, pieces, _prefix(pk, pv))
 
 
 def _flash_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
-    _by_parts_(_flash_part, None, q, k, v, pieces, pk, pv)
+    _by_parts_(PartCalls(_flash_part, None), q, k, v, pieces, _prefix(pk, pv))
 
 
 def _flash_f32_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
     q32 = q.float()
-    pk32, pv32 = (None, None) if pk is None or pv is None else (pk.float(), pv.float())
-    _by_parts_(_flash_part, None, q32, k.float(), v.float(), pieces, pk32, pv32)
+    prefix = None if pk is None or pv is None else (pk.float(), pv.float())
+    _by_parts_(PartCalls(_flash_part, None), q32, k.float(), v.float(), pieces, prefix)
     q.copy_(q32)
 
 

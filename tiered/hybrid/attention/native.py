@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -99,22 +99,23 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+class PagedPrefix(NamedTuple):
+    """A shared prefix read in place through a block table: its token t is row t % block_tokens of
+    block block_ids[t // block_tokens] of pool_k / pool_v [num_blocks, block_tokens, Hkv, Dh]."""
+
+    pool_k: Tensor
+    pool_v: Tensor
+    block_ids: Tensor
+    num_tokens: int
+
+
 def attend_paged_(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pieces: Sequence[Piece],
-    pool_k: Tensor | None,
-    pool_v: Tensor | None,
-    block_ids: Tensor | None,
-    prefix_tokens: int,
-    isa: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], prefix: PagedPrefix | None, isa: str = "auto"
 ) -> str:
-    """`attend_` with the shared prefix read through a block table: its token t is row
-    t % block_tokens of block block_ids[t // block_tokens] of pool_k / pool_v
-    [num_blocks, block_tokens, Hkv, Dh]. q [L, H, Dh] fp32 or bf16 is overwritten; k, v and the
-    pools are used in q's dtype. Returns the ISA path that ran (`isa`: auto or one of ISAS; a
-    path this CPU cannot run is an error)."""
+    """`attend_` with the shared prefix (None: none) read through its block table. q [L, H, Dh]
+    fp32 or bf16 is overwritten; k, v and the pools are used in q's dtype. Returns the ISA path
+    that ran (`isa`: auto or one of ISAS; a path this CPU cannot run is an error)."""
+    pool_k, pool_v, block_ids, prefix_tokens = prefix if prefix is not None else (None, None, None, 0)
     ops = _ops()
     if ops is None:
         raise RuntimeError("the native attention kernel is not available here (see the log for why)")
@@ -148,7 +149,7 @@ def attend_(
 ) -> None:
     """The AttendFn: a contiguous prefix [P, Hkv, Dh] is the pool of one block of P tokens."""
     if prefix_k is None or prefix_v is None or prefix_k.shape[0] == 0:
-        attend_paged_(q, k, v, pieces, None, None, None, 0)
+        attend_paged_(q, k, v, pieces, None)
         return
     ids = torch.zeros(1, dtype=torch.int64)
-    attend_paged_(q, k, v, pieces, prefix_k[None], prefix_v[None], ids, prefix_k.shape[0])
+    attend_paged_(q, k, v, pieces, PagedPrefix(prefix_k[None], prefix_v[None], ids, prefix_k.shape[0]))

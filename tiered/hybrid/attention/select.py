@@ -76,10 +76,28 @@ class KernelTiming:
     ok: bool
 
 
+@dataclass(frozen=True, slots=True)
+class KernelShape:
+    """The attention a kernel is chosen for: query heads, KV heads, head size, dtype, device."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str
+
+
 def make_inputs(
-    shape: ShapeClass, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, seed: int = 0
+    shape: ShapeClass, heads: KernelShape, seed: int = 0
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Seeded q [L, H, Dh], own k, v [L, Hkv, Dh] and a prefix [P, Hkv, Dh] (None when P = 0)."""
+    num_heads, num_kv_heads, head_dim, dtype, device = (
+        heads.num_heads,
+        heads.num_kv_heads,
+        heads.head_dim,
+        heads.dtype,
+        heads.device,
+    )
     g = torch.Generator().manual_seed(seed)
     L = shape.requests * shape.new_tokens
 
@@ -98,17 +116,6 @@ def _sync(device: str) -> None:
 
 
 @torch.inference_mode()
-@dataclass(frozen=True, slots=True)
-class KernelShape:
-    """The attention a kernel is chosen for: query heads, KV heads, head size, dtype, device."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: str
-
-
 def time_kernels(
     kernels: list[str], shapes: tuple[ShapeClass, ...], heads: KernelShape, repeats: int = 2
 ) -> list[KernelTiming]:
@@ -116,9 +123,7 @@ def time_kernels(
     out = []
     device = heads.device
     for shape in shapes:
-        q, k, v, pk, pv = make_inputs(
-            shape, heads.num_heads, heads.num_kv_heads, heads.head_dim, heads.dtype, heads.device
-        )
+        q, k, v, pk, pv = make_inputs(shape, heads)
         expected = q.clone()
         reference_(expected, k, v, shape.pieces(), pk, pv)
         expected = expected.float()

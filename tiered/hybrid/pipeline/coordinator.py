@@ -117,6 +117,18 @@ class _Ticket:
     splits: list[list[HitSplit]]
 
 
+@dataclass(frozen=True, slots=True)
+class PipePlan:
+    """How the pipe runs: micro-batches per batch, the memory budget (0: none) and the device tier's
+    bytes its stages' pools share, batches in the pipe at once, and how long a stage may take."""
+
+    num_microbatches: int
+    budget_bytes: int
+    device_tier_bytes: int
+    max_in_flight: int = 1
+    timeout_s: float = 600.0
+
+
 class PipelineRunner:
     """Runs planned batches through S stage processes (`runner.Runner`). Not thread-safe: the
     engine's loop is its one caller.
@@ -130,19 +142,16 @@ class PipelineRunner:
         self,
         specs: list[StageSpec],
         args: ModelArgs,
-        num_microbatches: int,
-        budget_bytes: int,
-        device_tier_bytes: int,
-        max_in_flight: int = 1,
-        timeout_s: float = 600.0,
+        plan: PipePlan,
         adapters: Adapters | None = None,
         host: StagedHost | None = None,
     ) -> None:
         """`host`: the index of the stages' host tiers (tiered/hybrid/pipeline/host.py), None: no host tier."""
-        self._specs, self.num_microbatches, self.host = specs, num_microbatches, host
+        self._specs, self.num_microbatches, self.host = specs, plan.num_microbatches, host
+        budget_bytes, device_tier_bytes = plan.budget_bytes, plan.device_tier_bytes
         self._tickets: deque[_Ticket] = deque()
         self.adapters = adapters  # the engine's: which folder an adapter identity names
-        self.max_in_flight, self.timeout_s = max_in_flight, timeout_s
+        self.max_in_flight, self.timeout_s = plan.max_in_flight, plan.timeout_s
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self.num_restarts = 0
@@ -457,14 +466,7 @@ def start_pipeline(
         )
         for s, layers in enumerate(stage_layers(num_layers, stages))
     ]
-    return PipelineRunner(
-        specs,
-        args,
-        microbatches,
-        e.memory_budget_bytes,
-        config.cache.device_tier_bytes,
-        in_flight,
-        e.pipeline_timeout_s,
-        adapters,
-        host,
+    plan = PipePlan(
+        microbatches, e.memory_budget_bytes, config.cache.device_tier_bytes, in_flight, e.pipeline_timeout_s
     )
+    return PipelineRunner(specs, args, plan, adapters, host)

@@ -269,7 +269,7 @@ class StageHost:
     ) -> None:
         # LMCache never evicts on its own here (the index does): a store without room is reported dropped.
         self.tier = HostTier(
-            cfg, block_tokens, args, dtype, f"stage-{stage}-{uuid.uuid4().hex[:8]}", model_name, evict=False
+            cfg, block_tokens, args, dtype, f"stage-{stage}-{uuid.uuid4().hex[:8]}", model_name=model_name, evict=False
         )
         self.missed: list[int] = []  # this batch's LOADs that found no chunk
         self.dropped: list[int] = []  # this batch's stores that found no memory

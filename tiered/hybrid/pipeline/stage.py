@@ -32,7 +32,7 @@ from tiered.engine.runner import ItemPlan
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterError, AdapterSpec
-from tiered.hybrid.memory import measure_forward_peak, weights_bytes
+from tiered.hybrid.memory import PeakShape, measure_forward_peak, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline.host import HostOps, StageHost
 from tiered.logs import setup as setup_logging
@@ -169,14 +169,10 @@ def load_stage(spec: StageSpec) -> tuple[CausalLM, StageLoaded]:
     use_attention(model, spec.attention)
     peak = 0
     if spec.profile_tokens:
-        peak = measure_forward_peak(
-            model,
-            spec.profile_tokens,
-            spec.mode,
-            spec.chunk_tokens,
-            first_stage=spec.stage == 0,
-            last_stage=spec.stage == spec.num_stages - 1,
-        ).peak_bytes
+        shape = PeakShape(
+            spec.profile_tokens, first_stage=spec.stage == 0, last_stage=spec.stage == spec.num_stages - 1
+        )
+        peak = measure_forward_peak(model, shape, spec.mode, spec.chunk_tokens).peak_bytes
     bytes_per_block = spec.block_tokens * model.args.kv_bytes_per_token(DTYPES[spec.kv_dtype])
     return model, StageLoaded(spec.stage, weights_bytes(model), peak, bytes_per_block)
 
