@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.load import Call, run_http
+from benchmarks.load import Call, HttpOptions, run_http
 from benchmarks.report import headline_row, print_headline, write_report
 from benchmarks.servers import Served, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.systems import VISIT_TIERED_SYSTEMS, VISIT_VLLM_SYSTEMS, check_vllm_sizing
 from benchmarks.traces import BenchError, ordinary_token_ids
-from benchmarks.vllm import VLLMServer, kv_memory_bytes, peer_launch
+from benchmarks.vllm import PeerOptions, VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.loader import resolve_device
@@ -76,7 +76,7 @@ def _serve(system: str, cfg: Config, opts: AloneOptions, warm_up: list[Call]) ->
     assert opts.vllm_python is not None
     setup = VISIT_VLLM_SYSTEMS[system]
     kv = cfg.cache.device_tier_bytes if setup.kv == "device" else kv_memory_bytes(cfg)
-    launch = peer_launch(cfg, opts.vllm_python, opts.tokens + 16, kv, eager=setup.eager)
+    launch = peer_launch(cfg, opts.vllm_python, opts.tokens + 16, kv, PeerOptions(eager=setup.eager))
     with serve_vllm(VLLMServer(launch), system, opts.out_dir, warm_up) as s:
         yield s
 
@@ -110,9 +110,8 @@ def run_alone_bench(cfg: Config, opts: AloneOptions) -> dict[str, Any]:
                 if server.vllm is not None:
                     server.vllm.reset()
                 call = Call(f"alone-{rep}", [prompts[rep]])
-                (record,), _ = run_http(
-                    server.url, "model", [call], [0.0], f"{system} #{rep + 1}", None, f"alone-{system}-{rep}"
-                )
+                how = HttpOptions(f"{system} #{rep + 1}", cache_salt=f"alone-{system}-{rep}")
+                (record,), _ = run_http(server.url, "model", [call], [0.0], how)
                 if record.error is not None:
                     raise BenchError(f"{system}: the {opts.tokens}-token prompt failed: {record.error}")
                 run = AloneRun(system, rep, opts.tokens, record.latency_seconds, opts.tokens / record.latency_seconds)

@@ -72,35 +72,42 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def run_batch_bench(
-    model_dir: str,
-    dtype: str,
-    device: str,
-    json_path: str | None,
-    num_requests: int,
-    new_tokens: int,
-    prefix_tokens: int,
-    hit_new_tokens: int,
-    chunk_tokens: int,
-    repeats: int,
-) -> dict[str, object]:
-    model = load_model(model_dir, dtype, device)
+@dataclass(frozen=True, slots=True)
+class BatchOptions:
+    """What `run_batch_bench` runs (the CLI's options, one to one; lengths in tokens)."""
+
+    model_dir: str
+    dtype: str  # the compute dtype: float32, bfloat16 or float16
+    device: str
+    json_path: str | None
+    num_requests: int  # requests sharing the cached prefix (a visit's posts)
+    new_tokens: int  # computed tokens per request
+    prefix_tokens: int  # the cached prefix (the profile)
+    hit_new_tokens: int  # new tokens of the hit-saving case
+    chunk_tokens: int  # hybrid chunk size
+    repeats: int  # timed runs per side; the best is kept
+
+
+def run_batch_bench(opts: BatchOptions) -> dict[str, object]:
+    """The visit (one per forward against batched), its attention alone, and what a hit saves; the JSON document."""
+    dtype, device, chunk_tokens = opts.dtype, opts.device, opts.chunk_tokens
+    model = load_model(opts.model_dir, dtype, device)
     a = model.args
     g = torch.Generator().manual_seed(0)
     rate = matmul_flops_per_s(DTYPES[dtype], device)
     log.info("matmul rate (%s, 2048^3): %.1f GFLOP/s", dtype, rate / 1e9)
-    profile = torch.randint(0, a.vocab_size, (prefix_tokens,), generator=g)
+    profile = torch.randint(0, a.vocab_size, (opts.prefix_tokens,), generator=g)
     kv: list[tuple[torch.Tensor, torch.Tensor]] = []
     forward(model, profile, chunk_tokens=chunk_tokens, kv_sink=lambda i, k, v: kv.append((k.clone(), v.clone())))
-    visit = _visit(model, GatheredPrefix(kv), num_requests, new_tokens, chunk_tokens, repeats, rate, g)
-    attn = _attention_of_one_layer(model, kv[0], num_requests, new_tokens, repeats, rate, g)
-    hit = _hit_saving(model, profile, GatheredPrefix(kv), hit_new_tokens, repeats, g)
+    visit = _visit(model, GatheredPrefix(kv), opts, rate, g)
+    attn = _attention_of_one_layer(model, kv[0], opts, rate, g)
+    hit = _hit_saving(model, profile, GatheredPrefix(kv), opts.hit_new_tokens, opts.repeats, g)
     return write_report(
-        json_path,
+        opts.json_path,
         "batch",
         device,
         {
-            "model": model_dir,
+            "model": opts.model_dir,
             "dtype": dtype,
             "matmul_flops_per_s": rate,
             "visit": asdict(visit),
@@ -110,17 +117,9 @@ def run_batch_bench(
     )
 
 
-def _visit(
-    model: CausalLM,
-    prefix: GatheredPrefix,
-    num_requests: int,
-    new_tokens: int,
-    chunk_tokens: int,
-    repeats: int,
-    rate: float,
-    g: torch.Generator,
-) -> VisitResult:
+def _visit(model: CausalLM, prefix: GatheredPrefix, opts: BatchOptions, rate: float, g: torch.Generator) -> VisitResult:
     """A visit's requests on one cached prefix: one per forward against one batched forward."""
+    num_requests, new_tokens, chunk_tokens = opts.num_requests, opts.new_tokens, opts.chunk_tokens
     a = model.args
     prefix_tokens = prefix.num_tokens
     posts = [torch.randint(0, a.vocab_size, (new_tokens,), generator=g) for _ in range(num_requests)]
@@ -135,7 +134,7 @@ def _visit(
 
     flops = num_requests * forward_flops(a, new_tokens, prefix_tokens)
     times = {"single": float("inf"), "batched": float("inf")}
-    for _ in range(repeats):  # interleaved, so drift hits both sides alike
+    for _ in range(opts.repeats):  # interleaved, so drift hits both sides alike
         for name, fn in (("single", single), ("batched", batched)):
             times[name] = min(times[name], _best(fn, 1))
     visit = VisitResult(
@@ -163,16 +162,11 @@ def _visit(
 
 
 def _attention_of_one_layer(
-    model: CausalLM,
-    layer_kv: tuple[torch.Tensor, torch.Tensor],
-    num_requests: int,
-    new_tokens: int,
-    repeats: int,
-    rate: float,
-    g: torch.Generator,
+    model: CausalLM, layer_kv: tuple[torch.Tensor, torch.Tensor], opts: BatchOptions, rate: float, g: torch.Generator
 ) -> AttentionResult:
     """The attention of one layer alone, as the batched forward calls it: the visit's queries
     against the shared prefix in one call, then each request's own tokens (causal)."""
+    num_requests, new_tokens = opts.num_requests, opts.new_tokens
     a = model.args
     prefix_tokens = layer_kv[0].shape[0]
     queries = num_requests * new_tokens
@@ -181,7 +175,7 @@ def _attention_of_one_layer(
     own_k, own_v = (torch.randn(queries, a.num_kv_heads, a.head_dim, generator=g).to(dt) for _ in "kv")
     pieces = [Piece(i * new_tokens, i * new_tokens, new_tokens) for i in range(num_requests)]
     attend_ = KERNELS[model.attention].attend_
-    seconds = min(_best(lambda: attend_(q.clone(), own_k, own_v, pieces, *layer_kv), 1) for _ in range(repeats))
+    seconds = min(_best(lambda: attend_(q.clone(), own_k, own_v, pieces, *layer_kv), 1) for _ in range(opts.repeats))
     pairs = queries * prefix_tokens + num_requests * new_tokens * (new_tokens + 1) / 2
     attn_flops = 4 * a.num_heads * a.head_dim * pairs
     attn = AttentionResult(queries, prefix_tokens, seconds, attn_flops / seconds, attn_flops / seconds / rate)

@@ -78,6 +78,35 @@ class Outcome:
         return self.p99 <= slo_p99 and self.throughput >= 0.95 * qps
 
 
+@dataclass(frozen=True)
+class SimOptions:
+    """What `simulate` assumes beyond the cluster, its costs and the visits."""
+
+    posts: int = 8  # prompts per visit
+    post_tokens: int = 170  # each prompt's tokens beyond the profile (the router's load counts them)
+    warmup: float = 0.3  # the share of the first visits left out of the statistics
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The visits `max_qps` offers at each rate it tries: `visits` Poisson arrivals of Zipf-distributed users."""
+
+    zipf: float
+    visits: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class _Tally:
+    """What a simulation counted over its measured visits (after the warm-up), before the rates."""
+
+    latencies: list[float]
+    where_count: dict[str, int]  # visits by where their profile was: local, remote, miss
+    read_bytes: float  # from the remote tier
+    written_bytes: float  # to the remote tier
+    busiest_seconds: float  # the busiest replica's busy time over the span
+
+
 class _LRU:
     def __init__(self, capacity: int | None) -> None:
         self.capacity, self.used, self.items = capacity, 0, OrderedDict[int, int]()
@@ -119,15 +148,10 @@ def arrivals(qps: float, visits: int, users: int, zipf: float, seed: int = 0) ->
 
 
 def simulate(
-    cluster: Cluster,
-    costs: Costs,
-    sizes: list[int],
-    visits: list[tuple[float, int]],
-    posts: int = 8,
-    post_tokens: int = 170,
-    warmup: float = 0.3,
+    cluster: Cluster, costs: Costs, sizes: list[int], visits: list[tuple[float, int]], opts: SimOptions = SimOptions()
 ) -> Outcome:
-    """Run the visits through the cluster; statistics over the visits after the first `warmup` share."""
+    """Run the visits through the cluster; statistics over the visits after the first `opts.warmup` share."""
+    posts, post_tokens = opts.posts, opts.post_tokens
     n = cluster.replicas
     names = [f"r{i}" for i in range(n)]
     ring = Ring(names) if cluster.routing == "affinity" else None
@@ -139,7 +163,7 @@ def simulate(
     total_load = 0.0
     events = [(t, 1, -1, i) for i, (t, _) in enumerate(visits)]  # (time, kind 0 = finish / 1 = arrive, replica, visit)
     heapq.heapify(events)
-    first = int(len(visits) * warmup)
+    first = int(len(visits) * opts.warmup)
     span_start = visits[first][0] if first < len(visits) else 0.0
     latencies: list[float] = []
     where_count = {"local": 0, "remote": 0, "miss": 0}
@@ -199,15 +223,10 @@ def simulate(
             if queues[r]:
                 start(r, now)
     span = max(last_finish - span_start, 1e-9)
-    return _outcome(
-        latencies,
-        where_count,
-        len(visits) / visits[-1][0],
-        span,
-        read * costs.kv_bytes_per_token,
-        written * costs.kv_bytes_per_token,
-        max(busy_time),
+    tally = _Tally(
+        latencies, where_count, read * costs.kv_bytes_per_token, written * costs.kv_bytes_per_token, max(busy_time)
     )
+    return _outcome(tally, len(visits) / visits[-1][0], span)
 
 
 class _Link:
@@ -225,17 +244,10 @@ class _Link:
         return self.free - now
 
 
-def _outcome(
-    latencies: list[float],
-    where_count: dict[str, int],
-    qps: float,
-    span: float,
-    read_bytes: float,
-    written_bytes: float,
-    busiest_seconds: float,
-) -> Outcome:
-    measured = len(latencies)
-    latencies = sorted(latencies)
+def _outcome(tally: _Tally, qps: float, span: float) -> Outcome:
+    """The outcome of a simulation whose measured span lasted `span` seconds, offered at `qps`."""
+    measured = len(tally.latencies)
+    latencies, where_count = sorted(tally.latencies), tally.where_count
     return Outcome(
         visits=measured,
         qps=qps,
@@ -245,34 +257,28 @@ def _outcome(
         local=where_count["local"] / max(1, measured),
         remote=where_count["remote"] / max(1, measured),
         miss=where_count["miss"] / max(1, measured),
-        redis_read_bps=read_bytes / span,
-        redis_write_bps=written_bytes / span,
-        busiest=busiest_seconds / span,
+        redis_read_bps=tally.read_bytes / span,
+        redis_write_bps=tally.written_bytes / span,
+        busiest=tally.busiest_seconds / span,
     )
 
 
 def max_qps(
-    cluster: Cluster,
-    costs: Costs,
-    sizes: list[int],
-    slo_p99: float,
-    zipf: float,
-    visits: int,
-    seed: int = 0,
-    posts: int = 8,
+    cluster: Cluster, costs: Costs, sizes: list[int], slo_p99: float, traffic: Traffic, opts: SimOptions = SimOptions()
 ) -> tuple[float, Outcome]:
     """The highest offered QPS whose P99 stays within `slo_p99` (bisection on the offered rate),
     and the outcome there."""
+    zipf, visits, seed = traffic.zipf, traffic.visits, traffic.seed
     mean_local = sum(costs.seconds("local", s) for s in sizes) / len(sizes)
     low, high = 0.0, 2.0 * cluster.replicas / mean_local  # above what the replicas can serve
     best: Outcome | None = None
     for _ in range(14):
         mid = (low + high) / 2
-        out = simulate(cluster, costs, sizes, arrivals(mid, visits, len(sizes), zipf, seed), posts)
+        out = simulate(cluster, costs, sizes, arrivals(mid, visits, len(sizes), zipf, seed), opts)
         if out.meets(slo_p99, mid):
             low, best = mid, out
         else:
             high = mid
     if best is None:
-        best = simulate(cluster, costs, sizes, arrivals(max(low, 1e-3), visits, len(sizes), zipf, seed), posts)
+        best = simulate(cluster, costs, sizes, arrivals(max(low, 1e-3), visits, len(sizes), zipf, seed), opts)
     return low, best

@@ -37,52 +37,51 @@ def _compute_dtype(args: argparse.Namespace, folder: Path) -> str:
 
 
 def cmd_bench_mil(args: argparse.Namespace) -> int:
-    from benchmarks.mil import run_mil_bench
+    from benchmarks.mil import ForwardSetup, MilOptions, run_mil_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
-    run_mil_bench(
-        str(folder),
-        args.budget,
-        args.json,
-        args.modes,
-        _compute_dtype(args, folder),
-        resolve_device(args.device),
-        args.chunk_tokens,
-        args.lengths,
-        args.resolution,
-        args.start_tokens,
-        args.max_tokens,
-        args.repeats,
-        args.skip_mil,
-        args.skip_throughput,
+    setup = ForwardSetup(str(folder), _compute_dtype(args, folder), resolve_device(args.device), args.chunk_tokens)
+    opts = MilOptions(
+        budget_bytes=args.budget,
+        json_path=args.json,
+        modes=args.modes,
+        lengths=args.lengths,
+        resolution=args.resolution,
+        start_tokens=args.start_tokens,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        skip_mil=args.skip_mil,
+        skip_throughput=args.skip_throughput,
     )
+    run_mil_bench(setup, opts)
     return 0
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
-    from benchmarks.batch import run_batch_bench
+    from benchmarks.batch import BatchOptions, run_batch_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
     dtype = _compute_dtype(args, folder)
-    run_batch_bench(
-        str(folder),
-        dtype,
-        resolve_device(args.device),
-        args.json,
-        args.requests,
-        args.new_tokens,
-        args.prefix_tokens,
-        args.hit_new_tokens,
-        args.chunk_tokens,
-        args.repeats,
+    opts = BatchOptions(
+        model_dir=str(folder),
+        dtype=dtype,
+        device=resolve_device(args.device),
+        json_path=args.json,
+        num_requests=args.requests,
+        new_tokens=args.new_tokens,
+        prefix_tokens=args.prefix_tokens,
+        hit_new_tokens=args.hit_new_tokens,
+        chunk_tokens=args.chunk_tokens,
+        repeats=args.repeats,
     )
+    run_batch_bench(opts)
     return 0
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from benchmarks.tiers import bench_config, run_tiers_bench
+    from benchmarks.tiers import TiersOptions, bench_config, run_tiers_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
@@ -90,39 +89,39 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     cfg = bench_config(
         str(folder), _compute_dtype(args, folder), resolve_device(args.device), args.block_tokens, longest
     )
-    run_tiers_bench(
-        cfg,
-        args.lengths,
-        args.users,
-        args.profile_tokens,
-        args.post_tokens,
-        args.rounds,
-        args.device_fraction,
-        args.repeats,
-        args.json,
-        args.sequence_repeats,
+    opts = TiersOptions(
+        lengths=args.lengths,
+        users=args.users,
+        profile_tokens=args.profile_tokens,
+        post_tokens=args.post_tokens,
+        rounds=args.rounds,
+        device_fraction=args.device_fraction,
+        repeats=args.repeats,
+        json_path=args.json,
+        sequence_repeats=args.sequence_repeats,
     )
+    run_tiers_bench(cfg, opts)
     return 0
 
 
 def cmd_bench_policies(args: argparse.Namespace) -> int:
-    from benchmarks.policies import run_policies_bench
+    from benchmarks.policies import PoliciesOptions, run_policies_bench
 
     cfg = config_from_args(args)
-    run_policies_bench(
-        cfg,
-        args.policies,
-        args.users,
-        args.posts,
-        args.profile_mean,
-        args.profile_sd,
-        args.post_tokens,
-        args.device_fraction,
-        args.depths,
-        args.repeats,
-        args.load,
-        args.json,
+    opts = PoliciesOptions(
+        policies=args.policies,
+        users=args.users,
+        posts=args.posts,
+        profile_mean=args.profile_mean,
+        profile_sd=args.profile_sd,
+        post_tokens=args.post_tokens,
+        device_fraction=args.device_fraction,
+        depths=args.depths,
+        repeats=args.repeats,
+        load=args.load,
+        json_path=args.json,
     )
+    run_policies_bench(cfg, opts)
     return 0
 
 
@@ -142,11 +141,14 @@ def _trace_from_args(args: argparse.Namespace, cfg: Config) -> Trace:
         "post_tokens": args.post_tokens,
     }
     if args.kind == "post_recommendation":
-        return traces.post_recommendation(vocab, args.users, args.posts, **profile, **common)
+        post = traces.PostRecommendationOptions(args.users, args.posts, **profile, **common)
+        return traces.post_recommendation(vocab, post)
     if args.kind == "revisit":
-        return traces.revisit(vocab, args.users, args.posts, args.rounds, **profile, **common)
+        revisit = traces.RevisitOptions(args.users, args.posts, args.rounds, **profile, **common)
+        return traces.revisit(vocab, revisit)
     if args.kind == "visits":
-        return traces.visits(vocab, args.users, args.visits, args.posts, **profile, zipf=args.zipf, **common)
+        visits = traces.VisitsTraceOptions(args.users, args.visits, args.posts, **profile, zipf=args.zipf, **common)
+        return traces.visits(vocab, visits)
     return traces.credit_verification(vocab, args.users, args.min_tokens, args.max_tokens, **common)
 
 
@@ -158,26 +160,25 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_load(args: argparse.Namespace) -> int:
-    from benchmarks.load import run_load_bench
+    from benchmarks.load import LoadOptions, run_load_bench
     from benchmarks.plots import plot_load
 
     cfg = config_from_args(args)
     trace = _trace_from_args(args, cfg)
     out_dir = Path(args.plots or "benchmarks/out/load")
-    doc = run_load_bench(
-        cfg,
-        trace,
-        args.systems,
-        args.multiples,
-        args.device_fraction,
-        args.vllm_python,
-        args.slo_p99,
-        args.slo_mean,
-        args.seed,
-        args.json,
-        out_dir,
-        args.repeats,
+    opts = LoadOptions(
+        systems=args.systems,
+        multiples=args.multiples,
+        device_fraction=args.device_fraction,
+        vllm_python=args.vllm_python,
+        slo_p99=args.slo_p99,
+        slo_mean=args.slo_mean,
+        seed=args.seed,
+        json_path=args.json,
+        out_dir=out_dir,
+        repeats=args.repeats,
     )
+    doc = run_load_bench(cfg, trace, opts)
     for path in plot_load(doc, out_dir):
         print(f"wrote {path}")
     return 0
@@ -192,7 +193,7 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from benchmarks.soak import run_soak
+    from benchmarks.soak import SoakOptions, run_soak
     from tiered.config import with_overrides
 
     pressure = [
@@ -201,16 +202,16 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
         f"cache.host.lmcache={{max_local_cpu_size: {args.host_tier_gb}}}",
     ]
     cfg = with_overrides(config_from_args(args), pressure)
-    report = run_soak(
-        cfg,
-        args.minutes,
-        args.concurrency,
-        args.invalid_fraction,
-        args.users,
-        args.profile_tokens,
-        Path(args.out_dir),
-        args.json,
+    opts = SoakOptions(
+        minutes=args.minutes,
+        concurrency=args.concurrency,
+        invalid_fraction=args.invalid_fraction,
+        users=args.users,
+        profile_tokens=args.profile_tokens,
+        out_dir=Path(args.out_dir),
+        json_path=args.json,
     )
+    report = run_soak(cfg, opts)
     ok = report["exactly_once"] and report["server_errors_5xx"] == 0 and report["idle_pinned_blocks"] == 0
     ok = ok and report["rss_ok"] and not report["valid_failures"]
     return 0 if ok else 1
@@ -246,7 +247,7 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_mixed(args: argparse.Namespace) -> int:
-    from benchmarks.mixed import run_mixed_bench
+    from benchmarks.mixed import MixedOptions, run_mixed_bench
     from benchmarks.mixed_trace import MixedParams
     from benchmarks.plots import plot_goodput
 
@@ -266,9 +267,15 @@ def cmd_bench_mixed(args: argparse.Namespace) -> int:
         args.seed,
     )
     out_dir = Path(args.plots or "benchmarks/out/mixed")
-    doc = run_mixed_bench(
-        config_from_args(args), params, args.systems, args.short_qps, args.vllm_python, args.json, out_dir, args.repeats
+    opts = MixedOptions(
+        systems=args.systems,
+        short_qps=args.short_qps,
+        vllm_python=args.vllm_python,
+        json_path=args.json,
+        out_dir=out_dir,
+        repeats=args.repeats,
     )
+    doc = run_mixed_bench(config_from_args(args), params, opts)
     print(f"wrote {plot_goodput(doc, out_dir)}")
     return 0
 
@@ -319,20 +326,21 @@ def cmd_bench_precision(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_attention(args: argparse.Namespace) -> int:
-    from benchmarks.kernels import run_attention_bench
+    from benchmarks.kernels import AttentionOptions, run_attention_bench
     from tiered.embedded import resolve_model_path
 
     folder = resolve_model_path(args.model, args.models_dir)
     kernels = args.kernels.split(",") if args.kernels else None
-    run_attention_bench(
-        str(folder),
-        _compute_dtype(args, folder),
-        resolve_device(args.device),
-        kernels,
-        args.max_tokens,
-        args.json,
-        args.vllm_library,
+    opts = AttentionOptions(
+        model_dir=str(folder),
+        dtype_name=_compute_dtype(args, folder),
+        device=resolve_device(args.device),
+        kernels=kernels,
+        max_tokens=args.max_tokens,
+        json_path=args.json,
+        vllm_library=args.vllm_library,
     )
+    run_attention_bench(opts)
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,20 +100,27 @@ def run_precision_bench(device: str, json_path: str | None) -> dict[str, Any]:
     return doc
 
 
-def run_attention_bench(
-    model_dir: str,
-    dtype_name: str,
-    device: str,
-    kernels: list[str] | None,
-    max_tokens: int,
-    json_path: str | None,
-    vllm_library: str = "auto",
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """What `run_attention_bench` measures (the CLI's options, one to one)."""
+
+    model_dir: str  # the model whose heads set the shapes
+    dtype_name: str  # the compute dtype: float32, bfloat16 or float16
+    device: str
+    kernels: list[str] | None  # None: every kernel that runs on the device
+    max_tokens: int  # shapes longer than this are skipped
+    json_path: str | None
+    vllm_library: str = "auto"  # attention.vllm_library: auto, none, a folder or a .so
+
+
+def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
+    """Every kernel x the shape classes: GFLOP/s, share of the matmul rates, error (see the module docstring)."""
+    model_dir, dtype_name, device = opts.model_dir, opts.dtype_name, opts.device
     a = read_args(model_dir)
     dtype = DTYPES[dtype_name]
-    vllm_cpu.use_library(vllm_library)
-    names = kernels or available(device, dtype, a.head_dim)
-    shapes = tuple(s for s in ATTENTION_SHAPES if s.new_tokens + s.prefix_tokens <= max_tokens)
+    vllm_cpu.use_library(opts.vllm_library)
+    names = opts.kernels or available(device, dtype, a.head_dim)
+    shapes = tuple(s for s in ATTENTION_SHAPES if s.new_tokens + s.prefix_tokens <= opts.max_tokens)
     rates = {d: matmul_flops_per_s(d, device, 1024, 1) / 1e9 for d in (torch.float32, torch.bfloat16) if d != dtype}
     # n = 1,024 for half precisions: a CPU without native bf16 takes ~1 min per 2,048^3 product.
     rates[dtype] = matmul_flops_per_s(dtype, device, *((2048, 5) if dtype == torch.float32 else (1024, 2))) / 1e9
@@ -149,7 +156,7 @@ def run_attention_bench(
             f"{t.gflops / best:>8.0%} {t.max_error:>9.1e}{'' if t.ok else '  over bound'}"
         )
     print(f"fastest correct: {doc['fastest']}")
-    _write(json_path, doc)
+    _write(opts.json_path, doc)
     return doc
 
 

@@ -48,7 +48,7 @@ from benchmarks.stats import (
 )
 from benchmarks.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTEMS, check_vllm_python
 from benchmarks.traces import BenchError, Trace
-from benchmarks.vllm import VLLMServer, peer_launch
+from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
 from tiered.config import Config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result
@@ -153,18 +153,22 @@ def trace_calls(trace: Trace) -> list[Call]:
     return [Call(r.request_id, [r.token_ids]) for r in trace.requests]
 
 
+@dataclass(frozen=True, slots=True)
+class HttpOptions:
+    """How `run_http` sends its calls beyond where and what."""
+
+    label: str = ""  # names the run in the progress log
+    concurrency: int | None = None  # calls in flight at most; None: all of them
+    cache_salt: str | None = None  # sent as every call's `cache_salt`; None: none sent
+
+
 async def _run_http_async(
-    url: str,
-    model: str,
-    calls: list[Call],
-    arrivals: list[float],
-    label: str,
-    concurrency: int | None,
-    cache_salt: str | None,
+    url: str, model: str, calls: list[Call], arrivals: list[float], opts: HttpOptions
 ) -> list[Record]:
-    progress = Progress(label, len(calls))
+    progress = Progress(opts.label, len(calls))
     limits = httpx.Limits(max_connections=len(calls), max_keepalive_connections=len(calls))
-    gate = asyncio.Semaphore(concurrency or len(calls))
+    gate = asyncio.Semaphore(opts.concurrency or len(calls))
+    cache_salt = opts.cache_salt
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -210,38 +214,44 @@ def read_usage(usage: dict[str, Any], record: Record) -> None:
 
 
 def run_http(
-    url: str,
-    model: str,
-    calls: list[Call],
-    arrivals: list[float],
-    label: str = "",
-    concurrency: int | None = None,
-    cache_salt: str | None = None,
+    url: str, model: str, calls: list[Call], arrivals: list[float], opts: HttpOptions = HttpOptions()
 ) -> tuple[list[Record], float]:
-    """Send each call at its arrival offset (at most `concurrency` in flight); records and makespan.
+    """Send each call at its arrival offset (at most `opts.concurrency` in flight); records and makespan.
 
     A record's latency runs from sending to the whole answer; its hit tokens are the response's
     (`usage.tiered` when the server is ours, else `cached_tokens`, all counted as device hits)."""
-    records = asyncio.run(_run_http_async(url, model, calls, arrivals, label, concurrency, cache_salt))
+    records = asyncio.run(_run_http_async(url, model, calls, arrivals, opts))
     makespan = max(r.arrival_seconds + r.latency_seconds for r in records) - min(arrivals)
     return records, makespan
 
 
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """The system a run of `bench load` goes to."""
+
+    system: str
+    cfg: Config
+    vllm: VLLMServer | None  # the vllm systems' server, started once for all their runs
+    out_dir: Path  # ours over HTTP: where its server's config is written
+
+
 def _one_run(
-    system: str, cfg: Config, trace: Trace, arrivals: list[float], label: str, vllm: VLLMServer | None, out_dir: Path
+    target: _Target, trace: Trace, arrivals: list[float], label: str
 ) -> tuple[list[Record], float, float | None]:
+    """One run of the trace at `arrivals`: records, makespan, and the JCT model's error (ours in-process)."""
+    system, cfg, vllm = target.system, target.cfg, target.vllm
     if system in ENGINE_SYSTEMS:
         results, makespan, jct_error = run_engine(with_overrides(cfg, ENGINE_SYSTEMS[system]), trace, arrivals, label)
         return _engine_records(results, trace, arrivals), makespan, jct_error
     if vllm is not None:
         vllm.reset()
-        return *run_http(vllm.url, "model", trace_calls(trace), arrivals, label), None
+        return *run_http(vllm.url, "model", trace_calls(trace), arrivals, HttpOptions(label)), None
     # ours over HTTP: a fresh server per run, so every run starts cold
-    path = write_config(with_overrides(cfg, HTTP_SYSTEMS[system]), out_dir / f"{system}.yaml")
+    path = write_config(with_overrides(cfg, HTTP_SYSTEMS[system]), target.out_dir / f"{system}.yaml")
     proc, url = start_server(["--config", str(path), "--served-model-name", "model"])
     try:
         run_http(url, "model", [WARM_UP], [0.0])
-        return *run_http(url, "model", trace_calls(trace), arrivals, label), None
+        return *run_http(url, "model", trace_calls(trace), arrivals, HttpOptions(label)), None
     finally:
         stop_server(proc)
 
@@ -278,20 +288,26 @@ def _logged(s: Summary, repeats: int) -> Summary:
     return s
 
 
-def run_load_bench(
-    cfg: Config,
-    trace: Trace,
-    systems: list[str],
-    multiples: list[float],
-    device_fraction: float,
-    vllm_python: str | None,
-    slo_p99: list[float] | None,
-    slo_mean: list[float] | None,
-    seed: int,
-    json_path: str | None,
-    out_dir: Path,
-    repeats: int = 1,
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """What `run_load_bench` runs beyond the config and the trace (the CLI's options, one to one)."""
+
+    systems: list[str]
+    multiples: list[float]  # offered loads, as multiples of the saturation throughput
+    device_fraction: float  # the device tier (and vLLM's KV memory), as a share of the users' profiles
+    vllm_python: str | None
+    slo_p99: list[float] | None  # None: 2.5, 5 and 10x the P99 job time in the burst
+    slo_mean: list[float] | None  # None: 2.5, 5 and 10x the mean job time in the burst
+    seed: int  # seeds the Poisson arrivals
+    json_path: str | None
+    out_dir: Path  # vLLM logs, our HTTP servers' configs
+    repeats: int = 1  # runs per (system, load) on the same arrivals; the tables show medians
+
+
+def run_load_bench(cfg: Config, trace: Trace, opts: LoadOptions) -> dict[str, Any]:
+    """The trace's saturation, then each system at each load (see the module docstring); the JSON document."""
+    systems, multiples, device_fraction = opts.systems, opts.multiples, opts.device_fraction
+    vllm_python, out_dir, repeats = opts.vllm_python, opts.out_dir, opts.repeats
     logging.getLogger("httpx").setLevel(logging.WARNING)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -321,8 +337,8 @@ def run_load_bench(
     services = [r.load_seconds + r.compute_seconds for r in burst]
     service = statistics.fmean(services)
     # Default SLOs: 2.5x, 5x and 10x what the jobs themselves take when nothing waits (P99 job, mean job).
-    slo_p99 = slo_p99 or [f * percentile(services, 0.99) for f in SLO_FACTORS]
-    slo_mean = slo_mean or [f * service for f in SLO_FACTORS]
+    slo_p99 = opts.slo_p99 or [f * percentile(services, 0.99) for f in SLO_FACTORS]
+    slo_mean = opts.slo_mean or [f * service for f in SLO_FACTORS]
     print(
         f"saturation ({reference}, burst): {saturation:.2f} requests/s (makespan {burst_makespan:.1f} s); "
         f"mean service time {1e3 * service:.0f} ms"
@@ -335,16 +351,19 @@ def run_load_bench(
         try:
             if system in VLLM_SYSTEMS:
                 assert vllm_python is not None
-                launch = peer_launch(cfg, vllm_python, trace.max_tokens + 16, chunked=VLLM_SYSTEMS[system])
+                launch = peer_launch(
+                    cfg, vllm_python, trace.max_tokens + 16, peer=PeerOptions(chunked=VLLM_SYSTEMS[system])
+                )
                 vllm = VLLMServer(launch)
                 vllm.start(out_dir / f"{system}.log")
+            target = _Target(system, cfg, vllm, out_dir)
             for multiple in multiples:
                 qps = multiple * saturation
-                arrivals = poisson_arrivals(len(trace), qps, seed)
+                arrivals = poisson_arrivals(len(trace), qps, opts.seed)
                 repeats_here: list[Summary] = []
                 for rep in range(repeats):
                     label = f"{system} x{multiple:g}" + (f" #{rep + 1}" if repeats > 1 else "")
-                    records, makespan, jct_error = _one_run(system, cfg, trace, arrivals, label, vllm, out_dir)
+                    records, makespan, jct_error = _one_run(target, trace, arrivals, label)
                     s = replace(summarize(system, multiple, qps, records, makespan), jct_error=jct_error)
                     repeats_here.append(s)
                     runs.append({"summary": asdict(s), "repeat": rep, "records": [asdict(r) for r in records]})
@@ -356,7 +375,7 @@ def run_load_bench(
     table = sustainable_table(summaries, systems, slo_p99, slo_mean)
     print_tables(summaries, table, slo_p99, slo_mean)
     doc = write_report(
-        json_path,
+        opts.json_path,
         "load",
         resolve_device(cfg.device),
         {

@@ -78,16 +78,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def probe_peak(
-    model_dir: str,
-    dtype: str,
-    device: str,
-    mode: str,
-    chunk_tokens: int,
-    num_tokens: int,
-    num_requests: int = 1,
-    prefix_tokens: int = 0,
-) -> int:
+@dataclass(frozen=True, slots=True)
+class ForwardSetup:
+    """The model a probe or a timing runs, and how: checkpoint folder, compute dtype, device, chunk size."""
+
+    model_dir: str
+    dtype: str  # float32, bfloat16 or float16
+    device: str
+    chunk_tokens: int  # the chunk size of the hybrid and chunked modes
+
+
+def probe_peak(setup: ForwardSetup, mode: str, num_tokens: int, num_requests: int = 1, prefix_tokens: int = 0) -> int:
     """Peak bytes of one forward of `num_tokens` (per request of a batch on one shared prefix),
     measured in a fresh process."""
     cmd = [
@@ -95,15 +96,15 @@ def probe_peak(
         "-m",
         "benchmarks.probe",
         "--model",
-        model_dir,
+        setup.model_dir,
         "--dtype",
-        dtype,
+        setup.dtype,
         "--device",
-        device,
+        setup.device,
         "--mode",
         mode,
         "--chunk-tokens",
-        str(chunk_tokens),
+        str(setup.chunk_tokens),
         "--tokens",
         str(num_tokens),
         "--requests",
@@ -126,21 +127,13 @@ def probe_peak(
 
 
 def find_mil(
-    model_dir: str,
-    dtype: str,
-    device: str,
-    mode: str,
-    chunk_tokens: int,
-    budget_bytes: int,
-    start_tokens: int,
-    resolution: int,
-    max_tokens: int,
+    setup: ForwardSetup, mode: str, budget_bytes: int, start_tokens: int, resolution: int, max_tokens: int
 ) -> ModeResult:
     """Longest input (to `resolution` tokens) whose forward peak fits `budget_bytes`."""
     result = ModeResult(mode=mode, budget_bytes=budget_bytes, mil_tokens=0, mil_capped=False)
 
     def fits(n: int) -> bool:
-        peak = probe_peak(model_dir, dtype, device, mode, chunk_tokens, n)
+        peak = probe_peak(setup, mode, n)
         result.peak_bytes_by_len[n] = peak
         log.info(
             "  %-8s %7d tokens: peak %8.1f MiB %s",
@@ -175,16 +168,11 @@ def find_mil(
 
 
 def measure_throughput(
-    model_dir: str,
-    dtype: str,
-    device: str,
-    modes: list[str],
-    chunk_tokens: int,
-    lengths: list[int],
-    repeats: int,
+    setup: ForwardSetup, modes: list[str], lengths: list[int], repeats: int
 ) -> dict[str, list[Throughput]]:
     """Best-of-`repeats` single-request prefill speed per mode and length, in this process."""
-    model = load_model(model_dir, dtype, device)
+    dtype, device, chunk_tokens = setup.dtype, setup.device, setup.chunk_tokens
+    model = load_model(setup.model_dir, dtype, device)
     rate = matmul_flops_per_s(DTYPES[dtype], device)
     log.info("matmul rate (%s, 2048^3): %.1f GFLOP/s", dtype, rate / 1e9)
     out: dict[str, list[Throughput]] = {m: [] for m in modes}
@@ -238,44 +226,45 @@ def format_table(results: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
-def run_mil_bench(
-    model_dir: str,
-    budget_bytes: int,
-    json_path: str | None,
-    modes: list[str],
-    dtype: str,
-    device: str,
-    chunk_tokens: int,
-    lengths: list[int],
-    resolution: int,
-    start_tokens: int,
-    max_tokens: int,
-    repeats: int,
-    skip_mil: bool,
-    skip_throughput: bool,
-) -> list[ModeResult]:
-    args = read_args(model_dir)
+@dataclass(frozen=True, slots=True)
+class MilOptions:
+    """What `run_mil_bench` runs beyond the model (the CLI's options, one to one)."""
+
+    budget_bytes: int  # weights + one forward's activations must fit this
+    json_path: str | None
+    modes: list[str]  # forward modes: vanilla, chunked, hybrid
+    lengths: list[int]  # input lengths of the throughput measurement
+    resolution: int  # the bisection stops at this many tokens
+    start_tokens: int  # the first probe's length (then doubling)
+    max_tokens: int  # the search stops above this length
+    repeats: int  # timed runs per length; the best is kept
+    skip_mil: bool  # throughput only
+    skip_throughput: bool  # MIL only
+
+
+def run_mil_bench(setup: ForwardSetup, opts: MilOptions) -> list[ModeResult]:
+    """Per mode, the MIL under the budget and the prefill speed at `opts.lengths` (see the module docstring)."""
+    args = read_args(setup.model_dir)
+    budget_bytes = opts.budget_bytes
     results: list[ModeResult] = []
-    for mode in modes:
-        if skip_mil:
+    for mode in opts.modes:
+        if opts.skip_mil:
             results.append(ModeResult(mode, budget_bytes, 0, False))
             continue
         log.info("MIL of %s under %.0f MiB", mode, budget_bytes / 2**20)
-        results.append(
-            find_mil(model_dir, dtype, device, mode, chunk_tokens, budget_bytes, start_tokens, resolution, max_tokens)
-        )
-    if not skip_throughput:
-        speeds = measure_throughput(model_dir, dtype, device, modes, chunk_tokens, lengths, repeats)
+        results.append(find_mil(setup, mode, budget_bytes, opts.start_tokens, opts.resolution, opts.max_tokens))
+    if not opts.skip_throughput:
+        speeds = measure_throughput(setup, opts.modes, opts.lengths, opts.repeats)
         for r in results:
             r.throughput = speeds[r.mode]
     print(format_table(results))
     write_report(
-        json_path,
+        opts.json_path,
         "mil",
-        device,
+        setup.device,
         {
-            "model": {"path": model_dir, "dtype": dtype, "args": asdict(args)},
-            "chunk_tokens": chunk_tokens,
+            "model": {"path": setup.model_dir, "dtype": setup.dtype, "args": asdict(args)},
+            "chunk_tokens": setup.chunk_tokens,
             "modes": [asdict(r) for r in results],
         },
     )

@@ -35,19 +35,19 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
-from benchmarks.load import Call, print_tables, run_http, sustainable_table
+from benchmarks.load import Call, HttpOptions, print_tables, run_http, sustainable_table
 from benchmarks.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
 from benchmarks.report import headline_row, print_headline, write_report
 from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.stats import Record, Summary, summarize
 from benchmarks.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
 from benchmarks.traces import BenchError, ordinary_token_ids
-from benchmarks.vllm import VLLMServer, peer_launch
+from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.loader import resolve_device
@@ -81,7 +81,8 @@ def _serve(system: MixedSystem, cfg: Config, vllm_python: str | None, max_len: i
             yield served
         return
     assert vllm_python is not None
-    launch = peer_launch(cfg, vllm_python, max_len, step_tokens=system.vllm_step_tokens, extra_args=system.vllm_args)
+    peer = PeerOptions(step_tokens=system.vllm_step_tokens, extra_args=system.vllm_args)
+    launch = peer_launch(cfg, vllm_python, max_len, peer=peer)
     with serve_vllm(VLLMServer(launch), system.name, out_dir) as served:
         yield served
 
@@ -92,7 +93,8 @@ def alone_seconds(url: str, vllm: VLLMServer | None, prompts: list[list[int]], l
     for i, prompt in enumerate(prompts):
         if vllm is not None:
             vllm.reset()
-        (record,), _ = run_http(url, "model", [Call(f"alone-{i}", [prompt])], [0.0], label, None, f"alone-{i}")
+        how = HttpOptions(label, cache_salt=f"alone-{i}")
+        (record,), _ = run_http(url, "model", [Call(f"alone-{i}", [prompt])], [0.0], how)
         if record.error is not None:
             raise BenchError(f"{label}: a {len(prompt)}-token prompt alone failed: {record.error}")
         best = min(best, record.latency_seconds)
@@ -107,7 +109,9 @@ def _measure(
         vllm.reset()
     keep = PIECE_METRICS.match
     before = {} if vllm is not None else prometheus_totals(url, lambda name: bool(keep(name)))
-    records, _ = run_http(url, "model", calls, [c.arrival_seconds for c in trace.calls], label, None, salt)
+    records, _ = run_http(
+        url, "model", calls, [c.arrival_seconds for c in trace.calls], HttpOptions(label, cache_salt=salt)
+    )
     after = {} if vllm is not None else prometheus_totals(url, lambda name: bool(keep(name)))
     return records, {name: value - before.get(name, 0.0) for name, value in after.items()}
 
@@ -124,19 +128,36 @@ def short_summary(score: RunScore, trace: MixedTrace, records: list[Record]) -> 
     )
 
 
-def run_mixed_bench(
-    cfg: Config,
-    params: MixedParams,
-    names: list[str],
-    short_qps: list[float],
-    vllm_python: str | None,
-    json_path: str | None,
-    out_dir: Path,
-    repeats: int = 1,
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class MixedOptions:
+    """What `run_mixed_bench` runs beyond the config and the traffic (the CLI's options, one to one)."""
+
+    systems: list[str]  # the first is the reference
+    short_qps: list[float]  # the offered loads: short calls/s
+    vllm_python: str | None
+    json_path: str | None
+    out_dir: Path  # records.json, server configs and logs
+    repeats: int = 1  # runs per (system, load), each system's turn by turn with the reference's
+
+
+@dataclass(frozen=True, slots=True)
+class _Runs:
+    """Every measured run of a `bench mixed` invocation, in the order they ran."""
+
+    scores: list[RunScore] = field(default_factory=list)
+    summaries: list[Summary] = field(default_factory=list)  # each run's short calls
+    documents: list[dict[str, Any]] = field(default_factory=list)  # each run's records (records.json)
+    # per (other system, short QPS): (its score, the reference's beside it), per repeat
+    paired: dict[tuple[str, float], list[tuple[RunScore, RunScore]]] = field(default_factory=dict)
+    launch: dict[str, dict[str, Any]] = field(default_factory=dict)
+    alone: dict[str, float] = field(default_factory=dict)  # seconds of a long prompt alone, per system
+
+
+def run_mixed_bench(cfg: Config, params: MixedParams, opts: MixedOptions) -> dict[str, Any]:
     """Run the mixed traffic at each short QPS on each system (see the module docstring); returns the JSON document."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    systems = check_options(cfg, names, short_qps, vllm_python)
+    short_qps, vllm_python, out_dir, repeats = opts.short_qps, opts.vllm_python, opts.out_dir, opts.repeats
+    systems = check_options(cfg, opts.systems, short_qps, vllm_python)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     vocab = ordinary_token_ids(model_dir)
     traces = [build_trace(vocab, params, q) for q in short_qps]
@@ -148,20 +169,15 @@ def run_mixed_bench(
         with_overrides(cfg, list(s.overrides))
     for t in traces:
         print(t.describe())
-    scores: list[RunScore] = []
-    summaries: list[Summary] = []
-    runs: list[dict[str, Any]] = []
-    paired: dict[tuple[str, float], list[tuple[RunScore, RunScore]]] = {}  # (other, short QPS): (its, reference's)
-    launch: dict[str, dict[str, Any]] = {}
-    alone: dict[str, float] = {}
+    runs = _Runs()
     reference = systems[0]
     pairs = [[reference, other] for other in systems[1:]] or [[reference]]
 
     def started(stack: ExitStack, system: MixedSystem) -> Served:
         served = stack.enter_context(_serve(system, cfg, vllm_python, max_len, out_dir))
-        launch[system.name] = served.launch
-        alone[system.name] = alone_seconds(served.url, served.vllm, traces[0].alone_prompts, f"{system.name} alone")
-        seconds = alone[system.name]
+        runs.launch[system.name] = served.launch
+        seconds = alone_seconds(served.url, served.vllm, traces[0].alone_prompts, f"{system.name} alone")
+        runs.alone[system.name] = seconds
         print(f"{system.name}: a {params.long_tokens}-token prompt alone on the idle server: {seconds:.2f} s")
         return served
 
@@ -182,11 +198,11 @@ def run_mixed_bench(
                             records, metrics = _measure(
                                 server.url, server.vllm, calls_for(trace, system), trace, f"run-{i}-{k}-{rep}", label
                             )
-                            score = score_run(system.name, trace, records, alone[system.name], metrics)
+                            score = score_run(system.name, trace, records, runs.alone[system.name], metrics)
                             here[system.name] = score
-                            scores.append(score)
-                            summaries.append(short_summary(score, trace, records))
-                            runs.append(
+                            runs.scores.append(score)
+                            runs.summaries.append(short_summary(score, trace, records))
+                            runs.documents.append(
                                 {
                                     "system": system.name,
                                     "short_qps": trace.short_qps,
@@ -212,53 +228,45 @@ def run_mixed_bench(
                                 score.long.offered_per_s,
                             )
                         for other in pair[1:]:
-                            paired.setdefault((other.name, trace.short_qps), []).append(
+                            runs.paired.setdefault((other.name, trace.short_qps), []).append(
                                 (here[other.name], here[reference.name])
                             )
-    headline = [
+    # Every record of every run: large, so beside the plots (OUT_DIR), not in the summary JSON.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "records.json").write_text(json.dumps(runs.documents) + "\n")
+    doc = _report(cfg, params, opts, systems, traces, runs)
+    return {**doc, "runs": runs.documents}
+
+
+def _headline(reference: str, params: MixedParams, runs: _Runs) -> list[dict[str, Any]]:
+    """The rows a results table quotes: short and all calls in time per second, the reference against each other."""
+    return [
         headline_row(
             f"{'all' if kind == 'total' else kind} calls in time per second among {params.long_tokens}-token "
             f"prompts, {qps:g} short/s",
             "/s",
-            (reference.name, [getattr(r, kind).goodput_per_s for _, r in pair_scores]),
+            (reference, [getattr(r, kind).goodput_per_s for _, r in pair_scores]),
             (other, [getattr(o, kind).goodput_per_s for o, _ in pair_scores]),
             higher_is_better=True,
         )
-        for (other, qps), pair_scores in paired.items()
+        for (other, qps), pair_scores in runs.paired.items()
         for kind in ("short", "total")
     ]
-    print_headline(headline)
-    # Every record of every run: large, so beside the plots (OUT_DIR), not in the summary JSON.
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "records.json").write_text(json.dumps(runs) + "\n")
-    doc = _report(
-        cfg,
-        params,
-        systems,
-        short_qps,
-        traces,
-        scores,
-        summaries,
-        runs,
-        json_path,
-        {"repeats": repeats, "launch": launch, "alone_seconds": alone, "headline": headline},
-    )
-    return {**doc, "runs": runs}
 
 
 def _report(
     cfg: Config,
     params: MixedParams,
+    opts: MixedOptions,
     systems: list[MixedSystem],
-    short_qps: list[float],
     traces: list[MixedTrace],
-    scores: list[RunScore],
-    summaries: list[Summary],
-    runs: list[dict[str, Any]],
-    json_path: str | None,
-    extra: dict[str, Any],
+    runs: _Runs,
 ) -> dict[str, Any]:
-    """Print the goodput table, the short calls' per-load and sustainable-QPS tables; write the JSON."""
+    """Print the headline rows, the goodput table, the short calls' per-load and sustainable-QPS tables;
+    write the JSON."""
+    headline = _headline(systems[0].name, params, runs)
+    print_headline(headline)
+    scores, summaries = runs.scores, runs.summaries
     print_goodput(scores, params)
     slo = [params.short_slo_ms / 1e3]
     table = sustainable_table(summaries, [s.name for s in systems], slo, slo)
@@ -266,14 +274,14 @@ def _report(
         print("short calls per offered load (x and QPS: short calls/s offered; SLO: the short objective)")
         print_tables(summaries, table, slo, slo)
     return write_report(
-        json_path,
+        opts.json_path,
         "mixed",
         resolve_device(cfg.device),
         {
             "config": asdict(cfg),
             "params": asdict(params),
             "systems": [asdict(s) for s in systems],
-            "short_qps": short_qps,
+            "short_qps": opts.short_qps,
             "traces": [
                 {
                     "short_qps": t.short_qps,
@@ -286,6 +294,9 @@ def _report(
             "scores": [asdict(s) for s in scores],
             "summaries": [asdict(s) for s in summaries],
             "sustainable_short_qps": table,
-            **extra,
+            "repeats": opts.repeats,
+            "launch": runs.launch,
+            "alone_seconds": runs.alone,
+            "headline": headline,
         },
     )

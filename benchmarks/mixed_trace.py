@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from benchmarks.load import Call
 from benchmarks.systems import MixedSystem
-from benchmarks.traces import BenchError, credit_verification, visits
+from benchmarks.traces import BenchError, VisitsTraceOptions, credit_verification, visits
 from benchmarks.visits import split_visits
 
 SHORT, LONG = "short", "long"
@@ -151,16 +151,18 @@ def build_trace(vocab: list[int], p: MixedParams, short_qps: float) -> MixedTrac
         split_visits(
             visits(
                 vocab,
-                p.users,
-                max(1, num_short),
-                p.posts,
-                n,
-                n // 6,
-                2 * n // 3,
-                4 * n // 3,
-                p.post_tokens,
-                p.zipf,
-                seed=p.seed,
+                VisitsTraceOptions(
+                    users=p.users,
+                    visits=max(1, num_short),
+                    posts=p.posts,
+                    profile_mean=n,
+                    profile_sd=n // 6,
+                    profile_min=2 * n // 3,
+                    profile_max=4 * n // 3,
+                    post_tokens=p.post_tokens,
+                    zipf=p.zipf,
+                    seed=p.seed,
+                ),
             )
         )
     )

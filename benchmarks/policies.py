@@ -22,7 +22,7 @@ import torch
 from benchmarks.load import kv_bytes_per_token, run_engine
 from benchmarks.report import write_report
 from benchmarks.stats import percentile, poisson_arrivals
-from benchmarks.traces import Trace, ordinary_token_ids, post_recommendation
+from benchmarks.traces import PostRecommendationOptions, Trace, ordinary_token_ids, post_recommendation
 from tiered.config import Config
 from tiered.engine import Engine, Result
 from tiered.scheduler.scheduler import Decision
@@ -145,20 +145,28 @@ def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: i
     return out
 
 
-def run_policies_bench(
-    cfg: Config,
-    policies: list[str],
-    users: int,
-    posts: int,
-    profile_mean: int,
-    profile_sd: int,
-    post_tokens: int,
-    device_fraction: float,
-    depths: list[int],
-    repeats: int,
-    load: float,
-    json_path: str | None,
-) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class PoliciesOptions:
+    """What `run_policies_bench` runs beyond the config (the CLI's options, one to one)."""
+
+    policies: list[str]
+    users: int
+    posts: int  # candidate posts per user
+    profile_mean: int  # tokens; profile lengths are clipped to mean +- sd
+    profile_sd: int
+    post_tokens: int
+    device_fraction: float  # the device tier, as a share of all profiles' KV
+    depths: list[int]  # queue depths for the decision time
+    repeats: int  # runs per policy, interleaved; the tables show each policy's median run
+    load: float  # Poisson arrival rate, as a share of the saturation rate (0: the burst only)
+    json_path: str | None
+
+
+def run_policies_bench(cfg: Config, opts: PoliciesOptions) -> dict[str, object]:
+    """Each policy on the same post-recommendation trace and arrivals (see the module docstring); the JSON document."""
+    policies, users, posts, repeats, load = opts.policies, opts.users, opts.posts, opts.repeats, opts.load
+    profile_mean, profile_sd, post_tokens = opts.profile_mean, opts.profile_sd, opts.post_tokens
+    device_fraction = opts.device_fraction
     a_engine = Engine(cfg)  # profiles the JCT model once (cached on disk for the runs below)
     vocab = ordinary_token_ids(a_engine.model_dir)
     a_engine.close()
@@ -167,14 +175,16 @@ def run_policies_bench(
     cfg = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
     trace = post_recommendation(
         vocab,
-        users,
-        posts,
-        profile_mean,
-        profile_sd,
-        profile_mean - profile_sd,
-        profile_mean + profile_sd,
-        post_tokens,
-        seed=0,
+        PostRecommendationOptions(
+            users,
+            posts,
+            profile_mean,
+            profile_sd,
+            profile_mean - profile_sd,
+            profile_mean + profile_sd,
+            post_tokens,
+            seed=0,
+        ),
     )
     # Saturation throughput: everything submitted at once (fcfs: the order does not change the work much).
     burst = run_policy(cfg, "fcfs", trace, poisson_arrivals(len(trace), 0, seed=0))
@@ -194,7 +204,7 @@ def run_policies_bench(
         sorted((r for r in all_runs if r.policy == p), key=lambda r: r.mean_latency_seconds)[repeats // 2]
         for p in policies
     ]
-    decisions = decision_times(cfg, depths, request_tokens=min(4096, cfg.model.max_model_len - 64), picks=20)
+    decisions = decision_times(cfg, opts.depths, request_tokens=min(4096, cfg.model.max_model_len - 64), picks=20)
     shape = f"profile ~{profile_mean}±{profile_sd} + post {post_tokens} tokens"
     print(f"post recommendation: {users} users x {posts} posts, {shape}, device tier {device_fraction:.0%} of profiles")
     if load > 0:
@@ -212,7 +222,7 @@ def run_policies_bench(
     for p, by in decisions.items():
         print(f"ms per decision, {p}: " + ", ".join(f"depth {d}: {ms:.3f}" for d, ms in by.items()))
     return write_report(
-        json_path,
+        opts.json_path,
         "policies",
         cfg.device,
         {

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks.cluster_sim import Cluster, Costs, Outcome, arrivals, max_qps, profiles, simulate
+from benchmarks.cluster_sim import Cluster, Costs, Outcome, SimOptions, Traffic, arrivals, max_qps, profiles, simulate
 
 POSTS, POST_TOKENS = 8, 150
 
@@ -127,7 +127,7 @@ def project(a: argparse.Namespace) -> None:
         visits = max(a.min_visits, a.visits_per_replica * n)
         for routing in ("affinity", "round_robin"):
             cluster = Cluster(n, local_tokens, a.remote_tokens, bandwidth(a), routing, a.load_factor)
-            qps, out = max_qps(cluster, costs, sizes, a.slo, a.zipf, visits, a.seed, POSTS)
+            qps, out = max_qps(cluster, costs, sizes, a.slo, Traffic(a.zipf, visits, a.seed), SimOptions(posts=POSTS))
             rows.append({"replicas": n, "routing": routing, "max_qps": qps, "per_replica": qps / n, **asdict(out)})
             print(
                 f"{n:4d} {routing:11s} {qps:9.1f} visits/s within P99 {a.slo:g} s ({qps / n:.2f}/replica); P99 "

@@ -37,8 +37,8 @@ from typing import Literal
 import psutil
 
 from benchmarks.launch import free_port, start_redis, start_router, start_server, stop_server
-from benchmarks.load import Call, run_http
-from benchmarks.traces import ordinary_token_ids, visits
+from benchmarks.load import Call, HttpOptions, run_http
+from benchmarks.traces import VisitsTraceOptions, ordinary_token_ids, visits
 from benchmarks.visits import split_visits
 from tiered.config import Config, load_config, with_overrides, write_config
 from tiered.embedded import resolve_model_path
@@ -51,7 +51,7 @@ def pin(pid: int, cores: str) -> None:
 
 
 def measure(url: str, calls: list[Call], salt: str, concurrency: int) -> dict[str, float]:
-    records, makespan = run_http(url, "model", calls, [0.0] * len(calls), salt, concurrency, salt)
+    records, makespan = run_http(url, "model", calls, [0.0] * len(calls), HttpOptions(salt, concurrency, salt))
     ok = [r for r in records if r.error is None]
     tokens = sum(r.num_tokens for r in ok)
     lat = sorted(r.latency_seconds for r in ok)
@@ -87,7 +87,7 @@ def main() -> None:
     remote = [] if a.no_redis else [f"cache.host.lmcache.remote_url={redis_url}"]
     cfg = with_overrides(load_config(a.config, a.set), remote)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
-    trace = visits(ordinary_token_ids(folder), a.users, a.visits, a.posts, seed=0)
+    trace = visits(ordinary_token_ids(folder), VisitsTraceOptions(a.users, a.visits, a.posts, seed=0))
     vs = split_visits(trace)
     calls = [Call(v.call.call_id, v.call.prompts, user=f"u{v.user}") for v in vs]
     print(trace.describe())
@@ -184,9 +184,11 @@ def moved(urls: list[str], vs: list, n: int) -> dict[str, float]:
     pairs = [(u, v[0], v[1]) for u, v in by_user.items() if len(v) >= 2][:n]
     remote = profile = 0
     for u, first, second in pairs:
-        run_http(urls[0], "model", [first.call], [0.0], f"moved u{u} on 0", None, "moved")
+        run_http(urls[0], "model", [first.call], [0.0], HttpOptions(f"moved u{u} on 0", cache_salt="moved"))
         time.sleep(1.0)  # LMCache's remote puts are asynchronous
-        records, _ = run_http(urls[1], "model", [second.call], [0.0], f"moved u{u} on 1", None, "moved")
+        records, _ = run_http(
+            urls[1], "model", [second.call], [0.0], HttpOptions(f"moved u{u} on 1", cache_salt="moved")
+        )
         remote += records[0].remote_hit_tokens
         profile += second.profile_tokens  # batched: the lead loads the profile once, its followers share it
     return {"users": len(pairs), "remote_of_profile": remote / max(1, profile)}

@@ -17,7 +17,7 @@ import httpx
 import psutil
 
 from benchmarks.launch import start_server, stop_server
-from benchmarks.load import WARM_UP, Call, run_http
+from benchmarks.load import WARM_UP, Call, HttpOptions, run_http
 from benchmarks.vllm import VLLMServer
 from tiered.config import Config, write_config
 
@@ -37,9 +37,9 @@ class Served:
 
 def _warm_up(url: str, calls: Sequence[Call], concurrency: int | None) -> None:
     """The same warm-up for every system: one short call, then `calls` (e.g. a trace's first visits)."""
-    run_http(url, "model", [WARM_UP], [0.0], cache_salt="warm-up")
+    run_http(url, "model", [WARM_UP], [0.0], HttpOptions(cache_salt="warm-up"))
     if calls:
-        run_http(url, "model", list(calls), [0.0] * len(calls), "warm-up", concurrency, "warm-up")
+        run_http(url, "model", list(calls), [0.0] * len(calls), HttpOptions("warm-up", concurrency, "warm-up"))
 
 
 @contextmanager

@@ -25,7 +25,7 @@ import logging
 import random
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,26 +65,44 @@ def _metrics(http: httpx.Client, url: str) -> dict[str, float]:
     return parse(http.get(f"{url}/metrics", timeout=30).text)
 
 
-def run_soak(
-    cfg: Config,
-    minutes: float,
-    concurrency: int,
-    invalid_fraction: float,
-    users: int,
-    profile_tokens: int,
-    out_dir: Path,
-    json_path: str | None,
-    seed: int = 0,
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class SoakOptions:
+    """What `run_soak` runs beyond the config (the CLI's options, one to one)."""
+
+    minutes: float
+    concurrency: int  # clients, each with one request in flight
+    invalid_fraction: float  # the chance that a request is one of the INVALID kinds
+    users: int  # distinct profiles (shared prefixes)
+    profile_tokens: int  # the longest profile; lengths uniform in [1/2, 1] of it
+    out_dir: Path  # where the server's config is written
+    json_path: str | None
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompts:
+    """What the soak's clients build their requests from."""
+
+    profiles: list[list[int]]
+    probe: list[int]  # the prompt whose answers must all agree
+    labels: list[int]  # the two tokens whose logprobs every valid request asks for
+    vocab: list[int]
+    max_len: int  # the server's max_model_len (one invalid kind is longer)
+
+
+def run_soak(cfg: Config, opts: SoakOptions) -> dict[str, Any]:
+    """Soak a `tiered serve` of `cfg` for `opts.minutes` (see the module docstring); the JSON document."""
+    minutes, concurrency, invalid_fraction = opts.minutes, opts.concurrency, opts.invalid_fraction
+    users, profile_tokens = opts.users, opts.profile_tokens
     logging.getLogger("httpx").setLevel(logging.WARNING)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     cfg = replace(cfg, model=replace(cfg.model, path=str(folder)))
     vocab = ordinary_token_ids(folder)
-    rng = random.Random(seed)
+    rng = random.Random(opts.seed)
     profiles = [rng.choices(vocab, k=rng.randint(profile_tokens // 2, profile_tokens)) for _ in range(users)]
     probe = profiles[0] + rng.choices(vocab, k=40)
     labels = vocab[:2]
-    path = write_config(cfg, out_dir / "soak.yaml")
+    path = write_config(cfg, opts.out_dir / "soak.yaml")
     proc, url = start_server(["--config", str(path)])
     http = httpx.Client(timeout=600)
     try:
@@ -95,9 +113,8 @@ def run_soak(
             http.post(f"{url}/v1/completions", json={"prompt": p + [vocab[5]], "max_tokens": 1}).raise_for_status()
         before = _metrics(http, url)
         rss = {"warm": _rss(pids)}
-        stats = asyncio.run(
-            _drive(url, minutes, concurrency, invalid_fraction, profiles, probe, labels, vocab, max_len, rng, pids, rss)
-        )
+        prompts = _Prompts(profiles, probe, labels, vocab, max_len)
+        stats = asyncio.run(_drive(url, opts, prompts, rng, pids, rss))
         time.sleep(2.0)
         idle = http.post(
             f"{url}/v1/completions", json={"prompt": probe, "max_tokens": 1, "logprob_token_ids": labels}
@@ -166,23 +183,14 @@ def run_soak(
         f"waiting {after['vllm:num_requests_waiting']:.0f}; "
         f"engine restarts {after['tiered:engine_restarts_total']:.0f}"
     )
-    return write_report(json_path, "soak", cfg.device, report)
+    return write_report(opts.json_path, "soak", cfg.device, report)
 
 
 async def _drive(
-    url: str,
-    minutes: float,
-    concurrency: int,
-    invalid_fraction: float,
-    profiles: list[list[int]],
-    probe: list[int],
-    labels: list[int],
-    vocab: list[int],
-    max_len: int,
-    rng: random.Random,
-    pids: list[int],
-    rss: dict[str, int],
+    url: str, opts: SoakOptions, prompts: _Prompts, rng: random.Random, pids: list[int], rss: dict[str, int]
 ) -> dict[str, Any]:
+    """`opts.concurrency` clients for `opts.minutes`, sampling RSS into `rss`: what they sent and got back."""
+    minutes, concurrency, invalid_fraction = opts.minutes, opts.concurrency, opts.invalid_fraction
     stats: dict[str, Any] = {
         "valid_sent": 0,
         "ok": 0,
@@ -204,7 +212,7 @@ async def _drive(
             while loop.time() < end:
                 if rng.random() < invalid_fraction:
                     kind = rng.choice(sorted(INVALID))
-                    body = INVALID[kind](rng.choice(profiles), max_len)
+                    body = INVALID[kind](rng.choice(prompts.profiles), prompts.max_len)
                     stats["invalid_sent"] += 1
                     if body is None:
                         r = await client.post(
@@ -219,10 +227,14 @@ async def _drive(
                     stats["5xx"] += r.status_code >= 500
                     continue
                 is_probe = rng.random() < 0.05
-                prompt = probe if is_probe else rng.choice(profiles) + rng.choices(vocab, k=rng.randint(20, 60))
+                prompt = (
+                    prompts.probe
+                    if is_probe
+                    else rng.choice(prompts.profiles) + rng.choices(prompts.vocab, k=rng.randint(20, 60))
+                )
                 stats["valid_sent"] += 1
                 sent = loop.time()
-                body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": labels}
+                body = {"prompt": prompt, "max_tokens": 1, "logprob_token_ids": prompts.labels}
                 r = await client.post(f"{url}/v1/completions", json=body)
                 stats["5xx"] += r.status_code >= 500
                 if r.status_code == 200:

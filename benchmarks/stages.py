@@ -125,7 +125,7 @@ def rounds(requests: list[Any], num_rounds: int) -> list[list[Any]]:
 
 def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.report import write_report
-    from benchmarks.traces import ordinary_token_ids, visits
+    from benchmarks.traces import VisitsTraceOptions, ordinary_token_ids, visits
     from tiered.config import load_config
     from tiered.embedded import resolve_model_path
 
@@ -136,16 +136,18 @@ def run_stages_bench(args: argparse.Namespace) -> dict[str, Any]:
     sd, lo, hi = (n // 6, 2 * n // 3, 4 * n // 3) if not args.exact_profiles else (0, n, n)
     trace = visits(
         vocab,
-        users=args.users,
-        visits=args.visits,
-        posts=args.posts,
-        profile_mean=n,
-        profile_sd=sd,
-        profile_min=lo,
-        profile_max=hi,
-        post_tokens=args.post_tokens,
-        zipf=args.zipf,
-        seed=args.seed,
+        VisitsTraceOptions(
+            users=args.users,
+            visits=args.visits,
+            posts=args.posts,
+            profile_mean=n,
+            profile_sd=sd,
+            profile_min=lo,
+            profile_max=hi,
+            post_tokens=args.post_tokens,
+            zipf=args.zipf,
+            seed=args.seed,
+        ),
     )
     rows = [_run_system(args, name, trace.requests) for name in args.systems]
     first = rows[0]["logprobs"]

@@ -275,19 +275,26 @@ def bench_config(model_dir: str, dtype: str, device: str, block_tokens: int, max
     return replace(cfg, model=model, cache=cache)
 
 
-def run_tiers_bench(
-    cfg: Config,
-    lengths: list[int],
-    users: int,
-    profile_tokens: int,
-    post_tokens: int,
-    rounds: int,
-    device_fraction: float,
-    repeats: int,
-    json_path: str | None,
-    sequence_repeats: int = 1,
-) -> dict[str, object]:
-    costs, stages = load_vs_compute(cfg, lengths, repeats)
+@dataclass(frozen=True, slots=True)
+class TiersOptions:
+    """What `run_tiers_bench` runs beyond the config (the CLI's options, one to one)."""
+
+    lengths: list[int]  # prefix lengths of part 1 (load against recompute)
+    users: int  # part 2: distinct profiles
+    profile_tokens: int
+    post_tokens: int  # the fresh suffix of each request
+    rounds: int  # visits per user
+    device_fraction: float  # the device tier, as a share of all profiles' KV
+    repeats: int  # timed repeats of part 1; the best is kept
+    json_path: str | None
+    sequence_repeats: int = 1  # runs of part 2 per suffix policy, taking turns
+
+
+def run_tiers_bench(cfg: Config, opts: TiersOptions) -> dict[str, object]:
+    """Load against recompute, then the revisit sequence with offload and discard (see the module docstring)."""
+    users, profile_tokens, post_tokens, rounds = opts.users, opts.profile_tokens, opts.post_tokens, opts.rounds
+    device_fraction, sequence_repeats = opts.device_fraction, opts.sequence_repeats
+    costs, stages = load_vs_compute(cfg, opts.lengths, opts.repeats)
     device_bytes = int(device_fraction * users * profile_tokens * kv_bytes_per_token(cfg))
     sized = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
     vocab = read_args(cfg.model.path).vocab_size
@@ -324,7 +331,7 @@ def run_tiers_bench(
     print(f"end to end, discard takes {speedup:.2f}x the time of offload (median of {sequence_repeats} paired runs)")
     print_headline(headline)
     return write_report(
-        json_path,
+        opts.json_path,
         "tiers",
         cfg.device,
         {

@@ -125,106 +125,100 @@ class _Draw:
         return self.tokens(max(1, int(round(self.rng.gauss(mean_tokens, mean_tokens / 10)))))
 
 
-def post_recommendation(
-    vocab: list[int],
-    users: int = 16,
-    posts: int = 8,
-    profile_mean: int = 14000,
-    profile_sd: int = 3000,
-    profile_min: int = 11000,
-    profile_max: int = 17000,
-    post_tokens: int = 150,
-    scale: float = 1.0,
-    seed: int = 0,
-) -> Trace:
+@dataclass(frozen=True, slots=True)
+class PostRecommendationOptions:
+    """The shape of a `post_recommendation` trace (lengths in tokens; the profiles' before `scale`)."""
+
+    users: int = 16
+    posts: int = 8  # candidate posts per user
+    profile_mean: int = 14000
+    profile_sd: int = 3000
+    profile_min: int = 11000  # the profile lengths' clip
+    profile_max: int = 17000
+    post_tokens: int = 150  # mean post length (sd 10%; not scaled)
+    scale: float = 1.0  # multiplies the profile lengths (and their sd, min, max)
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RevisitOptions:
+    """The shape of a `revisit` trace (lengths in tokens; the profiles' before `scale`)."""
+
+    users: int = 16
+    posts: int = 4  # candidate posts per user per round
+    rounds: int = 2  # visits per user
+    profile_mean: int = 14000
+    profile_sd: int = 3000
+    profile_min: int = 11000  # the profile lengths' clip
+    profile_max: int = 17000
+    post_tokens: int = 150  # mean post length (sd 10%; not scaled)
+    scale: float = 1.0  # multiplies the profile lengths (and their sd, min, max)
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class VisitsTraceOptions:
+    """The shape of a `visits` trace (lengths in tokens; the profiles' before `scale`)."""
+
+    users: int = 64
+    visits: int = 256  # visits in all, users drawn by `zipf`
+    posts: int = 8  # prompts per visit
+    profile_mean: int = 1800
+    profile_sd: int = 300
+    profile_min: int = 1200  # the profile lengths' clip
+    profile_max: int = 2400
+    post_tokens: int = 150  # mean post length (sd 10%; not scaled)
+    zipf: float = 1.1  # user u comes with probability proportional to 1 / (u + 1)^zipf
+    scale: float = 1.0  # multiplies the profile lengths (and their sd, min, max)
+    seed: int = 0
+
+
+def post_recommendation(vocab: list[int], opts: PostRecommendationOptions = PostRecommendationOptions()) -> Trace:
     """One visit per user: `revisit` with a single round."""
-    t = revisit(vocab, users, posts, 1, profile_mean, profile_sd, profile_min, profile_max, post_tokens, scale, seed)
+    t = revisit(vocab, RevisitOptions(rounds=1, **asdict(opts)))
     del t.params["rounds"]
     return Trace("post_recommendation", t.params, t.requests)
 
 
-def revisit(
-    vocab: list[int],
-    users: int = 16,
-    posts: int = 4,
-    rounds: int = 2,
-    profile_mean: int = 14000,
-    profile_sd: int = 3000,
-    profile_min: int = 11000,
-    profile_max: int = 17000,
-    post_tokens: int = 150,
-    scale: float = 1.0,
-    seed: int = 0,
-) -> Trace:
-    params = {
-        "users": users,
-        "posts": posts,
-        "rounds": rounds,
-        "profile_mean": profile_mean,
-        "profile_sd": profile_sd,
-        "profile_min": profile_min,
-        "profile_max": profile_max,
-        "post_tokens": post_tokens,
-        "scale": scale,
-        "seed": seed,
-    }
-    _check(users >= 1 and posts >= 1 and rounds >= 1, "users, posts and rounds must be >= 1")
-    d = _Draw(vocab, seed)
-    profiles = d.profiles(users, profile_mean, profile_sd, profile_min, profile_max, scale)
+def revisit(vocab: list[int], opts: RevisitOptions = RevisitOptions()) -> Trace:
+    """Post recommendation in `opts.rounds`: every user once per round, with new posts each round."""
+    params = asdict(opts)
+    _check(opts.users >= 1 and opts.posts >= 1 and opts.rounds >= 1, "users, posts and rounds must be >= 1")
+    d = _Draw(vocab, opts.seed)
+    profiles = d.profiles(
+        opts.users, opts.profile_mean, opts.profile_sd, opts.profile_min, opts.profile_max, opts.scale
+    )
     question = d.tokens(QUESTION_TOKENS)
     requests = []
-    for r in range(rounds):
+    for r in range(opts.rounds):
         batch = []
-        for u in range(users):
-            for p in range(posts):
-                ids = profiles[u] + d.post(post_tokens) + question
+        for u in range(opts.users):
+            for p in range(opts.posts):
+                ids = profiles[u] + d.post(opts.post_tokens) + question
                 batch.append(TraceRequest(f"r{r}-u{u}-p{p}", u, ids, len(profiles[u])))
         d.rng.shuffle(batch)
         requests += batch
     return Trace("revisit", params, requests)
 
 
-def visits(
-    vocab: list[int],
-    users: int = 64,
-    visits: int = 256,
-    posts: int = 8,
-    profile_mean: int = 1800,
-    profile_sd: int = 300,
-    profile_min: int = 1200,
-    profile_max: int = 2400,
-    post_tokens: int = 150,
-    zipf: float = 1.1,
-    scale: float = 1.0,
-    seed: int = 0,
-) -> Trace:
-    """`visits` visits; user u (0 = most popular) comes with probability proportional to 1 / (u + 1)^zipf.
+def visits(vocab: list[int], opts: VisitsTraceOptions = VisitsTraceOptions()) -> Trace:
+    """`opts.visits` visits; user u (0 = most popular) comes with probability proportional to 1 / (u + 1)^zipf.
 
     A finite Zipf law, so any exponent >= 0 works (0: uniform). With the defaults, the 5 most popular
     of 64 users make about half of the visits (54% expected), and a dozen users never come."""
-    params = {
-        "users": users,
-        "visits": visits,
-        "posts": posts,
-        "profile_mean": profile_mean,
-        "profile_sd": profile_sd,
-        "profile_min": profile_min,
-        "profile_max": profile_max,
-        "post_tokens": post_tokens,
-        "zipf": zipf,
-        "scale": scale,
-        "seed": seed,
-    }
-    _check(users >= 1 and visits >= 1 and posts >= 1, "users, visits and posts must be >= 1")
-    _check(zipf >= 0, f"the Zipf exponent must be >= 0, got {zipf}")
-    d = _Draw(vocab, seed)
-    profiles = d.profiles(users, profile_mean, profile_sd, profile_min, profile_max, scale)
+    params = asdict(opts)
+    _check(opts.users >= 1 and opts.visits >= 1 and opts.posts >= 1, "users, visits and posts must be >= 1")
+    _check(opts.zipf >= 0, f"the Zipf exponent must be >= 0, got {opts.zipf}")
+    d = _Draw(vocab, opts.seed)
+    profiles = d.profiles(
+        opts.users, opts.profile_mean, opts.profile_sd, opts.profile_min, opts.profile_max, opts.scale
+    )
     question = d.tokens(QUESTION_TOKENS)
-    who = d.rng.choices(range(users), [1 / (u + 1) ** zipf for u in range(users)], k=visits)
+    who = d.rng.choices(range(opts.users), [1 / (u + 1) ** opts.zipf for u in range(opts.users)], k=opts.visits)
     requests = []
     for v, u in enumerate(who):
-        for p in range(posts):
-            ids = profiles[u] + d.post(post_tokens) + question
+        for p in range(opts.posts):
+            ids = profiles[u] + d.post(opts.post_tokens) + question
             requests.append(TraceRequest(f"v{v}-u{u}-p{p}", u, ids, len(profiles[u]), v))
     return Trace("visits", params, requests)
 

@@ -46,7 +46,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.load import SLO_FACTORS, Call, print_tables, run_http, sustainable_table
+from benchmarks.load import SLO_FACTORS, Call, HttpOptions, print_tables, run_http, sustainable_table
 from benchmarks.mil import forward_flops, matmul_flops_per_s
 from benchmarks.report import headline_row, print_headline, write_report
 from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
@@ -55,7 +55,7 @@ from benchmarks.systems import LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check
 from benchmarks.systems import VISIT_SYSTEMS as SYSTEMS
 from benchmarks.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from benchmarks.traces import BenchError, Trace, TraceRequest
-from benchmarks.vllm import VLLMServer, kv_memory_bytes, peer_launch
+from benchmarks.vllm import PeerOptions, VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import make_adapter, resolve_model_path
 from tiered.hybrid.args import ModelArgs
@@ -244,7 +244,7 @@ def _serve(
         if k
         else []
     )
-    launch = peer_launch(cfg, opts.vllm_python, max_len, kv_bytes, eager=setup.eager, extra_args=lora)
+    launch = peer_launch(cfg, opts.vllm_python, max_len, kv_bytes, PeerOptions(eager=setup.eager, extra_args=lora))
     with serve_vllm(VLLMServer(launch), system, opts.out_dir, warm_up, opts.concurrency) as served:
         yield served
 
@@ -257,7 +257,7 @@ def _measure(
     if vllm is not None:
         vllm.reset()
         before = vllm_prefix_cache_tokens(served.url)
-    records, makespan = run_http(served.url, "model", calls, arrivals, label, concurrency, salt)
+    records, makespan = run_http(served.url, "model", calls, arrivals, HttpOptions(label, concurrency, salt))
     ok = [r for r in records if r.error is None]
     if vllm is None:
         prompt = sum(r.num_tokens for r in ok)
@@ -322,6 +322,31 @@ class _Runs:
     launch: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """What every run of a `bench visits` invocation shares, set before the first server starts."""
+
+    cfg: Config  # as run: the trace's length and the resolved model folder in
+    trace: Trace
+    opts: VisitsOptions
+    visits: list[Visit]
+    prompts_of: dict[str, int]  # prompts per call id
+    args: ModelArgs
+    matmul: float  # this machine's matmul FLOP/s in the compute dtype
+    kv_bytes: dict[str, int]  # each vLLM system's KV memory
+    device: str
+    load_of: str  # whose median saturation rate the loads scale
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """One offered load: visits arriving as a Poisson process at `multiple` x the saturation `rate`."""
+
+    multiple: float
+    rate: float  # visits/s: the median saturation rate of `load_of`
+    arrivals: list[float]  # seconds from the run's start, one per visit (the same for every system)
+
+
 def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str, Any]:
     """Run the visits of `trace` on each system (see the module docstring); returns the JSON document.
 
@@ -361,6 +386,7 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
     reference, load_of = systems[0], opts.load_of or systems[0]
     pairs = [[reference, other] for other in systems[1:]] or [[reference]]
     pairs.sort(key=lambda pair: load_of not in pair)  # the pair that measures the loads' base rate goes first
+    ctx = _Context(cfg, trace, opts, visits, prompts_of, args, matmul, kv_bytes, device, load_of)
     calls_of = {s: lora_calls(visits, num_adapters(s)) for s in systems}
     runs = _Runs()
     rate: float | None = None
@@ -390,64 +416,37 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
                     here: dict[str, Saturation] = {}
                     for system in pair:
                         wait_quiet(pids)
-                        here[system] = _saturation(
-                            served[system],
-                            calls_of[system],
-                            prompts_of,
-                            args,
-                            matmul,
-                            f"sat-{i}-{rep}",
-                            opts.concurrency,
-                            rep,
-                            runs,
-                        )
+                        here[system] = _saturation(ctx, served[system], calls_of[system], f"sat-{i}-{rep}", rep, runs)
                     for other in pair[1:]:
                         runs.paired_saturation.setdefault(other, []).append((here[other], here[reference]))
                 if rate is None:
                     rate = statistics.median(s.visits_per_s for s in runs.saturation[load_of])
                 for k, multiple in enumerate(opts.multiples):
-                    arrivals = poisson_arrivals(len(visits), multiple * rate, opts.seed)
+                    load = _Load(multiple, rate, poisson_arrivals(len(visits), multiple * rate, opts.seed))
                     for rep in range(opts.repeats):
                         summary: dict[str, Summary] = {}
                         for system in pair:
                             wait_quiet(pids)
                             summary[system] = _load_run(
-                                served[system],
-                                calls_of[system],
-                                arrivals,
-                                multiple,
-                                rate,
-                                f"load-{i}-{k}-{rep}",
-                                rep,
-                                runs,
+                                served[system], calls_of[system], load, f"load-{i}-{k}-{rep}", rep, runs
                             )
                         for other in pair[1:]:
                             runs.paired_loads.setdefault((other, multiple), []).append(
                                 (summary[other], summary[reference])
                             )
 
-    return _report(cfg, trace, opts, visits, runs, rate, matmul, kv_bytes, device, load_of)
+    return _report(ctx, runs, rate)
 
 
-def _saturation(
-    served: Served,
-    calls: list[Call],
-    prompts_of: dict[str, int],
-    args: ModelArgs,
-    matmul: float,
-    salt: str,
-    concurrency: int,
-    rep: int,
-    runs: _Runs,
-) -> Saturation:
+def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep: int, runs: _Runs) -> Saturation:
     """All visits at once, at most `concurrency` in flight: visits/s, cache use and the physical limit."""
-    system = served.system
+    system, concurrency = served.system, ctx.opts.concurrency
     label = f"{system} saturation #{rep + 1}"
     records, makespan, cache = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
     ok = [r for r in records if r.error is None]
     visits_per_s = len(ok) / makespan
-    num_prompts = sum(prompts_of[r.request_id] for r in ok)
-    limit = physical_limit(args, cache, num_prompts, len(ok), visits_per_s, matmul)
+    num_prompts = sum(ctx.prompts_of[r.request_id] for r in ok)
+    limit = physical_limit(ctx.args, cache, num_prompts, len(ok), visits_per_s, ctx.matmul)
     sat = Saturation(system, visits_per_s, makespan, concurrency, len(records) - len(ok), cache, limit)
     runs.saturation.setdefault(system, []).append(sat)
     runs.saturation_records.setdefault(system, []).extend({**asdict(r), "repeat": rep} for r in records)
@@ -461,20 +460,12 @@ def _saturation(
     return sat
 
 
-def _load_run(
-    served: Served,
-    calls: list[Call],
-    arrivals: list[float],
-    multiple: float,
-    rate: float,
-    salt: str,
-    rep: int,
-    runs: _Runs,
-) -> Summary:
-    """The visits as a Poisson process at `multiple` x `rate`: one run's summary."""
-    system = served.system
-    records, makespan, cache = _measure(served, calls, arrivals, f"{system} x{multiple:g} #{rep + 1}", salt, None)
-    s = summarize(system, multiple, multiple * rate, records, makespan)
+def _load_run(served: Served, calls: list[Call], load: _Load, salt: str, rep: int, runs: _Runs) -> Summary:
+    """The visits as a Poisson process at `load.multiple` x `load.rate`: one run's summary."""
+    system, multiple = served.system, load.multiple
+    label = f"{system} x{multiple:g} #{rep + 1}"
+    records, makespan, cache = _measure(served, calls, load.arrivals, label, salt, None)
+    s = summarize(system, multiple, multiple * load.rate, records, makespan)
     if served.vllm is not None:  # its hits from /metrics, not from the under-reporting responses
         s = replace(s, device_hit_rate=cache.device_hit_tokens / max(1, cache.prompt_tokens))
     runs.loads.setdefault((system, multiple), []).append(s)
@@ -539,19 +530,9 @@ def _headline(opts: VisitsOptions, runs: _Runs, load_of: str) -> list[dict[str, 
     return rows
 
 
-def _report(
-    cfg: Config,
-    trace: Trace,
-    opts: VisitsOptions,
-    visits: list[Visit],
-    runs: _Runs,
-    rate: float | None,
-    matmul: float,
-    kv_bytes: dict[str, int],
-    device: str,
-    load_of: str,
-) -> dict[str, Any]:
+def _report(ctx: _Context, runs: _Runs, rate: float | None) -> dict[str, Any]:
     """Print the saturation and per-load tables; write the JSON (records to OUT_DIR, not the summary)."""
+    cfg, trace, opts, visits, load_of = ctx.cfg, ctx.trace, ctx.opts, ctx.visits, ctx.load_of
     systems = opts.systems
     medians = [_median_saturation(runs.saturation[s]) for s in systems]
     _print_saturation(medians, runs)
@@ -578,7 +559,7 @@ def _report(
     doc = write_report(
         opts.json_path,
         "visits",
-        device,
+        ctx.device,
         {
             "config": asdict(cfg),
             "trace": {
@@ -595,8 +576,8 @@ def _report(
             "repeats": opts.repeats,
             "warm_up_visits": opts.warm_up_visits,
             "records": str(records_path),
-            "matmul_flops_per_s": matmul,
-            "kv_bytes": {"ours": kv_memory_bytes(cfg), **kv_bytes},
+            "matmul_flops_per_s": ctx.matmul,
+            "kv_bytes": {"ours": kv_memory_bytes(cfg), **ctx.kv_bytes},
             "reference": systems[0],
             "load_of": load_of,
             "launch": runs.launch,

@@ -55,16 +55,18 @@ def kv_memory_bytes(cfg: Config) -> int:
     return cfg.cache.device_tier_bytes + int(host_gb * 2**30)
 
 
+@dataclass(slots=True, frozen=True)
+class PeerOptions:
+    """The named alternatives of a `peer_launch` (`VLLMLaunch`'s fields of the same names); the defaults are vLLM's."""
+
+    eager: bool = False  # --enforce-eager
+    chunked: bool = True  # False: --no-enable-chunked-prefill
+    step_tokens: int | None = None  # --max-num-batched-tokens
+    extra_args: Sequence[str] = ()
+
+
 def peer_launch(
-    cfg: Config,
-    python: str,
-    max_model_len: int,
-    kv_bytes: int | None = None,
-    *,
-    eager: bool = False,
-    chunked: bool = True,
-    step_tokens: int | None = None,
-    extra_args: Sequence[str] = (),
+    cfg: Config, python: str, max_model_len: int, kv_bytes: int | None = None, peer: PeerOptions = PeerOptions()
 ) -> VLLMLaunch:
     """vLLM on our model folder in the compute dtype our rule picks here (its CPU GEMMs are torch's),
     with `kv_bytes` of KV memory: by default as many bytes as our tiers hold in RAM together."""
@@ -80,10 +82,10 @@ def peer_launch(
         max_model_len=max_model_len,
         kv_bytes=kv_memory_bytes(cfg) if kv_bytes is None else kv_bytes,
         kv_bytes_per_token=per_token,
-        eager=eager,
-        chunked=chunked,
-        step_tokens=step_tokens,
-        extra_args=tuple(extra_args),
+        eager=peer.eager,
+        chunked=peer.chunked,
+        step_tokens=peer.step_tokens,
+        extra_args=tuple(peer.extra_args),
     )
 
 

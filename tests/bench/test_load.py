@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from benchmarks.load import run_load_bench
+from benchmarks.load import LoadOptions, run_load_bench
 from benchmarks.stats import Summary, percentile, sustainable_qps, tail_name
-from benchmarks.traces import BenchError, Trace, credit_verification, post_recommendation, revisit
+from benchmarks.traces import (
+    BenchError,
+    PostRecommendationOptions,
+    RevisitOptions,
+    Trace,
+    credit_verification,
+    post_recommendation,
+    revisit,
+)
 from tiered.config import load_config
 
 VOCAB = list(range(10, 500))
 
 
 def test_post_recommendation_is_seeded_exact_and_shares_only_within_a_user() -> None:
-    t = post_recommendation(VOCAB, users=5, posts=3, scale=0.01, seed=1)
-    assert len(t) == 15 and t.requests == post_recommendation(VOCAB, users=5, posts=3, scale=0.01, seed=1).requests
-    assert t.requests != post_recommendation(VOCAB, users=5, posts=3, scale=0.01, seed=2).requests
+    opts = PostRecommendationOptions(users=5, posts=3, scale=0.01, seed=1)
+    t = post_recommendation(VOCAB, opts)
+    assert len(t) == 15 and t.requests == post_recommendation(VOCAB, opts).requests
+    assert t.requests != post_recommendation(VOCAB, replace(opts, seed=2)).requests
     by_user: dict[int, list] = {}
     for r in t.requests:
         by_user.setdefault(r.user, []).append(r)
@@ -31,7 +41,7 @@ def test_post_recommendation_is_seeded_exact_and_shares_only_within_a_user() -> 
 
 
 def test_revisit_brings_every_user_back_after_all_others() -> None:
-    t = revisit(VOCAB, users=4, posts=2, rounds=3, scale=0.01)
+    t = revisit(VOCAB, RevisitOptions(users=4, posts=2, rounds=3, scale=0.01))
     assert len(t) == 24
     rounds = [t.requests[i * 8 : (i + 1) * 8] for i in range(3)]
     for batch in rounds:
@@ -77,20 +87,11 @@ def test_a_small_load_run_writes_json_and_plots(tiny_dir: Path, tmp_path: Path) 
             f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
         ],
     )
-    trace = revisit(VOCAB, users=4, posts=2, rounds=2, scale=0.02)
-    doc = run_load_bench(
-        cfg,
-        trace,
-        ["tiered", "prefillonly"],
-        [0.5, 2.0],
-        0.25,
-        None,
-        None,
-        None,
-        0,
-        str(tmp_path / "load.json"),
-        tmp_path,
+    trace = revisit(VOCAB, RevisitOptions(users=4, posts=2, rounds=2, scale=0.02))
+    opts = LoadOptions(
+        ["tiered", "prefillonly"], [0.5, 2.0], 0.25, None, None, None, 0, str(tmp_path / "load.json"), tmp_path
     )
+    doc = run_load_bench(cfg, trace, opts)
     saved = json.loads((tmp_path / "load.json").read_text())
     assert saved["trace"]["kind"] == "revisit" and len(saved["runs"]) == 4
     for run in saved["runs"]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.cli import main
-from benchmarks.mil import find_mil, forward_flops, probe_peak
+from benchmarks.mil import ForwardSetup, find_mil, forward_flops, probe_peak
 from tiered.hybrid.loader import read_args
 
 
@@ -16,7 +16,8 @@ def test_hybrid_peak_grows_far_slower_than_vanilla(tiny_dir: Path) -> None:
     """Per extra token, vanilla holds the MLP intermediate and all layers' K,V; hybrid neither."""
     slope = {}
     for mode in ("vanilla", "hybrid"):
-        short, long = (probe_peak(str(tiny_dir), "float32", "cpu", mode, 512, n) for n in (4096, 16384))
+        setup = ForwardSetup(str(tiny_dir), "float32", "cpu", 512)
+        short, long = (probe_peak(setup, mode, n) for n in (4096, 16384))
         slope[mode] = (long - short) / (16384 - 4096)
     a = read_args(tiny_dir)
     # Hybrid's live set per token: residual, q/attention output, one layer's K,V, one group's scratch.
@@ -27,9 +28,8 @@ def test_hybrid_peak_grows_far_slower_than_vanilla(tiny_dir: Path) -> None:
 
 def test_bisection_finds_the_longest_length_that_fits(tiny_dir: Path) -> None:
     budget = 24 * 2**20
-    r = find_mil(
-        str(tiny_dir), "float32", "cpu", "vanilla", 512, budget, start_tokens=1024, resolution=512, max_tokens=65536
-    )
+    setup = ForwardSetup(str(tiny_dir), "float32", "cpu", 512)
+    r = find_mil(setup, "vanilla", budget, start_tokens=1024, resolution=512, max_tokens=65536)
     assert not r.mil_capped and r.mil_tokens >= 1024
     assert r.peak_bytes_by_len[r.mil_tokens] <= budget
     over = [n for n, peak in r.peak_bytes_by_len.items() if peak > budget]

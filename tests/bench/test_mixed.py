@@ -12,7 +12,7 @@ import pytest
 from benchmarks.cli import main
 from benchmarks.goodput import print_goodput, score_run
 from benchmarks.load import Call, read_usage
-from benchmarks.mixed import run_mixed_bench
+from benchmarks.mixed import MixedOptions, run_mixed_bench
 from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace, build_trace, calls_for
 from benchmarks.stats import Record
 from benchmarks.systems import MixedSystem, mixed_system
@@ -190,7 +190,7 @@ def test_bad_systems_and_options_fail_before_anything_starts(tmp_path: Path) -> 
     cfg = load_config(DEFAULT_CONFIG, ["model.path=/nowhere/model"])  # would fail if anything started
 
     def run(systems: list[str], qps: list[float], python: str | None = None) -> None:
-        run_mixed_bench(cfg, SMALL, systems, qps, python, None, tmp_path)
+        run_mixed_bench(cfg, SMALL, MixedOptions(systems, qps, python, None, tmp_path))
 
     with pytest.raises(BenchError, match=r"unknown system\(s\) nope, vllm-chunk0; known: tiered, tiered-never, "):
         run(["tiered", "nope", "vllm-chunk0"], [1.0])
@@ -234,9 +234,8 @@ def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
         alone_repeats=1,
     )
     # tiered-fixed32 is the reference; tiered-never runs beside it, run for run, twice.
-    doc = run_mixed_bench(
-        cfg, params, ["tiered-fixed32", "tiered-never"], [2.0], None, str(tmp_path / "m.json"), tmp_path, repeats=2
-    )
+    opts = MixedOptions(["tiered-fixed32", "tiered-never"], [2.0], None, str(tmp_path / "m.json"), tmp_path, repeats=2)
+    doc = run_mixed_bench(cfg, params, opts)
     saved = json.loads((tmp_path / "m.json").read_text())
     trace = build_trace(ordinary_token_ids(tiny_dir), params, 2.0)
     assert saved["bench"] == "mixed" and saved["params"]["long_tokens"] == 200

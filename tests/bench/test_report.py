@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.report import END, START, headline_row, render_table, splice, write_report, write_tables
 from benchmarks.servers import wait_quiet
-from benchmarks.vllm import VLLMServer, kv_memory_bytes, peer_launch
+from benchmarks.vllm import PeerOptions, VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import load_config
 from tiered.config.options import DEFAULT_CONFIG
 
@@ -53,7 +53,7 @@ def test_the_peer_starts_compiled_with_the_ram_of_both_our_tiers(tiny_dir: Path)
     assert v.args[v.args.index("--kv-cache-memory-bytes") + 1] == str(2**20 + 2**29)
     assert "--max-num-batched-tokens" not in v.args and "--block-size" not in v.args  # vLLM's defaults
     assert set(v.launch_record()) == {"argv", "env", "startup_seconds"} and "VLLM_CPU_KVCACHE_SPACE" not in v.env
-    eager = VLLMServer(peer_launch(cfg, "/py", 4096, 2**20, eager=True, chunked=False))
+    eager = VLLMServer(peer_launch(cfg, "/py", 4096, 2**20, PeerOptions(eager=True, chunked=False)))
     assert "--enforce-eager" in eager.args and eager.args[eager.args.index("--max-num-batched-tokens") + 1] == "4096"
     # 1 MiB does not hold one 4,096-token request: raised to what vLLM needs, and said so
     per_token = eager.launch.kv_bytes_per_token

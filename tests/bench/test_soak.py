@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.soak import run_soak
+from benchmarks.soak import SoakOptions, run_soak
 from tiered.config import load_config
 
 
@@ -20,8 +20,7 @@ def test_a_short_soak_answers_every_valid_request_exactly_once(tiny_dir: Path, t
             f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
         ],
     )
-    report = run_soak(
-        cfg,
+    opts = SoakOptions(
         minutes=0.25,
         concurrency=8,
         invalid_fraction=0.3,
@@ -30,6 +29,7 @@ def test_a_short_soak_answers_every_valid_request_exactly_once(tiny_dir: Path, t
         out_dir=tmp_path,
         json_path=str(tmp_path / "soak.json"),
     )
+    report = run_soak(cfg, opts)
     assert report["exactly_once"] and report["valid_failures"] == [] and report["server_errors_5xx"] == 0
     assert report["valid_sent"] > 20 and report["invalid_sent"] > 5
     assert all(400 <= int(key.split(":")[1]) < 500 for key in report["invalid_by_status"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +12,16 @@ import pytest
 
 from benchmarks import servers as bench_servers
 from benchmarks.cli import main
-from benchmarks.traces import QUESTION_TOKENS, BenchError, Trace, TraceRequest, revisit, visits
+from benchmarks.traces import (
+    QUESTION_TOKENS,
+    BenchError,
+    RevisitOptions,
+    Trace,
+    TraceRequest,
+    VisitsTraceOptions,
+    revisit,
+    visits,
+)
 from benchmarks.visits import (
     VisitsOptions,
     run_visits_bench,
@@ -27,9 +37,10 @@ SMALL = {"profile_mean": 100, "profile_sd": 20, "profile_min": 80, "profile_max"
 
 
 def test_visits_are_seeded_exact_and_draw_returning_users(tmp_path: Path) -> None:
-    t = visits(VOCAB, users=6, visits=20, posts=4, **SMALL, seed=3)
-    assert len(t) == 80 and t.requests == visits(VOCAB, users=6, visits=20, posts=4, **SMALL, seed=3).requests
-    assert t.requests != visits(VOCAB, users=6, visits=20, posts=4, **SMALL, seed=4).requests
+    opts = VisitsTraceOptions(users=6, visits=20, posts=4, **SMALL, seed=3)
+    t = visits(VOCAB, opts)
+    assert len(t) == 80 and t.requests == visits(VOCAB, opts).requests
+    assert t.requests != visits(VOCAB, replace(opts, seed=4)).requests
     assert [r.visit for r in t.requests] == [v for v in range(20) for _ in range(4)]  # a visit's prompts adjoin
     question = t.requests[0].token_ids[-QUESTION_TOKENS:]
     profile: dict[int, list[int]] = {}
@@ -41,17 +52,18 @@ def test_visits_are_seeded_exact_and_draw_returning_users(tmp_path: Path) -> Non
     assert len({tuple(p[:16]) for p in profile.values()}) == len(profile)  # users share no prefix
     by_visit = Counter(r.user for r in t.requests if r.request_id.endswith("-p0"))
     assert by_visit.most_common(1)[0][1] >= 3 and len(by_visit) < 20  # Zipf: users come back
-    steep = Counter(r.user for r in visits(VOCAB, users=6, visits=200, posts=1, **SMALL, zipf=3.0).requests)
+    steep_opts = VisitsTraceOptions(users=6, visits=200, posts=1, **SMALL, zipf=3.0)
+    steep = Counter(r.user for r in visits(VOCAB, steep_opts).requests)
     assert steep[0] > 150  # 1 / zeta-ish mass of user 0 at exponent 3: ~0.84
     t.write(tmp_path / "v.json")
     back = Trace.read(tmp_path / "v.json")
     assert back.kind == "visits" and back.params["zipf"] == 1.1 and back.requests == t.requests
     with pytest.raises(BenchError, match="Zipf exponent"):
-        visits(VOCAB, zipf=-1)
+        visits(VOCAB, VisitsTraceOptions(zipf=-1))
 
 
 def test_old_trace_files_read_with_no_visit(tmp_path: Path) -> None:
-    revisit(VOCAB, users=2, posts=1, rounds=1, scale=0.01).write(tmp_path / "old.json")
+    revisit(VOCAB, RevisitOptions(users=2, posts=1, rounds=1, scale=0.01)).write(tmp_path / "old.json")
     doc = json.loads((tmp_path / "old.json").read_text())
     for r in doc["requests"]:
         del r["visit"]  # as written before the field existed
@@ -76,7 +88,7 @@ def test_split_visits_and_working_set_are_exact() -> None:
     # user 0: 2 shared blocks of 16; own blocks ceil(30/16) + ceil(30/16) + ceil(28/16); user 1: ceil(20/16)
     assert working_set_tokens(trace, 16) == 32 + (2 + 2 + 2) * 16 + 2 * 16
     with pytest.raises(BenchError, match="needs a visits trace"):
-        split_visits(revisit(VOCAB, users=1, posts=1, rounds=1, scale=0.01))
+        split_visits(revisit(VOCAB, RevisitOptions(users=1, posts=1, rounds=1, scale=0.01)))
 
 
 def test_vllm_counters_are_summed_over_labels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,7 +107,7 @@ vllm:prefix_cache_queries_created{engine="0",model_name="model"} 1.7e9
 
 def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
     cfg = load_config(DEFAULT_CONFIG)
-    trace = visits(VOCAB, users=2, visits=2, posts=1, **SMALL)
+    trace = visits(VOCAB, VisitsTraceOptions(users=2, visits=2, posts=1, **SMALL))
     with pytest.raises(BenchError, match="unknown system"):
         run_visits_bench(cfg, trace, VisitsOptions(["nope"], [1.0], out_dir=tmp_path))
     with pytest.raises(BenchError, match="--vllm-python"):
@@ -156,7 +168,10 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
         ],
     )
     trace = visits(
-        VOCAB, users=3, visits=6, posts=3, profile_mean=48, profile_sd=8, profile_min=40, profile_max=64, post_tokens=8
+        VOCAB,
+        VisitsTraceOptions(
+            users=3, visits=6, posts=3, profile_mean=48, profile_sd=8, profile_min=40, profile_max=64, post_tokens=8
+        ),
     )
     # tiered-lora2: the same calls, user u's with LoRA adapter u mod 2 (made under tmp_path/adapters).
     opts = VisitsOptions(

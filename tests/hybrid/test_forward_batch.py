@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.mil import probe_peak
+from benchmarks.mil import ForwardSetup, probe_peak
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.model import CausalLM
@@ -111,8 +111,9 @@ def test_a_batch_peaks_no_higher_than_one_request_of_the_same_total(tiny_dir: Pa
     """The scheduler admits a batch when its computed tokens plus its longest prefix fit in
     max_model_len; the start-up profile run proved one max_model_len request fits. Measured."""
     max_model_len = 16384
-    single = probe_peak(str(tiny_dir), "float32", "cpu", "hybrid", 1024, max_model_len)
-    batch = probe_peak(str(tiny_dir), "float32", "cpu", "hybrid", 1024, 1024, num_requests=8, prefix_tokens=8192)
+    setup = ForwardSetup(str(tiny_dir), "float32", "cpu", 1024)
+    single = probe_peak(setup, "hybrid", max_model_len)
+    batch = probe_peak(setup, "hybrid", 1024, num_requests=8, prefix_tokens=8192)
     assert batch <= single * 1.05, (batch, single)
 
 
