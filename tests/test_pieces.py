@@ -1,4 +1,4 @@
-"""Prefills that yield (tiered/engine/pieces.py): pieces equal one pass, parked on the device or in the
+"""Prefills that yield (tiered/scheduler/pieces.py): pieces equal one pass, parked on the device or in the
 host tier; deadlines decide when a long request yields; its delay stays bounded; expired requests."""
 
 from __future__ import annotations

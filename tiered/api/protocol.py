@@ -111,7 +111,7 @@ class EngineStats:
 
 @dataclass(slots=True)
 class PieceCounters:
-    """Prefills that yield (tiered/engine/pieces.py), counted since the engine started."""
+    """Prefills that yield (tiered/scheduler/pieces.py), counted since the engine started."""
 
     yields: int = 0  # pieces after which a request waited again
     deferrals: int = 0  # heads that waited before starting, an urgent request run first

@@ -242,7 +242,7 @@ class Scheduler:
         longest cached prefix, which bounds the forward's memory (the start-up profile run
         proved `max_model_len` tokens fit). `max_adapters`: most distinct LoRA adapters in the
         batch (0: no bound). A request that yielded between pieces runs alone, head or not: its
-        next piece is decided for a batch of one (tiered/engine/pieces.py), and its remaining tokens,
+        next piece is decided for a batch of one (tiered/scheduler/pieces.py), and its remaining tokens,
         however few, read a long prefix. A request does not join when the batch, with it (each
         member's predicted time summed), would end past a member's deadline the batch meets without it."""
         head = self.pick()
