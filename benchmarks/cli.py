@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from benchmarks import pipeline_sim, stages
 from benchmarks.commands import (
@@ -351,6 +352,13 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
         type=int,
         default=4,
         help="the trace's first visits, sent to every server once before its first run (their own cache salt)",
+    )
+    vs.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="record our servers' saturation runs with py-spy (API and engine process, every thread) and "
+        "print where each thread's wall time went (raw samples kept in this folder)",
     )
     vs.add_argument(
         "--load-of",

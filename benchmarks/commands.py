@@ -237,6 +237,7 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
         seed=args.seed,
         json_path=args.json,
         out_dir=out_dir,
+        profile_dir=args.profile_dir,
     )
     doc = run_visits_bench(cfg, trace, opts)
     if not doc["summaries"]:  # saturation runs only: no latency against load to plot

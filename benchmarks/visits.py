@@ -49,6 +49,7 @@ from typing import Any
 from benchmarks.load import SLO_FACTORS, Call, HttpOptions, print_tables, run_http, sustainable_table
 from benchmarks.mil import forward_flops, matmul_flops_per_s
 from benchmarks.report import headline_row, print_headline, write_report
+from benchmarks.sampled import breakdown, sampled, table
 from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.stats import Record, Summary, median_summary, poisson_arrivals, summarize, tail_name
 from benchmarks.systems import LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check_vllm_sizing
@@ -207,6 +208,7 @@ class VisitsOptions:
     seed: int = 0
     json_path: str | None = None
     out_dir: Path = Path("benchmarks/out/visits")
+    profile_dir: Path | None = None  # py-spy samples of our servers' saturation runs go here (benchmarks/sampled.py)
 
 
 @contextmanager
@@ -320,6 +322,8 @@ class _Runs:
     documents: list[dict[str, Any]] = field(default_factory=list)  # the Poisson runs, as `bench load` writes them
     saturation_records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     launch: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # system -> per saturation run, role (api, engine) -> thread -> part -> share of its samples
+    profiles: dict[str, list[dict[str, dict[str, dict[str, float]]]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,7 +446,19 @@ def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep
     """All visits at once, at most `concurrency` in flight: visits/s, cache use and the physical limit."""
     system, concurrency = served.system, ctx.opts.concurrency
     label = f"{system} saturation #{rep + 1}"
-    records, makespan, cache = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
+    if ctx.opts.profile_dir is not None and served.vllm is None:
+        with sampled(served.pid, ctx.opts.profile_dir / f"{system}-{rep + 1}") as files:
+            records, makespan, cache = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
+        profile = {role: breakdown(path) for role, path in files.items() if path.exists()}
+        runs.profiles.setdefault(system, []).append(profile)
+        for role, threads in profile.items():
+            print(
+                "\n".join(
+                    [f"| {system} #{rep + 1} | share of the thread's wall time |", "|---|---|"] + table(role, threads)
+                )
+            )
+    else:
+        records, makespan, cache = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
     ok = [r for r in records if r.error is None]
     visits_per_s = len(ok) / makespan
     num_prompts = sum(ctx.prompts_of[r.request_id] for r in ok)
@@ -589,6 +605,7 @@ def _report(ctx: _Context, runs: _Runs, rate: float | None) -> dict[str, Any]:
             "saturation": [asdict(s) for s in medians],
             "saturation_runs": {s: [asdict(x) for x in runs.saturation[s]] for s in systems},
             "summaries": [asdict(s) for s in summaries],
+            **({"profiles": runs.profiles} if runs.profiles else {}),
         },
     )
     # The plots read every run's records: in the returned document, not in the written one.
