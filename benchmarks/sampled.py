@@ -1,11 +1,11 @@
 """Where a server's time goes: py-spy samples of its processes during a run, sorted into parts.
 
 `sampled(pid, out)` records every thread of the API process (`pid`) and of its engine process
-(its child) with py-spy (`--idle --threads --native`: idle threads and native frames included,
-one sample of each thread every 1/RATE s) while the block runs. `breakdown(raw)` sorts each
-sample of a thread by the innermost frame that names a part (see `PARTS`); a thread's samples
-are its wall time, so the engine's main thread gives where the engine's time goes, and a
-thread that only waits (the host tier's store thread, the API's event loop) shows as idle.
+(its child) with py-spy (`--threads --nonblocking`: a sample of each running thread every
+1/RATE s, the process never paused; Python frames only, so a GEMM is the frame of the helper
+that calls it) while the block runs. `breakdown(raw, seconds)` sorts each sample of a thread by
+the innermost frame that names a part (see `PARTS`) and divides by the samples the thread would
+have had running all the time: each part's share of the wall time, the rest idle.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -30,7 +31,7 @@ RATE = 97  # samples per second per thread: not a multiple of common timer rates
 PARTS: list[tuple[str, re.Pattern[str]]] = [
     (part, re.compile(pattern))
     for part, pattern in [
-        ("forward: linear (GEMM)", r"gemm|brgemm|dnnl|mkl|jit_uni|addmm|\bmm\b|matmul|linear_out|cblas"),
+        ("forward: linear (GEMM)", r"_linear_into|_linear_accumulate_|gemm|dnnl|mkl|addmm|matmul|cblas"),
         ("forward: attention", r"tiered/hybrid/attention/|attend"),
         ("forward: norms, RoPE, SiLU, copies", r"tiered/hybrid/"),
         ("host tier: loads and stores (LMCache)", r"lmcache|tiered/offload/host|tiered/offload/loading"),
@@ -42,10 +43,10 @@ PARTS: list[tuple[str, re.Pattern[str]]] = [
         ("tokenizing", r"tokenizers|transformers|tiered/api/serving.*tokeni"),
         ("JSON, validation, HTTP (FastAPI, uvicorn)", r"json|pydantic|fastapi|starlette|uvicorn|h11|httptools"),
         ("API Python", r"tiered/api/"),
-        ("idle (waiting: poll, select, locks)", r"epoll|select|poll|futex|wait|sleep|acquire|_recv|recv_"),
     ]
 ]
 OTHER = "other"
+IDLE = "idle (not running: waiting for work, I/O or a lock)"
 
 
 def _py_spy() -> str:
@@ -68,45 +69,49 @@ def engine_pid(api_pid: int) -> int | None:
     return None
 
 
+@dataclass
+class Recording:
+    """The raw files of one recording, by role (api, engine), and how long it ran."""
+
+    files: dict[str, Path] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
 @contextmanager
-def sampled(api_pid: int, out_dir: Path) -> Iterator[dict[str, Path]]:
-    """Record the API process and its engine process while the block runs; yields role -> raw file."""
+def sampled(api_pid: int, out_dir: Path) -> Iterator[Recording]:
+    """Record the API process and its engine process while the block runs."""
     out_dir.mkdir(parents=True, exist_ok=True)
     pids = {"api": api_pid, "engine": engine_pid(api_pid)}
-    files: dict[str, Path] = {}
+    rec = Recording()
     procs = []
     for role, pid in pids.items():
         if pid is None:
             continue
-        files[role] = out_dir / f"{role}.txt"
+        rec.files[role] = out_dir / f"{role}.txt"
         cmd = [_py_spy(), "record", "--pid", str(pid), "--rate", str(RATE), "--format", "raw"]
-        cmd += ["--idle", "--threads", "--native", "--nonblocking", "-o", str(files[role])]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        cmd += ["--threads", "--nonblocking", "-o", str(rec.files[role])]
+        log = (out_dir / f"{role}.py-spy.log").open("w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     time.sleep(1.0)  # py-spy attaches
+    failed = [p for p in procs if p.poll() is not None]
+    if failed:
+        for p in procs:
+            p.kill()
+        logs = "; ".join((out_dir / f"{r}.py-spy.log").read_text().strip() for r in rec.files)
+        raise RuntimeError(f"py-spy stopped at once: {logs}")
+    start = time.perf_counter()
     try:
-        yield files
+        yield rec
     finally:
+        rec.seconds = time.perf_counter() - start
         for p in procs:
             p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         for p in procs:
             p.wait(timeout=120)
 
 
-IDLE = PARTS[-1][0]
-# Parts whose waits are part of their work (a GEMM's barrier, a store's lock): a sample that waits
-# inside one of them counts for it, a wait anywhere else (a ZMQ poll, the event loop) is idle.
-WORK_PARTS = PARTS[:8]
-
-
 def _part(frames: list[str]) -> str:
-    """The part of one sample: the innermost frame that matches a part's pattern; a blocking wait
-    is idle unless it happens inside a part that does work."""
-    if frames and PARTS[-1][1].search(frames[-1]):
-        for frame in reversed(frames):
-            for part, pattern in WORK_PARTS:
-                if pattern.search(frame):
-                    return part
-        return IDLE
+    """The part of one sample: the innermost frame that matches a part's pattern."""
     for frame in reversed(frames):
         for part, pattern in PARTS:
             if pattern.search(frame):
@@ -114,9 +119,9 @@ def _part(frames: list[str]) -> str:
     return OTHER
 
 
-def breakdown(raw: Path) -> dict[str, dict[str, float]]:
-    """Per thread (py-spy's root frame names it): each part's share of its samples, and its
-    number of samples under "samples"."""
+def breakdown(raw: Path, seconds: float) -> dict[str, dict[str, float]]:
+    """Per thread (py-spy's root frame names it): each part's share of the recording's wall time
+    (py-spy samples a thread only while it runs, RATE times a second), and "idle" for the rest."""
     counts: dict[str, Counter[str]] = defaultdict(Counter)
     for line in raw.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
@@ -124,26 +129,28 @@ def breakdown(raw: Path) -> dict[str, dict[str, float]]:
             continue
         frames = stack.split(";")
         counts[frames[0]][_part(frames[1:])] += int(n)
+    expected = max(1.0, seconds * RATE)
     out: dict[str, dict[str, float]] = {}
     for thread, parts in counts.items():
-        total = sum(parts.values())
-        out[thread] = {part: n / total for part, n in parts.most_common()} | {"samples": float(total)}
+        shares = {part: n / expected for part, n in parts.most_common()}
+        out[thread] = shares | {IDLE: max(0.0, 1.0 - sum(shares.values()))}
     return out
 
 
 def main_thread(threads: dict[str, dict[str, float]]) -> str | None:
-    """The thread with the most samples outside idle waiting: the one that does the work."""
-    busy = {t: v["samples"] * (1 - v.get(IDLE, 0.0)) for t, v in threads.items()}
-    return max(busy, key=busy.__getitem__) if busy else None
+    """The thread py-spy names MainThread (the engine's loop, the API's event loop)."""
+    return next((t for t in threads if t.endswith("MainThread")), None)
 
 
 def table(role: str, threads: dict[str, dict[str, float]]) -> list[str]:
-    """Markdown rows: the working thread's parts, then every other thread's busy share."""
-    work = main_thread(threads)
-    if work is None:
+    """Markdown rows: the main thread's parts, then every other thread busy over 2% of the time."""
+    main = main_thread(threads)
+    if main is None:
         return []
-    rows = [f"| {role}: {part} | {100 * share:.1f}% |" for part, share in threads[work].items() if part != "samples"]
+    rows = [f"| {role}: {part} | {100 * share:.1f}% |" for part, share in threads[main].items()]
     for t, v in threads.items():
-        if t != work and v.get(IDLE, 0.0) < 0.98:
-            rows.append(f"| {role}, other thread {t}: busy | {100 * (1 - v.get(IDLE, 0.0)):.1f}% |")
+        busy = 1 - v.get(IDLE, 0.0)
+        if t != main and busy > 0.02:
+            top = max((p for p in v if p != IDLE), key=v.__getitem__)
+            rows.append(f"| {role}, thread {t.split(': ', 1)[-1]}: busy (mostly {top}) | {100 * busy:.1f}% |")
     return rows

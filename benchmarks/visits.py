@@ -447,9 +447,9 @@ def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep
     system, concurrency = served.system, ctx.opts.concurrency
     label = f"{system} saturation #{rep + 1}"
     if ctx.opts.profile_dir is not None and served.vllm is None:
-        with sampled(served.pid, ctx.opts.profile_dir / f"{system}-{rep + 1}") as files:
+        with sampled(served.pid, ctx.opts.profile_dir / f"{system}-{rep + 1}") as rec:
             records, makespan, cache = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
-        profile = {role: breakdown(path) for role, path in files.items() if path.exists()}
+        profile = {role: breakdown(path, rec.seconds) for role, path in rec.files.items() if path.exists()}
         runs.profiles.setdefault(system, []).append(profile)
         for role, threads in profile.items():
             print(
