@@ -103,3 +103,9 @@ def test_the_scheduler_decides_and_never_imports_the_engine_or_the_api() -> None
             runs = ("tiered.engine.core", "tiered.engine.executor", "tiered.engine.startup", "tiered.engine.profile")
             bad = {d for d in deps if d == "tiered.engine" or d.startswith((*runs, "tiered.api"))}
             assert not bad, f"{name} imports {bad}"
+
+
+def test_no_module_name_appears_twice_and_few_modules_sit_at_the_top() -> None:
+    names = [p.name for p in ROOT.rglob("*.py") if p.name != "__init__.py"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+    assert len([p for p in ROOT.glob("*.py") if p.name != "__init__.py"]) <= 5

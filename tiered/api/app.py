@@ -22,7 +22,7 @@ from tiered.api.engine_client import EngineClient
 from tiered.api.errors import install_handlers
 from tiered.api.metrics import Metrics
 from tiered.api.middleware import Guard
-from tiered.api.routes import adapters, completions, metadata, scoring
+from tiered.api.routes import completions, lora_adapters, metadata, scoring
 from tiered.api.schemas import DEFAULT_CHAT_TEMPLATE
 from tiered.api.serving import Client, Serving
 from tiered.config import Config
@@ -95,7 +95,7 @@ def build_app(
     install_handlers(app)
     for router in (metadata.router, completions.router, scoring.router):
         app.include_router(router)
-    if adapters.allowed(config):
+    if lora_adapters.allowed(config):
         log.warning("runtime LoRA updates are allowed: /v1/load_lora_adapter and /v1/unload_lora_adapter are open")
-        app.include_router(adapters.router)
+        app.include_router(lora_adapters.router)
     return app
