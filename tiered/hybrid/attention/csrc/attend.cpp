@@ -12,8 +12,8 @@
 // largest first from an atomic counter inside at::parallel_for (causal blocks differ in cost).
 //
 // ISA paths, chosen at run time (__builtin_cpu_supports) or forced by the `isa` argument:
-// scalar (portable C++), avx2 (AVX2 + FMA), avx512 (AVX-512F), avx512bf16 (avx512, with
-// Q K^T of bf16 inputs by _mm512_dpbf16_ps). Each ISA's functions carry a target attribute,
+// scalar (portable C++), avx2 (AVX2 + FMA), avx512 (AVX-512F), avx512bf16 (avx512 + BW, with
+// Q K^T and P V of bf16 inputs by _mm512_dpbf16_ps: P rounded to bf16, V packed in pairs of keys). Each ISA's functions carry a target attribute,
 // so this file compiles with plain -O3 and the library runs on any x86-64 CPU.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -38,7 +38,9 @@ bool cpu_runs(const std::string& isa) {
   __builtin_cpu_init();
   if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa == "avx512") return __builtin_cpu_supports("avx512f");
-  if (isa == "avx512bf16") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  if (isa == "avx512bf16")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
 #endif
   return false;
 }
@@ -96,10 +98,12 @@ struct Task {
 // A thread's buffers, for `rows` query rows (a multiple of kRowStep).
 struct Scratch {
   std::vector<float> qt, acc, st, m, l, alpha, kf, vf;
-  std::vector<uint16_t> qp;
+  std::vector<uint16_t> qp, vp;
+  std::vector<uint32_t> pp;
   Scratch(int rows, int Dh)
       : qt(size_t(rows) * Dh), acc(size_t(rows) * Dh), st(size_t(rows) * kKeyTile), m(rows), l(rows), alpha(rows),
-        kf(size_t(kKeyTile) * Dh), vf(size_t(kKeyTile) * Dh), qp(size_t(rows) * Dh) {}
+        kf(size_t(kKeyTile) * Dh), vf(size_t(kKeyTile) * Dh), qp(size_t(rows) * Dh), vp(size_t(kKeyTile + 2) * Dh),
+        pp(size_t(rows) * (kKeyTile / 2 + 1)) {}
 };
 
 inline uint16_t bits(float) { return 0; }  // unused: only bf16 inputs take the bf16 dot product
@@ -143,6 +147,10 @@ struct TaskRunner {
           if (causal_j0 + j > t.q0 + r / a.group) St[j * Rp + r] = kNegInf;
     }
     ops.softmax(St, nk, Rp, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dh);
+    if (bf16_dot && ops.pv_bf16) {  // P rounded to bf16 against V, in pairs of keys
+      ops.pv_bf16(St, reinterpret_cast<const uint16_t*>(vb), vs, sc.pp.data(), sc.vp.data(), sc.acc.data(), nk, Rp, Dh);
+      return;
+    }
     int64_t ldv;
     const float* V = widen(vb, vs, nk, Dh, sc.vf.data(), &ldv);
     ops.gemm(St, 1, Rp, V, ldv, sc.acc.data(), Dh, Rp, Dh, nk, true);

@@ -43,6 +43,10 @@ struct Ops {
   // null where the path has no bf16 dot product.
   void (*scores_bf16)(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh,
                       float scale);
+  // acc[R, Dh] += P V for P = St[n, R] rounded to bf16 and bf16 V rows (stride vs), both packed in pairs of
+  // keys into the buffers Pp [n2][R] and Vp [n2][Dh][2] (n2 = ceil(n / 2)); null where there is no bf16 dot.
+  void (*pv_bf16)(const float* St, const uint16_t* V, int64_t vs, uint32_t* Pp, uint16_t* Vp, float* acc, int n,
+                  int R, int Dh);
 };
 
 // The acc rows whose alpha is not 1, rescaled (alpha from the softmax).
@@ -81,7 +85,7 @@ void softmax_scalar(float* St, int n, int R, float* m, float* l, float* alpha, f
   rescale_rows(alpha, R, acc, Dh);
 }
 
-const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr};
+const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr, nullptr};
 
 #if TIERED_X86
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
@@ -89,7 +93,7 @@ const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr};
 // them in registers; otherwise it stores every accumulator to the stack on every step.
 #define UNROLL _Pragma("GCC unroll 16")
 #define TARGET_AVX512 __attribute__((target("avx512f")))
-#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16")))
+#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 // ---- avx2: AVX2 + FMA, 8 floats a register -------------------------------------------------------
 
@@ -177,7 +181,7 @@ TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float* m, float* l, float
   }
 }
 
-const Ops kAvx2{"avx2", 16, gemm_avx2, softmax_avx2, nullptr};
+const Ops kAvx2{"avx2", 16, gemm_avx2, softmax_avx2, nullptr, nullptr};
 
 // ---- avx512: AVX-512F, 16 floats a register ------------------------------------------------------
 
@@ -257,7 +261,7 @@ TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float* m, float* l, f
   }
 }
 
-const Ops kAvx512{"avx512", 32, gemm_avx512, softmax_avx512, nullptr};
+const Ops kAvx512{"avx512", 32, gemm_avx512, softmax_avx512, nullptr, nullptr};
 
 // ---- avx512bf16: scores of bf16 inputs by dot products of bf16 pairs into fp32 ------------------
 
@@ -295,7 +299,66 @@ TARGET_AVX512BF16 void scores_bf16_avx512(const uint16_t* K, int64_t ks, const u
   }
 }
 
-const Ops kAvx512Bf16{"avx512bf16", 32, gemm_avx512, softmax_avx512, scores_bf16_avx512};
+// NR rows x 32 columns of acc: each row's pair of P broadcast against 16 columns' V pairs a register.
+template <int NR>
+TARGET_AVX512BF16 inline void pv_tile_bf16(const uint32_t* Pp, int R, int n2, const uint16_t* Vp, float* acc, int Dh) {
+  __m512 c0[NR], c1[NR];
+  UNROLL for (int i = 0; i < NR; ++i) {
+    c0[i] = _mm512_loadu_ps(acc + i * Dh);
+    c1[i] = _mm512_loadu_ps(acc + i * Dh + 16);
+  }
+  for (int j2 = 0; j2 < n2; ++j2) {
+    const __m512i v0 = _mm512_loadu_si512(Vp + 2 * (int64_t(j2) * Dh));
+    const __m512i v1 = _mm512_loadu_si512(Vp + 2 * (int64_t(j2) * Dh + 16));
+    UNROLL for (int i = 0; i < NR; ++i) {
+      const __m512i a = _mm512_set1_epi32(int32_t(Pp[int64_t(j2) * R + i]));
+      c0[i] = _mm512_dpbf16_ps(c0[i], (__m512bh)a, (__m512bh)v0);
+      c1[i] = _mm512_dpbf16_ps(c1[i], (__m512bh)a, (__m512bh)v1);
+    }
+  }
+  UNROLL for (int i = 0; i < NR; ++i) {
+    _mm512_storeu_ps(acc + i * Dh, c0[i]);
+    _mm512_storeu_ps(acc + i * Dh + 16, c1[i]);
+  }
+}
+
+TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* V, int64_t vs, uint32_t* Pp, uint16_t* Vp,
+                                      float* acc, int n, int R, int Dh) {
+  const int n2 = (n + 1) / 2;
+  const __m512 zero = _mm512_setzero_ps();
+  // lo: a0 b0 a1 b1 ... a15 b15; hi: a16 b16 ... a31 b31 (a, b: the pair's two keys)
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = uint16_t(i), lo_idx[2 * i + 1] = uint16_t(32 + i);
+    hi_idx[2 * i] = uint16_t(16 + i), hi_idx[2 * i + 1] = uint16_t(48 + i);
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int j2 = 0; j2 < n2; ++j2) {
+    const bool pair = 2 * j2 + 1 < n;
+    const float* s0 = St + int64_t(2 * j2) * R;
+    for (int r = 0; r < R; r += 16) {  // P's pair for 16 rows: (bf16 of key 2 j2) | (bf16 of key 2 j2 + 1) << 16
+      const __m512 x = _mm512_loadu_ps(s0 + r), y = pair ? _mm512_loadu_ps(s0 + R + r) : zero;
+      const __m512i xb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+      const __m512i yb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y));
+      _mm512_storeu_si512(Pp + int64_t(j2) * R + r, _mm512_or_si512(xb, _mm512_slli_epi32(yb, 16)));
+    }
+    const uint16_t* v0 = V + int64_t(2 * j2) * vs;
+    for (int d = 0; d < Dh; d += 32) {
+      const __m512i a = _mm512_loadu_si512(v0 + d);
+      const __m512i b = pair ? _mm512_loadu_si512(v0 + vs + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(Vp + 2 * (int64_t(j2) * Dh + d), _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(Vp + 2 * (int64_t(j2) * Dh + d + 16), _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+  for (int d = 0; d < Dh; d += 32) {
+    int r = 0;
+    for (; r + 12 <= R; r += 12) pv_tile_bf16<12>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dh + d, Dh);
+    for (; r + 4 <= R; r += 4) pv_tile_bf16<4>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dh + d, Dh);
+    for (; r < R; ++r) pv_tile_bf16<1>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dh + d, Dh);
+  }
+}
+
+const Ops kAvx512Bf16{"avx512bf16", 32, gemm_avx512, softmax_avx512, scores_bf16_avx512, pv_bf16_avx512};
 #endif  // TIERED_X86
 
 }  // namespace tiered_native
