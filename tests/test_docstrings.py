@@ -11,7 +11,7 @@ import tiered
 
 ROOT = Path(tiered.__file__).parent
 SOURCES = sorted(ROOT.rglob("*.py"))
-HISTORY = re.compile(r"\b[Ii]ssue \d+|\b20\d\d-\d\d-\d\d\b|fmt: skip")
+HISTORY = re.compile(r"\b[Ii]ssue \d+|\b20\d\d-\d\d-\d\d\b|fmt:\s*(skip|off)")
 
 
 def undocumented(tree: ast.Module) -> list[str]:

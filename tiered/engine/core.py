@@ -21,7 +21,6 @@ from tiered.config import Config
 from tiered.engine.adapters import UnknownAdapterError
 from tiered.engine.executor import Executor
 from tiered.engine.profile import jct_for
-from tiered.engine.request import Prepared
 from tiered.engine.score import DEFAULT_OPTIONS, DEFAULT_PARAMS, RequestOptions, Result, ScoreParams
 from tiered.engine.startup import EngineStartError, start
 from tiered.engine.validation import InputError, check_prompt, check_slo_ms, check_token_ids
@@ -67,10 +66,6 @@ class Engine:
             sc.pieces,
             self.tiers.describe(),
         )
-
-    def synchronize(self) -> None:
-        """Wait for the device's queued work (a no-op on the CPU): timings end here."""
-        self.parts.synchronize()
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -135,10 +130,6 @@ class Engine:
         for w in output.requeue:
             self.scheduler.requeue(w)
         return output.results
-
-    def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
-        """One forward over prepared requests, outside the scheduler (`Parts.forward`)."""
-        return self.parts.forward(prepared)
 
     # ---- adapters --------------------------------------------------------------------------
 

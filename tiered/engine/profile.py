@@ -44,32 +44,32 @@ def jct_for(parts: Parts, jct_model: JCTModel | None = None) -> JCTModel:
     return jct
 
 
-def profile_jct(engine: Parts) -> JCTModel:
+def profile_jct(parts: Parts) -> JCTModel:
     """Fit the JCT model on a measured grid, or reuse the fit cached for this exact setup."""
-    sc, f, cache = engine.config.scheduler, engine.config.forward, engine.config.cache
-    totals = sorted({min(t, engine.max_model_len) for t in sc.profile_tokens})
-    parts = {
-        "model": (engine.model_dir / "config.json").read_text(),
-        "weights_bytes": (engine.model_dir / "model.safetensors").stat().st_size
-        if (engine.model_dir / "model.safetensors").exists()
+    sc, f, cache = parts.config.scheduler, parts.config.forward, parts.config.cache
+    totals = sorted({min(t, parts.max_model_len) for t in sc.profile_tokens})
+    setup = {
+        "model": (parts.model_dir / "config.json").read_text(),
+        "weights_bytes": (parts.model_dir / "model.safetensors").stat().st_size
+        if (parts.model_dir / "model.safetensors").exists()
         else 0,
-        "dtype": engine.precision.identity,
-        "attention": engine.model.attention,
-        "device": engine.device,
+        "dtype": parts.precision.identity,
+        "attention": parts.model.attention,
+        "device": parts.device,
         "torch": torch.__version__,
         "mode": f.mode,
         "chunk": f.chunk_tokens,
         "block": cache.block_tokens,
         "totals": totals,
         "fractions": sc.profile_miss_fractions,
-        "host": engine.tiers.host_tier is not None,
+        "host": parts.tiers.host_tier is not None,
         "cost_paths": JCT_PROFILE_VERSION,
         "threads": torch.get_num_threads(),
     }
-    e = engine.config.engine
+    e = parts.config.engine
     if e.pipeline_stages > 1:  # measured through the stages: a fit per pipeline set-up
-        parts["pipeline"] = [e.pipeline_stages, e.threads_per_stage, e.pipeline_schedule, e.pipeline_microbatches]
-    key = cache_key(parts)
+        setup["pipeline"] = [e.pipeline_stages, e.threads_per_stage, e.pipeline_schedule, e.pipeline_microbatches]
+    key = cache_key(setup)
     cached = load_cached(sc.profile_cache_dir, "jct", key)
     try:
         samples = None if cached is None else [JCTSample(**s) for s in cached]
@@ -77,23 +77,23 @@ def profile_jct(engine: Parts) -> JCTModel:
         samples = None
     if samples is None:
         start = time.perf_counter()
-        samples = _measure_grid(engine, totals, sc.profile_miss_fractions)
-        path = save_cached(sc.profile_cache_dir, "jct", key, [asdict(s) for s in samples], parts)
+        samples = _measure_grid(parts, totals, sc.profile_miss_fractions)
+        path = save_cached(sc.profile_cache_dir, "jct", key, [asdict(s) for s in samples], setup)
         log.info("JCT profile: %d samples in %.1f s, cached in %s", len(samples), time.perf_counter() - start, path)
     model = JCTModel.fit(samples)
     log.debug("JCT model: %s", ", ".join(f"{c:.3g}" for c in model.coefficients))
     return model
 
 
-def _measure_grid(engine: Parts, totals: list[int], fractions: list[float]) -> list[JCTSample]:
-    if engine.config.engine.pipeline_stages > 1:
-        return _measure_through_stages(engine, totals, fractions)
-    a = engine.model.args
-    bt = engine.tiers.block_tokens
-    dtype = DTYPES[engine.precision.kv]  # a prefix as the tiers hold it: the forward converts it
+def _measure_grid(parts: Parts, totals: list[int], fractions: list[float]) -> list[JCTSample]:
+    if parts.config.engine.pipeline_stages > 1:
+        return _measure_through_stages(parts, totals, fractions)
+    a = parts.model.args
+    bt = parts.tiers.block_tokens
+    dtype = DTYPES[parts.precision.kv]  # a prefix as the tiers hold it: the forward converts it
     g = torch.Generator().manual_seed(0)
-    f = engine.config.forward
-    forward(engine.model, torch.arange(1, 65), mode=f.mode, chunk_tokens=f.chunk_tokens)  # warm-up
+    f = parts.config.forward
+    forward(parts.model, torch.arange(1, 65), mode=f.mode, chunk_tokens=f.chunk_tokens)  # warm-up
     samples = []
     for total in totals:
         ids = torch.randint(0, a.vocab_size, (total,), generator=g)
@@ -103,8 +103,8 @@ def _measure_grid(engine: Parts, totals: list[int], fractions: list[float]) -> l
             kv = (
                 [
                     (
-                        torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=engine.device),
-                        torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=engine.device),
+                        torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=parts.device),
+                        torch.randn(prefix, a.num_kv_heads, a.head_dim, dtype=dtype, device=parts.device),
                     )
                     for _ in range(a.num_layers)
                 ]
@@ -112,27 +112,27 @@ def _measure_grid(engine: Parts, totals: list[int], fractions: list[float]) -> l
                 else None
             )
             start = time.perf_counter()
-            forward(engine.model, ids[prefix:], mode=f.mode, chunk_tokens=f.chunk_tokens, prefix_kv=kv)
-            engine.synchronize()
+            forward(parts.model, ids[prefix:], mode=f.mode, chunk_tokens=f.chunk_tokens, prefix_kv=kv)
+            parts.synchronize()
             samples.append(JCTSample(total, miss, 0, time.perf_counter() - start))
-    if engine.tiers.host_tier is not None:
-        samples += _measure_host_loads(engine, totals, g, bt)
+    if parts.tiers.host_tier is not None:
+        samples += _measure_host_loads(parts, totals, g, bt)
     return samples
 
 
-def _measure_through_stages(engine: Parts, totals: list[int], fractions: list[float]) -> list[JCTSample]:
+def _measure_through_stages(parts: Parts, totals: list[int], fractions: list[float]) -> list[JCTSample]:
     """The grid through `Parts.forward`, for a pipeline. A job's prefix is computed first and
     kept in the device tier (`park`: whatever the retention policy), then the job reads it there
     and computes the rest; a sample records the split the job got (whole blocks of the prefix, as
     many as the tier holds). The tiers end empty, their counters zeroed."""
-    tiers = engine.tiers
+    tiers = parts.tiers
     g = torch.Generator().manual_seed(0)
 
     def run(request_id: str, ids: Tensor, park: bool = False) -> tuple[Prepared, float]:
         prepared = tiers.prepare(tiers.new_request(request_id, ids), park=park)
         start = time.perf_counter()
-        engine.forward([prepared])
-        engine.synchronize()
+        parts.forward([prepared])
+        parts.synchronize()
         seconds = time.perf_counter() - start
         tiers.finish(prepared)
         return prepared, seconds
@@ -142,7 +142,7 @@ def _measure_through_stages(engine: Parts, totals: list[int], fractions: list[fl
     for total in totals:
         for fraction in fractions:
             tiers.device_tier.clear()
-            ids = torch.randint(0, engine.model.args.vocab_size, (total,), generator=g)
+            ids = torch.randint(0, parts.model.args.vocab_size, (total,), generator=g)
             prefix = total - max(1, int(total * fraction))
             if prefix:
                 run(f"profile-prefix-{total}-{fraction}", ids[:prefix], park=True)
@@ -153,27 +153,27 @@ def _measure_through_stages(engine: Parts, totals: list[int], fractions: list[fl
     return samples
 
 
-def _measure_host_loads(engine: Parts, totals: list[int], g: torch.Generator, bt: int) -> list[JCTSample]:
+def _measure_host_loads(parts: Parts, totals: list[int], g: torch.Generator, bt: int) -> list[JCTSample]:
     """Jobs whose prefix all comes from the host tier: real LMCache stores and retrievals."""
     samples = []
     for total in totals:
         if total <= bt:
             continue
-        ids = torch.randint(0, engine.model.args.vocab_size, (total,), generator=g)
-        stored = engine.tiers.prepare(engine.tiers.new_request(f"profile-store-{total}", ids))
-        engine.forward([stored])
-        engine.tiers.finish(stored)
-        engine.tiers.flush()
-        engine.tiers.device_tier.clear()
+        ids = torch.randint(0, parts.model.args.vocab_size, (total,), generator=g)
+        stored = parts.tiers.prepare(parts.tiers.new_request(f"profile-store-{total}", ids))
+        parts.forward([stored])
+        parts.tiers.finish(stored)
+        parts.tiers.flush()
+        parts.tiers.device_tier.clear()
         start = time.perf_counter()
-        loaded = engine.tiers.prepare(engine.tiers.new_request(f"profile-load-{total}", ids))
-        engine.forward([loaded])
-        engine.synchronize()
+        loaded = parts.tiers.prepare(parts.tiers.new_request(f"profile-load-{total}", ids))
+        parts.forward([loaded])
+        parts.synchronize()
         seconds = time.perf_counter() - start
-        engine.tiers.abort(loaded)
+        parts.tiers.abort(loaded)
         split = loaded.split
         samples.append(JCTSample(total, split.num_miss_tokens, split.num_host_hit_tokens, seconds))
-    engine.tiers.clear()
-    if engine.tiers.host_tier is not None:
-        engine.tiers.host_tier.reset_stats()
+    parts.tiers.clear()
+    if parts.tiers.host_tier is not None:
+        parts.tiers.host_tier.reset_stats()
     return samples
