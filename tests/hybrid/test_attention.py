@@ -51,6 +51,8 @@ SHAPES = {
     "no prefix": ([Piece(0, 0, 333)], 333, 0),
     # a chunk in a request's middle (earlier tokens visible) and a follower (a lead's tokens visible)
     "visible ranges": ([Piece(0, 40, 30, ((0, 40),)), Piece(30, 90, 20, ((70, 80), (0, 10)))], 110, 64),
+    # one short piece on a prefix: one task per KV head in the native kernel (its prefix read per task)
+    "short piece": ([Piece(0, 0, 10)], 10, 150),
 }
 
 

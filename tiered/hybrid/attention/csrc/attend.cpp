@@ -10,11 +10,16 @@
 // the whole group. Per key tile: S = Q K^T (a small GEMM against K packed transposed), an online
 // fp32 softmax in base 2 (log2(e) folded into Q's scale), acc += P V. Tasks are handed out
 // largest first from an atomic counter inside at::parallel_for (causal blocks differ in cost).
+// The shared prefix's tiles are converted (widened to fp32 or packed in bf16 pairs) once per call
+// for all tasks, when more than one task per KV head reads them and the copy stays small.
+// Values and outputs are kept Dp wide inside (the head dim rounded up to the path's register
+// width, zero columns past it), so every head dim runs on every path.
 //
 // ISA paths, chosen at run time (__builtin_cpu_supports) or forced by the `isa` argument:
 // scalar (portable C++), avx2 (AVX2 + FMA), avx512 (AVX-512F), avx512bf16 (avx512 + BW, with
-// Q K^T and P V of bf16 inputs by _mm512_dpbf16_ps: P rounded to bf16, V packed in pairs of keys). Each ISA's functions carry a target attribute,
-// so this file compiles with plain -O3 and the library runs on any x86-64 CPU.
+// Q K^T and P V of bf16 inputs by _mm512_dpbf16_ps: P rounded to bf16, V packed in pairs of
+// keys; even head dims). Each ISA's functions carry a target attribute, so this file compiles
+// with plain -O3 and the library runs on any x86-64 CPU.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -57,19 +62,21 @@ const Ops* ops_named(const std::string& isa) {
 
 const char* const kPaths[] = {"avx512bf16", "avx512", "avx2", "scalar"};  // best first
 
+// Whether `ops` computes at head dim Dh: every path pads the value width, the bf16 dot products need pairs.
+bool takes_head_dim(const Ops* ops, int Dh) { return ops->scores_bf16 == nullptr || Dh % 2 == 0; }
+
 // The path for `isa` ("auto": the best this CPU runs at this head dim); errors name the reason.
 const Ops* choose_ops(const std::string& isa, int Dh) {
   if (isa == "auto") {
     for (const char* name : kPaths) {
       const Ops* ops = ops_named(name);
-      if (ops && cpu_runs(name) && Dh % ops->column_step == 0) return ops;
+      if (ops && cpu_runs(name) && takes_head_dim(ops, Dh)) return ops;
     }
   }
   const Ops* ops = ops_named(isa);
   TORCH_CHECK(ops != nullptr, "native attention: unknown isa '", isa, "' (scalar, avx2, avx512, avx512bf16, auto)");
   TORCH_CHECK(cpu_runs(isa), "native attention: this CPU cannot run the ", isa, " path");
-  TORCH_CHECK(Dh % ops->column_step == 0, "native attention: the ", isa, " path needs a head dim multiple of ",
-              ops->column_step, ", got ", Dh);
+  TORCH_CHECK(takes_head_dim(ops, Dh), "native attention: the ", isa, " path needs an even head dim, got ", Dh);
   return ops;
 }
 
@@ -88,6 +95,7 @@ struct Args {
   const int64_t* pieces;   // [n, 5]: q_start, k_start, num, first visible, end visible
   const int64_t* visible;  // [m, 2]: begin, end
   int group, Dh, rows_per_block;
+  int Dp;       // the width of values and outputs inside the kernel: Dh rounded up to the path's column step
   float scale;  // 1 / sqrt(Dh) x log2(e)
 };
 
@@ -95,32 +103,59 @@ struct Task {
   int64_t piece, head, q0, nq, cost;
 };
 
-// A thread's buffers, for `rows` query rows (a multiple of kRowStep).
+// A thread's buffers, for `rows` query rows (a multiple of kRowStep), keys of Dh values, values of Dp.
 struct Scratch {
   std::vector<float> qt, acc, st, m, l, alpha, kf, vf;
   std::vector<uint16_t> qp, vp;
   std::vector<uint32_t> pp;
-  Scratch(int rows, int Dh)
-      : qt(size_t(rows) * Dh), acc(size_t(rows) * Dh), st(size_t(rows) * kKeyTile), m(rows), l(rows), alpha(rows),
-        kf(size_t(kKeyTile) * Dh), vf(size_t(kKeyTile) * Dh), qp(size_t(rows) * Dh), vp(size_t(kKeyTile + 2) * Dh),
+  Scratch(int rows, int Dh, int Dp)
+      : qt(size_t(rows) * Dh), acc(size_t(rows) * Dp), st(size_t(rows) * kKeyTile), m(rows), l(rows), alpha(rows),
+        kf(size_t(kKeyTile) * Dh), vf(size_t(kKeyTile) * Dp), qp(size_t(rows) * Dh), vp(size_t(kKeyTile + 2) * Dp),
         pp(size_t(rows) * (kKeyTile / 2 + 1)) {}
+};
+
+// A key tile's K and V in the form the path's products read, when made once for all tasks (the shared
+// prefix): K widened to fp32 (or in place), V widened to fp32 rows of Dp, or V packed in bf16 pairs.
+struct Prepared {
+  const float* k;
+  int64_t k_ld;
+  const float* v;
+  int64_t v_ld;
+  const uint16_t* vp;
 };
 
 inline uint16_t bits(float) { return 0; }  // unused: only bf16 inputs take the bf16 dot product
 inline uint16_t bits(c10::BFloat16 x) { return x.x; }
 
-// n rows of Dh values at stride `stride`, widened to fp32 rows of Dh (fp32 inputs: read in place).
+// n rows of Dh values at stride `stride` as fp32 rows of `width` >= Dh, zeros past Dh (fp32 rows of
+// Dh values are read in place). `buffer`'s columns past Dh must be zero already.
 template <typename T>
-const float* widen(const T* src, int64_t stride, int n, int Dh, float* buffer, int64_t* ld) {
+const float* widen(const T* src, int64_t stride, int n, int Dh, int width, float* buffer, int64_t* ld) {
   if constexpr (std::is_same_v<T, float>) {
-    *ld = stride;
-    return src;
-  } else {
-    for (int j = 0; j < n; ++j)
-      for (int d = 0; d < Dh; ++d) buffer[j * Dh + d] = static_cast<float>(src[j * stride + d]);
-    *ld = Dh;
-    return buffer;
+    if (width == Dh) {
+      *ld = stride;
+      return src;
+    }
   }
+  for (int j = 0; j < n; ++j)
+    for (int d = 0; d < Dh; ++d) buffer[j * width + d] = static_cast<float>(src[j * stride + d]);
+  *ld = width;
+  return buffer;
+}
+
+// A key tile of the shared prefix: its K and V rows' offsets in the pools (KV head 0) and its keys.
+struct PrefixTile {
+  int64_t k_off, v_off;
+  int n;
+};
+
+// fp32 rows as the products read them in place; null for bf16 rows (those are widened or packed first).
+template <typename T>
+const float* kb_as_float(const T* rows) {
+  if constexpr (std::is_same_v<T, float>)
+    return rows;
+  else
+    return nullptr;
 }
 
 template <typename T>
@@ -130,36 +165,43 @@ struct TaskRunner {
   Scratch& sc;
   bool bf16_dot;
 
-  // One tile of nk keys (rows `kb`, `vb` of stride ks, vs), Rp rows: scores, causal mask, softmax, P V.
-  void tile(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0) {
-    const int Dh = a.Dh;
+  // One tile of nk keys (rows `kb`, `vb` of stride ks, vs; `prep`: the same made ready, or null), Rp rows:
+  // scores, causal mask, softmax, P V.
+  void tile(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0,
+            const Prepared* prep) {
+    const int Dh = a.Dh, Dp = a.Dp;
     float* St = sc.st.data();
     if (bf16_dot) {
       ops.scores_bf16(reinterpret_cast<const uint16_t*>(kb), ks, sc.qp.data(), St, nk, Rp, Dh, a.scale);
     } else {
-      int64_t ldk;
-      const float* K = widen(kb, ks, nk, Dh, sc.kf.data(), &ldk);
+      int64_t ldk = prep ? prep->k_ld : 0;
+      const float* K = prep ? prep->k : widen(kb, ks, nk, Dh, Dh, sc.kf.data(), &ldk);
       ops.gemm(K, ldk, 1, sc.qt.data(), Rp, St, Rp, nk, Rp, Dh, false);
     }
     if (causal_j0 >= 0 && causal_j0 + nk - 1 > t.q0) {  // own keys past some row's position
-      for (int j = 0; j < nk; ++j)
-        for (int r = 0; r < Rp; ++r)
-          if (causal_j0 + j > t.q0 + r / a.group) St[j * Rp + r] = kNegInf;
+      // Key j is past the position of rows r < (causal_j0 + j - q0) x group (positions before it).
+      for (int j = 0; j < nk; ++j) {
+        const int64_t upto = std::min<int64_t>(Rp, (causal_j0 + j - t.q0) * a.group);
+        if (upto > 0) std::fill(St + int64_t(j) * Rp, St + int64_t(j) * Rp + upto, kNegInf);
+      }
     }
-    ops.softmax(St, nk, Rp, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dh);
+    ops.softmax(St, nk, Rp, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dp);
     if (bf16_dot && ops.pv_bf16) {  // P rounded to bf16 against V, in pairs of keys
-      ops.pv_bf16(St, reinterpret_cast<const uint16_t*>(vb), vs, sc.pp.data(), sc.vp.data(), sc.acc.data(), nk, Rp, Dh);
+      const uint16_t* Vp = prep ? prep->vp : sc.vp.data();
+      if (!prep) ops.pack_v(reinterpret_cast<const uint16_t*>(vb), vs, sc.vp.data(), nk, Dh, Dp);
+      ops.pv_bf16(St, Vp, sc.pp.data(), sc.acc.data(), nk, Rp, Dp);
       return;
     }
-    int64_t ldv;
-    const float* V = widen(vb, vs, nk, Dh, sc.vf.data(), &ldv);
-    ops.gemm(St, 1, Rp, V, ldv, sc.acc.data(), Dh, Rp, Dh, nk, true);
+    int64_t ldv = prep ? prep->v_ld : 0;
+    const float* V = prep ? prep->v : widen(vb, vs, nk, Dh, Dp, sc.vf.data(), &ldv);
+    ops.gemm(St, 1, Rp, V, ldv, sc.acc.data(), Dp, Rp, Dp, nk, true);
   }
 
   // n keys from `kb` / `vb`; causal: they are the piece's own keys (key j at position j).
   void keys(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal) {
     for (int64_t j0 = 0; j0 < n; j0 += kKeyTile)
-      tile(t, Rp, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1);
+      tile(t, Rp, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1,
+           nullptr);
   }
 
   // Q^T [Dh][Rp] scaled (fp32 scores) or Q in bf16 pairs [Dh / 2][Rp][2] (bf16 dot); padded rows 0.
@@ -178,21 +220,20 @@ struct TaskRunner {
     }
   }
 
-  void run(const Task& t) {
-    const int G = a.group, Dh = a.Dh, R = int(t.nq) * G, Rp = (R + kRowStep - 1) / kRowStep * kRowStep;
+  // The task's queries against every key they see: the shared prefix's tiles (`prefix`, offsets from KV
+  // head 0; `prepared`: those tiles made ready once per call, or empty), visible ranges, own keys.
+  void run(const Task& t, const std::vector<PrefixTile>& prefix, const std::vector<Prepared>& prepared) {
+    const int G = a.group, Dh = a.Dh, Dp = a.Dp, R = int(t.nq) * G, Rp = (R + kRowStep - 1) / kRowStep * kRowStep;
     const int64_t* p = a.pieces + 5 * t.piece;
     const int64_t q_start = p[0], k_start = p[1];
     load_q(t, Rp, q_start);
     std::fill(sc.m.begin(), sc.m.begin() + Rp, kNegInf);
     std::fill(sc.l.begin(), sc.l.begin() + Rp, 0.f);
-    std::fill(sc.acc.begin(), sc.acc.begin() + size_t(Rp) * Dh, 0.f);
-    if (a.pool_k) {
-      for (int64_t b = 0; b < a.num_ids; ++b) {
-        const int64_t n = std::min(a.block_tokens, a.prefix_tokens - b * a.block_tokens), id = a.block_ids[b];
-        if (n <= 0) break;
-        keys(t, Rp, a.pool_k + id * a.pk_block + t.head * a.pk_head, a.pk_row,
-             a.pool_v + id * a.pv_block + t.head * a.pv_head, a.pv_row, n, false);
-      }
+    std::fill(sc.acc.begin(), sc.acc.begin() + size_t(Rp) * Dp, 0.f);
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      const PrefixTile& pt = prefix[i];
+      tile(t, Rp, a.pool_k + pt.k_off + t.head * a.pk_head, a.pk_row, a.pool_v + pt.v_off + t.head * a.pv_head,
+           a.pv_row, pt.n, -1, prepared.empty() ? nullptr : &prepared[t.head * prefix.size() + i]);
     }
     for (int64_t i = p[3]; i < p[4]; ++i) {
       const int64_t begin = a.visible[2 * i], end = a.visible[2 * i + 1];
@@ -204,10 +245,63 @@ struct TaskRunner {
     for (int r = 0; r < R; ++r) {
       T* dst = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
       const float inv = 1.f / sc.l[r];
-      for (int d = 0; d < Dh; ++d) dst[d] = static_cast<T>(sc.acc[r * Dh + d] * inv);
+      for (int d = 0; d < Dh; ++d) dst[d] = static_cast<T>(sc.acc[r * Dp + d] * inv);
     }
   }
 };
+
+// The shared prefix's key tiles in order: block by block, kKeyTile keys at a time.
+template <typename T>
+std::vector<PrefixTile> prefix_tiles(const Args<T>& a) {
+  std::vector<PrefixTile> tiles;
+  if (!a.pool_k) return tiles;
+  for (int64_t b = 0; b < a.num_ids; ++b) {
+    const int64_t n = std::min(a.block_tokens, a.prefix_tokens - b * a.block_tokens), id = a.block_ids[b];
+    if (n <= 0) break;
+    for (int64_t j0 = 0; j0 < n; j0 += kKeyTile)
+      tiles.push_back({id * a.pk_block + j0 * a.pk_row, id * a.pv_block + j0 * a.pv_row,
+                       int(std::min<int64_t>(kKeyTile, n - j0))});
+  }
+  return tiles;
+}
+
+// The prefix's tiles per KV head in the form the path's products read ([head][tile]), made once for every
+// task instead of once per task; the buffers hold what had to be converted.
+struct PreparedPrefix {
+  std::vector<float> k, v;
+  std::vector<uint16_t> vp;
+  std::vector<Prepared> tiles;
+};
+
+template <typename T>
+void prepare_prefix(const Args<T>& a, const Ops& ops, bool bf16_dot, const std::vector<PrefixTile>& tiles,
+                    int64_t num_kv_heads, PreparedPrefix& out) {
+  const int64_t n = num_kv_heads * int64_t(tiles.size());
+  const bool pairs = bf16_dot && ops.pv_bf16;
+  const bool widen_k = !bf16_dot && !std::is_same_v<T, float>;
+  const bool widen_v = !pairs && !(std::is_same_v<T, float> && a.Dp == a.Dh);
+  if (widen_k) out.k.resize(size_t(n) * kKeyTile * a.Dh);
+  if (widen_v) out.v.resize(size_t(n) * kKeyTile * a.Dp);
+  if (pairs) out.vp.resize(size_t(n) * (kKeyTile + 2) * a.Dp);
+  out.tiles.resize(size_t(n));
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const PrefixTile& pt = tiles[size_t(i % int64_t(tiles.size()))];
+      const int64_t head = i / int64_t(tiles.size());
+      const T* kb = a.pool_k + pt.k_off + head * a.pk_head;
+      const T* vb = a.pool_v + pt.v_off + head * a.pv_head;
+      Prepared& p = out.tiles[size_t(i)];
+      p = {kb_as_float(kb), a.pk_row, kb_as_float(vb), a.pv_row, nullptr};
+      if (widen_k) p.k = widen(kb, a.pk_row, pt.n, a.Dh, a.Dh, out.k.data() + i * kKeyTile * a.Dh, &p.k_ld);
+      if (widen_v) p.v = widen(vb, a.pv_row, pt.n, a.Dh, a.Dp, out.v.data() + i * kKeyTile * a.Dp, &p.v_ld);
+      if (pairs) {
+        uint16_t* vp = out.vp.data() + i * (kKeyTile + 2) * a.Dp;
+        ops.pack_v(reinterpret_cast<const uint16_t*>(vb), a.pv_row, vp, pt.n, a.Dh, a.Dp);
+        p.vp = vp;
+      }
+    }
+  });
+}
 
 template <typename T>
 void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_kv_heads) {
@@ -223,14 +317,20 @@ void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_k
       }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  const bool bf16_dot = ops.scores_bf16 != nullptr && std::is_same_v<T, c10::BFloat16>;
+  const std::vector<PrefixTile> prefix = prefix_tiles(a);
+  // Made ready once when more than one task per KV head reads the prefix and the copy stays small.
+  PreparedPrefix prepared;
+  const int64_t copy_bytes = num_kv_heads * int64_t(prefix.size()) * kKeyTile * (a.Dh + a.Dp) * 4;
+  if (!prefix.empty() && int64_t(tasks.size()) > num_kv_heads && copy_bytes <= kPrepareBytes)
+    prepare_prefix(a, ops, bf16_dot, prefix, num_kv_heads, prepared);
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = int64_t(tasks.size());
-  const bool bf16_dot = ops.scores_bf16 != nullptr && std::is_same_v<T, c10::BFloat16>;
   at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)), 1,
                    [&](int64_t, int64_t) {
-                     Scratch sc((a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep, a.Dh);
+                     Scratch sc((a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep, a.Dh, a.Dp);
                      TaskRunner<T> runner{a, ops, sc, bf16_dot};
-                     for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) runner.run(tasks[i]);
+                     for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) runner.run(tasks[i], prefix, prepared.tiles);
                    });
 }
 
@@ -246,7 +346,8 @@ void check_rows(const at::Tensor& t, const char* name, int64_t heads, int64_t Dh
 template <typename T>
 Args<T> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pieces,
                   const at::Tensor& visible, const std::optional<at::Tensor>& pool_k,
-                  const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& ids, int64_t prefix_tokens) {
+                  const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& ids, int64_t prefix_tokens,
+                  int column_step) {
   const int64_t Dh = q.size(2), group = q.size(1) / k.size(1);
   Args<T> a{};
   a.q = q.data_ptr<T>(), a.q_row = q.stride(0), a.q_head = q.stride(1);
@@ -261,6 +362,7 @@ Args<T> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   a.pieces = pieces.const_data_ptr<int64_t>(), a.visible = visible.const_data_ptr<int64_t>();
   a.group = int(group), a.Dh = int(Dh), a.rows_per_block = int(std::max<int64_t>(1, kRowsPerTask / group));
+  a.Dp = int((Dh + column_step - 1) / column_step * column_step);
   a.scale = float(1.0 / std::sqrt(double(Dh))) * kLog2e;
   return a;
 }
@@ -322,10 +424,11 @@ std::string attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
   const Ops* ops = choose_ops(isa, int(Dh));
   if (q.scalar_type() == at::kFloat)
-    run_all(make_args<float>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens), *ops,
+    run_all(make_args<float>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens, ops->column_step), *ops,
             pieces.size(0), Hkv);
   else
-    run_all(make_args<c10::BFloat16>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens), *ops,
+    run_all(make_args<c10::BFloat16>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens,
+                                     ops->column_step), *ops,
             pieces.size(0), Hkv);
   return ops->name;
 }

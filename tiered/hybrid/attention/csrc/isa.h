@@ -24,6 +24,7 @@ namespace tiered_native {
 constexpr int kKeyTile = 64;      // keys per tile
 constexpr int kRowsPerTask = 64;  // query rows (positions x group heads) per task
 constexpr int kRowStep = 32;      // rows are padded to a multiple of this (every path's column step divides it)
+constexpr int64_t kPrepareBytes = int64_t(64) << 20;  // most bytes of prefix tiles converted once per call
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -32,28 +33,32 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // softmax over keys runs down columns, vectorized across query rows with no horizontal reduction.
 struct Ops {
   const char* name;
-  int column_step;  // gemm's N must be a multiple of this (the head dim too)
-  // C[M, N] (+)= A[M, K] B[K, N], A's element (i, k) at A[i * a_row + k * a_col].
+  // The driver pads the value width to Dp, a multiple of this (zero columns past the head dim), so gemm's N
+  // and the softmax's rescaled rows are whole registers for every head dim.
+  int column_step;
+  // C[M, N] (+)= A[M, K] B[K, N], A's element (i, k) at A[i * a_row + k * a_col]; N a multiple of column_step.
   void (*gemm)(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C, int64_t ldc,
                int M, int N, int K, bool accumulate);
   // Per row r < R (a multiple of kRowStep), over keys j < n of St[j * R + r]: m' = max(m, max_j St);
-  // St = 2^(St - m'); l = l 2^(m - m') + sum_j St; acc[r, :Dh] *= 2^(m - m'); m = m'.
-  void (*softmax)(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh);
-  // St[n, R] = scale (K[n, Dh] . Q^T) for bf16 K rows (stride ks) and Q packed in pairs [Dh / 2][R][2];
+  // St = 2^(St - m'); l = l 2^(m - m') + sum_j St; acc[r, :Dp] *= 2^(m - m'); m = m'.
+  void (*softmax)(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dp);
+  // St[n, R] = scale (K[n, Dh] . Q^T) for bf16 K rows (stride ks, Dh even) and Q packed in pairs [Dh / 2][R][2];
   // null where the path has no bf16 dot product.
   void (*scores_bf16)(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh,
                       float scale);
-  // acc[R, Dh] += P V for P = St[n, R] rounded to bf16 and bf16 V rows (stride vs), both packed in pairs of
-  // keys into the buffers Pp [n2][R] and Vp [n2][Dh][2] (n2 = ceil(n / 2)); null where there is no bf16 dot.
-  void (*pv_bf16)(const float* St, const uint16_t* V, int64_t vs, uint32_t* Pp, uint16_t* Vp, float* acc, int n,
-                  int R, int Dh);
+  // n bf16 V rows (stride vs, Dh values) packed in pairs of keys into Vp [ceil(n / 2)][Dp][2], zero past Dh
+  // and past key n; null where there is no bf16 dot.
+  void (*pack_v)(const uint16_t* V, int64_t vs, uint16_t* Vp, int n, int Dh, int Dp);
+  // acc[R, Dp] += P Vp for P = St[n, R] rounded to bf16, packed in pairs of keys into Pp [ceil(n / 2)][R]
+  // against V packed by pack_v; null where there is no bf16 dot.
+  void (*pv_bf16)(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R, int Dp);
 };
 
 // The acc rows whose alpha is not 1, rescaled (alpha from the softmax).
-inline void rescale_rows(const float* alpha, int R, float* acc, int Dh) {
+inline void rescale_rows(const float* alpha, int R, float* acc, int Dp) {
   for (int r = 0; r < R; ++r)
     if (alpha[r] != 1.f)
-      for (int d = 0; d < Dh; ++d) acc[r * Dh + d] *= alpha[r];
+      for (int d = 0; d < Dp; ++d) acc[r * Dp + d] *= alpha[r];
 }
 
 // ---- scalar: portable C++ ------------------------------------------------------------------------
@@ -71,7 +76,7 @@ void gemm_scalar(const float* A, int64_t a_row, int64_t a_col, const float* B, i
   }
 }
 
-void softmax_scalar(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+void softmax_scalar(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dp) {
   for (int r = 0; r < R; ++r) {
     float m_new = m[r];
     for (int j = 0; j < n; ++j) m_new = std::max(m_new, St[j * R + r]);
@@ -82,10 +87,10 @@ void softmax_scalar(float* St, int n, int R, float* m, float* l, float* alpha, f
     l[r] = l[r] * alpha[r] + sum;
     m[r] = m_new;
   }
-  rescale_rows(alpha, R, acc, Dh);
+  rescale_rows(alpha, R, acc, Dp);
 }
 
-const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr, nullptr};
+const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr, nullptr, nullptr};
 
 #if TIERED_X86
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
@@ -156,7 +161,7 @@ TARGET_AVX2 inline __m256 exp2_avx2(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dp) {
   const __m256 ninf = _mm256_set1_ps(kNegInf), zero = _mm256_setzero_ps();
   for (int r = 0; r < R; r += 8) {
     const __m256 m_old = _mm256_loadu_ps(m + r);
@@ -177,11 +182,11 @@ TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float* m, float* l, float
   for (int r = 0; r < R; ++r) {
     if (alpha[r] == 1.f) continue;
     const __m256 a = _mm256_set1_ps(alpha[r]);
-    for (int d = 0; d < Dh; d += 8) _mm256_storeu_ps(acc + r * Dh + d, _mm256_mul_ps(_mm256_loadu_ps(acc + r * Dh + d), a));
+    for (int d = 0; d < Dp; d += 8) _mm256_storeu_ps(acc + r * Dp + d, _mm256_mul_ps(_mm256_loadu_ps(acc + r * Dp + d), a));
   }
 }
 
-const Ops kAvx2{"avx2", 16, gemm_avx2, softmax_avx2, nullptr, nullptr};
+const Ops kAvx2{"avx2", 16, gemm_avx2, softmax_avx2, nullptr, nullptr, nullptr};
 
 // ---- avx512: AVX-512F, 16 floats a register ------------------------------------------------------
 
@@ -235,7 +240,7 @@ TARGET_AVX512 inline __m512 exp2_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dh) {
+TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dp) {
   const __m512 zero = _mm512_setzero_ps();
   for (int r = 0; r < R; r += 16) {
     const __m512 m_old = _mm512_loadu_ps(m + r);
@@ -256,12 +261,12 @@ TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float* m, float* l, f
   for (int r = 0; r < R; ++r) {
     if (alpha[r] == 1.f) continue;
     const __m512 a = _mm512_set1_ps(alpha[r]);
-    for (int d = 0; d < Dh; d += 16)
-      _mm512_storeu_ps(acc + r * Dh + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * Dh + d), a));
+    for (int d = 0; d < Dp; d += 16)
+      _mm512_storeu_ps(acc + r * Dp + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * Dp + d), a));
   }
 }
 
-const Ops kAvx512{"avx512", 32, gemm_avx512, softmax_avx512, nullptr, nullptr};
+const Ops kAvx512{"avx512", 32, gemm_avx512, softmax_avx512, nullptr, nullptr, nullptr};
 
 // ---- avx512bf16: scores of bf16 inputs by dot products of bf16 pairs into fp32 ------------------
 
@@ -301,15 +306,15 @@ TARGET_AVX512BF16 void scores_bf16_avx512(const uint16_t* K, int64_t ks, const u
 
 // NR rows x 32 columns of acc: each row's pair of P broadcast against 16 columns' V pairs a register.
 template <int NR>
-TARGET_AVX512BF16 inline void pv_tile_bf16(const uint32_t* Pp, int R, int n2, const uint16_t* Vp, float* acc, int Dh) {
+TARGET_AVX512BF16 inline void pv_tile_bf16(const uint32_t* Pp, int R, int n2, const uint16_t* Vp, float* acc, int Dp) {
   __m512 c0[NR], c1[NR];
   UNROLL for (int i = 0; i < NR; ++i) {
-    c0[i] = _mm512_loadu_ps(acc + i * Dh);
-    c1[i] = _mm512_loadu_ps(acc + i * Dh + 16);
+    c0[i] = _mm512_loadu_ps(acc + i * Dp);
+    c1[i] = _mm512_loadu_ps(acc + i * Dp + 16);
   }
   for (int j2 = 0; j2 < n2; ++j2) {
-    const __m512i v0 = _mm512_loadu_si512(Vp + 2 * (int64_t(j2) * Dh));
-    const __m512i v1 = _mm512_loadu_si512(Vp + 2 * (int64_t(j2) * Dh + 16));
+    const __m512i v0 = _mm512_loadu_si512(Vp + 2 * (int64_t(j2) * Dp));
+    const __m512i v1 = _mm512_loadu_si512(Vp + 2 * (int64_t(j2) * Dp + 16));
     UNROLL for (int i = 0; i < NR; ++i) {
       const __m512i a = _mm512_set1_epi32(int32_t(Pp[int64_t(j2) * R + i]));
       c0[i] = _mm512_dpbf16_ps(c0[i], (__m512bh)a, (__m512bh)v0);
@@ -317,22 +322,37 @@ TARGET_AVX512BF16 inline void pv_tile_bf16(const uint32_t* Pp, int R, int n2, co
     }
   }
   UNROLL for (int i = 0; i < NR; ++i) {
-    _mm512_storeu_ps(acc + i * Dh, c0[i]);
-    _mm512_storeu_ps(acc + i * Dh + 16, c1[i]);
+    _mm512_storeu_ps(acc + i * Dp, c0[i]);
+    _mm512_storeu_ps(acc + i * Dp + 16, c1[i]);
   }
 }
 
-TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* V, int64_t vs, uint32_t* Pp, uint16_t* Vp,
-                                      float* acc, int n, int R, int Dh) {
-  const int n2 = (n + 1) / 2;
-  const __m512 zero = _mm512_setzero_ps();
-  // lo: a0 b0 a1 b1 ... a15 b15; hi: a16 b16 ... a31 b31 (a, b: the pair's two keys)
+// Vp [n2][Dp][2]: per pair of keys (a, b) and column d, the two bf16 values a[d] b[d] side by side.
+TARGET_AVX512BF16 void pack_v_avx512(const uint16_t* V, int64_t vs, uint16_t* Vp, int n, int Dh, int Dp) {
+  // lo: a0 b0 a1 b1 ... a15 b15; hi: a16 b16 ... a31 b31
   alignas(64) uint16_t lo_idx[32], hi_idx[32];
   for (int i = 0; i < 16; ++i) {
     lo_idx[2 * i] = uint16_t(i), lo_idx[2 * i + 1] = uint16_t(32 + i);
     hi_idx[2 * i] = uint16_t(16 + i), hi_idx[2 * i + 1] = uint16_t(48 + i);
   }
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int j2 = 0; j2 < (n + 1) / 2; ++j2) {
+    const bool pair = 2 * j2 + 1 < n;
+    const uint16_t* v0 = V + int64_t(2 * j2) * vs;
+    for (int d = 0; d < Dp; d += 32) {  // columns past Dh read as zeros (masked loads: no read past a row)
+      const __mmask32 cols = Dh - d >= 32 ? ~__mmask32(0) : __mmask32((uint64_t(1) << std::max(0, Dh - d)) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi16(cols, v0 + d);
+      const __m512i b = pair ? _mm512_maskz_loadu_epi16(cols, v0 + vs + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(Vp + 2 * (int64_t(j2) * Dp + d), _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(Vp + 2 * (int64_t(j2) * Dp + d + 16), _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R,
+                                      int Dp) {
+  const int n2 = (n + 1) / 2;
+  const __m512 zero = _mm512_setzero_ps();
   for (int j2 = 0; j2 < n2; ++j2) {
     const bool pair = 2 * j2 + 1 < n;
     const float* s0 = St + int64_t(2 * j2) * R;
@@ -342,23 +362,17 @@ TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* V, int64_
       const __m512i yb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y));
       _mm512_storeu_si512(Pp + int64_t(j2) * R + r, _mm512_or_si512(xb, _mm512_slli_epi32(yb, 16)));
     }
-    const uint16_t* v0 = V + int64_t(2 * j2) * vs;
-    for (int d = 0; d < Dh; d += 32) {
-      const __m512i a = _mm512_loadu_si512(v0 + d);
-      const __m512i b = pair ? _mm512_loadu_si512(v0 + vs + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(Vp + 2 * (int64_t(j2) * Dh + d), _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(Vp + 2 * (int64_t(j2) * Dh + d + 16), _mm512_permutex2var_epi16(a, hi, b));
-    }
   }
-  for (int d = 0; d < Dh; d += 32) {
+  for (int d = 0; d < Dp; d += 32) {
     int r = 0;
-    for (; r + 12 <= R; r += 12) pv_tile_bf16<12>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dh + d, Dh);
-    for (; r + 4 <= R; r += 4) pv_tile_bf16<4>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dh + d, Dh);
-    for (; r < R; ++r) pv_tile_bf16<1>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dh + d, Dh);
+    for (; r + 12 <= R; r += 12) pv_tile_bf16<12>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dp + d, Dp);
+    for (; r + 4 <= R; r += 4) pv_tile_bf16<4>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dp + d, Dp);
+    for (; r < R; ++r) pv_tile_bf16<1>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dp + d, Dp);
   }
 }
 
-const Ops kAvx512Bf16{"avx512bf16", 32, gemm_avx512, softmax_avx512, scores_bf16_avx512, pv_bf16_avx512};
+const Ops kAvx512Bf16{"avx512bf16", 32, gemm_avx512, softmax_avx512, scores_bf16_avx512, pack_v_avx512,
+                      pv_bf16_avx512};
 #endif  // TIERED_X86
 
 }  // namespace tiered_native
