@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 needs_native = pytest.mark.skipif(not native.available(), reason="the native kernel's library could not be built here")
 
 
+# The head dims a path takes are multiples of its dot products' unit (others are refused, or `auto` picks another).
+HEAD_DIM_STEP = {"avx512bf16": 2, "amx": 32}
+
+
 def _isa_or_skip(isa: str) -> str:
     if isa not in native.cpu_isas():
         pytest.skip(f"this CPU does not run the {isa} path (it runs: {', '.join(native.cpu_isas())})")
@@ -39,8 +43,8 @@ def test_every_isa_path_equals_the_fp32_reference(
     isa: str, shape: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
     _isa_or_skip(isa)
-    if isa == "avx512bf16" and head_dim % 2:
-        pytest.skip("the bf16 dot products take pairs of the head dim (an odd one is refused: tested below)")
+    if head_dim % HEAD_DIM_STEP.get(isa, 1):
+        pytest.skip(f"the {isa} path's dot products take head dims in multiples of {HEAD_DIM_STEP[isa]} (tested below)")
     pieces, num_keys, prefix = SHAPES[shape]
     q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
     expected = q.clone().float()
@@ -107,9 +111,14 @@ def test_bad_inputs_are_errors_that_say_what_is_wrong() -> None:
         native.attend_paged_(q, k, v, [Piece(0, 4, 8)], None)
     if "avx512bf16" in native.cpu_isas():
         odd = _case([Piece(0, 0, 8)], 8, 0, 4, 2, 33, torch.bfloat16)
-        with pytest.raises(RuntimeError, match="needs an even head dim, got 33"):
+        with pytest.raises(RuntimeError, match="takes head dims that are multiples of 2, got 33"):
             native.attend_paged_(odd[0], odd[1], odd[2], [Piece(0, 0, 8)], None, isa="avx512bf16")
         assert native.attend_paged_(odd[0], odd[1], odd[2], [Piece(0, 0, 8)], None) == "avx512"
+    if "amx" in native.cpu_isas():
+        q80, k80, v80, _, _ = _case([Piece(0, 0, 8)], 8, 0, 4, 2, 80, torch.bfloat16)
+        with pytest.raises(RuntimeError, match="takes head dims that are multiples of 32 up to 256, got 80"):
+            native.attend_paged_(q80, k80, v80, [Piece(0, 0, 8)], None, isa="amx")
+        assert native.attend_paged_(q80, k80, v80, [Piece(0, 0, 8)], None) == "avx512bf16"
     with pytest.raises(RuntimeError, match="unknown isa"):
         native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, isa="neon")
     missing = [isa for isa in native.ISAS if isa not in native.cpu_isas()]

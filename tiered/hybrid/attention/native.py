@@ -37,7 +37,7 @@ class Piece(Protocol):
 
 log = logging.getLogger(__name__)
 
-ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 DTYPES = (torch.float32, torch.bfloat16)
 
 

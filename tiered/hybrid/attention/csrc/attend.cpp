@@ -18,7 +18,8 @@
 // ISA paths, chosen at run time (__builtin_cpu_supports) or forced by the `isa` argument:
 // scalar (portable C++), avx2 (AVX2 + FMA), avx512 (AVX-512F), avx512bf16 (avx512 + BW, with
 // Q K^T and P V of bf16 inputs by _mm512_dpbf16_ps: P rounded to bf16, V packed in pairs of
-// keys; even head dims). Each ISA's functions carry a target attribute, so this file compiles
+// keys; even head dims), amx (avx512bf16 with both products on AMX tiles, tdpbf16ps; head dims
+// multiples of 32 up to 256; built where the compiler knows AMX). Each ISA's functions carry a target attribute, so this file compiles
 // with plain -O3 and the library runs on any x86-64 CPU.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,9 +34,23 @@
 
 #include "isa.h"
 
+#if TIERED_X86
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 using namespace tiered_native;
+
+#if TIERED_AMX
+// Linux hands a process the AMX tile data state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once per process.
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+#endif
 
 bool cpu_runs(const std::string& isa) {
   if (isa == "scalar") return true;
@@ -46,6 +61,11 @@ bool cpu_runs(const std::string& isa) {
   if (isa == "avx512bf16")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512bf16");
+#if TIERED_AMX
+  if (isa == "amx")
+    return cpu_runs("avx512bf16") && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+           amx_granted();
+#endif
 #endif
   return false;
 }
@@ -56,14 +76,19 @@ const Ops* ops_named(const std::string& isa) {
   if (isa == "avx2") return &kAvx2;
   if (isa == "avx512") return &kAvx512;
   if (isa == "avx512bf16") return &kAvx512Bf16;
+#if TIERED_AMX
+  if (isa == "amx") return &kAmx;
+#endif
 #endif
   return nullptr;
 }
 
-const char* const kPaths[] = {"avx512bf16", "avx512", "avx2", "scalar"};  // best first
+const char* const kPaths[] = {"amx", "avx512bf16", "avx512", "avx2", "scalar"};  // best first
 
-// Whether `ops` computes at head dim Dh: every path pads the value width, the bf16 dot products need pairs.
-bool takes_head_dim(const Ops* ops, int Dh) { return ops->scores_bf16 == nullptr || Dh % 2 == 0; }
+// Whether `ops` computes at head dim Dh (every path pads the value width; dot products take whole units).
+bool takes_head_dim(const Ops* ops, int Dh) {
+  return Dh % ops->head_dim_step == 0 && (ops->max_head_dim == 0 || Dh <= ops->max_head_dim);
+}
 
 // The path for `isa` ("auto": the best this CPU runs at this head dim); errors name the reason.
 const Ops* choose_ops(const std::string& isa, int Dh) {
@@ -74,9 +99,12 @@ const Ops* choose_ops(const std::string& isa, int Dh) {
     }
   }
   const Ops* ops = ops_named(isa);
-  TORCH_CHECK(ops != nullptr, "native attention: unknown isa '", isa, "' (scalar, avx2, avx512, avx512bf16, auto)");
+  TORCH_CHECK(isa != "amx" || ops != nullptr, "native attention: this build has no amx path (its compiler predates AMX)");
+  TORCH_CHECK(ops != nullptr, "native attention: unknown isa '", isa, "' (scalar, avx2, avx512, avx512bf16, amx, auto)");
   TORCH_CHECK(cpu_runs(isa), "native attention: this CPU cannot run the ", isa, " path");
-  TORCH_CHECK(takes_head_dim(ops, Dh), "native attention: the ", isa, " path needs an even head dim, got ", Dh);
+  TORCH_CHECK(takes_head_dim(ops, Dh), "native attention: the ", isa, " path takes head dims that are multiples of ",
+              ops->head_dim_step, ops->max_head_dim ? " up to " + std::to_string(ops->max_head_dim) : std::string(),
+              ", got ", Dh);
   return ops;
 }
 
@@ -330,7 +358,9 @@ void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_k
                    [&](int64_t, int64_t) {
                      Scratch sc((a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep, a.Dh, a.Dp);
                      TaskRunner<T> runner{a, ops, sc, bf16_dot};
+                     if (ops.thread_begin) ops.thread_begin();
                      for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) runner.run(tasks[i], prefix, prepared.tiles);
+                     if (ops.thread_end) ops.thread_end();
                    });
 }
 

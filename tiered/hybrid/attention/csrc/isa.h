@@ -1,5 +1,5 @@
 // The ISA paths of the native attention kernel (attend.cpp): per path, the small GEMM, the
-// online-softmax step and (avx512bf16) the bf16 scores, behind one table of function pointers.
+// online-softmax step and (avx512bf16, amx) the bf16 products, behind one table of function pointers.
 // Every SIMD function carries its own target attribute: the file compiles with plain -O3 and a
 // path runs only where attend.cpp's dispatch found the CPU flags for it.
 #pragma once
@@ -33,6 +33,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // softmax over keys runs down columns, vectorized across query rows with no horizontal reduction.
 struct Ops {
   const char* name;
+  int head_dim_step;  // the head dims the path takes: multiples of this (its dot products' unit), at most
+  int max_head_dim;   // this (0: no limit)
   // The driver pads the value width to Dp, a multiple of this (zero columns past the head dim), so gemm's N
   // and the softmax's rescaled rows are whole registers for every head dim.
   int column_step;
@@ -52,6 +54,9 @@ struct Ops {
   // acc[R, Dp] += P Vp for P = St[n, R] rounded to bf16, packed in pairs of keys into Pp [ceil(n / 2)][R]
   // against V packed by pack_v; null where there is no bf16 dot.
   void (*pv_bf16)(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R, int Dp);
+  // Called by each thread before its first task and after its last (the amx path's tile registers); or null.
+  void (*thread_begin)();
+  void (*thread_end)();
 };
 
 // The acc rows whose alpha is not 1, rescaled (alpha from the softmax).
@@ -90,7 +95,7 @@ void softmax_scalar(float* St, int n, int R, float* m, float* l, float* alpha, f
   rescale_rows(alpha, R, acc, Dp);
 }
 
-const Ops kScalar{"scalar", 1, gemm_scalar, softmax_scalar, nullptr, nullptr, nullptr};
+const Ops kScalar{"scalar", 1, 0, 1, gemm_scalar, softmax_scalar, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 #if TIERED_X86
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
@@ -186,7 +191,7 @@ TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float* m, float* l, float
   }
 }
 
-const Ops kAvx2{"avx2", 16, gemm_avx2, softmax_avx2, nullptr, nullptr, nullptr};
+const Ops kAvx2{"avx2", 1, 0, 16, gemm_avx2, softmax_avx2, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 // ---- avx512: AVX-512F, 16 floats a register ------------------------------------------------------
 
@@ -266,7 +271,7 @@ TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float* m, float* l, f
   }
 }
 
-const Ops kAvx512{"avx512", 32, gemm_avx512, softmax_avx512, nullptr, nullptr, nullptr};
+const Ops kAvx512{"avx512", 1, 0, 32, gemm_avx512, softmax_avx512, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 // ---- avx512bf16: scores of bf16 inputs by dot products of bf16 pairs into fp32 ------------------
 
@@ -371,8 +376,137 @@ TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* Vp, uint3
   }
 }
 
-const Ops kAvx512Bf16{"avx512bf16", 32, gemm_avx512, softmax_avx512, scores_bf16_avx512, pack_v_avx512,
-                      pv_bf16_avx512};
+const Ops kAvx512Bf16{"avx512bf16", 2,       0, 32, gemm_avx512, softmax_avx512, scores_bf16_avx512, pack_v_avx512,
+                      pv_bf16_avx512, nullptr, nullptr};
+
+// ---- amx: the bf16 products on AMX tiles (tdpbf16ps), the rest as avx512bf16 -------------------
+// Compiled where the compiler knows AMX (GCC 12, clang 14 and newer); run where the CPU has
+// AMX-BF16 and the kernel grants this process the tile data state (arch_prctl).
+#if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12)
+#define TIERED_AMX 1
+#define TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+// The tile loads are asm that names no memory: writes to the buffers they read must be ordered first.
+#define TILE_FENCE() __asm__ volatile("" ::: "memory")
+constexpr int kAmxMaxHeadDim = 256;
+
+// Palette 1, eight tiles of 16 rows x 64 bytes (16 fp32, or 32 bf16 in pairs), for every product below.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+TARGET_AMX void amx_thread_begin() {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  TILE_FENCE();
+  _tile_loadconfig(&cfg);
+}
+
+TARGET_AMX void amx_thread_end() { _tile_release(); }
+
+// St[n, R] = scale K Q^T in blocks of 32 keys x 32 rows: tmm0-3 the four 16 x 16 blocks of St, tmm4-5 K's
+// rows (16 keys x 32 dims), tmm6-7 Qp (16 pairs of dims x 16 rows). A last block of fewer than 32 keys is
+// read from a copy padded with zero keys (St's rows past n are written and not read).
+TARGET_AMX void scores_amx(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh,
+                           float scale) {
+  alignas(64) uint16_t padded[32 * kAmxMaxHeadDim];
+  const int64_t sb = int64_t(R) * 4;  // bytes per row of St and of Qp
+  for (int j = 0; j < n; j += 32) {
+    const uint16_t* kb = K + j * ks;
+    int64_t kr = ks;  // K's row stride, in elements
+    if (n - j < 32) {
+      std::memset(padded, 0, sizeof(uint16_t) * 32 * Dh);
+      for (int i = 0; i < n - j; ++i) std::memcpy(padded + i * Dh, kb + i * ks, sizeof(uint16_t) * Dh);
+      kb = padded, kr = Dh;
+      TILE_FENCE();
+    }
+    for (int c = 0; c < R; c += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int d = 0; d < Dh; d += 32) {
+        _tile_loadd(4, kb + d, kr * 2);
+        _tile_loadd(5, kb + 16 * kr + d, kr * 2);
+        _tile_loadd(6, Qp + 2 * (int64_t(d / 2) * R + c), sb);
+        _tile_loadd(7, Qp + 2 * (int64_t(d / 2) * R + c + 16), sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* s = St + int64_t(j) * R + c;
+      _tile_stored(0, s, sb);
+      _tile_stored(1, s + 16, sb);
+      _tile_stored(2, s + 16 * int64_t(R), sb);
+      _tile_stored(3, s + 16 * int64_t(R) + 16, sb);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int j = 0; j < n; ++j)
+    for (int r = 0; r < R; r += 16) _mm512_storeu_ps(St + j * R + r, _mm512_mul_ps(_mm512_loadu_ps(St + j * R + r), vs));
+}
+
+// As pack_v_avx512, with zero pairs up to a multiple of 16 pairs (the products read whole tiles of keys).
+TARGET_AMX void pack_v_amx(const uint16_t* V, int64_t vs, uint16_t* Vp, int n, int Dh, int Dp) {
+  pack_v_avx512(V, vs, Vp, n, Dh, Dp);
+  const int n2 = (n + 1) / 2, n2r = (n2 + 15) / 16 * 16;
+  std::memset(Vp + 2 * int64_t(n2) * Dp, 0, sizeof(uint16_t) * 2 * size_t(n2r - n2) * Dp);
+}
+
+// acc[R, Dp] += P V in blocks of 32 rows x 32 columns: tmm0-3 acc's four 16 x 16 blocks, tmm4-5 P's rows
+// (16 rows x 32 keys, bf16), tmm6-7 Vp (16 pairs of keys x 16 columns). P is laid out row by row in Pp
+// ([R][32] pairs of keys: a tile's rows), zero pairs past n.
+TARGET_AMX void pv_amx(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R, int Dp) {
+  const int n2 = (n + 1) / 2, n2r = (n2 + 15) / 16 * 16;
+  const __m512 zero = _mm512_setzero_ps();
+  alignas(64) uint32_t pairs[16];
+  for (int j2 = 0; j2 < n2; ++j2) {
+    const bool pair = 2 * j2 + 1 < n;
+    const float* s0 = St + int64_t(2 * j2) * R;
+    for (int r = 0; r < R; r += 16) {  // 16 rows' pair (key 2 j2, key 2 j2 + 1), then written down P's rows
+      const __m512 x = _mm512_loadu_ps(s0 + r), y = pair ? _mm512_loadu_ps(s0 + R + r) : zero;
+      const __m512i xb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+      const __m512i yb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y));
+      _mm512_store_si512(pairs, _mm512_or_si512(xb, _mm512_slli_epi32(yb, 16)));
+      for (int i = 0; i < 16; ++i) Pp[int64_t(r + i) * 32 + j2] = pairs[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j2 = n2; j2 < n2r; ++j2) Pp[int64_t(r) * 32 + j2] = 0;
+  TILE_FENCE();
+  const int64_t ab = int64_t(Dp) * 4;  // bytes per row of acc and of Vp
+  for (int r = 0; r < R; r += 32)
+    for (int d = 0; d < Dp; d += 32) {
+      float* c = acc + int64_t(r) * Dp + d;
+      _tile_loadd(0, c, ab);
+      _tile_loadd(1, c + 16, ab);
+      _tile_loadd(2, c + 16 * int64_t(Dp), ab);
+      _tile_loadd(3, c + 16 * int64_t(Dp) + 16, ab);
+      for (int j2 = 0; j2 < n2r; j2 += 16) {
+        _tile_loadd(4, Pp + int64_t(r) * 32 + j2, 128);
+        _tile_loadd(5, Pp + int64_t(r + 16) * 32 + j2, 128);
+        _tile_loadd(6, Vp + 2 * (int64_t(j2) * Dp + d), ab);
+        _tile_loadd(7, Vp + 2 * (int64_t(j2) * Dp + d + 16), ab);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, ab);
+      _tile_stored(1, c + 16, ab);
+      _tile_stored(2, c + 16 * int64_t(Dp), ab);
+      _tile_stored(3, c + 16 * int64_t(Dp) + 16, ab);
+    }
+}
+
+const Ops kAmx{"amx", 32, kAmxMaxHeadDim, 32, gemm_avx512, softmax_avx512, scores_amx, pack_v_amx, pv_amx,
+               amx_thread_begin, amx_thread_end};
+#else
+#define TIERED_AMX 0
+#endif
 #endif  // TIERED_X86
 
 }  // namespace tiered_native
