@@ -166,6 +166,12 @@ def _add_tiers_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     tiers.add_argument(
         "--device-fraction", type=float, default=0.25, help="device tier size, as a share of all profiles' KV"
     )
+    tiers.add_argument(
+        "--disk",
+        default=None,
+        metavar="DIR",
+        help="also a local disk tier in DIR (LMCache's local_disk, 16 GB): (1) then times a load from the disk alone",
+    )
     tiers.add_argument("--json", default=None, help="write results as JSON here")
     tiers.set_defaults(func=cmd_bench_tiers)
 

@@ -87,7 +87,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     folder = resolve_model_path(args.model, args.models_dir)
     longest = max(*args.lengths, args.profile_tokens + args.post_tokens) + 1
     cfg = bench_config(
-        str(folder), _compute_dtype(args, folder), resolve_device(args.device), args.block_tokens, longest
+        str(folder), _compute_dtype(args, folder), resolve_device(args.device), args.block_tokens, longest, args.disk
     )
     opts = TiersOptions(
         lengths=args.lengths,

@@ -210,6 +210,7 @@ def read_usage(usage: dict[str, Any], record: Record) -> None:
     record.device_hit_tokens, record.host_hit_tokens = split["device_hit_tokens"], split["host_hit_tokens"]
     record.shared_tokens = split.get("batch_shared_tokens", 0)
     record.remote_hit_tokens = split.get("remote_hit_tokens", 0)
+    record.disk_hit_tokens = split.get("disk_hit_tokens", 0)
     record.num_pieces, record.deadline_met = split.get("num_pieces"), split.get("deadline_met")
 
 

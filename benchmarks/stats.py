@@ -22,6 +22,7 @@ class Record:
     error: str | None = None
     shared_tokens: int = 0  # ours: computed once for several prompts of the batch (not cached)
     remote_hit_tokens: int = 0  # ours: from a remote tier shared by engines
+    disk_hit_tokens: int = 0  # ours: from the host tier's local disk
     num_pieces: int | None = None  # ours: pieces its prefill ran in (usage.tiered; None: not reported)
     deadline_met: bool | None = None  # ours: answered within its slo_ms, by the server's clock (None: no objective)
 

@@ -2,7 +2,9 @@
 
 1. Load against recompute: the cost per token of bringing a prefix back from the host tier
    (LMCache retrieval into device blocks) against computing it again, at a few lengths. The
-   ratio is what the scheduler's JCT model weighs host hits with.
+   ratio is what the scheduler's JCT model weighs host hits with. With --disk, the same prefix
+   read back from LMCache's local disk alone (taken out of the tier's memory first), after the
+   OS's page cache was dropped where this process may drop it (else from the page cache: said so).
 2. A prefix-revisiting sequence: U users, each request = the user's profile + a fresh post,
    users visited round-robin for R rounds, with a device tier that holds only a fraction of the
    profiles. Run with suffix `offload` and with `discard` (PrefillOnly), taking turns
@@ -14,8 +16,10 @@ Every request goes through `tiered.Engine` (submit, step, its result), one at a 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 import torch
 
@@ -40,6 +44,9 @@ class LoadVsCompute:
     load_seconds_per_token: float
     compute_seconds_per_token: float
     compute_over_load: float
+    disk_load_seconds: float = float("nan")  # with --disk: the prefix read from the local disk alone
+    compute_over_disk_load: float = float("nan")
+    disk_cold: bool = False  # the page cache was dropped before each disk load (else: files in RAM)
 
 
 @dataclass(slots=True)
@@ -113,6 +120,34 @@ def _copy_seconds(num_bytes: int, repeats: int) -> float:
     return best
 
 
+def _drop_page_cache() -> bool:
+    """Drop the OS's page cache (clean pages: files written earlier are then read from the device);
+    False where this process may not."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def _disk_load_seconds(engine: Engine, ids: torch.Tensor, n: int, repeats: int) -> tuple[float, bool]:
+    """Best-of-`repeats` load seconds of `ids`' prefix from the host tier's disk alone, and whether
+    the page cache was dropped before each."""
+    host = engine.tiers.host_tier
+    assert host is not None
+    keys = engine.tiers.new_request("disk", ids).keys
+    best, cold = float("inf"), True
+    for _ in range(repeats):
+        assert host.evict_from_memory(keys) == n // engine.tiers.block_tokens, "the disk lacks the prefix"
+        engine.tiers.device_tier.clear()
+        cold = _drop_page_cache() and cold
+        result, _ = _run_one(engine, ids)
+        assert result.split.num_disk_hit_tokens == n, result.split
+        best = min(best, result.load_seconds)
+    return best, cold
+
+
 def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
@@ -160,6 +195,7 @@ def load_vs_compute(cfg: Config, lengths: list[int], repeats: int) -> tuple[list
                 best_load = result.load_seconds
                 d = _delta(before, host.stats())
                 best = (d.load_lookup_seconds, d.load_get_seconds, d.load_copy_seconds)
+        disk_load, cold = _disk_load_seconds(engine, ids, n, repeats) if host.has_disk else (float("nan"), False)
         for e in engines.values():
             e.close()
         best_compute = min(computed) * n / (n + 1)
@@ -177,15 +213,29 @@ def load_vs_compute(cfg: Config, lengths: list[int], repeats: int) -> tuple[list
             _median(timed["discard"]),
         )
         stages.append(stage)
-        r = LoadVsCompute(n, best_load, best_compute, best_load / n, best_compute / n, best_compute / best_load)
+        r = LoadVsCompute(
+            n,
+            best_load,
+            best_compute,
+            best_load / n,
+            best_compute / n,
+            best_compute / best_load,
+            disk_load,
+            best_compute / disk_load,
+            cold,
+        )
         log.info(
-            "%6d tokens: load %.1f ms (%.2f us/token), compute %.0f ms (%.1f us/token): compute/load %.1fx",
+            "%6d tokens: load %.1f ms (%.2f us/token), compute %.0f ms (%.1f us/token): compute/load %.1fx%s",
             n,
             1e3 * r.load_seconds,
             1e6 * r.load_seconds_per_token,
             1e3 * r.compute_seconds,
             1e6 * r.compute_seconds_per_token,
             r.compute_over_load,
+            f"; from disk {1e3 * disk_load:.1f} ms ({'page cache dropped' if cold else 'page cache'}): "
+            f"compute/disk load {r.compute_over_disk_load:.1f}x"
+            if host.has_disk
+            else "",
         )
         out.append(r)
     return out, stages
@@ -264,13 +314,17 @@ def run_sequence(cfg: Config, trace: list[torch.Tensor], suffix: SuffixPolicy) -
     return run
 
 
-def bench_config(model_dir: str, dtype: str, device: str, block_tokens: int, max_model_len: int) -> Config:
+def bench_config(
+    model_dir: str, dtype: str, device: str, block_tokens: int, max_model_len: int, disk: str | None = None
+) -> Config:
     """The engine this benchmark runs: `block_tokens` blocks, every block kept (`retention: all`),
-    a 4 GB LMCache CPU tier; the device tier is sized per part."""
+    a 4 GB LMCache CPU tier (and, with `disk`, a 16 GB local disk tier in that directory); the
+    device tier is sized per part."""
     cfg = Config(device=device)
-    cache = CacheConfig(
-        block_tokens=block_tokens, retention="all", host=HostTierConfig(lmcache={"max_local_cpu_size": 4.0})
-    )
+    lmcache: dict[str, object] = {"max_local_cpu_size": 4.0}
+    if disk:
+        lmcache |= {"local_disk": disk, "max_local_disk_size": 16.0}
+    cache = CacheConfig(block_tokens=block_tokens, retention="all", host=HostTierConfig(lmcache=lmcache))
     model = replace(cfg.model, path=model_dir, dtype=dtype, max_model_len=max_model_len)  # type: ignore[arg-type]
     return replace(cfg, model=model, cache=cache)
 
@@ -315,10 +369,13 @@ def run_tiers_bench(cfg: Config, opts: TiersOptions) -> dict[str, object]:
         )
     ]
     speedup = headline[0]["ratio"]["median"]
-    print(f"{'tokens':>7} {'load ms':>8} {'compute ms':>10} {'compute/load':>12}")
+    print(f"{'tokens':>7} {'load ms':>8} {'compute ms':>10} {'compute/load':>12} {'disk ms':>8} {'compute/disk':>12}")
     for c in costs:
-        ms_load, ms_compute = 1e3 * c.load_seconds, 1e3 * c.compute_seconds
-        print(f"{c.num_tokens:>7} {ms_load:>8.1f} {ms_compute:>10.0f} {c.compute_over_load:>11.1f}x")
+        ms_load, ms_compute, ms_disk = 1e3 * c.load_seconds, 1e3 * c.compute_seconds, 1e3 * c.disk_load_seconds
+        print(
+            f"{c.num_tokens:>7} {ms_load:>8.1f} {ms_compute:>10.0f} {c.compute_over_load:>11.1f}x {ms_disk:>8.1f} "
+            f"{c.compute_over_disk_load:>11.1f}x"
+        )
     print_stages(stages)
     print(
         f"\nrevisit trace: {users} users x {rounds} rounds, profile {profile_tokens} + post {post_tokens} tokens, "

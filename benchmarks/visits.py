@@ -90,6 +90,7 @@ class CacheUse:
     computed_tokens: int
     source: str  # "usage": the responses' usage.tiered; "metrics": vLLM's /metrics, after minus before
     shared_tokens: int = 0  # ours: not cached, computed once for several prompts of a batch
+    disk_hit_tokens: int = 0  # ours: read from the host tier's local disk (not in its memory)
 
 
 @dataclass(slots=True)
@@ -264,8 +265,10 @@ def _measure(
     if vllm is None:
         prompt = sum(r.num_tokens for r in ok)
         device, host = sum(r.device_hit_tokens for r in ok), sum(r.host_hit_tokens for r in ok)
+        disk = sum(r.disk_hit_tokens for r in ok)
         shared = sum(r.shared_tokens for r in ok)  # computed once for several prompts: counted once
-        return records, makespan, CacheUse(prompt, device, host, prompt - device - host - shared, "usage", shared)
+        computed = prompt - device - host - disk - shared
+        return records, makespan, CacheUse(prompt, device, host, computed, "usage", shared, disk)
     queried, hit = (after - b for after, b in zip(vllm_prefix_cache_tokens(served.url), before, strict=True))
     return records, makespan, CacheUse(queried, hit, 0, queried - hit, "metrics")
 
@@ -623,7 +626,7 @@ def _print_saturation(medians: list[Saturation], runs: _Runs) -> None:
     print("saturation: the median run of each system (min-max over its runs)")
     print(
         f"{'system':<14}{'visits/s':>9}{'min-max':>14}{'runs':>5}{'start s':>8}{'prompt tok':>11}{'dev hit':>8}"
-        f"{'host hit':>9}{'computed':>9}{'limit v/s':>10}{'of limit':>9}{'errors':>7}"
+        f"{'host hit':>9}{'disk hit':>9}{'computed':>9}{'limit v/s':>10}{'of limit':>9}{'errors':>7}"
     )
     for s in medians:
         c, p = s.cache, max(1, s.cache.prompt_tokens)
@@ -632,6 +635,7 @@ def _print_saturation(medians: list[Saturation], runs: _Runs) -> None:
         start = runs.launch.get(s.system, {}).get("startup_seconds") or math.nan
         print(
             f"{s.system:<14}{s.visits_per_s:>9.3f}{spread:>14}{len(mine):>5}{start:>8.0f}{c.prompt_tokens:>11}"
-            f"{100 * c.device_hit_tokens / p:>7.0f}%{100 * c.host_hit_tokens / p:>8.0f}%{c.computed_tokens:>9}"
+            f"{100 * c.device_hit_tokens / p:>7.0f}%{100 * c.host_hit_tokens / p:>8.0f}%"
+            f"{100 * c.disk_hit_tokens / p:>8.0f}%{c.computed_tokens:>9}"
             f"{s.limit.visits_per_s:>10.2f}{100 * s.limit.achieved_fraction:>8.0f}%{s.num_errors:>7}"
         )

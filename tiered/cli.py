@@ -117,13 +117,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tiered.api.app import build_app
-    from tiered.api.serve_options import api_key, chat_template, check_adapters, serve_overrides, served_model_names
+    from tiered.api.serve_options import (
+        api_key,
+        chat_template,
+        check_adapters,
+        check_local_disk,
+        serve_overrides,
+        served_model_names,
+    )
     from tiered.logs import uvicorn_config
 
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
     resolve_device(cfg.device)
     check_adapters(cfg)
+    check_local_disk(cfg)
     app_kwargs: dict[str, Any] = {
         "api_key": api_key(args),
         "served_model_names": served_model_names(args, cfg),

@@ -84,7 +84,7 @@ def test_asynchronous_store_becomes_visible_to_lookups(model: CausalLM, make_tie
 
 def _held(tiers: KVTiers, ids: torch.Tensor) -> list:
     """The leading chunks of `ids` the host tier holds (asked of LMCache, not of our index)."""
-    objs, _ = tiers.host_tier.get(tiers.new_request("held", ids).keys)
+    objs, _, _ = tiers.host_tier.get(tiers.new_request("held", ids).keys)
     tiers.host_tier.release(objs)
     return objs
 

@@ -110,6 +110,7 @@ def _host_counters(engine: Engine) -> HostCounters | None:
         h.store_thread_cpu_seconds,
         h.num_dropped_chunks,
         h.num_pending_stores,
+        h.num_disk_write_failures,
     )
 
 
@@ -149,6 +150,7 @@ def _response(result: Result) -> ScoreResponse:
         num_device_hit_tokens=result.split.num_device_hit_tokens,
         num_host_hit_tokens=result.split.num_host_hit_tokens,
         num_remote_hit_tokens=result.split.num_remote_hit_tokens,
+        num_disk_hit_tokens=result.split.num_disk_hit_tokens,
         num_shared_tokens=result.num_shared_tokens,
         queued_seconds=result.queued_seconds,
         load_seconds=result.load_seconds,

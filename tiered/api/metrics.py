@@ -138,6 +138,7 @@ class Metrics:
         self.tier_hits.labels(model, "device").inc(out.num_device_hit_tokens)
         self.tier_hits.labels(model, "host").inc(out.num_host_hit_tokens)
         self.tier_hits.labels(model, "remote").inc(out.num_remote_hit_tokens)
+        self.tier_hits.labels(model, "disk").inc(out.num_disk_hit_tokens)
         self.shared.labels(model).inc(out.num_shared_tokens)
         self.e2e.labels(model).observe(e2e_seconds)
         self.queue.labels(model).observe(out.queued_seconds)
@@ -222,6 +223,11 @@ class _Reported:
                     h.store_thread_cpu_seconds,
                 ),
                 ("host_store_dropped_chunks", "Chunks not stored (queue full or no LMCache memory).", h.dropped_chunks),
+                (
+                    "host_disk_write_failures",
+                    "Chunks the host tier's local disk could not take (full, read-only, failing): kept in memory only.",
+                    h.disk_write_failures,
+                ),
             ):
                 yield _counter(f"tiered:{name}", doc, value)
             yield _gauge("tiered:host_store_pending", "Store batches queued for the store thread.", h.pending_stores)

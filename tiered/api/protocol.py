@@ -63,6 +63,7 @@ class HostCounters:
     store_thread_cpu_seconds: float = 0.0
     dropped_chunks: int = 0
     pending_stores: int = 0
+    disk_write_failures: int = 0
 
 
 @dataclass(slots=True)
@@ -79,6 +80,7 @@ class ScoreResponse:
     num_device_hit_tokens: int = 0
     num_host_hit_tokens: int = 0
     num_remote_hit_tokens: int = 0
+    num_disk_hit_tokens: int = 0
     num_shared_tokens: int = 0  # computed once for this request by another one of its batch
     queued_seconds: float = 0.0
     load_seconds: float = 0.0  # host-tier loads of this request's batch
@@ -90,7 +92,7 @@ class ScoreResponse:
 
 def cached_tokens(out: ScoreResponse) -> int:
     """A response's prompt tokens that came from a cache tier (vLLM's `cached_tokens`)."""
-    return out.num_device_hit_tokens + out.num_host_hit_tokens + out.num_remote_hit_tokens
+    return out.num_device_hit_tokens + out.num_host_hit_tokens + out.num_remote_hit_tokens + out.num_disk_hit_tokens
 
 
 @dataclass(slots=True)

@@ -222,6 +222,18 @@ def chat_template(value: str | None) -> str | None:
     return value
 
 
+def check_local_disk(cfg: Config) -> None:
+    """Check the host tier's local disk directories (LMCache's, from the YAML, LMCACHE_* or its
+    config file) before the engine starts: one that cannot hold the disk tier stops `serve` with
+    a one-line error naming `cache.host.lmcache.local_disk`."""
+    if cfg.cache.suffix != "offload" or not cfg.cache.host.enabled:
+        return
+    from tiered.offload.lmcache_setup import check_local_disk as check
+    from tiered.offload.lmcache_setup import lmcache_config
+
+    check(lmcache_config(cfg.cache.host.lmcache))
+
+
 def check_adapters(cfg: Config) -> None:
     """Check every adapter folder before the engine starts: a bad one stops `serve` with its message."""
     if not cfg.lora.enabled:

@@ -296,6 +296,7 @@ def usage(outs: list[ScoreResponse]) -> dict[str, Any]:
             "device_hit_tokens": sum(o.num_device_hit_tokens for o in outs),
             "host_hit_tokens": sum(o.num_host_hit_tokens for o in outs),
             "remote_hit_tokens": sum(o.num_remote_hit_tokens for o in outs),  # a shared remote tier's
+            "disk_hit_tokens": sum(o.num_disk_hit_tokens for o in outs),  # the host tier's local disk
             # not cached, but computed once for several prompts of the batch (a shared profile)
             "batch_shared_tokens": sum(o.num_shared_tokens for o in outs),
             # seconds of the forwards that computed these prompts: host-tier loads, what host-tier

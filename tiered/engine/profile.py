@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 # Part of the JCT profile's cache key. Bump it when the forward's or the tiers' costs change: a
 # profile cached by older code would price jobs (host loads above all) at what they used to cost.
 # The torch thread count is part of the key too.
-JCT_PROFILE_VERSION = 4
+JCT_PROFILE_VERSION = 5
 
 
 def jct_for(parts: Parts, jct_model: JCTModel | None = None) -> JCTModel:
@@ -63,6 +63,7 @@ def profile_jct(parts: Parts) -> JCTModel:
         "totals": totals,
         "fractions": sc.profile_miss_fractions,
         "host": parts.tiers.host_tier is not None,
+        "disk": parts.tiers.host_tier is not None and parts.tiers.host_tier.has_disk,
         "cost_paths": JCT_PROFILE_VERSION,
         "threads": torch.get_num_threads(),
     }
@@ -154,26 +155,46 @@ def _measure_through_stages(parts: Parts, totals: list[int], fractions: list[flo
 
 
 def _measure_host_loads(parts: Parts, totals: list[int], g: torch.Generator, bt: int) -> list[JCTSample]:
-    """Jobs whose prefix all comes from the host tier: real LMCache stores and retrievals."""
+    """Jobs whose prefix all comes from the host tier: real LMCache stores and retrievals; where the
+    tier has a local disk, the same prefix again read from the disk alone (taken out of its memory)."""
+    tiers = parts.tiers
     samples = []
+
+    def load(request_id: str, ids: Tensor) -> tuple[Prepared, float]:
+        tiers.device_tier.clear()
+        start = time.perf_counter()
+        loaded = tiers.prepare(tiers.new_request(request_id, ids))
+        parts.forward([loaded])
+        parts.synchronize()
+        seconds = time.perf_counter() - start
+        tiers.abort(loaded)
+        return loaded, seconds
+
     for total in totals:
         if total <= bt:
             continue
         ids = torch.randint(0, parts.model.args.vocab_size, (total,), generator=g)
-        stored = parts.tiers.prepare(parts.tiers.new_request(f"profile-store-{total}", ids))
+        stored = tiers.prepare(tiers.new_request(f"profile-store-{total}", ids))
         parts.forward([stored])
-        parts.tiers.finish(stored)
-        parts.tiers.flush()
-        parts.tiers.device_tier.clear()
-        start = time.perf_counter()
-        loaded = parts.tiers.prepare(parts.tiers.new_request(f"profile-load-{total}", ids))
-        parts.forward([loaded])
-        parts.synchronize()
-        seconds = time.perf_counter() - start
-        parts.tiers.abort(loaded)
+        tiers.finish(stored)
+        tiers.flush()
+        loaded, seconds = load(f"profile-load-{total}", ids)
         split = loaded.split
         samples.append(JCTSample(total, split.num_miss_tokens, split.num_host_hit_tokens, seconds))
-    parts.tiers.clear()
-    if parts.tiers.host_tier is not None:
-        parts.tiers.host_tier.reset_stats()
+        host = tiers.host_tier
+        if host is not None and host.has_disk and host.evict_from_memory(stored.request.keys):
+            loaded, seconds = load(f"profile-disk-{total}", ids)
+            split = loaded.split
+            samples.append(
+                JCTSample(
+                    total,
+                    split.num_miss_tokens,
+                    split.num_host_hit_tokens,
+                    seconds,
+                    num_disk_hit_tokens=split.num_disk_hit_tokens,
+                )
+            )
+    tiers.clear()
+    if tiers.host_tier is not None:
+        tiers.host_tier.reset_stats()
     return samples

@@ -18,19 +18,27 @@ from tiered.offload.device_tier import DeviceTier, block_keys
 
 @dataclass(frozen=True, slots=True)
 class HitSplit:
-    """Where a request's tokens come from: the prefix (device hits, host hits and remote hits, in
-    runs that may alternate), then the misses. Remote hits: chunks found in a shared remote store
+    """Where a request's tokens come from: the prefix (device hits, host hits, disk hits and remote
+    hits, in runs that may alternate), then the misses. Host hits: chunks in the host tier's memory;
+    disk hits: chunks its local disk backend held and its memory did not
+    (`cache.host.lmcache.local_disk`); remote hits: chunks found in a shared remote store
     (`cache.host.lmcache.remote_url`) that this engine's own host tier did not hold."""
 
     num_device_hit_tokens: int
     num_host_hit_tokens: int
     num_miss_tokens: int
     num_remote_hit_tokens: int = 0
+    num_disk_hit_tokens: int = 0
 
     @property
     def num_hit_tokens(self) -> int:
-        """Prefix tokens found cached in any tier (device, host or remote)."""
-        return self.num_device_hit_tokens + self.num_host_hit_tokens + self.num_remote_hit_tokens
+        """Prefix tokens found cached in any tier (device, host, disk or remote)."""
+        return (
+            self.num_device_hit_tokens
+            + self.num_host_hit_tokens
+            + self.num_remote_hit_tokens
+            + self.num_disk_hit_tokens
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,8 @@ class HostTierStats:
 
     num_hit_tokens: int = 0
     num_remote_hit_tokens: int = 0  # of those, found in the remote store (`remote_url`) only
+    num_disk_hit_tokens: int = 0  # of those, read from the local disk (`local_disk`): not in memory
+    num_disk_write_failures: int = 0  # chunks the local disk could not take (full, read-only): memory only
     num_stored_tokens: int = 0
     num_failures: int = 0
     num_loads: int = 0
@@ -59,13 +61,19 @@ class Host(Protocol):
     cfg: HostTierConfig
     capacity_chunks: int  # chunks its local backends hold
     remote_url: str | None
+    has_disk: bool  # a local disk behind its memory (`in_memory` tells the two apart)
     model_name: str
     on_stored: Callable[[StoreBatch], None] | None
     # Called with keys the tier is known to have given up (a pipeline's index); LMCache evicts silently.
     on_forgotten: Callable[[list[int]], None] | None
 
-    def get(self, keys: Sequence[int]) -> tuple[list[Any], int]:
-        """Chunks of the leading `keys` held, each with a reference, and how many came from the remote store."""
+    def get(self, keys: Sequence[int]) -> tuple[list[Any], int, int]:
+        """Chunks of the leading `keys` held, each with a reference, how many came from the remote
+        store (the last ones) and how many from a local disk (those before them)."""
+        ...
+
+    def in_memory(self, key: int) -> bool:
+        """Whether the chunk of `key` is in the tier's memory (not only on its disk); no I/O, no lock."""
         ...
 
     def load(
@@ -74,8 +82,13 @@ class Host(Protocol):
         block_ids: Sequence[int],
         views: Callable[[Sequence[int]], list[Tensor]],
         num_remote: int = 0,
+        num_disk: int = 0,
     ) -> None:
         """Copy chunks `get` returned into the device-tier blocks `block_ids`, releasing them."""
+        ...
+
+    def evict_from_memory(self, keys: Sequence[int]) -> int:
+        """Leave the chunks of `keys` on the tier's disk only (the start-up profile); returns how many are."""
         ...
 
     def release(self, objs: Sequence[Any]) -> None:

@@ -67,6 +67,9 @@ class HostTier:
         self._storage = self._engine.storage_manager
         lm.bound_reuse_record(self._storage, self.capacity_chunks)
         lm.fix_remote_close(self._storage)
+        # LMCache's local disk backend (`local_disk`), whose chunks its CPU backend may no longer hold.
+        self.has_disk = lm.guard_disk_writes(self._storage, self._disk_write_failed)
+        self._memory = self._storage.storage_backends.get("LocalCPUBackend")
         self._fmt = MemoryFormat.KV_2LTD
         self._obj_shape = torch.Size([2, args.num_layers, block_tokens, args.num_kv_heads * args.head_dim])
         self._key = lambda k: CacheEngineKey(model_name, 1, 0, k & _KEY_MASK, dtype, None)
@@ -89,6 +92,17 @@ class HostTier:
         if (register := getattr(threading, "_register_atexit", None)) is not None:
             register(self.close)
 
+    def _disk_write_failed(self, exc: OSError) -> None:
+        """A chunk LMCache could not write to its disk (full, read-only, failing): it stays in memory only."""
+        with self._lock:
+            self.stats_.num_disk_write_failures += 1
+            self._failed("disk write", exc)
+
+    def in_memory(self, key: int) -> bool:
+        """Whether the chunk of `key` is in the tier's memory (else it is on its disk or remote, or
+        gone). Lock-free: one dict lookup, read as the scheduler estimates."""
+        return self._memory is None or self._key(key) in self._memory.hot_cache
+
     def _failed(self, what: str, exc: BaseException) -> None:
         self.stats_.num_failures += 1
         if what not in self._warned:
@@ -97,14 +111,15 @@ class HostTier:
 
     # ---- loads -----------------------------------------------------------------------------
 
-    def get(self, keys: Sequence[int]) -> tuple[list[Any], int]:
-        """Memory objects of the leading `keys` this tier holds (pending stores included), and how
-        many of them (the last ones: LMCache looks in its local backends first) came from the
-        remote store.
+    def get(self, keys: Sequence[int]) -> tuple[list[Any], int, int]:
+        """Memory objects of the leading `keys` this tier holds (pending stores included), how
+        many of them came from the remote store (the last ones: LMCache looks in its memory, then
+        its disk, then the remote store) and how many from its local disk (those before them).
 
         Each returned object carries a reference: pass the list to `copy_into` (or `release`)."""
         out: list[Any] = []
         remote: set[int] = set()
+        disk: set[int] = set()
         with self._lock:
             start = time.perf_counter()
             i = 0
@@ -126,6 +141,8 @@ class HostTier:
                     found.update((c[1], obj) for c, obj in zip(chunks, objs, strict=True))
                     if location == "RemoteBackend":
                         remote.update(c[1] for c in chunks)
+                    elif location == "LocalDiskBackend":
+                        disk.update(c[1] for c in chunks)
                 self.stats_.load_get_seconds += time.perf_counter() - lookup
             except Exception as exc:  # noqa: BLE001 - any host-tier fault degrades to a miss
                 self._failed("retrieve", exc)
@@ -141,8 +158,9 @@ class HostTier:
                 if obj is not None:
                     obj.ref_count_down()
             num_remote = sum(1 for r in remote if r < n)
+            num_disk = sum(1 for d in disk if d < n)
             lm.touch_local(self._storage, [self._key(k) for k in keys[: len(out)]])  # a hit: just used
-        return out, num_remote
+        return out, num_remote, num_disk
 
     def load(
         self,
@@ -150,13 +168,14 @@ class HostTier:
         block_ids: Sequence[int],
         views: Callable[[Sequence[int]], list[Tensor]],
         num_remote: int = 0,
+        num_disk: int = 0,
     ) -> None:
         """`copy_into` the device-tier blocks `block_ids` (`views` gives their tensors)."""
-        self.copy_into(objs, views(block_ids), num_remote)
+        self.copy_into(objs, views(block_ids), num_remote, num_disk)
 
-    def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor], num_remote: int = 0) -> None:
+    def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor], num_remote: int = 0, num_disk: int = 0) -> None:
         """Copy chunk i into `blocks[i]` (a device-tier block), then release the objects; the
-        last `num_remote` of them came from the remote store."""
+        last `num_remote` of them came from the remote store, the `num_disk` before those from disk."""
         start = time.perf_counter()
         srcs = [obj.tensor.view(self.chunk_shape) for obj in objs]
         non_blocking = bool(blocks) and blocks[0].device.type == "cuda"
@@ -172,6 +191,7 @@ class HostTier:
             self.stats_.load_copy_seconds += seconds
             self.stats_.num_hit_tokens += len(objs) * self.block_tokens
             self.stats_.num_remote_hit_tokens += num_remote * self.block_tokens
+            self.stats_.num_disk_hit_tokens += num_disk * self.block_tokens
 
     def release(self, objs: Sequence[Any]) -> None:
         """Drop the references `get` took on objects that will not be copied."""
@@ -359,6 +379,23 @@ class HostTier:
         self.flush()
         with self._lock:
             self._engine.clear()
+
+    def evict_from_memory(self, keys: Sequence[int], timeout_s: float = 10.0) -> int:
+        """Take the chunks of `keys` out of the tier's memory once its disk holds them (the start-up
+        profile's disk loads: a prefix only the disk holds). Returns how many are on disk only now."""
+        backend = self._storage.storage_backends.get("LocalDiskBackend")
+        if backend is None:
+            return 0
+        self.flush()
+        cache_keys = [self._key(k) for k in keys]
+        deadline = time.monotonic() + timeout_s  # LMCache writes its files in its own threads
+        while any(backend.exists_in_put_tasks(k) for k in cache_keys) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with self._lock:
+            on_disk = [k for k in cache_keys if backend.contains(k)]
+            for k in on_disk:
+                self._storage.remove(k, locations=["LocalCPUBackend"])
+        return len(on_disk)
 
     def num_local_chunks(self) -> int:
         """Chunks LMCache's local backends hold now."""

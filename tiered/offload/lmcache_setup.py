@@ -15,11 +15,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,71 @@ def reentrant_observability_lock() -> None:
         lmcache.utils._shared_observability_lock = threading.RLock()  # type: ignore[assignment]
 
 
+def local_disk_paths(config: Any) -> list[str]:
+    """The directories of LMCache's local disk backend in `config` ([] when it has none: no path, or
+    no size), as LMCache reads them: comma-separated, each maybe prefixed `file://`."""
+    if not config.local_disk or float(config.max_local_disk_size or 0) <= 0:
+        return []
+    return [p.strip().removeprefix("file://") for p in str(config.local_disk).split(",") if p.strip()]
+
+
+def check_local_disk(config: Any) -> list[str]:
+    """Each local disk directory made if missing and written once: a path that cannot hold the disk
+    tier (a file, read-only, not creatable) is a ConfigError naming the key (LMCache would fail in
+    its own thread, or kill the engine with a traceback). Returns the directories."""
+    paths = local_disk_paths(config)
+    for path in paths:
+        probe = Path(path) / f".tiered-probe-{os.getpid()}"
+        try:
+            os.makedirs(path, exist_ok=True)
+            probe.write_bytes(bytes(4096))
+            probe.unlink()
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise ConfigError(
+                f"config key 'cache.host.lmcache.local_disk': '{path}' cannot hold the disk tier ({reason})"
+            ) from None
+    return paths
+
+
+class _DiskWriteFailed(OSError):
+    """A chunk's file could not be written (raised by the guarded `write_file` only)."""
+
+
+def guard_disk_writes(storage_manager: Any, on_failure: Callable[[OSError], None]) -> bool:
+    """Make a failed write of LMCache's local disk backend (disk full, read-only, I/O error) leave
+    nothing behind: in LMCache 0.5.6 it raises in LMCache's worker thread after the chunk was
+    admitted (its bytes counted, a reference and an in-flight mark held: never given back) and
+    before the key is published. Here the partial file is removed, the admission undone, and
+    `on_failure` called; the chunk stays in memory only (a later miss recomputes it). Returns
+    whether there is a disk backend."""
+    backend = getattr(storage_manager, "storage_backends", {}).get("LocalDiskBackend")
+    if backend is None:
+        return False
+    write_file, save = backend.write_file, backend.async_save_bytes_to_disk
+
+    def guarded_write(buffer: Any, path: str) -> None:
+        try:
+            write_file(buffer, path)
+        except OSError as exc:
+            raise _DiskWriteFailed(exc.errno, exc.strerror or str(exc), path) from exc
+
+    def guarded_save(key: Any, memory_obj: Any, on_complete_callback: Any = None) -> None:
+        try:
+            save(key, memory_obj, on_complete_callback)
+        except _DiskWriteFailed as exc:
+            with contextlib.suppress(OSError):
+                os.remove(backend._key_to_path(key))
+            with backend.disk_lock:
+                backend.current_cache_size -= memory_obj.get_physical_size()
+            backend.disk_worker.remove_put_task(key)
+            memory_obj.ref_count_down()  # the reference its put task took
+            on_failure(exc)
+
+    backend.write_file, backend.async_save_bytes_to_disk = guarded_write, guarded_save
+    return True
+
+
 def start_lmcache(
     lmcache_options: dict[str, Any],
     args: ModelArgs,
@@ -231,6 +297,7 @@ def start_lmcache(
             "py_enable_gc": True,  # LMCache would otherwise disable Python's GC process-wide
         }
     )
+    check_local_disk(config)
     metadata = LMCacheMetadata(
         model_name=model_name,
         world_size=1,

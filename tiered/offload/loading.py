@@ -13,11 +13,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 from tiered.engine.request import TierRequest
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.host_base import Host
 from tiered.offload.host_keys import HostKeys
+
+
+class Loaded(NamedTuple):
+    """Device blocks a load filled from the host tier, and those of them read from its disk or a remote store."""
+
+    blocks: list[int]
+    from_disk: set[int]
+    from_remote: set[int]
 
 
 def max_prefix_blocks(req: TierRequest, block_tokens: int) -> int:
@@ -42,7 +51,7 @@ class PrefixLoader:
         # No torch.set_num_threads(1) here: it is the process's setting, not the thread's (torch
         # 2.13): the engine's forwards would then run on one core (tests/offload/test_threads.py).
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch")
-        self._prefetches: dict[str, Future[tuple[list[int], set[int]]]] = {}
+        self._prefetches: dict[str, Future[Loaded]] = {}
 
     def _host_run_end(self, req: TierRequest, first_block: int, use_remote: bool) -> tuple[int, int]:
         """Where the run of host chunks from `first_block` ends by our key index, and where it may
@@ -64,46 +73,47 @@ class PrefixLoader:
             end += 1
         return known, end
 
-    def _load_from_host(self, req: TierRequest, first_block: int, known: int, end: int) -> tuple[list[int], int, bool]:
+    def _load_from_host(self, req: TierRequest, first_block: int, known: int, end: int) -> tuple[Loaded, bool]:
         """Load the run of host chunks first_block..end (`_host_run_end`) into new device blocks
-        (they end pinned and cached); returns them, how many of them (the last ones) came from the
-        remote store, and whether LMCache had fewer chunks than asked for (no use asking the
-        remote store again).
+        (they end pinned and cached); returns them (with those read from disk and from the remote
+        store) and whether LMCache had fewer chunks than asked for (no use asking the remote store again).
 
         Chunks that find no free device block are not loaded: they are recomputed."""
+        none = Loaded([], set(), set())
         if self.host_tier is None or end == first_block:
-            return [], 0, False
+            return none, False
         keys = req.keys[first_block:end]
-        objs, num_remote = self.host_tier.get(keys)
+        objs, num_remote, num_disk = self.host_tier.get(keys)
         short = len(objs) < len(keys)
         if len(objs) < known - first_block:  # keys we believed held, some LMCache lacks (evicted)
             self._forget(self.host_tier.missing(keys[len(objs) : known - first_block]))
         if not objs:
-            return [], 0, short
+            return none, short
         blocks = self.device_tier.allocate(len(objs))
         if len(blocks) < len(objs):
             self.host_tier.release(objs[len(blocks) :])
         if not blocks:
-            return [], 0, short
-        num_remote = max(0, num_remote - (len(objs) - len(blocks)))
-        self.host_tier.load(objs[: len(blocks)], blocks, self.device_tier.blocks, num_remote)
+            return none, short
+        # objs: memory's chunks, then the disk's, then the remote store's; the loaded ones are the first len(blocks)
+        disk_end = len(objs) - num_remote
+        remote = blocks[disk_end:]
+        disk = blocks[disk_end - num_disk : disk_end]
+        self.host_tier.load(objs[: len(blocks)], blocks, self.device_tier.blocks, len(remote), len(disk))
         bt = self.block_tokens
         for i, b in enumerate(blocks):
             j = first_block + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
-        if num_remote:  # in the host tier's reach now: the scheduler's estimate counts them as host hits
-            self.host_keys.learned(keys[len(blocks) - num_remote : len(blocks)])
-        return blocks, num_remote, short
+        if remote:  # in the host tier's reach now: the scheduler's estimate counts them as host hits
+            self.host_keys.learned(keys[disk_end : len(blocks)])
+        return Loaded(blocks, set(disk), set(remote)), short
 
-    def find_prefix(self, req: TierRequest) -> tuple[list[int], list[int], set[int], float]:
+    def find_prefix(self, req: TierRequest) -> tuple[list[int], Loaded, float]:
         """Pin the request's prefix: alternate runs of device hits and host loads, in block order.
 
-        Returns (prefix blocks, those loaded from the host tier, those of them that came from the
-        remote store, seconds spent loading)."""
+        Returns (prefix blocks, those loaded from the host tier with their origins, seconds spent loading)."""
         tokens = req.token_ids.tolist()
         prefix: list[int] = []
-        loaded: list[int] = []
-        remote: set[int] = set()
+        loaded = Loaded([], set(), set())
         seconds = 0.0
         use_remote = True  # until the remote store has had fewer chunks than asked for
         try:
@@ -111,15 +121,16 @@ class PrefixLoader:
                 prefix += self.device_tier.match(req.keys, tokens, count=False, start=len(prefix), pin=True)
                 known, end = self._host_run_end(req, len(prefix), use_remote)
                 start = time.perf_counter()
-                run, num_remote, short = self._load_from_host(req, len(prefix), known, end)
+                run, short = self._load_from_host(req, len(prefix), known, end)
                 use_remote = use_remote and not short
                 if end > len(prefix):
                     seconds += time.perf_counter() - start
-                if not run:
-                    return prefix, loaded, remote, seconds
-                prefix += run
-                loaded += run
-                remote.update(run[len(run) - num_remote :])
+                if not run.blocks:
+                    return prefix, loaded, seconds
+                prefix += run.blocks
+                loaded.blocks.extend(run.blocks)
+                loaded.from_disk.update(run.from_disk)
+                loaded.from_remote.update(run.from_remote)
         except BaseException:
             self.device_tier.unpin(prefix)
             raise
@@ -137,10 +148,10 @@ class PrefixLoader:
         if self.host_tier is None or req.request_id in self._prefetches:
             return
 
-        def run() -> tuple[list[int], set[int]]:
-            prefix, loaded, remote, _ = self.find_prefix(req)
+        def run() -> Loaded:
+            prefix, loaded, _ = self.find_prefix(req)
             self.device_tier.unpin(prefix)
-            return loaded, remote
+            return loaded
 
         self._prefetches[req.request_id] = self._prefetcher.submit(run)
 
@@ -148,15 +159,15 @@ class PrefixLoader:
         """Forget a prefetch for a request that will not run (what it loaded stays cached)."""
         self._prefetches.pop(request_id, None)
 
-    def take_prefetch(self, request_id: str) -> tuple[list[int], set[int], float]:
-        """Wait for the request's prefetch, if one was started: the blocks it loaded, those of them
-        from the remote store, and the seconds waited."""
+    def take_prefetch(self, request_id: str) -> tuple[Loaded, float]:
+        """Wait for the request's prefetch, if one was started: the blocks it loaded (with their
+        origins), and the seconds waited."""
         future = self._prefetches.pop(request_id, None)
         if future is None:
-            return [], set(), 0.0
+            return Loaded([], set(), set()), 0.0
         start = time.perf_counter()
-        loaded, remote = future.result()
-        return loaded, remote, time.perf_counter() - start
+        loaded = future.result()
+        return loaded, time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the prefetch thread, waiting for the loads already submitted."""

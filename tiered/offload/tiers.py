@@ -45,10 +45,12 @@ class TierStats:
 
 class _Found(NamedTuple):
     """A request's cached prefix as `prepare` found it: its pinned device blocks, those loaded from
-    the host tier and from a remote store, seconds waited for its prefetch and spent loading."""
+    the host tier (of them, those read from its disk and from a remote store), seconds waited for
+    its prefetch and spent loading."""
 
     prefix: list[int]
     from_host: set[int]
+    from_disk: set[int]
     from_remote: set[int]
     wait: float
     load: float
@@ -138,26 +140,31 @@ class KVTiers:
     # ---- scoring (no side effects) ---------------------------------------------------------
 
     def estimate(self, req: TierRequest) -> HitSplit:
-        """The hit split by hashes alone (device index, then known host keys): no I/O, no locks.
+        """The hit split by hashes alone (device index, then known host keys, in the host tier's
+        memory or only on its disk): no I/O, no locks.
 
         Runs of device and host blocks may alternate (with `on-evict`, a prefix's first blocks
         can leave the device before its last ones). This is what the scheduler scores with
         before every pick; `prepare` finds the truth."""
         n = req.token_ids.numel()
         max_blocks = max_prefix_blocks(req, self.block_tokens)
-        num_device = num_host = i = 0
+        num_device = num_host = num_disk = i = 0
+        host = self.host_tier if self.host_tier is not None and self.host_tier.has_disk else None
         while i < max_blocks:
             run = self.device_tier.count_cached(req.keys, max_blocks, i)
             num_device += run
             i += run
             start = i
             while i < max_blocks and req.keys[i] in self.host_keys:
+                if host is not None and not host.in_memory(req.keys[i]):
+                    num_disk += 1
                 i += 1
             num_host += i - start
             if run == 0 and i == start:
                 break
         bt = self.block_tokens
-        return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host) * bt)
+        num_host -= num_disk
+        return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host + num_disk) * bt, 0, num_disk * bt)
 
     def _changed(self, keys: Iterable[int]) -> None:
         if self.on_change is not None:
@@ -180,10 +187,17 @@ class KVTiers:
         blocks among them are neither kept nor stored again. Its own plan is added to the set.
         `park`: a piece of a request that resumes later: every computed block stays on the device
         whatever the retention policy (those that find no room go to the host tier)."""
-        prefetched, from_remote, wait = self.loader.take_prefetch(req.request_id)
-        prefix, loaded, remote, load = self.loader.find_prefix(req)
+        prefetched, wait = self.loader.take_prefetch(req.request_id)
+        prefix, loaded, load = self.loader.find_prefix(req)
         try:
-            found = _Found(prefix, set(prefetched) | set(loaded), from_remote | remote, wait, load)
+            found = _Found(
+                prefix,
+                set(prefetched.blocks) | set(loaded.blocks),
+                prefetched.from_disk | loaded.from_disk,
+                prefetched.from_remote | loaded.from_remote,
+                wait,
+                load,
+            )
             return self._plan(req, found, shared_keys, planned_keys, park)
         except BaseException:
             self.device_tier.unpin(prefix)  # what _plan pinned it released itself
@@ -197,13 +211,18 @@ class KVTiers:
         planned_keys: set[int] | None,
         park: bool = False,
     ) -> Prepared:
-        prefix, from_host, from_remote, wait, load = found
+        prefix, from_host, from_disk, from_remote, wait, load = found
         bt = self.block_tokens
         num_host = sum(1 for b in prefix if b in from_host)
+        num_disk = sum(1 for b in prefix if b in from_disk)
         num_remote = sum(1 for b in prefix if b in from_remote)
         n = req.token_ids.numel()
         split = HitSplit(
-            (len(prefix) - num_host) * bt, (num_host - num_remote) * bt, n - len(prefix) * bt, num_remote * bt
+            (len(prefix) - num_host) * bt,
+            (num_host - num_remote - num_disk) * bt,
+            n - len(prefix) * bt,
+            num_remote * bt,
+            num_disk * bt,
         )
         self.device_tier.num_hit_tokens += split.num_device_hit_tokens
         self.device_tier.num_queried_tokens += n

@@ -15,7 +15,7 @@ import numpy as np
 from tiered.engine.request import HitSplit
 
 log = logging.getLogger(__name__)
-NUM_FEATURES = 6
+NUM_FEATURES = 7
 
 
 def _pairs(num_miss: float, num_tokens: float) -> float:
@@ -34,6 +34,7 @@ class JCTSample:
     # Σ attention pairs M·(T − M/2) over the forward's requests; -1: one request, computed from its counts.
     num_attention_pairs: float = -1
     num_remote_hit_tokens: int = 0
+    num_disk_hit_tokens: int = 0
 
     @classmethod
     def of(cls, splits: Sequence[HitSplit], seconds: float) -> JCTSample:
@@ -45,21 +46,23 @@ class JCTSample:
             seconds,
             sum(_pairs(s.num_miss_tokens, s.num_tokens) for s in splits),
             sum(s.num_remote_hit_tokens for s in splits),
+            sum(s.num_disk_hit_tokens for s in splits),
         )
 
     def features(self) -> list[float]:
-        """The fit's feature row, as the module docstring's terms: 1, M, pairs, H, T - M, R."""
+        """The fit's feature row, as the module docstring's terms: 1, M, pairs, H, T - M, R, D."""
         m = float(self.num_miss_tokens)
         pairs = _pairs(m, self.num_tokens) if self.num_attention_pairs < 0 else float(self.num_attention_pairs)
         cached = float(self.num_tokens - self.num_miss_tokens)
-        return [1.0, m, pairs, float(self.num_host_hit_tokens), cached, float(self.num_remote_hit_tokens)]
+        hits = [self.num_host_hit_tokens, self.num_remote_hit_tokens, self.num_disk_hit_tokens]
+        return [1.0, m, pairs, float(hits[0]), cached, float(hits[1]), float(hits[2])]
 
 
 @dataclass(slots=True)
 class JCTModel:
     """Predicted seconds of a forward from its requests' hit splits, refitted online on finished jobs."""
 
-    coefficients: list[float]  # c0..c5 as in the module docstring (missing trailing ones: 0)
+    coefficients: list[float]  # c0..c6 as in the module docstring (missing trailing ones: 0)
     profile: list[JCTSample] = field(default_factory=list)
     _observed: deque[JCTSample] = field(default_factory=lambda: deque(maxlen=256))
     _errors: deque[float] = field(default_factory=lambda: deque(maxlen=100))
@@ -89,6 +92,7 @@ class JCTModel:
         cached = split.num_hit_tokens
         m = float(num_tokens)
         fixed = c[0] + c[3] * split.num_host_hit_tokens + c[4] * cached + c[5] * split.num_remote_hit_tokens
+        fixed += c[6] * split.num_disk_hit_tokens
         return max(0.0, fixed) + max(c[1], 0.0) * m + max(c[2], 0.0) * _pairs(m, cached + m)
 
     def observe(self, splits: Sequence[HitSplit], seconds: float, refit: bool = True) -> float:

@@ -50,6 +50,7 @@ class StagedHost:
         self.cfg, self.capacity_chunks, self.model_name = cfg, capacity_chunks, model_name
         self.chunk_bytes, self.block_tokens = chunk_bytes, block_tokens
         self.remote_url: str | None = None
+        self.has_disk = False  # the stages' LMCache tiers are memory only
         self.on_stored: Callable[[StoreBatch], None] | None = None
         # Keys the index gave up (evicted or lost): the KV tiers forget them at once (LMCache's own
         # evictions are silent; the index's are known, so the scheduler's estimate stays exact).
@@ -62,14 +63,22 @@ class StagedHost:
 
     # ---- the index, as LMCache would answer ------------------------------------------------
 
-    def get(self, keys: Sequence[int]) -> tuple[list[Any], int]:
+    def get(self, keys: Sequence[int]) -> tuple[list[Any], int, int]:
         """The leading `keys` every stage holds (the keys themselves stand for the chunks)."""
         with self._lock:
             n = 0
             while n < len(keys) and keys[n] in self._held:
                 n += 1
             self._used(keys[:n])
-        return list(keys[:n]), 0
+        return list(keys[:n]), 0, 0
+
+    def in_memory(self, key: int) -> bool:
+        """Every chunk the stages hold is in their memory (their LMCache tiers have no disk here)."""
+        return True
+
+    def evict_from_memory(self, keys: Sequence[int]) -> int:
+        """No disk to leave them on."""
+        return 0
 
     def _used(self, keys: Sequence[int]) -> None:
         """Under the lock: held `keys` just used, the first last (a prefix is evicted from its end)."""
@@ -88,6 +97,7 @@ class StagedHost:
         block_ids: Sequence[int],
         views: Callable[[Sequence[int]], list[Tensor]],
         num_remote: int = 0,
+        num_disk: int = 0,
     ) -> None:
         """Every stage loads chunk `objs[i]` into its block `block_ids[i]` before the next batch."""
         with self._lock:
@@ -283,7 +293,7 @@ class StageHost:
             if kind == DROP:
                 self.tier.remove([key])
                 continue
-            objs, _ = self.tier.get([key])
+            objs, _, _ = self.tier.get([key])
             if objs:
                 self.tier.copy_into(objs, pool.blocks([block]))
             else:

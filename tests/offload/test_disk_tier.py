@@ -1,0 +1,159 @@
+"""The host tier's local disk (LMCache's LocalDiskBackend on a real directory): chunks its memory
+no longer holds are read from the disk, counted as disk hits (by the scheduler's estimate too),
+with the logits of a plain forward; a path that cannot hold the tier is a start-up error naming
+the key; a disk that refuses writes leaves the chunks in memory, warns and counts, loses nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from through_tiers import forward_with_tiers
+
+from tiered.cli import main
+from tiered.config import ConfigError, HostTierConfig
+from tiered.hybrid.forward import forward
+from tiered.hybrid.model import CausalLM
+from tiered.offload.tiers import KVTiers
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5  # fp32 logits, relative to the largest |logit|
+
+
+def _disk(path: Path, cpu_gb: float = 0.05) -> HostTierConfig:
+    return HostTierConfig(lmcache={"max_local_cpu_size": cpu_gb, "local_disk": str(path), "max_local_disk_size": 0.2})
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 1300, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model: CausalLM, tiers: KVTiers, ids: torch.Tensor, name: str):
+    return forward_with_tiers(model, tiers, tiers.new_request(name, ids), chunk_tokens=64)
+
+
+def test_a_prefix_only_the_disk_holds_is_read_from_it(model: CausalLM, make_tiers, tmp_path: Path) -> None:
+    tiers = make_tiers(host=_disk(tmp_path))
+    host = tiers.host_tier
+    assert host is not None and host.has_disk
+    ids = _tokens(200, 1)  # 12 full blocks of 16; the 13th is partial
+    req = tiers.new_request("a", ids)
+    _run(model, tiers, ids, "a")
+    tiers.flush()
+    assert host.evict_from_memory(req.keys) == 12
+    assert len(list(tmp_path.glob("*.pt"))) == 12  # one file per chunk, on the file system
+    tiers.device_tier.clear()
+    estimate = tiers.estimate(tiers.new_request("b", ids))
+    assert (estimate.num_host_hit_tokens, estimate.num_disk_hit_tokens) == (0, 192)
+    logits, prepared = _run(model, tiers, ids, "b")
+    split = prepared.split
+    assert (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_disk_hit_tokens) == (0, 0, 192)
+    assert split.num_miss_tokens == 8
+    assert tiers.stats().host.num_disk_hit_tokens == 192
+    ref = forward(model, ids)
+    assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()
+    # Now on the device again: a device hit, not a disk one.
+    _, again = _run(model, tiers, ids, "c")
+    assert again.split.num_device_hit_tokens == 192 and again.split.num_disk_hit_tokens == 0
+
+
+def test_chunks_in_memory_are_host_hits_even_with_a_disk(model: CausalLM, make_tiers, tmp_path: Path) -> None:
+    tiers = make_tiers(host=_disk(tmp_path))
+    ids = _tokens(100, 2)
+    _run(model, tiers, ids, "a")
+    tiers.flush()
+    tiers.device_tier.clear()
+    assert tiers.estimate(tiers.new_request("b", ids)).num_disk_hit_tokens == 0
+    _, prepared = _run(model, tiers, ids, "b")
+    assert (prepared.split.num_host_hit_tokens, prepared.split.num_disk_hit_tokens) == (96, 0)
+
+
+def test_a_disk_path_that_cannot_hold_the_tier_is_a_start_up_error(make_tiers, tmp_path: Path) -> None:
+    a_file = tmp_path / "not-a-directory"
+    a_file.write_text("")
+    with pytest.raises(ConfigError, match=r"config key 'cache.host.lmcache.local_disk': '.*not-a-directory'"):
+        make_tiers(host=_disk(a_file))
+    under_a_file = a_file / "kv"
+    with pytest.raises(ConfigError, match="cannot hold the disk tier"):
+        make_tiers(host=_disk(under_a_file))
+
+
+def test_serve_refuses_such_a_path_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "kv-file"
+    a_file.write_text("")
+    argv = [
+        "serve",
+        "--set",
+        f"cache.host.lmcache.local_disk={a_file}",
+        "--set",
+        "cache.host.lmcache.max_local_disk_size=1",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config key 'cache.host.lmcache.local_disk'" in err[0] and str(a_file) in err[0]
+
+
+REFUSED_WRITES = """
+import logging, resource, signal, sys, time, torch
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+from tiered.config import CacheConfig, HostTierConfig
+from tiered.hybrid.forward import forward
+from tiered.hybrid.loader import load_model
+from tiered.offload.tiers import KVTiers, TierSetup
+from through_tiers import forward_with_tiers
+
+model = load_model(sys.argv[2], "float32")
+a = model.args
+host = HostTierConfig(lmcache={"max_local_cpu_size": 0.05, "local_disk": sys.argv[1], "max_local_disk_size": 0.2})
+cfg = CacheConfig(block_tokens=16, device_tier_bytes=64 * 16 * a.kv_bytes_per_token(torch.float32), host=host)
+tiers = KVTiers(cfg, TierSetup(a, torch.float32, "cpu", "refused-writes"))
+# From here the OS refuses every write past one byte, as a full disk refuses them.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))
+ids = torch.randint(0, 1300, (200,), generator=torch.Generator().manual_seed(3))
+forward_with_tiers(model, tiers, tiers.new_request("a", ids), chunk_tokens=64)
+tiers.flush()
+host_tier = tiers.host_tier
+backend = host_tier._storage.storage_backends["LocalDiskBackend"]
+deadline = time.monotonic() + 20
+while host_tier.stats().num_disk_write_failures < 12 and time.monotonic() < deadline:
+    time.sleep(0.02)
+stats = host_tier.stats()
+print("failures", stats.num_disk_write_failures, stats.num_failures)
+in_flight = sum(backend.exists_in_put_tasks(host_tier._key(k)) for k in tiers.new_request("x", ids).keys)
+print("disk", backend.current_cache_size, len(backend.dict), in_flight)
+tiers.device_tier.clear()
+logits, prepared = forward_with_tiers(model, tiers, tiers.new_request("b", ids), chunk_tokens=64)
+ref = forward(model, ids)
+print("split", prepared.split.num_host_hit_tokens, prepared.split.num_disk_hit_tokens, prepared.split.num_miss_tokens)
+print("close", bool((logits - ref).abs().max() <= 1e-5 * ref.abs().max()))
+tiers.close()
+"""
+
+
+def test_a_disk_that_refuses_writes_keeps_the_chunks_in_memory(tmp_path: Path, tiny_dir: Path) -> None:
+    """A real write failure (RLIMIT_FSIZE: the OS refuses the file's bytes, EFBIG, as a full disk
+    refuses them with ENOSPC), in a child process: every chunk's write fails, once warned and
+    counted each; LMCache's disk accounting is given back (no bytes, keys or writes in flight
+    left); the chunks are still served from memory, with the logits of a plain forward."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(REFUSED_WRITES), str(tmp_path / "disk"), str(tiny_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert lines["failures"] == "12 12"
+    assert lines["disk"] == "0.0 0 0"
+    assert lines["split"] == "192 0 8"
+    assert lines["close"] == "True"
+    assert done.stdout.count("host tier disk write failed") == 1  # one warning, however many chunks
