@@ -18,6 +18,18 @@ $B visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 \
 # A lone uncached 8 K prompt (credit verification).
 $B alone --config configs/bench-m.yaml --tokens 8192 --systems tiered,vllm --repeats 3 \
   --json $R/alone-bench-m-8k.json
+# KV beyond memory: 40 users (Zipf 0.5, most visits returning), 96 MiB of KV for both (ours: 32 MiB
+# device + 64 MiB host memory, then a local disk tier; vLLM: 96 MiB of KV blocks), ~4.8x the budget.
+rm -rf /tmp/tiered-disk
+$B visits --config configs/bench-m.yaml --users 40 --zipf 0.5 --visits 96 --posts 8 \
+  --set model.max_model_len=4096 --set cache.device_tier_bytes=33554432 \
+  --set 'cache.host.lmcache={max_local_cpu_size: 0.0625, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
+  --systems tiered,vllm --multiples '' --repeats 3 --warm-up-visits 4 \
+  --json $R/visits-beyond-memory-bench-m.json --plots benchmarks/out/visits-beyond-memory
+# A prefix loaded from the host tier's memory and from its disk alone (page cache dropped) against recompute.
+rm -rf /tmp/tiers-disk
+$B tiers --model embedded:bench-m --lengths 1792,8192 --repeats 3 --disk /tmp/tiers-disk --users 2 --rounds 2 \
+  --profile-tokens 1792 --sequence-repeats 1 --json $R/tiers-disk-bench-m.json
 # A revisit sequence, one request at a time: the host tier (offload) against PrefillOnly's discard.
 $B tiers --model embedded:bench-m --sequence-repeats 3 --json $R/tiers-bench-m.json
 # Short calls among 16 K prompts: vLLM's sweep, one run each beside ours (data, not table rows: n = 1).
