@@ -19,7 +19,7 @@ $B visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 \
 $B alone --config configs/bench-m.yaml --tokens 8192 --systems tiered,vllm --repeats 3 \
   --json $R/alone-bench-m-8k.json
 # KV beyond memory: 40 users (Zipf 0.5, most visits returning), 96 MiB of KV for both (ours: 32 MiB
-# device + 64 MiB host memory, then a local disk tier; vLLM: 96 MiB of KV blocks), ~4.8x the budget.
+# device + 64 MiB host memory, then a local disk tier; vLLM: 96 MiB of KV blocks), ~5x the budget.
 rm -rf /tmp/tiered-disk
 $B visits --config configs/bench-m.yaml --users 40 --zipf 0.5 --visits 96 --posts 8 \
   --set model.max_model_len=4096 --set cache.device_tier_bytes=33554432 \

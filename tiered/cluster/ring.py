@@ -3,7 +3,7 @@
 A request's key (the user's id, else its prompt's first blocks) picks a point on the ring; the
 request goes to the first replica clockwise whose queued tokens, with this request's, stay within
 (1 + epsilon) x an even share of all queued tokens plus the request itself ("consistent hashing
-with bounded loads", Mirrokni, Thorup and Zadimoghaddam, 2018). So a user's requests go
+with bounded loads", Mirrokni, Thorup and Zadimoghaddam). So a user's requests go
 where the user's KV is cached while that replica keeps up, and spill to the next replica on the
 ring (the same one every time, where the remote tier makes the move cheap) when it does not.
 Adding or losing a replica moves only the keys whose arc it owned. The Ray Serve router

@@ -33,12 +33,12 @@ class HitSplit:
     @property
     def num_hit_tokens(self) -> int:
         """Prefix tokens found cached in any tier (device, host, disk or remote)."""
-        return (
-            self.num_device_hit_tokens
-            + self.num_host_hit_tokens
-            + self.num_remote_hit_tokens
-            + self.num_disk_hit_tokens
-        )
+        return self.num_device_hit_tokens + self.num_loaded_tokens
+
+    @property
+    def num_loaded_tokens(self) -> int:
+        """Prefix tokens a load brings onto the device: from the host tier's memory, its disk or a remote store."""
+        return self.num_host_hit_tokens + self.num_disk_hit_tokens + self.num_remote_hit_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -164,7 +164,8 @@ class KVTiers:
                 break
         bt = self.block_tokens
         num_host -= num_disk
-        return HitSplit(num_device * bt, num_host * bt, n - (num_device + num_host + num_disk) * bt, 0, num_disk * bt)
+        num_miss = n - (num_device + num_host + num_disk) * bt
+        return HitSplit(num_device * bt, num_host * bt, num_miss, num_disk_hit_tokens=num_disk * bt)
 
     def _changed(self, keys: Iterable[int]) -> None:
         if self.on_change is not None:

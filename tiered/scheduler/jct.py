@@ -54,8 +54,8 @@ class JCTSample:
         m = float(self.num_miss_tokens)
         pairs = _pairs(m, self.num_tokens) if self.num_attention_pairs < 0 else float(self.num_attention_pairs)
         cached = float(self.num_tokens - self.num_miss_tokens)
-        hits = [self.num_host_hit_tokens, self.num_remote_hit_tokens, self.num_disk_hit_tokens]
-        return [1.0, m, pairs, float(hits[0]), cached, float(hits[1]), float(hits[2])]
+        host, remote, disk = self.num_host_hit_tokens, self.num_remote_hit_tokens, self.num_disk_hit_tokens
+        return [1.0, m, pairs, float(host), cached, float(remote), float(disk)]
 
 
 @dataclass(slots=True)

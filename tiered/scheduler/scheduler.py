@@ -344,8 +344,7 @@ class Scheduler:
         prefetch = None
         if batch and lim.prefetch:
             nxt = self.peek()
-            loads = nxt is not None and nxt.split.num_host_hit_tokens + nxt.split.num_disk_hit_tokens > 0
-            if nxt is not None and loads and not self._batch_makes(batch, nxt):
+            if nxt is not None and nxt.split.num_loaded_tokens > 0 and not self._batch_makes(batch, nxt):
                 prefetch = nxt.request
         piece_tokens = None if piece is None else piece.num_tokens
         parked = self.num_parked_blocks() if piece_tokens is not None else 0

@@ -19,8 +19,8 @@
 // scalar (portable C++), avx2 (AVX2 + FMA), avx512 (AVX-512F), avx512bf16 (avx512 + BW, with
 // Q K^T and P V of bf16 inputs by _mm512_dpbf16_ps: P rounded to bf16, V packed in pairs of
 // keys; even head dims), amx (avx512bf16 with both products on AMX tiles, tdpbf16ps; head dims
-// multiples of 32 up to 256; built where the compiler knows AMX). Each ISA's functions carry a target attribute, so this file compiles
-// with plain -O3 and the library runs on any x86-64 CPU.
+// multiples of 32 up to 256; built where the compiler knows AMX). Each ISA's functions carry a
+// target attribute, so this file compiles with plain -O3 and the library runs on any x86-64 CPU.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -179,7 +179,7 @@ struct PrefixTile {
 
 // fp32 rows as the products read them in place; null for bf16 rows (those are widened or packed first).
 template <typename T>
-const float* kb_as_float(const T* rows) {
+const float* as_float_rows(const T* rows) {
   if constexpr (std::is_same_v<T, float>)
     return rows;
   else
@@ -319,7 +319,7 @@ void prepare_prefix(const Args<T>& a, const Ops& ops, bool bf16_dot, const std::
       const T* kb = a.pool_k + pt.k_off + head * a.pk_head;
       const T* vb = a.pool_v + pt.v_off + head * a.pv_head;
       Prepared& p = out.tiles[size_t(i)];
-      p = {kb_as_float(kb), a.pk_row, kb_as_float(vb), a.pv_row, nullptr};
+      p = {as_float_rows(kb), a.pk_row, as_float_rows(vb), a.pv_row, nullptr};
       if (widen_k) p.k = widen(kb, a.pk_row, pt.n, a.Dh, a.Dh, out.k.data() + i * kKeyTile * a.Dh, &p.k_ld);
       if (widen_v) p.v = widen(vb, a.pv_row, pt.n, a.Dh, a.Dp, out.v.data() + i * kKeyTile * a.Dp, &p.v_ld);
       if (pairs) {

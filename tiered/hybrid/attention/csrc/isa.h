@@ -354,20 +354,21 @@ TARGET_AVX512BF16 void pack_v_avx512(const uint16_t* V, int64_t vs, uint16_t* Vp
   }
 }
 
+// P's pair of keys (2 j2, 2 j2 + 1) for rows r..r + 15 of St [n][R]: (bf16 of the first) | (bf16 of the
+// second) << 16, the second zero past key n.
+TARGET_AVX512BF16 inline __m512i p_pairs(const float* St, int j2, int n, int R, int r) {
+  const float* s0 = St + int64_t(2 * j2) * R + r;
+  const __m512 x = _mm512_loadu_ps(s0), y = 2 * j2 + 1 < n ? _mm512_loadu_ps(s0 + R) : _mm512_setzero_ps();
+  const __m512i xb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+  const __m512i yb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y));
+  return _mm512_or_si512(xb, _mm512_slli_epi32(yb, 16));
+}
+
 TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R,
                                       int Dp) {
   const int n2 = (n + 1) / 2;
-  const __m512 zero = _mm512_setzero_ps();
-  for (int j2 = 0; j2 < n2; ++j2) {
-    const bool pair = 2 * j2 + 1 < n;
-    const float* s0 = St + int64_t(2 * j2) * R;
-    for (int r = 0; r < R; r += 16) {  // P's pair for 16 rows: (bf16 of key 2 j2) | (bf16 of key 2 j2 + 1) << 16
-      const __m512 x = _mm512_loadu_ps(s0 + r), y = pair ? _mm512_loadu_ps(s0 + R + r) : zero;
-      const __m512i xb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
-      const __m512i yb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y));
-      _mm512_storeu_si512(Pp + int64_t(j2) * R + r, _mm512_or_si512(xb, _mm512_slli_epi32(yb, 16)));
-    }
-  }
+  for (int j2 = 0; j2 < n2; ++j2)
+    for (int r = 0; r < R; r += 16) _mm512_storeu_si512(Pp + int64_t(j2) * R + r, p_pairs(St, j2, n, R, r));
   for (int d = 0; d < Dp; d += 32) {
     int r = 0;
     for (; r + 12 <= R; r += 12) pv_tile_bf16<12>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dp + d, Dp);
@@ -376,7 +377,7 @@ TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* Vp, uint3
   }
 }
 
-const Ops kAvx512Bf16{"avx512bf16", 2,       0, 32, gemm_avx512, softmax_avx512, scores_bf16_avx512, pack_v_avx512,
+const Ops kAvx512Bf16{"avx512bf16", 2, 0, 32, gemm_avx512, softmax_avx512, scores_bf16_avx512, pack_v_avx512,
                       pv_bf16_avx512, nullptr, nullptr};
 
 // ---- amx: the bf16 products on AMX tiles (tdpbf16ps), the rest as avx512bf16 -------------------
@@ -461,19 +462,12 @@ TARGET_AMX void pack_v_amx(const uint16_t* V, int64_t vs, uint16_t* Vp, int n, i
 // ([R][32] pairs of keys: a tile's rows), zero pairs past n.
 TARGET_AMX void pv_amx(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R, int Dp) {
   const int n2 = (n + 1) / 2, n2r = (n2 + 15) / 16 * 16;
-  const __m512 zero = _mm512_setzero_ps();
   alignas(64) uint32_t pairs[16];
-  for (int j2 = 0; j2 < n2; ++j2) {
-    const bool pair = 2 * j2 + 1 < n;
-    const float* s0 = St + int64_t(2 * j2) * R;
-    for (int r = 0; r < R; r += 16) {  // 16 rows' pair (key 2 j2, key 2 j2 + 1), then written down P's rows
-      const __m512 x = _mm512_loadu_ps(s0 + r), y = pair ? _mm512_loadu_ps(s0 + R + r) : zero;
-      const __m512i xb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
-      const __m512i yb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y));
-      _mm512_store_si512(pairs, _mm512_or_si512(xb, _mm512_slli_epi32(yb, 16)));
+  for (int j2 = 0; j2 < n2; ++j2)
+    for (int r = 0; r < R; r += 16) {  // 16 rows' pair, written down P's rows
+      _mm512_store_si512(pairs, p_pairs(St, j2, n, R, r));
       for (int i = 0; i < 16; ++i) Pp[int64_t(r + i) * 32 + j2] = pairs[i];
     }
-  }
   for (int r = 0; r < R; ++r)
     for (int j2 = n2; j2 < n2r; ++j2) Pp[int64_t(r) * 32 + j2] = 0;
   TILE_FENCE();
