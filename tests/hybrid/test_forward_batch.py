@@ -168,3 +168,31 @@ def test_a_bad_lead_is_refused(model_dirs: dict[str, Path]) -> None:
     ):
         with pytest.raises(ForwardInputError, match="item 1"):
             forward_batch(model, bad)
+
+
+def test_hybrid_runs_the_last_layer_past_its_kv_for_each_requests_last_token_only(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only last tokens leave the model: the last layer's MLP sees one row per request, every
+    other layer all packed rows, and the logits still equal vanilla's (which runs every row)."""
+    import tiered.hybrid.forward as fwd
+
+    model = load_model(model_dirs["tiny"], "float32")
+    items, whole = _followers(model)
+    last = model.layers[-1]
+    mlp_rows: list[tuple[bool, int]] = []
+    real_mlp_step = fwd.mlp_step_
+
+    def counting(layer, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        mlp_rows.append((layer is last, x.shape[0]))
+        real_mlp_step(layer, x, *args, **kwargs)
+
+    monkeypatch.setattr(fwd, "mlp_step_", counting)
+    batched = forward_batch(model, items, chunk_tokens=64)
+    num_packed = sum(it.token_ids.numel() for it in items)
+    assert sum(n for is_last, n in mlp_rows if is_last) == len(items)
+    assert sum(n for is_last, n in mlp_rows if not is_last) == num_packed * (model.args.num_layers - 1)
+    monkeypatch.undo()
+    for i, (it, ids) in enumerate(zip(items, whole, strict=True)):
+        single = forward(model, ids, mode="vanilla", prefix_kv=it.prefix_kv)
+        assert _rel_err(batched[i], single) <= TOLERANCE, (i, _rel_err(batched[i], single))

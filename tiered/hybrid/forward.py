@@ -18,6 +18,7 @@ from tiered.hybrid.attention import KERNELS, Piece
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
     CausalLM,
+    DecoderLayer,
     kv_step,
     mlp_step_,
     o_proj_step_,
@@ -158,8 +159,14 @@ def forward_batch(
         return model.last_token_logits(torch.stack(last_hidden))
     if mode not in ("hybrid", "vanilla"):
         raise ValueError(f"unknown forward mode '{mode}' (expected vanilla, chunked or hybrid)")
-    x = _layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla", hidden)
-    return x if not last_stage else model.last_token_logits(x[_last_rows(items).to(x.device)])
+    # Only the last token of each request leaves the last layer, so hybrid computes that layer's
+    # queries, attention, o_proj and MLP for those rows alone (its K,V still for every token).
+    out_rows = _last_rows(items).to(model.inv_freq.device) if last_stage else None
+    trim = out_rows if mode == "hybrid" else None
+    x = _layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla", hidden, trim)
+    if out_rows is None:
+        return x
+    return model.last_token_logits(x if trim is not None else x[out_rows])
 
 
 def _last_rows(items: Sequence[BatchItem]) -> Tensor:
@@ -215,6 +222,7 @@ def _layer_by_layer(
     chunk: int,
     hold_kv: bool,
     hidden: Tensor | None = None,
+    out_rows: Tensor | None = None,
 ) -> Tensor:
     """hybrid (chunk < N, KV dropped per layer) and vanilla (chunk = N, KV held to the end).
 
@@ -223,7 +231,8 @@ def _layer_by_layer(
     own tokens in the chunk), o_proj and the MLP, updating the residual in place. Keys are
     complete before any residual changes, so updating chunk by chunk is exact; queries exist for
     one chunk at a time. Returns the residual stream of the packed tokens [N, D] (`hidden`, if
-    given, is updated in place)."""
+    given, is updated in place); with `out_rows` [R] (packed rows, one per request), the last layer
+    runs past its K,V for those rows only and the result is their residual stream [R, D]."""
     a = model.args
     order, groups = _pack(items)
     device = model.inv_freq.device
@@ -242,6 +251,7 @@ def _layer_by_layer(
     shared = [sh for g in groups for sh in g.shared]
     held: list[LayerKV] = []
     attend_ = KERNELS[model.attention].attend_
+    num_layers = len(model.layers)
     for i, layer in enumerate(model.layers):
         k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=x.dtype, device=device)
         v = torch.empty_like(k)
@@ -253,6 +263,9 @@ def _layer_by_layer(
         else:
             _to_sinks(items, order, rows, shared, i, (k, v))
         prefixes = _LayerPrefixes(groups, i, x.dtype)
+        if out_rows is not None and i == num_layers - 1:
+            rows_of = _RowsOut(items, order, groups, out_rows, positions[out_rows.cpu()])
+            return _last_layer_rows(model, layer, x, (k, v), prefixes, rows_of)
         for (s, e), pieces_of_chunk, lo in zip(bounds, chunk_pieces, lora, strict=True):
             n = e - s
             q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n], lo)
@@ -265,6 +278,44 @@ def _layer_by_layer(
     for i, (k, v) in enumerate(held):
         _to_sinks(items, order, rows, shared, i, (k, v))
     return x
+
+
+@dataclass(slots=True)
+class _RowsOut:
+    """The rows the last layer computes past its K,V: one per request, in request order."""
+
+    items: Sequence[BatchItem]
+    order: list[int]  # request indices in packing order
+    groups: list[_Group]
+    rows: Tensor  # [R] packed row of each request's last token
+    positions: Tensor  # [R] their positions
+
+
+def _last_layer_rows(
+    model: CausalLM, layer: DecoderLayer, x: Tensor, kv: LayerKV, prefixes: _LayerPrefixes, out: _RowsOut
+) -> Tensor:
+    """The last layer for each request's last token: its query attends to everything the request
+    sees (prefix, shared tokens, its own earlier tokens), then o_proj and the MLP. Returns [R, D]."""
+    a = model.args
+    num_rows = out.rows.numel()
+    xr = x[out.rows]  # [R, D], a copy: the packed residual stream is left as the layer found it
+    q = torch.empty((num_rows, a.num_heads, a.head_dim), dtype=x.dtype, device=xr.device)
+    lora_runs = _lora_runs(out.items, list(range(num_rows)), [(j, j + 1) for j in range(num_rows)], 0, num_rows)
+    lo = LoraSlice(len(model.layers) - 1, lora_runs) if lora_runs else None
+    q_step(layer, xr, *rope_cos_sin(model.inv_freq, out.positions, x.dtype), q, lo)
+    requests = iter(out.order)  # the groups' segments are in packing order
+    attend_ = KERNELS[model.attention].attend_
+    for gi, g in enumerate(out.groups):
+        pieces = []
+        for (s, e), shared in zip(g.segments, g.shared, strict=True):
+            idx = next(requests)
+            visible = tuple(r for r in (shared, (s, e - 1)) if r is not None and r[0] < r[1])
+            pieces.append(Piece(idx, e - 1, 1, visible))
+        attend_(q, kv[0], kv[1], pieces, *prefixes.get(gi))  # q now holds the attention output
+    o_proj_step_(layer, xr, q.view(num_rows, -1), lo)
+    scratch = torch.empty((num_rows, a.intermediate_size), dtype=x.dtype, device=xr.device)
+    mlp_step_(layer, xr, scratch, torch.empty_like(scratch), lo)
+    return xr
 
 
 def _lora_runs(
