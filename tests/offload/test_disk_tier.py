@@ -157,3 +157,39 @@ def test_a_disk_that_refuses_writes_keeps_the_chunks_in_memory(tmp_path: Path, t
     assert lines["split"] == "192 0 8"
     assert lines["close"] == "True"
     assert done.stdout.count("host tier disk write failed") == 1  # one warning, however many chunks
+
+
+def test_a_disk_prefix_larger_than_the_memory_loads_what_fits_and_never_waits(
+    model: CausalLM, make_tiers, tmp_path: Path
+) -> None:
+    """LMCache stages each chunk read from its disk in its CPU memory. A prefix of more chunks than
+    that memory holds is read in runs that fit (each run's staging freed once it is on the device),
+    instead of one read waiting forever for memory its own staging holds. Counted; the logits are a
+    plain forward's."""
+    import signal
+
+    chunk_bytes = 16 * model.args.kv_bytes_per_token(torch.float32)
+    tiers = make_tiers(host=_disk(tmp_path, cpu_gb=5.5 * chunk_bytes / 2**30))
+    host = tiers.host_tier
+    assert host is not None
+    ids = _tokens(200, 3)  # 12 full blocks of 16
+    for n in (64, 128, 200):  # onto the disk 4 blocks at a time: the memory holds 5
+        _run(model, tiers, ids[:n], f"part-{n}")
+        host.evict_from_memory(tiers.new_request(f"keys-{n}", ids[:n]).keys)
+        tiers.device_tier.clear()
+    assert len(list(tmp_path.glob("*.pt"))) == 12
+
+    def stuck(*_: object) -> None:
+        raise TimeoutError("the disk read waited for memory")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(60)
+    try:
+        logits, prepared = _run(model, tiers, ids, "b")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert (prepared.split.num_disk_hit_tokens, prepared.split.num_miss_tokens) == (192, 8)
+    assert host.stats().num_disk_reads_without_memory >= 1
+    ref = forward(model, ids)
+    assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()

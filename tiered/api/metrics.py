@@ -228,6 +228,11 @@ class _Reported:
                     "Chunks the host tier's local disk could not take (full, read-only, failing): kept in memory only.",
                     h.disk_write_failures,
                 ),
+                (
+                    "host_disk_reads_without_memory",
+                    "Chunks on the host tier's local disk that LMCache's memory had no room to stage: recomputed.",
+                    h.disk_reads_without_memory,
+                ),
             ):
                 yield _counter(f"tiered:{name}", doc, value)
             yield _gauge("tiered:host_store_pending", "Store batches queued for the store thread.", h.pending_stores)

@@ -64,6 +64,7 @@ class HostCounters:
     dropped_chunks: int = 0
     pending_stores: int = 0
     disk_write_failures: int = 0
+    disk_reads_without_memory: int = 0
 
 
 @dataclass(slots=True)

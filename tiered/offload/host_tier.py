@@ -69,6 +69,7 @@ class HostTier:
         lm.fix_remote_close(self._storage)
         # LMCache's local disk backend (`local_disk`), whose chunks its CPU backend may no longer hold.
         self.has_disk = lm.guard_disk_writes(self._storage, self._disk_write_failed)
+        lm.bound_disk_reads(self._storage, self._disk_read_without_memory)
         self._memory = self._storage.storage_backends.get("LocalCPUBackend")
         self._fmt = MemoryFormat.KV_2LTD
         self._obj_shape = torch.Size([2, args.num_layers, block_tokens, args.num_kv_heads * args.head_dim])
@@ -97,6 +98,18 @@ class HostTier:
         with self._lock:
             self.stats_.num_disk_write_failures += 1
             self._failed("disk write", exc)
+
+    def _disk_read_without_memory(self) -> None:
+        """A chunk on disk that LMCache's memory had no room to stage (called from LMCache's read,
+        inside `get`, with `_lock` held): it reads as missing, so that read ends before it. The
+        loader reads on once the chunks before it are on the device; what it cannot read is recomputed."""
+        self.stats_.num_disk_reads_without_memory += 1
+        if "disk read" not in self._warned:
+            self._warned.add("disk read")
+            log.warning(
+                "host tier: a prefix on disk is larger than LMCache's free memory (max_local_cpu_size) "
+                "can stage at once: it is read in parts (raise max_local_cpu_size above the largest prefix's KV)"
+            )
 
     def in_memory(self, key: int) -> bool:
         """Whether the chunk of `key` is in the tier's memory (else it is on its disk or remote, or
