@@ -380,13 +380,19 @@ def faulty(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def test_timeouts_and_disconnects_cancel_waiting_requests(faulty: tuple[ServerProcess, str]) -> None:
-    """30 requests of ~0.2 s each against a 2 s timeout: the late ones get 504 and leave the engine's
-    queue; a client that hangs up has its request cancelled too. Nothing stays pinned."""
+    """Enough fresh 8,000-token requests for about 6 s of work (at least 30) against a 2 s timeout:
+    the late ones get 504 and leave the engine's queue; a client that hangs up has its request
+    cancelled too. Nothing stays pinned."""
     import concurrent.futures
+    import math
+    import time
 
     _, url = faulty
-    prompts = [[(i * 31 + t) % 1290 + 3 for t in range(8000)] for i in range(30)]
-    with concurrent.futures.ThreadPoolExecutor(31) as pool:
+    start = time.perf_counter()  # one request alone: how many make ~6 s on this machine
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": [t % 1290 + 3 for t in range(8000)]}).status_code == 200
+    num = max(30, math.ceil(6 / (time.perf_counter() - start)))
+    prompts = [[(i * 31 + t) % 1290 + 3 for t in range(8000)] for i in range(1, num + 1)]
+    with concurrent.futures.ThreadPoolExecutor(num + 1) as pool:
         futures = [pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": p}, timeout=60) for p in prompts]
 
         def hang_up() -> None:
