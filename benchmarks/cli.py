@@ -17,6 +17,7 @@ from benchmarks.commands import (
     cmd_bench_attention,
     cmd_bench_batch,
     cmd_bench_load,
+    cmd_bench_longest,
     cmd_bench_mil,
     cmd_bench_mixed,
     cmd_bench_plot,
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot_parser(bsub)
     _add_report_parser(bsub)
     _add_alone_parser(bsub)
+    _add_longest_parser(bsub)
     _add_server_parser(bsub)
     for module in (pipeline_sim, stages):  # subcommands that declare their own parser
         module.add_parser(bsub)
@@ -593,3 +595,35 @@ def _add_alone_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     al.add_argument("--json", default=None, help="write the runs, provenance and headline rows as JSON here")
     al.add_argument("--out-dir", default="benchmarks/out/alone", help="server configs and logs")
     al.set_defaults(func=cmd_bench_alone)
+
+
+def _add_longest_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from benchmarks.systems import DEFAULT_VLLM_PYTHON
+
+    p = bsub.add_parser(
+        "longest",
+        help="the longest prompt ours and vLLM serve within one memory budget (weights + activations + KV), timed",
+        description="Per budget (weights + activations + KV): ours, the longest prompt whose hybrid forward peak "
+        "fits (each length measured in a fresh process; a measured bracket of --resolution tokens), then served by "
+        "`tiered serve` with engine.memory_budget_bytes = the budget, no host tier, and timed over HTTP (also at the "
+        "peer's length); vLLM at its defaults (compiled) with KV memory = budget - weights (its activations not "
+        "charged to it), the largest --max-model-len it starts with (lowered a block at a time), and one prompt of "
+        "it timed over HTTP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_config_args(p)
+    p.add_argument(
+        "--budgets",
+        type=lambda s: [parse_bytes(b) for b in s.split(",")],
+        default=[parse_bytes("384MiB")],
+        help="comma-separated memory budgets (bytes, or 384MiB / 1GiB)",
+    )
+    p.add_argument("--resolution", type=int, default=1024, help="our search stops at this many tokens")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    p.add_argument(
+        "--vllm-python", default=DEFAULT_VLLM_PYTHON, help="a Python with vLLM (`make bench-env`); '': ours only"
+    )
+    p.add_argument("--json", default=None, help="write every probe, length and time, with provenance, here")
+    p.add_argument("--out-dir", default="benchmarks/out/longest", help="server configs and logs")
+    p.add_argument("--plot", default=None, help="a PNG of the longest prompt against the budget, both engines")
+    p.set_defaults(func=cmd_bench_longest)

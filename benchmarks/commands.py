@@ -376,3 +376,19 @@ def cmd_bench_alone(args: argparse.Namespace) -> int:
     )
     run_alone_bench(config_from_args(args), opts)
     return 0
+
+
+def cmd_bench_longest(args: argparse.Namespace) -> int:
+    from benchmarks.longest import LongestOptions, run_longest_bench
+
+    opts = LongestOptions(
+        budgets=args.budgets,
+        vllm_python=args.vllm_python or None,
+        resolution=args.resolution,
+        seed=args.seed,
+        json_path=args.json,
+        out_dir=Path(args.out_dir),
+        plot_path=Path(args.plot) if args.plot else None,
+    )
+    run_longest_bench(config_from_args(args), opts)
+    return 0

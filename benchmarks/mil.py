@@ -25,6 +25,7 @@ from benchmarks.report import write_report
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES, load_model, read_args
+from tiered.hybrid.memory import ForwardPeak
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,14 @@ class ForwardSetup:
 def probe_peak(setup: ForwardSetup, mode: str, num_tokens: int, num_requests: int = 1, prefix_tokens: int = 0) -> int:
     """Peak bytes of one forward of `num_tokens` (per request of a batch on one shared prefix),
     measured in a fresh process."""
+    return probe(setup, mode, num_tokens, num_requests, prefix_tokens).peak_bytes
+
+
+def probe(
+    setup: ForwardSetup, mode: str, num_tokens: int, num_requests: int = 1, prefix_tokens: int = 0
+) -> ForwardPeak:
+    """One forward of `num_tokens` measured in a fresh process: its peak (weights included), weights
+    and seconds; a forward that ran out of memory has a peak of `sys.maxsize`."""
     cmd = [
         sys.executable,
         "-m",
@@ -121,9 +130,9 @@ def probe_peak(setup: ForwardSetup, mode: str, num_tokens: int, num_requests: in
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         if "out of memory" in done.stderr.lower() or done.returncode in (-9, 137):
-            return sys.maxsize  # did not fit at all
+            return ForwardPeak(num_tokens * num_requests, sys.maxsize, 0, 0.0, "did not fit at all")
         raise RuntimeError(f"probe failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
-    return int(json.loads(done.stdout)["peak_bytes"])
+    return ForwardPeak(**json.loads(done.stdout))
 
 
 def find_mil(

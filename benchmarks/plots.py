@@ -146,3 +146,42 @@ def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_longest(doc: dict[str, Any], out_path: str | Path) -> Path:
+    """A `python -m benchmarks longest` run: the longest prompt each engine served against the
+    memory budget (left), and its seconds per 1,000 tokens (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted(doc["budgets"], key=lambda b: b["budget_bytes"])
+    mib = [b["budget_bytes"] / 2**20 for b in budgets]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, tokens, served in (
+        ("tiered (hybrid)", "ours_served_tokens", "ours"),
+        ("vLLM at its defaults", "peer_tokens", "peer"),
+    ):
+        points = [(m, b[tokens], b[served]) for m, b in zip(mib, budgets, strict=True) if b[served]]
+        left.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        right.plot(
+            [p[0] for p in points], [1e3 * p[2]["seconds"] / p[2]["tokens"] for p in points], marker="o", label=name
+        )
+    left.set_xlabel("memory budget: weights + activations + KV (MiB)")
+    left.set_ylabel("longest prompt served (tokens)")
+    right.set_xlabel("memory budget (MiB)")
+    right.set_ylabel("seconds per 1,000 tokens of that prompt")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"The longest prompt within a memory budget ({doc['date']}, {doc['provenance'].get('cpu_model', '')})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

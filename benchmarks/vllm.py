@@ -42,6 +42,8 @@ class VLLMLaunch:
     chunked: bool = True  # chunked prefill (vLLM's default); False: --no-enable-chunked-prefill
     step_tokens: int | None = None  # --max-num-batched-tokens; None: vLLM's default (2,048 on a CPU server)
     extra_args: tuple[str, ...] = field(default=())
+    # True: kv_bytes as given even when it cannot hold one request of max_model_len (vLLM then refuses to start).
+    kv_exact: bool = False
 
 
 def kv_memory_bytes(cfg: Config) -> int:
@@ -97,7 +99,7 @@ class VLLMServer:
         block = self.block_tokens(launch.max_model_len)
         # vLLM refuses a KV cache that cannot hold one request of max_model_len tokens.
         need = (math.ceil(launch.max_model_len / block) + 1) * block * launch.kv_bytes_per_token
-        self.kv_bytes = max(launch.kv_bytes, need)
+        self.kv_bytes = launch.kv_bytes if launch.kv_exact else max(launch.kv_bytes, need)
         self.enlarged = self.kv_bytes > launch.kv_bytes
         self.port = free_port()
         if launch.chunked:

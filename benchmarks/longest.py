@@ -1,0 +1,240 @@
+"""`python -m benchmarks longest`: the longest prompt each engine serves within one memory budget, and its time.
+
+A budget covers everything a prompt needs: weights, activations and KV. Per budget:
+- ours (hybrid mode, one layer's K,V alive): the longest prompt whose forward peak (weights +
+  activations, each length measured in a fresh process by `benchmarks.probe`) fits, to
+  --resolution tokens. Each probe after the first two goes where the line through the last two
+  meets the budget (the peak grows about linearly with tokens); the answer is a measured bracket:
+  a length that fits and one --resolution above it that does not.
+  Then `tiered serve` starts with engine.memory_budget_bytes = the budget and model.max_model_len
+  = that length (its start-up profile run checks the same fit; no host tier, so no KV leaves the
+  budget) and answers one prompt of that length, and one of the peer's length, timed over HTTP.
+- vLLM at its defaults (compiled): KV memory = budget - weights (its activations are not charged
+  to it), --max-model-len = as many tokens as that memory holds, lowered a block at a time
+  until it starts; then one prompt of that length, timed over HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.load import Call, HttpOptions, run_http
+from benchmarks.mil import ForwardSetup, probe
+from benchmarks.plots import plot_longest
+from benchmarks.report import write_report
+from benchmarks.servers import serve_tiered, serve_vllm
+from benchmarks.traces import BenchError, ordinary_token_ids
+from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
+from tiered.config import Config, with_overrides
+from tiered.embedded import resolve_model_path
+from tiered.hybrid.loader import resolve_device
+from tiered.hybrid.precision import config_precision
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LongestOptions:
+    """What `run_longest_bench` runs (the CLI's options, one to one)."""
+
+    budgets: list[int]  # bytes: weights + activations + KV
+    vllm_python: str | None
+    resolution: int = 1024  # our search stops at this many tokens
+    guess_tokens: tuple[int, int] = (4096, 8192)  # the two short probes that pick where to look
+    seed: int = 0
+    json_path: str | None = None
+    out_dir: Path = Path("benchmarks/out/longest")
+    plot_path: Path | None = None  # a PNG of the longest prompt against the budget
+
+
+@dataclass(slots=True)
+class Served:
+    """One prompt answered over HTTP."""
+
+    tokens: int
+    seconds: float
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1e3 * self.seconds / self.tokens
+
+
+@dataclass(slots=True)
+class BudgetResult:
+    budget_bytes: int
+    weights_bytes: int
+    ours_tokens: int = 0  # the longest that fits
+    ours_over_tokens: int = 0  # measured not to fit (ours_tokens + resolution)
+    peaks_by_len: dict[int, int] = field(default_factory=dict)  # every probe: tokens -> peak bytes
+    ours_served_tokens: int = 0  # the max_model_len our server started with (ours_tokens unless it refused)
+    ours_refused: list[int] = field(default_factory=list)  # larger ones its start-up profile run refused
+    ours: Served | None = None  # our server at ours_served_tokens
+    ours_at_peer_length: Served | None = None
+    peer_kv_bytes: int = 0
+    peer_tokens: int = 0  # the largest --max-model-len it started with
+    peer_refused: list[int] = field(default_factory=list)  # larger ones it refused at start
+    peer: Served | None = None
+
+
+def _prompt(vocab: list[int], num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice(vocab) for _ in range(num_tokens)]
+
+
+def _answer(url: str, system: str, prompt: list[int], salt: str) -> Served:
+    (record,), _ = run_http(url, "model", [Call(salt, [prompt])], [0.0], HttpOptions(system, cache_salt=salt))
+    if record.error is not None:
+        raise BenchError(f"{system}: the {len(prompt)}-token prompt failed: {record.error}")
+    log.info("%s: %d tokens in %.1f s", system, len(prompt), record.latency_seconds)
+    return Served(len(prompt), record.latency_seconds)
+
+
+def find_ours(setup: ForwardSetup, result: BudgetResult, opts: LongestOptions) -> None:
+    """Our longest prompt under the budget, to `opts.resolution` tokens (see the module docstring)."""
+    res, budget = opts.resolution, result.budget_bytes
+
+    def fits(n: int) -> bool:
+        peak = probe(setup, "hybrid", n)
+        result.peaks_by_len[n] = peak.peak_bytes
+        result.weights_bytes = peak.weights_bytes or result.weights_bytes
+        ok = peak.peak_bytes <= budget
+        log.info(
+            "hybrid %7d tokens: peak %.1f MiB (%s, %.1f s)",
+            n,
+            peak.peak_bytes / 2**20,
+            "fits" if ok else "over",
+            peak.seconds,
+        )
+        return ok
+
+    a, b = opts.guess_tokens
+    if not fits(a):
+        raise BenchError(f"a budget of {budget} bytes does not fit even {a} tokens of ours")
+    lo, hi, probed = a, 0, [a]  # the longest that fits; the shortest over (0: none yet)
+    n = b
+    while not hi or hi - lo > res:
+        if fits(n):
+            lo = max(lo, n)
+        else:
+            hi = min(hi or n, n)
+        probed.append(n)
+        # The next length: where the line through the last two probes meets the budget, inside the bracket.
+        p, q = probed[-2], probed[-1]
+        slope = (result.peaks_by_len[q] - result.peaks_by_len[p]) / (q - p) if q != p else 0.0
+        guess = q + (budget - result.peaks_by_len[q]) / slope if slope > 0 else 2 * q
+        n = max(lo + res, int(guess) // res * res)
+        if hi:
+            n = min(n, hi - res)
+    result.ours_tokens, result.ours_over_tokens = lo, hi
+
+
+def find_peer(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: list[int]) -> None:
+    """vLLM's largest --max-model-len with KV = budget - weights, and one prompt of it."""
+    assert opts.vllm_python is not None
+    kv = result.budget_bytes - result.weights_bytes
+    probe_launch = peer_launch(cfg, opts.vllm_python, 1, kv)
+    block = VLLMServer.block_tokens(1 << 20)
+    n = kv // probe_launch.kv_bytes_per_token // block * block
+    result.peer_kv_bytes = kv
+    while n >= block:
+        launch = replace(peer_launch(cfg, opts.vllm_python, n, kv, PeerOptions()), kv_exact=True)
+        server = VLLMServer(launch)
+        try:
+            with serve_vllm(server, f"vllm-{result.budget_bytes >> 20}MiB-{n}", opts.out_dir) as served:
+                prompt = _prompt(vocab, n - 1, opts.seed)
+                result.peer = _answer(served.url, "vllm", prompt, f"longest-vllm-{n}")
+                result.peer_tokens = n
+                return
+        except RuntimeError as exc:  # refused at start: the KV memory does not hold max_model_len
+            log.info("vllm refused --max-model-len %d with %d bytes of KV: %s", n, kv, str(exc).splitlines()[0])
+            result.peer_refused.append(n)
+            n -= block
+    raise BenchError(f"vLLM started with no --max-model-len at a budget of {result.budget_bytes} bytes")
+
+
+def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: list[int]) -> None:
+    """`tiered serve` under the budget at our longest length (lowered by --resolution while its own
+    start-up profile run finds it over the budget): a prompt of it, and one of the peer's length."""
+    n = result.ours_tokens
+    while n > opts.resolution:
+        overrides = [
+            f"engine.memory_budget_bytes={result.budget_bytes}",
+            f"model.max_model_len={n}",
+            "cache.host.enabled=false",
+            "cache.suffix=discard",
+        ]
+        try:
+            with serve_tiered(
+                with_overrides(cfg, overrides), f"tiered-{result.budget_bytes >> 20}MiB-{n}", opts.out_dir
+            ) as served:
+                result.ours = _answer(served.url, "tiered", _prompt(vocab, n - 1, opts.seed), f"longest-tiered-{n}")
+                if result.peer_tokens:
+                    prompt = _prompt(vocab, result.peer_tokens - 1, opts.seed)
+                    salt = f"longest-tiered-{result.peer_tokens}"
+                    result.ours_at_peer_length = _answer(served.url, "tiered", prompt, salt)
+                result.ours_served_tokens = n
+                return
+        except RuntimeError as exc:  # refused at start: its profile run's peak is over the budget
+            log.info(
+                "tiered refused max_model_len %d under %d bytes: %s", n, result.budget_bytes, str(exc).splitlines()[0]
+            )
+            result.ours_refused.append(n)
+            n -= opts.resolution
+    raise BenchError(f"tiered started with no max_model_len at a budget of {result.budget_bytes} bytes")
+
+
+def format_table(results: list[BudgetResult]) -> str:
+    lines = [
+        f"{'budget MiB':>10} {'ours tokens':>11} {'vLLM tokens':>11} {'ratio':>6} "
+        f"{'ours s':>7} {'vLLM s':>7} {'ours ms/token':>13} {'vLLM ms/token':>13} {'ours at vLLM length':>19}"
+    ]
+    for r in results:
+        ratio = f"{r.ours_served_tokens / r.peer_tokens:.2f}x" if r.peer_tokens else "-"
+        ours_s = f"{r.ours.seconds:.1f}" if r.ours else "-"
+        peer_s = f"{r.peer.seconds:.1f}" if r.peer else "-"
+        ours_ms = f"{r.ours.ms_per_token:.2f}" if r.ours else "-"
+        peer_ms = f"{r.peer.ms_per_token:.2f}" if r.peer else "-"
+        same = f"{r.ours_at_peer_length.seconds:.1f} s" if r.ours_at_peer_length else "-"
+        lines.append(
+            f"{r.budget_bytes / 2**20:>10.0f} {r.ours_served_tokens:>11} {r.peer_tokens:>11} {ratio:>6} "
+            f"{ours_s:>7} {peer_s:>7} {ours_ms:>13} {peer_ms:>13} {same:>19}"
+        )
+    return "\n".join(lines)
+
+
+def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
+    """Per budget, ours and vLLM's longest prompt and its time (see the module docstring)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if not opts.budgets or opts.resolution < 1:
+        raise BenchError("give at least one --budgets value and a --resolution >= 1")
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
+    cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
+    precision = config_precision(cfg)
+    device = resolve_device(cfg.device)
+    setup = ForwardSetup(str(model_dir), precision.compute, device, cfg.forward.chunk_tokens)
+    vocab = ordinary_token_ids(model_dir)
+    print(f"the longest prompt per budget, ours (hybrid) against vLLM; precision: {precision.describe()}")
+    results = []
+    for budget in opts.budgets:
+        result = BudgetResult(budget, 0)
+        results.append(result)
+        log.info("budget %.0f MiB: ours", budget / 2**20)
+        find_ours(setup, result, opts)
+        if opts.vllm_python:
+            log.info("budget %.0f MiB: vLLM, %d bytes of KV", budget / 2**20, budget - result.weights_bytes)
+            find_peer(cfg, result, opts, vocab)
+        serve_ours(cfg, result, opts, vocab)
+    print(format_table(results))
+    doc = write_report(
+        opts.json_path,
+        "longest",
+        device,
+        {"config": asdict(cfg), "resolution": opts.resolution, "budgets": [asdict(r) for r in results]},
+    )
+    if opts.plot_path is not None:
+        log.info("wrote %s", plot_longest(doc, opts.plot_path))
+    return doc
