@@ -31,7 +31,7 @@ def _case(
     pieces: list[Piece], num_keys: int, prefix: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(heads * 1000 + prefix + head_dim)
-    num_q = pieces[-1].q_start + pieces[-1].num
+    num_q = max(p.q_start + p.num for p in pieces)
 
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=g).to(dtype)
@@ -53,6 +53,12 @@ SHAPES = {
     "visible ranges": ([Piece(0, 40, 30, ((0, 40),)), Piece(30, 90, 20, ((70, 80), (0, 10)))], 110, 64),
     # one short piece on a prefix: one task per KV head in the native kernel (its prefix read per task)
     "short piece": ([Piece(0, 0, 10)], 10, 150),
+    # the last layer's rows: one query per request, a group's not adjacent to its keys (followers, visible ranges)
+    "last rows": (
+        [Piece(0, 39, 1, ((0, 39),)), Piece(1, 99, 1, ((70, 80), (40, 99))), Piece(2, 109, 1, ((100, 109),))],
+        110,
+        64,
+    ),
 }
 
 

@@ -161,12 +161,11 @@ def forward_batch(
         raise ValueError(f"unknown forward mode '{mode}' (expected vanilla, chunked or hybrid)")
     # Only the last token of each request leaves the last layer, so hybrid computes that layer's
     # queries, attention, o_proj and MLP for those rows alone (its K,V still for every token).
-    out_rows = _last_rows(items).to(model.inv_freq.device) if last_stage else None
-    trim = out_rows if mode == "hybrid" else None
+    trim = last_stage and mode == "hybrid"
     x = _layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla", hidden, trim)
-    if out_rows is None:
+    if not last_stage:
         return x
-    return model.last_token_logits(x if trim is not None else x[out_rows])
+    return model.last_token_logits(x if trim else x[_last_rows(items).to(x.device)])
 
 
 def _last_rows(items: Sequence[BatchItem]) -> Tensor:
@@ -222,7 +221,7 @@ def _layer_by_layer(
     chunk: int,
     hold_kv: bool,
     hidden: Tensor | None = None,
-    out_rows: Tensor | None = None,
+    last_rows_only: bool = False,
 ) -> Tensor:
     """hybrid (chunk < N, KV dropped per layer) and vanilla (chunk = N, KV held to the end).
 
@@ -231,8 +230,8 @@ def _layer_by_layer(
     own tokens in the chunk), o_proj and the MLP, updating the residual in place. Keys are
     complete before any residual changes, so updating chunk by chunk is exact; queries exist for
     one chunk at a time. Returns the residual stream of the packed tokens [N, D] (`hidden`, if
-    given, is updated in place); with `out_rows` [R] (packed rows, one per request), the last layer
-    runs past its K,V for those rows only and the result is their residual stream [R, D]."""
+    given, is updated in place); with `last_rows_only`, the last layer runs past its K,V for each
+    request's last row only and the result is their residual stream [R, D], in request order."""
     a = model.args
     order, groups = _pack(items)
     device = model.inv_freq.device
@@ -263,9 +262,8 @@ def _layer_by_layer(
         else:
             _to_sinks(items, order, rows, shared, i, (k, v))
         prefixes = _LayerPrefixes(groups, i, x.dtype)
-        if out_rows is not None and i == num_layers - 1:
-            rows_of = _RowsOut(items, order, groups, out_rows, positions[out_rows.cpu()])
-            return _last_layer_rows(model, layer, x, (k, v), prefixes, rows_of)
+        if last_rows_only and i == num_layers - 1:
+            return _last_layer_rows(model, layer, x, (k, v), prefixes, _RowsOut(items, order, groups, positions))
         for (s, e), pieces_of_chunk, lo in zip(bounds, chunk_pieces, lora, strict=True):
             n = e - s
             q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n], lo)
@@ -282,40 +280,44 @@ def _layer_by_layer(
 
 @dataclass(slots=True)
 class _RowsOut:
-    """The rows the last layer computes past its K,V: one per request, in request order."""
+    """What the last layer needs to compute each request's last row past its K,V."""
 
     items: Sequence[BatchItem]
     order: list[int]  # request indices in packing order
     groups: list[_Group]
-    rows: Tensor  # [R] packed row of each request's last token
-    positions: Tensor  # [R] their positions
+    positions: Tensor  # [N] position of every packed row
 
 
 def _last_layer_rows(
     model: CausalLM, layer: DecoderLayer, x: Tensor, kv: LayerKV, prefixes: _LayerPrefixes, out: _RowsOut
 ) -> Tensor:
     """The last layer for each request's last token: its query attends to everything the request
-    sees (prefix, shared tokens, its own earlier tokens), then o_proj and the MLP. Returns [R, D]."""
+    sees (prefix, shared tokens, its own earlier tokens), then o_proj and the MLP. Rows are taken in
+    packing order, so each group's queries are adjacent; returns them in request order [R, D]."""
     a = model.args
-    num_rows = out.rows.numel()
-    xr = x[out.rows]  # [R, D], a copy: the packed residual stream is left as the layer found it
+    ends = [e for g in out.groups for _, e in g.segments]  # packing order
+    num_rows = len(ends)
+    last = torch.tensor(ends) - 1
+    xr = x[last.to(x.device)]  # [R, D], a copy: the packed residual stream is left as the layer found it
     q = torch.empty((num_rows, a.num_heads, a.head_dim), dtype=x.dtype, device=xr.device)
-    lora_runs = _lora_runs(out.items, list(range(num_rows)), [(j, j + 1) for j in range(num_rows)], 0, num_rows)
+    lora_runs = _lora_runs(out.items, out.order, [(j, j + 1) for j in range(num_rows)], 0, num_rows)
     lo = LoraSlice(len(model.layers) - 1, lora_runs) if lora_runs else None
-    q_step(layer, xr, *rope_cos_sin(model.inv_freq, out.positions, x.dtype), q, lo)
-    requests = iter(out.order)  # the groups' segments are in packing order
+    q_step(layer, xr, *rope_cos_sin(model.inv_freq, out.positions[last], x.dtype), q, lo)
     attend_ = KERNELS[model.attention].attend_
+    row = 0
     for gi, g in enumerate(out.groups):
         pieces = []
         for (s, e), shared in zip(g.segments, g.shared, strict=True):
-            idx = next(requests)
             visible = tuple(r for r in (shared, (s, e - 1)) if r is not None and r[0] < r[1])
-            pieces.append(Piece(idx, e - 1, 1, visible))
+            pieces.append(Piece(row, e - 1, 1, visible))
+            row += 1
         attend_(q, kv[0], kv[1], pieces, *prefixes.get(gi))  # q now holds the attention output
     o_proj_step_(layer, xr, q.view(num_rows, -1), lo)
     scratch = torch.empty((num_rows, a.intermediate_size), dtype=x.dtype, device=xr.device)
     mlp_step_(layer, xr, scratch, torch.empty_like(scratch), lo)
-    return xr
+    rank = torch.empty(num_rows, dtype=torch.long)
+    rank[torch.tensor(out.order)] = torch.arange(num_rows)
+    return xr[rank.to(xr.device)]
 
 
 def _lora_runs(
