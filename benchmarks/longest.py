@@ -17,13 +17,14 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.load import Call, HttpOptions, run_http
-from benchmarks.mil import ForwardSetup, probe
+from benchmarks.mil import MMAP_THRESHOLD, ForwardSetup, probe
 from benchmarks.plots import plot_longest
 from benchmarks.report import write_report
 from benchmarks.servers import serve_tiered, serve_vllm
@@ -31,6 +32,7 @@ from benchmarks.traces import BenchError, ordinary_token_ids
 from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
+from tiered.hybrid.attention import default_kernel
 from tiered.hybrid.loader import resolve_device
 from tiered.hybrid.precision import config_precision
 
@@ -161,18 +163,24 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
     start-up profile run finds it over the budget): a prompt of it, and one of the peer's length."""
     n = result.ours_tokens
     while n > opts.resolution:
+        # The probes' allocator setting (a fixed mmap threshold: freed tensors go back to the OS), so
+        # the server's start-up profile run measures live memory as the probes did.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
         overrides = [
             f"engine.memory_budget_bytes={result.budget_bytes}",
             f"model.max_model_len={n}",
             "cache.host.enabled=false",
             "cache.suffix=discard",
+            # The kernel the probes ran (the model's default on its device): kernels differ in scratch
+            # (one that reads all KV heads at once copies the keys it attends to).
+            f"attention.kernel={default_kernel(resolve_device(cfg.device))}",
         ]
         try:
             with serve_tiered(
                 with_overrides(cfg, overrides), f"tiered-{result.budget_bytes >> 20}MiB-{n}", opts.out_dir
             ) as served:
                 result.ours = _answer(served.url, "tiered", _prompt(vocab, n - 1, opts.seed), f"longest-tiered-{n}")
-                if result.peer_tokens:
+                if 0 < result.peer_tokens <= n:
                     prompt = _prompt(vocab, result.peer_tokens - 1, opts.seed)
                     salt = f"longest-tiered-{result.peer_tokens}"
                     result.ours_at_peer_length = _answer(served.url, "tiered", prompt, salt)
@@ -184,6 +192,8 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
             )
             result.ours_refused.append(n)
             n -= opts.resolution
+        finally:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     raise BenchError(f"tiered started with no max_model_len at a budget of {result.budget_bytes} bytes")
 
 

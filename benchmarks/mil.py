@@ -30,6 +30,10 @@ from tiered.hybrid.memory import ForwardPeak
 log = logging.getLogger(__name__)
 
 
+# glibc's mmap threshold for processes whose peak is measured: freed tensors go back to the OS.
+MMAP_THRESHOLD = "65536"
+
+
 @dataclass(slots=True)
 class Throughput:
     num_tokens: int
@@ -126,7 +130,7 @@ def probe(
     # The probe is a module of this harness: its repository root goes on the child's path.
     root = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": path}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "PYTHONPATH": path}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         if "out of memory" in done.stderr.lower() or done.returncode in (-9, 137):
