@@ -26,6 +26,9 @@ $B visits --config configs/bench-m.yaml --users 40 --zipf 0.5 --visits 96 --post
   --set 'cache.host.lmcache={max_local_cpu_size: 0.0625, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
   --systems tiered,vllm --multiples '' --repeats 3 --warm-up-visits 4 \
   --json $R/visits-beyond-memory-bench-m.json --plots benchmarks/out/visits-beyond-memory
+# The longest prompt each engine serves within a memory budget (weights + activations + KV).
+$B longest --config configs/bench-m.yaml --budgets 320MiB,448MiB --json $R/longest-bench-m.json \
+  --plot benchmarks/longest-bench-m.png
 # A prefix loaded from the host tier's memory and from its disk alone (page cache dropped) against recompute.
 rm -rf /tmp/tiers-disk
 $B tiers --model embedded:bench-m --lengths 1792,8192 --repeats 3 --disk /tmp/tiers-disk --users 2 --rounds 2 \
