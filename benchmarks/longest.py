@@ -62,11 +62,14 @@ class Served:
 
     @property
     def ms_per_token(self) -> float:
+        """Milliseconds per prompt token."""
         return 1e3 * self.seconds / self.tokens
 
 
 @dataclass(slots=True)
 class BudgetResult:
+    """One budget's measurements: our probes and served prompt, vLLM's starts and served prompt."""
+
     budget_bytes: int
     weights_bytes: int
     ours_tokens: int = 0  # the longest that fits

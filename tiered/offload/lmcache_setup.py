@@ -278,6 +278,7 @@ class _StagingWithoutWaiting:
         self._cpu_backend, self._on_no_memory = cpu_backend, on_no_memory
 
     def allocate(self, *args: Any, **kwargs: Any) -> Any:
+        """The CPU backend's allocate, without its wait for memory; None (and `on_no_memory`) when none is free."""
         obj = self._cpu_backend.allocate(*args, **{**kwargs, "busy_loop": False})
         if obj is None:
             self._on_no_memory()
