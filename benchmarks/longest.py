@@ -29,7 +29,7 @@ from benchmarks.plots import plot_longest
 from benchmarks.report import write_report
 from benchmarks.servers import serve_tiered, serve_vllm
 from benchmarks.traces import BenchError, ordinary_token_ids
-from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
+from benchmarks.vllm import VLLM_CPU_BLOCK_TOKENS, PeerOptions, VLLMServer, peer_launch
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention import default_kernel
@@ -119,18 +119,18 @@ def find_ours(setup: ForwardSetup, result: BudgetResult, opts: LongestOptions) -
     a, b = opts.guess_tokens
     if not fits(a):
         raise BenchError(f"a budget of {budget} bytes does not fit even {a} tokens of ours")
-    lo, hi, probed = a, 0, [a]  # the longest that fits; the shortest over (0: none yet)
-    n = b
+    lo, hi = a, 0  # the longest that fits; the shortest over (0: none yet)
+    prev, n = a, b
     while not hi or hi - lo > res:
         if fits(n):
             lo = max(lo, n)
         else:
             hi = min(hi or n, n)
-        probed.append(n)
         # The next length: where the line through the last two probes meets the budget, inside the bracket.
-        p, q = probed[-2], probed[-1]
-        slope = (result.peaks_by_len[q] - result.peaks_by_len[p]) / (q - p) if q != p else 0.0
-        guess = q + (budget - result.peaks_by_len[q]) / slope if slope > 0 else 2 * q
+        peaks = result.peaks_by_len
+        slope = (peaks[n] - peaks[prev]) / (n - prev) if n != prev else 0.0
+        guess = n + (budget - peaks[n]) / slope if slope > 0 else 2 * n
+        prev = n
         n = max(lo + res, int(guess) // res * res)
         if hi:
             n = min(n, hi - res)
@@ -142,7 +142,7 @@ def find_peer(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: li
     assert opts.vllm_python is not None
     kv = result.budget_bytes - result.weights_bytes
     probe_launch = peer_launch(cfg, opts.vllm_python, 1, kv)
-    block = VLLMServer.block_tokens(1 << 20)
+    block = VLLM_CPU_BLOCK_TOKENS
     n = kv // probe_launch.kv_bytes_per_token // block * block
     result.peer_kv_bytes = kv
     while n >= block:

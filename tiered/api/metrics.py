@@ -230,7 +230,7 @@ class _Reported:
                 ),
                 (
                     "host_disk_reads_without_memory",
-                    "Chunks on the host tier's local disk that LMCache's memory had no room to stage: recomputed.",
+                    "Host-tier disk chunks a read left for a later one: no LMCache memory to stage them.",
                     h.disk_reads_without_memory,
                 ),
             ):

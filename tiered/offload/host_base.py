@@ -22,7 +22,7 @@ class HostTierStats:
     num_remote_hit_tokens: int = 0  # of those, found in the remote store (`remote_url`) only
     num_disk_hit_tokens: int = 0  # of those, read from the local disk (`local_disk`): not in memory
     num_disk_write_failures: int = 0  # chunks the local disk could not take (full, read-only): memory only
-    num_disk_reads_without_memory: int = 0  # disk chunks LMCache's memory had no room to stage: recomputed
+    num_disk_reads_without_memory: int = 0  # disk chunks a read left for the next (no LMCache memory to stage them)
     num_stored_tokens: int = 0
     num_failures: int = 0
     num_loads: int = 0

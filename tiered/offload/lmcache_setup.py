@@ -288,22 +288,21 @@ class _StagingWithoutWaiting:
         return getattr(self._cpu_backend, name)
 
 
-def bound_disk_reads(storage_manager: Any, on_no_memory: Callable[[], None]) -> bool:
+def bound_disk_reads(storage_manager: Any, on_no_memory: Callable[[], None]) -> None:
     """Make a read of LMCache's local disk that finds no CPU memory to stage into give up on that
     chunk instead of waiting forever: LMCache 0.5.6's blocking disk read allocates one staging buffer
     per chunk in its CPU backend, waiting until one frees, and the buffers it already took for the
     same read, or chunks a caller holds, may be all there is. A chunk not staged reads as missing:
-    the caller's prefix ends before it and the rest is recomputed. `on_no_memory` is called per such
-    chunk. Returns whether there is a disk backend."""
+    that read ends before it (the caller may read on once it has released what it took).
+    `on_no_memory` is called per such chunk. Without a disk backend nothing changes."""
     backend = getattr(storage_manager, "storage_backends", {}).get("LocalDiskBackend")
     if backend is None or backend.local_cpu_backend is None:
-        return False
+        return
     cpu_backend = backend.local_cpu_backend
     backend.local_cpu_backend = _StagingWithoutWaiting(cpu_backend, on_no_memory)
     # Puts still see the CPU backend itself as the disk's allocator (LMCache shares one copy of a
     # chunk between backends that name the same allocator class).
     backend.get_allocator_backend = lambda: cpu_backend
-    return True
 
 
 def start_lmcache(
