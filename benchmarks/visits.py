@@ -91,6 +91,8 @@ class CacheUse:
     source: str  # "usage": the responses' usage.tiered; "metrics": vLLM's /metrics, after minus before
     shared_tokens: int = 0  # ours: not cached, computed once for several prompts of a batch
     disk_hit_tokens: int = 0  # ours: read from the host tier's local disk (not in its memory)
+    # ours: the host tier's counters over the run (`tiered:host_*` in /metrics, after minus before)
+    host_counters: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -167,6 +169,11 @@ def working_set_tokens(trace: Trace, block_tokens: int) -> int:
     shared = {r.user: r.prefix_tokens // block_tokens * block_tokens for r in trace.requests}
     own = sum(math.ceil((len(r.token_ids) - shared[r.user]) / block_tokens) for r in trace.requests)
     return sum(shared.values()) + own * block_tokens
+
+
+def host_tier_counters(url: str) -> dict[str, float]:
+    """Our server's host-tier counters so far (`tiered:host_*_total` in its /metrics)."""
+    return prometheus_totals(url, lambda name: name.startswith("tiered:host_") and name.endswith("_total"))
 
 
 def vllm_prefix_cache_tokens(url: str) -> tuple[int, int]:
@@ -260,15 +267,18 @@ def _measure(
     if vllm is not None:
         vllm.reset()
         before = vllm_prefix_cache_tokens(served.url)
+    else:
+        host_before = host_tier_counters(served.url)
     records, makespan = run_http(served.url, "model", calls, arrivals, HttpOptions(label, concurrency, salt))
     ok = [r for r in records if r.error is None]
     if vllm is None:
+        host = {k: v - host_before.get(k, 0.0) for k, v in host_tier_counters(served.url).items()}
         prompt = sum(r.num_tokens for r in ok)
-        device, host = sum(r.device_hit_tokens for r in ok), sum(r.host_hit_tokens for r in ok)
+        device, from_host = sum(r.device_hit_tokens for r in ok), sum(r.host_hit_tokens for r in ok)
         disk = sum(r.disk_hit_tokens for r in ok)
         shared = sum(r.shared_tokens for r in ok)  # computed once for several prompts: counted once
-        computed = prompt - device - host - disk - shared
-        return records, makespan, CacheUse(prompt, device, host, computed, "usage", shared, disk)
+        computed = prompt - device - from_host - disk - shared
+        return records, makespan, CacheUse(prompt, device, from_host, computed, "usage", shared, disk, host)
     queried, hit = (after - b for after, b in zip(vllm_prefix_cache_tokens(served.url), before, strict=True))
     return records, makespan, CacheUse(queried, hit, 0, queried - hit, "metrics")
 
@@ -470,13 +480,28 @@ def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep
     runs.saturation.setdefault(system, []).append(sat)
     runs.saturation_records.setdefault(system, []).extend({**asdict(r), "repeat": rep} for r in records)
     log.info(
-        "%-13s saturation #%d: %.3f visits/s (%.0f%% of the physical limit)",
+        "%-13s saturation #%d: %.3f visits/s (%.0f%% of the physical limit)%s",
         system,
         rep + 1,
         visits_per_s,
         100 * limit.achieved_fraction,
+        host_tier_note(cache.host_counters),
     )
     return sat
+
+
+def host_tier_note(counters: dict[str, float]) -> str:
+    """What the host tier did over a run, for the run's log line ('' without a host tier)."""
+    if not counters:
+        return ""
+
+    def got(name: str) -> int:
+        return int(counters.get(f"tiered:host_{name}_total", 0))
+
+    return (
+        f"; host tier: {got('store_bytes') >> 20} MiB stored, {got('store_dropped_chunks')} chunks dropped, "
+        f"{got('load_bytes') >> 20} MiB loaded, {got('tier_failures')} failures"
+    )
 
 
 def _load_run(served: Served, calls: list[Call], load: _Load, salt: str, rep: int, runs: _Runs) -> Summary:

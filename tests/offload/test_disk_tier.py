@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -159,13 +160,12 @@ def test_a_disk_that_refuses_writes_keeps_the_chunks_in_memory(tmp_path: Path, t
     assert done.stdout.count("host tier disk write failed") == 1  # one warning, however many chunks
 
 
-def test_a_disk_prefix_larger_than_the_memory_loads_what_fits_and_never_waits(
+def test_a_disk_prefix_larger_than_the_memory_is_read_straight_into_device_blocks(
     model: CausalLM, make_tiers, tmp_path: Path
 ) -> None:
-    """LMCache stages each chunk read from its disk in its CPU memory. A prefix of more chunks than
-    that memory holds is read in runs that fit (each run's staging freed once it is on the device),
-    instead of one read waiting forever for memory its own staging holds. Counted; the logits are a
-    plain forward's."""
+    """A prefix of more chunks than LMCache's memory holds is read from the disk in one load,
+    straight into device blocks: LMCache's memory holds no staging copy (its chunk count is the
+    same before and after), nothing waits for memory, and the logits are a plain forward's."""
     import signal
 
     chunk_bytes = 16 * model.args.kv_bytes_per_token(torch.float32)
@@ -178,6 +178,8 @@ def test_a_disk_prefix_larger_than_the_memory_loads_what_fits_and_never_waits(
         host.evict_from_memory(tiers.new_request(f"keys-{n}", ids[:n]).keys)
         tiers.device_tier.clear()
     assert len(list(tmp_path.glob("*.pt"))) == 12
+    in_memory = host.num_local_chunks() - 12  # the disk's 12 are counted too
+    loads = host.stats().num_loads
 
     def stuck(*_: object) -> None:
         raise TimeoutError("the disk read waited for memory")
@@ -190,6 +192,69 @@ def test_a_disk_prefix_larger_than_the_memory_loads_what_fits_and_never_waits(
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert (prepared.split.num_disk_hit_tokens, prepared.split.num_miss_tokens) == (192, 8)
-    assert host.stats().num_disk_reads_without_memory >= 1
+    assert host.stats().num_loads == loads + 1
+    assert host.num_local_chunks() - 12 == in_memory
     ref = forward(model, ids)
     assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()
+
+
+def test_a_disk_file_cut_short_is_recomputed_from_there(model: CausalLM, make_tiers, tmp_path: Path) -> None:
+    """A chunk file cut short after LMCache listed it (a failing disk): the load ends before it,
+    that chunk and the rest are recomputed with a plain forward's logits, the failure is counted,
+    LMCache forgets the chunk, and the recomputed chunk is stored again: the next load reads all."""
+    tiers = make_tiers(host=_disk(tmp_path))
+    host = tiers.host_tier
+    assert host is not None
+    ids = _tokens(200, 5)
+    keys = tiers.new_request("keys", ids).keys
+    _run(model, tiers, ids, "a")
+    tiers.flush()
+    assert host.evict_from_memory(keys) == 12
+    disk = host._storage.storage_backends["LocalDiskBackend"]
+    path = Path(disk.dict[host._key(keys[5])].path)
+    path.write_bytes(path.read_bytes()[:100])
+    tiers.device_tier.clear()
+    logits, prepared = _run(model, tiers, ids, "b")
+    assert (prepared.split.num_disk_hit_tokens, prepared.split.num_miss_tokens) == (80, 120)
+    assert host.stats().num_failures == 1
+    assert host._key(keys[5]) not in disk.dict
+    ref = forward(model, ids)
+    assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()
+    tiers.flush()
+    tiers.device_tier.clear()
+    _, again = _run(model, tiers, ids, "c")
+    assert again.split.num_miss_tokens == 8
+
+
+@pytest.mark.parametrize("wait_s", [5.0, 0.0])
+def test_a_store_waits_for_memory_that_disk_writes_hold(
+    model: CausalLM, make_tiers, tmp_path: Path, wait_s: float
+) -> None:
+    """LMCache's memory full of chunks on their way to its disk (the disk's index held by the test,
+    so their writes cannot finish): a store waits for them to land (`store_wait_s`) and gets its
+    memory once they do, instead of dropping chunks a later request would recompute; with no wait
+    allowed it drops them at once."""
+    import threading
+    import time
+
+    chunk_bytes = 16 * model.args.kv_bytes_per_token(torch.float32)
+    tiers = make_tiers(host=replace(_disk(tmp_path, cpu_gb=5.5 * chunk_bytes / 2**30), store_wait_s=wait_s))
+    host = tiers.host_tier
+    assert host is not None
+    disk = host._storage.storage_backends["LocalDiskBackend"]
+    with disk.disk_lock:
+        _run(model, tiers, _tokens(81, 7), "a")  # 5 chunks: all of the memory, held until on disk
+        got: list[object] = []
+        waiter = threading.Thread(target=lambda: got.append(host.begin_store([11, 12, 13])))
+        waiter.start()
+        time.sleep(0.3)
+        assert waiter.is_alive() == (wait_s > 0)
+    waiter.join(10)
+    batch = got[0]
+    stats = host.stats()
+    if wait_s > 0:
+        assert batch is not None and batch.keys == [11, 12, 13]
+        assert stats.store_wait_seconds >= 0.25 and stats.num_dropped_chunks == 0
+        host.abort_store(batch)
+    else:
+        assert batch is None and stats.num_dropped_chunks == 3 and stats.store_wait_seconds == 0

@@ -111,7 +111,7 @@ def _host_counters(engine: Engine) -> HostCounters | None:
         h.num_dropped_chunks,
         h.num_pending_stores,
         h.num_disk_write_failures,
-        h.num_disk_reads_without_memory,
+        h.store_wait_seconds,
     )
 
 

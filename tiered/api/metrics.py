@@ -224,14 +224,14 @@ class _Reported:
                 ),
                 ("host_store_dropped_chunks", "Chunks not stored (queue full or no LMCache memory).", h.dropped_chunks),
                 (
+                    "host_store_wait_seconds",
+                    "Seconds stores waited for LMCache memory that writes to its disk or queued stores held.",
+                    h.store_wait_seconds,
+                ),
+                (
                     "host_disk_write_failures",
                     "Chunks the host tier's local disk could not take (full, read-only, failing): kept in memory only.",
                     h.disk_write_failures,
-                ),
-                (
-                    "host_disk_reads_without_memory",
-                    "Host-tier disk chunks a read left for a later one: no LMCache memory to stage them.",
-                    h.disk_reads_without_memory,
                 ),
             ):
                 yield _counter(f"tiered:{name}", doc, value)

@@ -64,7 +64,7 @@ class HostCounters:
     dropped_chunks: int = 0
     pending_stores: int = 0
     disk_write_failures: int = 0
-    disk_reads_without_memory: int = 0
+    store_wait_seconds: float = 0.0
 
 
 @dataclass(slots=True)

@@ -77,6 +77,9 @@ class HostTierConfig:
     # Store batches (one per forwarded request) queued for the store thread; beyond, a store is
     # dropped rather than held (its chunks are recomputed if needed again).
     max_pending_stores: int = 64
+    # Seconds a store may wait for LMCache memory held by writes on their way to its disk (or by
+    # queued stores), before the chunks that found none are dropped; 0: never wait.
+    store_wait_s: float = 0.25
     # At shutdown: `drain` puts the queued stores into LMCache first; `drop` frees them.
     on_close: OnClose = "drain"
 
@@ -86,6 +89,11 @@ class HostTierConfig:
             0 < self.store_cpu_share <= 1,
             "cache.host.store_cpu_share",
             f"must be in (0, 1], got {self.store_cpu_share}",
+        )
+        require(
+            0 <= self.store_wait_s <= 60,
+            "cache.host.store_wait_s",
+            f"must be in [0, 60] seconds, got {self.store_wait_s}",
         )
         require(
             self.max_pending_stores >= 1,

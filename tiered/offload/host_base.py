@@ -22,17 +22,17 @@ class HostTierStats:
     num_remote_hit_tokens: int = 0  # of those, found in the remote store (`remote_url`) only
     num_disk_hit_tokens: int = 0  # of those, read from the local disk (`local_disk`): not in memory
     num_disk_write_failures: int = 0  # chunks the local disk could not take (full, read-only): memory only
-    num_disk_reads_without_memory: int = 0  # disk chunks a read left for the next (no LMCache memory to stage them)
     num_stored_tokens: int = 0
     num_failures: int = 0
     num_loads: int = 0
     num_loaded_bytes: int = 0
     load_lookup_seconds: float = 0.0  # which backend holds which key
-    load_get_seconds: float = 0.0  # LMCache's batched_get (a disk or remote backend reads here)
-    load_copy_seconds: float = 0.0  # memory objects into device blocks
+    load_get_seconds: float = 0.0  # LMCache's batched_get (a remote backend reads here)
+    load_copy_seconds: float = 0.0  # memory objects into device blocks; disk files read into them
     num_stores: int = 0
     num_stored_bytes: int = 0
-    store_allocate_seconds: float = 0.0  # engine thread: LMCache's allocator
+    store_allocate_seconds: float = 0.0  # engine thread: LMCache's allocator (waits for memory included)
+    store_wait_seconds: float = 0.0  # of those, waiting for memory that disk writes or queued stores held
     store_copy_seconds: float = 0.0  # the forward's KV sink (measured by the caller: `count_store_copy`)
     store_put_seconds: float = 0.0  # store thread: LMCache's batched_put
     store_thread_cpu_seconds: float = 0.0  # CPU time the store thread used (thread_time)
@@ -84,8 +84,9 @@ class Host(Protocol):
         views: Callable[[Sequence[int]], list[Tensor]],
         num_remote: int = 0,
         num_disk: int = 0,
-    ) -> None:
-        """Copy chunks `get` returned into the device-tier blocks `block_ids`, releasing them."""
+    ) -> int:
+        """Copy chunks `get` returned into the device-tier blocks `block_ids`, releasing them; returns
+        how many leading blocks were filled (fewer when a chunk could not be read)."""
         ...
 
     def evict_from_memory(self, keys: Sequence[int]) -> int:

@@ -5,6 +5,7 @@ Design notes: docs/internals.md, section `tiered/offload/host_tier.py`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,6 +26,40 @@ from tiered.offload.host_base import HostTierStats
 log = logging.getLogger(__name__)
 
 _KEY_MASK = (1 << 64) - 1  # LMCache prints chunk hashes in hex: keep them unsigned
+STORE_WAIT_POLL_S = 0.002  # how often a store waiting for LMCache memory tries again
+
+
+class _DiskChunk:
+    """A chunk of LMCache's local disk, read straight into its device-tier block by `copy_into` (no
+    staging in LMCache's memory, which the stores share). Pinned in the disk backend from `get` until
+    released, so that LMCache's eviction leaves its file alone meanwhile."""
+
+    __slots__ = ("backend", "key", "path")
+
+    def __init__(self, backend: Any, key: Any, path: str) -> None:
+        self.backend, self.key, self.path = backend, key, path
+
+    def read_into(self, block: Tensor, bounce: Callable[[], Tensor]) -> bool:
+        """The file's bytes into `block` (a device-tier block, the chunk's layout); False when the
+        file is gone or shorter than the block. A block not in CPU memory, or not contiguous, is
+        filled from `bounce()` (a CPU buffer of the block's size, pinned where cuda is used)."""
+        direct = block.device.type == "cpu" and block.is_contiguous()
+        target = block if direct else bounce()
+        raw: Any = target.view(-1).view(torch.uint8).numpy()  # the tensor's own bytes, writable
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                n = f.readinto(raw)
+        except OSError:
+            return False
+        if n != target.numel() * target.element_size():
+            return False
+        if not direct:
+            block.copy_(target.view(block.shape))
+        return True
+
+    def ref_count_down(self) -> None:
+        """Release: unpin the chunk in the disk backend (gone already is fine)."""
+        self.backend.unpin(self.key)
 
 
 class HostTier:
@@ -69,8 +104,9 @@ class HostTier:
         lm.fix_remote_close(self._storage)
         # LMCache's local disk backend (`local_disk`), whose chunks its CPU backend may no longer hold.
         self.has_disk = lm.guard_disk_writes(self._storage, self._disk_write_failed)
-        lm.bound_disk_reads(self._storage, self._disk_read_without_memory)
         self._memory = self._storage.storage_backends.get("LocalCPUBackend")
+        self._disk = self._storage.storage_backends.get("LocalDiskBackend")
+        self._bounce: Tensor | None = None  # a disk chunk's way to a block outside CPU memory
         self._fmt = MemoryFormat.KV_2LTD
         self._obj_shape = torch.Size([2, args.num_layers, block_tokens, args.num_kv_heads * args.head_dim])
         self._key = lambda k: CacheEngineKey(model_name, 1, 0, k & _KEY_MASK, dtype, None)
@@ -98,18 +134,6 @@ class HostTier:
         with self._lock:
             self.stats_.num_disk_write_failures += 1
             self._failed("disk write", exc)
-
-    def _disk_read_without_memory(self) -> None:
-        """A chunk on disk that LMCache's memory had no room to stage (called from LMCache's read,
-        inside `get`, with `_lock` held): it reads as missing, so that read ends before it. The
-        loader reads on once the chunks before it are on the device; what it cannot read is recomputed."""
-        self.stats_.num_disk_reads_without_memory += 1
-        if "disk read" not in self._warned:
-            self._warned.add("disk read")
-            log.warning(
-                "host tier: a prefix on disk is larger than LMCache's free memory (max_local_cpu_size) "
-                "can stage at once: it is read in parts (raise max_local_cpu_size above the largest prefix's KV)"
-            )
 
     def in_memory(self, key: int) -> bool:
         """Whether the chunk of `key` is in the tier's memory (else it is on its disk or remote, or
@@ -150,12 +174,14 @@ class HostTier:
                 lookup = time.perf_counter()
                 self.stats_.load_lookup_seconds += lookup - start
                 for location, chunks in mapping.items():
+                    if location == "LocalDiskBackend" and self._disk is not None:
+                        found.update(self._pin_on_disk(chunks))
+                        disk.update(c[1] for c in chunks)
+                        continue
                     objs = self._storage.batched_get([c[0] for c in chunks], location=location)
                     found.update((c[1], obj) for c, obj in zip(chunks, objs, strict=True))
                     if location == "RemoteBackend":
                         remote.update(c[1] for c in chunks)
-                    elif location == "LocalDiskBackend":
-                        disk.update(c[1] for c in chunks)
                 self.stats_.load_get_seconds += time.perf_counter() - lookup
             except Exception as exc:  # noqa: BLE001 - any host-tier fault degrades to a miss
                 self._failed("retrieve", exc)
@@ -175,6 +201,25 @@ class HostTier:
             lm.touch_local(self._storage, [self._key(k) for k in keys[: len(out)]])  # a hit: just used
         return out, num_remote, num_disk
 
+    def _pin_on_disk(self, chunks: Sequence[tuple[Any, int, int]]) -> dict[int, _DiskChunk | None]:
+        """The disk's chunks (LMCache's (key, index, index + 1)), each pinned with its file's path;
+        None for one LMCache evicted since its lookup."""
+        assert self._disk is not None
+        out: dict[int, _DiskChunk | None] = {}
+        for key, index, _ in chunks:
+            with self._disk.disk_lock:
+                meta = self._disk.dict.get(key)
+                if meta is not None:
+                    meta.pin()
+            out[index] = _DiskChunk(self._disk, key, meta.path) if meta is not None else None
+        return out
+
+    def _bounce_buffer(self) -> Tensor:
+        if self._bounce is None:
+            pin = torch.cuda.is_available()
+            self._bounce = torch.empty(self.chunk_shape, dtype=self._dtype, pin_memory=pin)
+        return self._bounce
+
     def load(
         self,
         objs: Sequence[Any],
@@ -182,29 +227,46 @@ class HostTier:
         views: Callable[[Sequence[int]], list[Tensor]],
         num_remote: int = 0,
         num_disk: int = 0,
-    ) -> None:
+    ) -> int:
         """`copy_into` the device-tier blocks `block_ids` (`views` gives their tensors)."""
-        self.copy_into(objs, views(block_ids), num_remote, num_disk)
+        return self.copy_into(objs, views(block_ids), num_remote, num_disk)
 
-    def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor], num_remote: int = 0, num_disk: int = 0) -> None:
+    def copy_into(self, objs: Sequence[Any], blocks: Sequence[Tensor], num_remote: int = 0, num_disk: int = 0) -> int:
         """Copy chunk i into `blocks[i]` (a device-tier block), then release the objects; the
-        last `num_remote` of them came from the remote store, the `num_disk` before those from disk."""
+        last `num_remote` of them came from the remote store, the `num_disk` before those from disk.
+
+        Returns how many leading blocks hold their chunk: all of them, unless a disk file vanished
+        or was cut short (LMCache cleared, a failing disk); the blocks after it are not filled."""
         start = time.perf_counter()
-        srcs = [obj.tensor.view(self.chunk_shape) for obj in objs]
-        non_blocking = bool(blocks) and blocks[0].device.type == "cuda"
-        torch._foreach_copy_(list(blocks), srcs, non_blocking=non_blocking)
-        if non_blocking:
-            torch.cuda.current_stream(blocks[0].device).synchronize()  # the objects are released below
+        in_memory = [(b, obj) for b, obj in zip(blocks, objs, strict=True) if not isinstance(obj, _DiskChunk)]
+        if in_memory:
+            srcs = [obj.tensor.view(self.chunk_shape) for _, obj in in_memory]
+            non_blocking = blocks[0].device.type == "cuda"
+            torch._foreach_copy_([b for b, _ in in_memory], srcs, non_blocking=non_blocking)
+            if non_blocking:
+                torch.cuda.current_stream(blocks[0].device).synchronize()  # the objects are released below
+        n = 0
+        while n < len(objs) and (
+            not isinstance(objs[n], _DiskChunk) or objs[n].read_into(blocks[n], self._bounce_buffer)
+        ):
+            n += 1
         seconds = time.perf_counter() - start
         with self._lock:
             for obj in objs:
                 obj.ref_count_down()
+            if n < len(objs):  # LMCache forgets the chunk: it is stored again once recomputed
+                self._failed("disk read", OSError(f"{objs[n].path} is missing or shorter than a chunk"))
+                with contextlib.suppress(OSError):
+                    objs[n].backend.remove(objs[n].key)
+            num_disk = max(0, min(num_disk, n - (len(objs) - num_remote - num_disk)))
+            num_remote = max(0, n - (len(objs) - num_remote))
             self.stats_.num_loads += 1
-            self.stats_.num_loaded_bytes += len(objs) * self.chunk_bytes
+            self.stats_.num_loaded_bytes += n * self.chunk_bytes
             self.stats_.load_copy_seconds += seconds
-            self.stats_.num_hit_tokens += len(objs) * self.block_tokens
+            self.stats_.num_hit_tokens += n * self.block_tokens
             self.stats_.num_remote_hit_tokens += num_remote * self.block_tokens
             self.stats_.num_disk_hit_tokens += num_disk * self.block_tokens
+        return n
 
     def release(self, objs: Sequence[Any]) -> None:
         """Drop the references `get` took on objects that will not be copied."""
@@ -231,7 +293,9 @@ class HostTier:
     def begin_store(self, keys: list[int]) -> StoreBatch | None:
         """LMCache memory for the chunks of `keys`, evicting its LRU chunks as needed.
 
-        Under memory pressure only a leading part of `keys` gets memory (`batch.keys` says
+        Memory that writes to LMCache's disk (or stores queued for LMCache) hold frees within
+        moments: a store waits for it up to `store_wait_s`, as a chunk dropped now is recomputed
+        at its next use. Beyond that only a leading part of `keys` gets memory (`batch.keys` says
         which); None when none does. One allocation per chunk: LMCache 0.5.6's batched
         allocation evicts only in its layer-wise mode."""
         if not keys:
@@ -239,21 +303,42 @@ class HostTier:
         objs: list[Any] = []
         with self._lock:
             start = time.perf_counter()
+            deadline = start + self.cfg.store_wait_s
+            waited = 0.0
             try:
-                for _ in keys:
+                while len(objs) < len(keys):
                     obj = self._storage.allocate(
                         self._obj_shape, self._dtype, self._fmt, eviction=self._evict, busy_loop=False
                     )
-                    if obj is None:
+                    if obj is not None:
+                        objs.append(obj)
+                        continue
+                    if not self._memory_on_its_way() or time.perf_counter() >= deadline:
                         break
-                    objs.append(obj)
+                    began = time.perf_counter()
+                    self._lock.release()  # the store thread needs it to let go of what it put
+                    try:
+                        time.sleep(STORE_WAIT_POLL_S)
+                    finally:
+                        self._lock.acquire()
+                    waited += time.perf_counter() - began
             except Exception as exc:  # noqa: BLE001
                 self._failed("store", exc)
             self.stats_.store_allocate_seconds += time.perf_counter() - start
+            self.stats_.store_wait_seconds += waited
             self.stats_.num_dropped_chunks += len(keys) - len(objs)
         if not objs:
             return None
         return StoreBatch(keys[: len(objs)], [obj.tensor.view(self.chunk_shape) for obj in objs], objs)
+
+    def _memory_on_its_way(self) -> bool:
+        """Under the lock: whether LMCache memory is held by what frees it unaided (stores queued
+        for LMCache, chunks being written to its disk), and LMCache may evict it then."""
+        if not self._evict:
+            return False
+        if self._queue or self._pending:
+            return True
+        return self._disk is not None and bool(self._disk.disk_worker.put_tasks)
 
     def write_block(self, store: StoreBatch, block_id: int, views: Callable[[Sequence[int]], list[Tensor]]) -> None:
         """The device-tier block `block_id` into the store's one chunk (cuda: on the current stream)."""

@@ -270,41 +270,6 @@ def guard_disk_writes(storage_manager: Any, on_failure: Callable[[OSError], None
     return True
 
 
-class _StagingWithoutWaiting:
-    """LMCache's CPU backend as its local disk backend sees it, but an allocation that finds no
-    memory (after evicting what it can) returns None instead of waiting for memory to free."""
-
-    def __init__(self, cpu_backend: Any, on_no_memory: Callable[[], None]) -> None:
-        self._cpu_backend, self._on_no_memory = cpu_backend, on_no_memory
-
-    def allocate(self, *args: Any, **kwargs: Any) -> Any:
-        """The CPU backend's allocate, without its wait for memory; None (and `on_no_memory`) when none is free."""
-        obj = self._cpu_backend.allocate(*args, **{**kwargs, "busy_loop": False})
-        if obj is None:
-            self._on_no_memory()
-        return obj
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cpu_backend, name)
-
-
-def bound_disk_reads(storage_manager: Any, on_no_memory: Callable[[], None]) -> None:
-    """Make a read of LMCache's local disk that finds no CPU memory to stage into give up on that
-    chunk instead of waiting forever: LMCache 0.5.6's blocking disk read allocates one staging buffer
-    per chunk in its CPU backend, waiting until one frees, and the buffers it already took for the
-    same read, or chunks a caller holds, may be all there is. A chunk not staged reads as missing:
-    that read ends before it (the caller may read on once it has released what it took).
-    `on_no_memory` is called per such chunk. Without a disk backend nothing changes."""
-    backend = getattr(storage_manager, "storage_backends", {}).get("LocalDiskBackend")
-    if backend is None or backend.local_cpu_backend is None:
-        return
-    cpu_backend = backend.local_cpu_backend
-    backend.local_cpu_backend = _StagingWithoutWaiting(cpu_backend, on_no_memory)
-    # Puts still see the CPU backend itself as the disk's allocator (LMCache shares one copy of a
-    # chunk between backends that name the same allocator class).
-    backend.get_allocator_backend = lambda: cpu_backend
-
-
 def start_lmcache(
     lmcache_options: dict[str, Any],
     args: ModelArgs,

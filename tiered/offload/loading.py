@@ -98,7 +98,16 @@ class PrefixLoader:
         disk_end = len(objs) - num_remote
         remote = blocks[disk_end:]
         disk = blocks[disk_end - num_disk : disk_end]
-        self.host_tier.load(objs[: len(blocks)], blocks, self.device_tier.blocks, len(remote), len(disk))
+        filled = self.host_tier.load(objs[: len(blocks)], blocks, self.device_tier.blocks, len(remote), len(disk))
+        if filled < len(blocks):  # a chunk LMCache listed could not be read: recomputed from there
+            self._forget(self.host_tier.missing(keys[filled : len(blocks)]))
+            self.device_tier.unpin(blocks[filled:])
+            del blocks[filled:]
+            disk = [b for b in disk if b in blocks]
+            remote = [b for b in remote if b in blocks]
+            short = True
+            if not blocks:
+                return none, short
         bt = self.block_tokens
         for i, b in enumerate(blocks):
             j = first_block + i

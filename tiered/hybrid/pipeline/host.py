@@ -98,14 +98,16 @@ class StagedHost:
         views: Callable[[Sequence[int]], list[Tensor]],
         num_remote: int = 0,
         num_disk: int = 0,
-    ) -> None:
-        """Every stage loads chunk `objs[i]` into its block `block_ids[i]` before the next batch."""
+    ) -> int:
+        """Every stage loads chunk `objs[i]` into its block `block_ids[i]` before the next batch
+        (all of them count as filled: a stage's miss is found then, `missed`)."""
         with self._lock:
             self._ops.before.extend((LOAD, key, b) for key, b in zip(objs, block_ids, strict=True))
             s = self.stats_
             s.num_loads += 1
             s.num_loaded_bytes += len(objs) * self.chunk_bytes
             s.num_hit_tokens += len(objs) * self.block_tokens
+        return len(objs)
 
     def release(self, objs: Sequence[Any]) -> None:
         """Nothing to release: the keys stand for the chunks."""
