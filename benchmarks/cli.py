@@ -29,6 +29,7 @@ from benchmarks.commands import (
     cmd_bench_tiers,
     cmd_bench_trace,
     cmd_bench_visits,
+    cmd_plot_working_set,
 )
 from tiered.config.options import add_config_args, parse_bytes, parse_float_list, parse_int_list
 
@@ -506,6 +507,16 @@ def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
     pl.add_argument("json_file", help="JSON written by `python -m benchmarks load --json`")
     pl.add_argument("--out", required=True, help="folder for the PNGs")
     pl.set_defaults(func=cmd_bench_plot)
+    ws = bsub.add_parser(
+        "plot-working-set",
+        help="PNG: visits/s against the working set, from several `python -m benchmarks visits` JSONs",
+        description="One point per JSON and system: saturation visits/s (median, min-max over its runs) "
+        "against the trace's working set (KV of all its prompts, each profile once) as a multiple of our "
+        "KV memory (device + host tier; vLLM is given the same). Run the JSONs with one budget.",
+    )
+    ws.add_argument("json_files", nargs="+", help="JSONs written by `python -m benchmarks visits --json`")
+    ws.add_argument("--out", required=True, help="the PNG to write")
+    ws.set_defaults(func=cmd_plot_working_set)
 
 
 def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -184,6 +184,23 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot_working_set(args: argparse.Namespace) -> int:
+    """`python -m benchmarks plot-working-set`: visits/s against the working set, one point per JSON."""
+    import json
+
+    from benchmarks.plots import plot_working_set
+    from benchmarks.traces import BenchError
+
+    docs = []
+    for name in args.json_files:
+        doc = json.loads(Path(name).read_text())
+        if "working_set_bytes" not in doc:
+            raise BenchError(f"{name} is not a `python -m benchmarks visits` JSON with its working set")
+        docs.append(doc)
+    print(f"wrote {plot_working_set(docs, args.out)}")
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     from benchmarks.plots import plot_load
 

@@ -351,6 +351,7 @@ class _Context:
     args: ModelArgs
     matmul: float  # this machine's matmul FLOP/s in the compute dtype
     kv_bytes: dict[str, int]  # each vLLM system's KV memory
+    working_set_bytes: int  # KV of every prompt of the trace at once, each profile once (vLLM's blocks)
     device: str
     load_of: str  # whose median saturation rate the loads scale
 
@@ -403,7 +404,7 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
     reference, load_of = systems[0], opts.load_of or systems[0]
     pairs = [[reference, other] for other in systems[1:]] or [[reference]]
     pairs.sort(key=lambda pair: load_of not in pair)  # the pair that measures the loads' base rate goes first
-    ctx = _Context(cfg, trace, opts, visits, prompts_of, args, matmul, kv_bytes, device, load_of)
+    ctx = _Context(cfg, trace, opts, visits, prompts_of, args, matmul, kv_bytes, full, device, load_of)
     calls_of = {s: lora_calls(visits, num_adapters(s)) for s in systems}
     runs = _Runs()
     rate: float | None = None
@@ -622,6 +623,7 @@ def _report(ctx: _Context, runs: _Runs, rate: float | None) -> dict[str, Any]:
             "records": str(records_path),
             "matmul_flops_per_s": ctx.matmul,
             "kv_bytes": {"ours": kv_memory_bytes(cfg), **ctx.kv_bytes},
+            "working_set_bytes": ctx.working_set_bytes,
             "reference": systems[0],
             "load_of": load_of,
             "launch": runs.launch,

@@ -184,3 +184,27 @@ def test_two_new_users_in_one_batch_each_compute_their_profile_once(tiny_dir: Pa
     engine.close()
     assert [r.batch_size for r in results] == [4] * 4
     assert sorted(r.num_shared_tokens for r in results) == [0, 0, 200, 200]  # each follows its own user
+
+
+def test_a_batch_takes_only_the_prefixes_the_device_tier_holds_together(tiny_dir: Path, tmp_path: Path) -> None:
+    """Two users' profiles (12 blocks each) in the host tier only and a device tier of 16 blocks:
+    their visits run as two batches, one per user, each loading its profile once, rather than one
+    batch whose second load finds no free block and computes that profile again."""
+    probe = _engine(tiny_dir, tmp_path)
+    block_bytes = probe.tiers.device_tier.bytes_per_block
+    probe.close()
+    engine = _engine(tiny_dir, tmp_path, f"cache.device_tier_bytes={16 * block_bytes}")
+    u1, u2 = _ids(200, 24), _ids(200, 25)
+    for u, seed in ((u1, 26), (u2, 27)):
+        _visit(engine, [torch.cat([u, _ids(9, seed)])])
+    engine.tiers.flush()
+    engine.tiers.device_tier.clear()  # both profiles live in the host tier only
+    prompts = [torch.cat([u, _ids(10 + i, 30 + i)]) for i, u in enumerate((u1, u2, u1, u2))]
+    results = list(_visit(engine, prompts).values())
+    for prompt, r in zip(prompts, results, strict=True):
+        ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)
+        assert max(abs(r.logprobs[t] - float(ref[t])) for t in (11, 12)) < 1e-4
+    engine.close()
+    assert [r.batch_size for r in results] == [2] * 4
+    assert sorted(r.split.num_host_hit_tokens for r in results) == [0, 0, 192, 192]
+    assert [r.split.num_device_hit_tokens + r.split.num_host_hit_tokens for r in results] == [192] * 4

@@ -65,6 +65,7 @@ class Executor:
         self._in_flight: deque[Launched] = deque()  # batches in the runner, oldest first
         self._picked: list[Decision] = []  # the step's batch until it is sent to the runner or answered
         self._last_done = 0.0  # perf_counter when the runner's last batch ended
+        self._prefetch: TierRequest | None = None  # the step's prefetch, started once its batch is prepared
 
     @property
     def num_in_flight(self) -> int:
@@ -82,8 +83,7 @@ class Executor:
         for w in step.expired:
             self.release(w)
         out.results += expired_results(step.expired)
-        if step.prefetch is not None:
-            self.tiers.prefetch(step.prefetch)
+        self._prefetch = step.prefetch
         started = time.monotonic()
         out.results += (failed := load_adapters(self.parts.adapters, step.batch, started))
         gone = {r.request_id for r in failed}
@@ -92,8 +92,17 @@ class Executor:
             self._run(step, batch, started, out)
         except ForwardUnavailable as exc:  # a pipeline stage died or hung (restarted): its batches fail, 503
             self._unavailable(str(exc), isinstance(exc, ForwardRetry), out)
+        finally:
+            self._start_prefetch()  # a step that launched nothing
         self._picked = []
         return out
+
+    def _start_prefetch(self) -> None:
+        """Start the step's prefetch: after its batch pinned its prefix, so that the prefetch's
+        allocations (which evict unpinned blocks) cannot take the blocks the batch is about to read."""
+        if self._prefetch is not None:
+            self.tiers.prefetch(self._prefetch)
+            self._prefetch = None
 
     def _run(self, step: Step, batch: list[Decision], started: float, out: StepOutput) -> None:
         piece = step.piece_tokens
@@ -182,6 +191,7 @@ class Executor:
         try:
             for d in batch:
                 prepared.append(self.tiers.prepare(d.waiting.request, waiting_keys, planned, park))
+            self._start_prefetch()
             plans = plan_batch(prepared, self.tiers.block_tokens)
             sent = time.perf_counter()
             ticket = self.runner.submit(prepared, plans)

@@ -244,7 +244,10 @@ class Scheduler:
         batch (0: no bound). A request that yielded between pieces runs alone, head or not: its
         next piece is decided for a batch of one (tiered/scheduler/pieces.py), and its remaining tokens,
         however few, read a long prefix. A request does not join when the batch, with it (each
-        member's predicted time summed), would end past a member's deadline the batch meets without it."""
+        member's predicted time summed), would end past a member's deadline the batch meets without it.
+        Nor when the batch's cached prefixes (device hits and host loads, each block once) would
+        not fit in the device tier together: the forward reads them all from there, and a load that
+        finds no free block is recomputed, a whole prefix's work in a batch sized for its misses."""
         head = self.pick()
         if head is None:
             return []
@@ -254,6 +257,8 @@ class Scheduler:
             return batch
         start = time.perf_counter()
         computing = set(self._miss_keys(head.waiting))
+        cached = set(self._prefix_keys(head.waiting))
+        device_blocks = self.tiers.device_tier.num_blocks
         longest_prefix = head.waiting.split.num_tokens - miss
         adapters = {head.waiting.request.adapter}
         ends, met = self.clock() + head.waiting.jct, math.inf  # the batch's predicted end, its earliest deadline met
@@ -272,6 +277,10 @@ class Scheduler:
             prefix = w.split.num_tokens - m
             if miss + m > max_batch_tokens or miss + m + max(longest_prefix, prefix) > max_total_tokens:
                 continue
+            its_prefix = cached.union(self._prefix_keys(w))
+            if len(its_prefix) > device_blocks:
+                continue
+            cached = its_prefix
             del self._waiting[w.request_id]
             self._unindex(w)
             batch.append(Decision(w, w.jct, 0.0, 0, head.queue_depth))
@@ -287,9 +296,17 @@ class Scheduler:
         head.decision_seconds += time.perf_counter() - start
         return batch
 
+    def _hit_blocks(self, w: Waiting) -> int:
+        """Blocks of this request's estimated hits (device and host tiers), from its first."""
+        return (w.split.num_tokens - w.split.num_miss_tokens) // self.tiers.block_tokens
+
+    def _prefix_keys(self, w: Waiting) -> list[int]:
+        """Keys of the blocks its estimated hits read from the device tier (loaded there first)."""
+        return w.request.keys[: self._hit_blocks(w)]
+
     def _miss_keys(self, w: Waiting) -> list[int]:
         """Keys of the full blocks this request would compute (after its estimated hits)."""
-        return w.request.keys[(w.split.num_tokens - w.split.num_miss_tokens) // self.tiers.block_tokens :]
+        return w.request.keys[self._hit_blocks(w) :]
 
     def _fill_candidates(self, head: Waiting, limit: int = 256) -> list[Waiting]:
         """Same-priority waiting requests: those sharing the head's first block, then those of
