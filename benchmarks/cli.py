@@ -509,9 +509,9 @@ def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
     pl.set_defaults(func=cmd_bench_plot)
     ws = bsub.add_parser(
         "plot-working-set",
-        help="PNG: visits/s against the working set, from several `python -m benchmarks visits` JSONs",
+        help="PNG: visits/s against the users' profiles' KV, from several `python -m benchmarks visits` JSONs",
         description="One point per JSON and system: saturation visits/s (median, min-max over its runs) "
-        "against the trace's working set (KV of all its prompts, each profile once) as a multiple of our "
+        "against the KV of the trace's profiles (every visited user's, once) as a multiple of our "
         "KV memory (device + host tier; vLLM is given the same). Run the JSONs with one budget.",
     )
     ws.add_argument("json_files", nargs="+", help="JSONs written by `python -m benchmarks visits --json`")

@@ -194,8 +194,10 @@ def cmd_plot_working_set(args: argparse.Namespace) -> int:
     docs = []
     for name in args.json_files:
         doc = json.loads(Path(name).read_text())
-        if "working_set_bytes" not in doc:
-            raise BenchError(f"{name} is not a `python -m benchmarks visits` JSON with its working set")
+        if "profiles_bytes" not in doc:
+            raise BenchError(
+                f"{name} is not a `python -m benchmarks visits` JSON with its profiles' KV (profiles_bytes)"
+            )
         docs.append(doc)
     print(f"wrote {plot_working_set(docs, args.out)}")
     return 0

@@ -179,17 +179,13 @@ def plot_longest(doc: dict[str, Any], out_path: str | Path) -> Path:
         f"The longest prompt within a memory budget ({doc['date']}, {doc['provenance'].get('cpu_model', '')})",
         fontsize=9,
     )
-    fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
 
 
 def plot_working_set(docs: list[dict[str, Any]], out_path: str | Path) -> Path:
     """`python -m benchmarks visits` runs of one KV budget at several working sets: each system's
-    saturation visits/s (median, min-max bars) against the working set as a multiple of our KV memory."""
+    saturation visits/s (median, min-max bars) against the KV of the users' profiles (each once) as a
+    multiple of our KV memory (vLLM is given the same)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,7 +194,7 @@ def plot_working_set(docs: list[dict[str, Any]], out_path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[str, list[tuple[float, float, float, float]]] = {}
     for doc in docs:
-        x = doc["working_set_bytes"] / doc["kv_bytes"]["ours"]
+        x = doc["profiles_bytes"] / doc["kv_bytes"]["ours"]
         for system, runs in doc["saturation_runs"].items():
             rates = sorted(r["visits_per_s"] for r in runs)
             series.setdefault(system, []).append((x, rates[len(rates) // 2], rates[0], rates[-1]))
@@ -208,12 +204,19 @@ def plot_working_set(docs: list[dict[str, Any]], out_path: str | Path) -> Path:
         err = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
         ax.errorbar(xs, mid, yerr=err, marker="o", capsize=3, label=system)
     budget = docs[0]["kv_bytes"]["ours"] / 2**20
-    ax.set_xlabel(f"working set / KV memory ({budget:.0f} MiB for each engine)")
+    ax.set_xlabel(f"the users' profiles' KV / KV memory ({budget:.0f} MiB for each engine)")
     ax.set_ylabel("visits/s at saturation")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"Visits beyond memory ({docs[0]['date']}, {docs[0]['provenance'].get('cpu_model', '')})", fontsize=9)
+    return _save(fig, out_path)
+
+
+def _save(fig: Any, out_path: str | Path) -> Path:
+    """Write a small PNG of `fig` (its folder made) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -171,6 +171,11 @@ def working_set_tokens(trace: Trace, block_tokens: int) -> int:
     return sum(shared.values()) + own * block_tokens
 
 
+def profiles_kv_bytes(trace: Trace, bytes_per_token: int) -> int:
+    """KV bytes of every visited user's profile, each once: what returning users would find cached."""
+    return sum({r.user: r.prefix_tokens for r in trace.requests}.values()) * bytes_per_token
+
+
 def host_tier_counters(url: str) -> dict[str, float]:
     """Our server's host-tier counters so far (`tiered:host_*_total` in its /metrics)."""
     return prometheus_totals(url, lambda name: name.startswith("tiered:host_") and name.endswith("_total"))
@@ -352,6 +357,7 @@ class _Context:
     matmul: float  # this machine's matmul FLOP/s in the compute dtype
     kv_bytes: dict[str, int]  # each vLLM system's KV memory
     working_set_bytes: int  # KV of every prompt of the trace at once, each profile once (vLLM's blocks)
+    profiles_bytes: int  # KV of every visited user's profile, once each (what returning users reuse)
     device: str
     load_of: str  # whose median saturation rate the loads scale
 
@@ -404,7 +410,8 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
     reference, load_of = systems[0], opts.load_of or systems[0]
     pairs = [[reference, other] for other in systems[1:]] or [[reference]]
     pairs.sort(key=lambda pair: load_of not in pair)  # the pair that measures the loads' base rate goes first
-    ctx = _Context(cfg, trace, opts, visits, prompts_of, args, matmul, kv_bytes, full, device, load_of)
+    profiles = profiles_kv_bytes(trace, peer_per_token)
+    ctx = _Context(cfg, trace, opts, visits, prompts_of, args, matmul, kv_bytes, full, profiles, device, load_of)
     calls_of = {s: lora_calls(visits, num_adapters(s)) for s in systems}
     runs = _Runs()
     rate: float | None = None
@@ -624,6 +631,7 @@ def _report(ctx: _Context, runs: _Runs, rate: float | None) -> dict[str, Any]:
             "matmul_flops_per_s": ctx.matmul,
             "kv_bytes": {"ours": kv_memory_bytes(cfg), **ctx.kv_bytes},
             "working_set_bytes": ctx.working_set_bytes,
+            "profiles_bytes": ctx.profiles_bytes,
             "reference": systems[0],
             "load_of": load_of,
             "launch": runs.launch,

@@ -40,6 +40,13 @@ def _visit(engine: Engine, prompts: list[torch.Tensor]) -> dict[str, Result]:
     return {i: by_id[i] for i in ids}
 
 
+def _assert_plain_forward_answers(engine: Engine, prompts: list[torch.Tensor], results: list[Result]) -> None:
+    """Each answer's Yes/No logprobs equal a plain forward's of its prompt (fp32, within 1e-4)."""
+    for prompt, r in zip(prompts, results, strict=True):
+        ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)
+        assert max(abs(r.logprobs[t] - float(ref[t])) for t in (11, 12)) < 1e-4
+
+
 def test_batches_equal_single_runs_with_device_and_host_hits(tiny_dir: Path, tmp_path: Path) -> None:
     u1, u2, u3 = _ids(200, 1), _ids(200, 2), _ids(200, 3)
     post = {i: _ids(10 + i, 10 + i) for i in range(8)}
@@ -141,9 +148,7 @@ def test_a_new_users_visit_computes_the_profile_once(tiny_dir: Path, tmp_path: P
     results = list(_visit(engine, prompts).values())
     engine.tiers.flush()
     stored = len(engine.tiers.host_keys)
-    for prompt, r in zip(prompts, results, strict=True):
-        ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)
-        assert max(abs(r.logprobs[t] - float(ref[t])) for t in (11, 12)) < 1e-4
+    _assert_plain_forward_answers(engine, prompts, results)
     engine.close()
     assert [r.batch_size for r in results] == [6] * 6
     assert sorted(r.num_shared_tokens for r in results) == [0] + [300] * 5
@@ -178,9 +183,7 @@ def test_two_new_users_in_one_batch_each_compute_their_profile_once(tiny_dir: Pa
         torch.cat([u1, _ids(8, 23)]),
     ]
     results = list(_visit(engine, prompts).values())
-    for prompt, r in zip(prompts, results, strict=True):
-        ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)
-        assert max(abs(r.logprobs[t] - float(ref[t])) for t in (11, 12)) < 1e-4
+    _assert_plain_forward_answers(engine, prompts, results)
     engine.close()
     assert [r.batch_size for r in results] == [4] * 4
     assert sorted(r.num_shared_tokens for r in results) == [0, 0, 200, 200]  # each follows its own user
@@ -201,9 +204,7 @@ def test_a_batch_takes_only_the_prefixes_the_device_tier_holds_together(tiny_dir
     engine.tiers.device_tier.clear()  # both profiles live in the host tier only
     prompts = [torch.cat([u, _ids(10 + i, 30 + i)]) for i, u in enumerate((u1, u2, u1, u2))]
     results = list(_visit(engine, prompts).values())
-    for prompt, r in zip(prompts, results, strict=True):
-        ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)
-        assert max(abs(r.logprobs[t] - float(ref[t])) for t in (11, 12)) < 1e-4
+    _assert_plain_forward_answers(engine, prompts, results)
     engine.close()
     assert [r.batch_size for r in results] == [2] * 4
     assert sorted(r.split.num_host_hit_tokens for r in results) == [0, 0, 192, 192]
