@@ -24,6 +24,7 @@ from benchmarks.traces import (
 )
 from benchmarks.visits import (
     VisitsOptions,
+    profiles_kv_bytes,
     run_visits_bench,
     split_visits,
     vllm_prefix_cache_tokens,
@@ -87,6 +88,7 @@ def test_split_visits_and_working_set_are_exact() -> None:
     ]
     # user 0: 2 shared blocks of 16; own blocks ceil(30/16) + ceil(30/16) + ceil(28/16); user 1: ceil(20/16)
     assert working_set_tokens(trace, 16) == 32 + (2 + 2 + 2) * 16 + 2 * 16
+    assert profiles_kv_bytes(trace, 2) == (40 + 5) * 2  # each user's profile once
     with pytest.raises(BenchError, match="needs a visits trace"):
         split_visits(revisit(VOCAB, RevisitOptions(users=1, posts=1, rounds=1, scale=0.01)))
 
@@ -205,6 +207,17 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     parts = ("device_hit_tokens", "host_hit_tokens", "shared_tokens", "computed_tokens")
     assert sum(cache[p] for p in parts) == trace.num_tokens
     assert limit["computed_tokens"] == cache["computed_tokens"] and 0 < limit["achieved_fraction"] < 1
+    # The host tier's counters over each run of ours: what it stored (its default write-through).
+    assert all(
+        r["cache"]["host_counters"]["tiered:host_store_bytes_total"] > 0 for r in saved["saturation_runs"]["tiered"]
+    )
+    profile_tokens = profiles_kv_bytes(trace, 1)
+    assert saved["profiles_bytes"] > 0 and saved["profiles_bytes"] % profile_tokens == 0  # those tokens x KV per token
+    png = tmp_path / "working-set.png"
+    assert main(["plot-working-set", str(tmp_path / "v.json"), "--out", str(png)]) == 0 and png.stat().st_size > 0
+    older = tmp_path / "older.json"  # a visits JSON of before the field: named, not plotted
+    older.write_text(json.dumps({k: v for k, v in saved.items() if k != "profiles_bytes"}))
+    assert main(["plot-working-set", str(older), "--out", str(tmp_path / "no.png")]) == 2
     rates = sorted(r["visits_per_s"] for r in saved["saturation_runs"]["tiered"])
     assert saved["saturation_visits_per_s"] == pytest.approx(sum(rates) / 2)  # the loads scale the median
     assert len(saved["slo_p99_seconds"]) == 3
