@@ -48,6 +48,10 @@ def test_a_prefix_only_the_disk_holds_is_read_from_it(model: CausalLM, make_tier
     tiers.flush()
     assert host.evict_from_memory(req.keys) == 12
     assert len(list(tmp_path.glob("*.pt"))) == 12  # one file per chunk, on the file system
+    later = _tokens(64, 11)  # another user's 4 chunks, stored to the disk after these
+    _run(model, tiers, later, "later")
+    tiers.flush()
+    assert host.evict_from_memory(tiers.new_request("later", later).keys) == 4
     tiers.device_tier.clear()
     estimate = tiers.estimate(tiers.new_request("b", ids))
     assert (estimate.num_host_hit_tokens, estimate.num_disk_hit_tokens) == (0, 192)
@@ -56,6 +60,11 @@ def test_a_prefix_only_the_disk_holds_is_read_from_it(model: CausalLM, make_tier
     assert (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_disk_hit_tokens) == (0, 0, 192)
     assert split.num_miss_tokens == 8
     assert tiers.stats().host.num_disk_hit_tokens == 192
+    # Read, so just used by the disk's own LRU: its last 12, the prefix's first chunk last (evicted last).
+    disk = host._storage.storage_backends["LocalDiskBackend"]
+    order = list(disk.dict)
+    assert set(order[:4]) == {host._key(k) for k in tiers.new_request("l", later).keys[:4]}
+    assert order[4:] == [host._key(k) for k in reversed(req.keys[:12])]
     ref = forward(model, ids)
     assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()
     # Now on the device again: a device hit, not a disk one.

@@ -202,15 +202,18 @@ class HostTier:
         return out, num_remote, num_disk
 
     def _pin_on_disk(self, chunks: Sequence[tuple[Any, int, int]]) -> dict[int, _DiskChunk | None]:
-        """The disk's chunks (LMCache's (key, index, index + 1)), each pinned with its file's path;
-        None for one LMCache evicted since its lookup."""
+        """The disk's chunks (LMCache's (key, index, index + 1)), each pinned with its file's path and
+        counted as just used by the disk's eviction policy (as LMCache's own reads do), the first
+        last: a prefix's first chunk is evicted after its later ones; None for one LMCache evicted
+        since its lookup."""
         assert self._disk is not None
         out: dict[int, _DiskChunk | None] = {}
-        for key, index, _ in chunks:
+        for key, index, _ in reversed(chunks):
             with self._disk.disk_lock:
                 meta = self._disk.dict.get(key)
                 if meta is not None:
                     meta.pin()
+                    self._disk.cache_policy.update_on_hit(key, self._disk.dict)
             out[index] = _DiskChunk(self._disk, key, meta.path) if meta is not None else None
         return out
 
