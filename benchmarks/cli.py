@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse, set up logging, run the subcommand; a bad value is a one-line error and exit status 2."""
     args = build_parser().parse_args(argv)
+    from benchmarks.report import commit_at_start
     from benchmarks.traces import BenchError
     from tiered.config import ConfigError
     from tiered.hybrid.forward import ForwardInputError
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from tiered.logs import setup as setup_logging
 
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+    commit_at_start()  # before the run: the code that runs, whatever is committed meanwhile
     try:
         return int(args.func(args))
     except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError, BenchError) as exc:

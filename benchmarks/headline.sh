@@ -29,17 +29,21 @@ $B visits --config configs/bench-m.yaml --users 40 --zipf 0.5 --visits 96 --post
 # KV beyond memory with 4,000-token profiles: 24 users (~7.7x a 96 MiB budget: 64 MiB device + 32 MiB
 # host memory, then a local disk tier; vLLM: 96 MiB of KV blocks); then 12 and 48 users, one run
 # pair each, for the plot of visits/s against the profiles' KV.
-V4K="--config configs/bench-m.yaml --zipf 0.5 --visits 100 --posts 8 --profile-tokens 4000 --profile-sd 500
+V4K="--config configs/bench-m.yaml --zipf 0.5 --profile-tokens 4000 --profile-sd 500
   --profile-min 3000 --profile-max 5000 --set model.max_model_len=8192 --set cache.device_tier_bytes=67108864"
 DISK='cache.host.lmcache={max_local_cpu_size: 0.03125, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}'
 rm -rf /tmp/tiered-disk
-$B visits $V4K --users 24 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
+$B visits $V4K --users 24 --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
   --json $R/visits-beyond-memory-4k-bench-m.json --plots benchmarks/out/visits-beyond-memory-4k
 for users in 12 48; do
   rm -rf /tmp/tiered-disk
-  $B visits $V4K --users $users --set "$DISK" --systems tiered,vllm --multiples '' --repeats 1 \
+  $B visits $V4K --users $users --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 1 \
     --json benchmarks/out/visits-beyond-memory-4k-users$users.json --plots benchmarks/out/visits-beyond-memory-4k-$users
 done
+# A feed: 32 users, 240 visits of 2 posts (most of them returning users'), profiles ~10x the budget.
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 32 --visits 240 --posts 2 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
+  --json $R/visits-beyond-memory-feed-bench-m.json --plots benchmarks/out/visits-beyond-memory-feed
 $B plot-working-set benchmarks/out/visits-beyond-memory-4k-users12.json $R/visits-beyond-memory-4k-bench-m.json \
   benchmarks/out/visits-beyond-memory-4k-users48.json --out benchmarks/visits-beyond-memory-4k.png
 # The longest prompt each engine serves within a memory budget (weights + activations + KV).

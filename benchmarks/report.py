@@ -8,6 +8,7 @@ fails when the committed table differs from what it writes."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -44,8 +45,11 @@ def _cpu() -> tuple[str, list[str]]:
     return model, [f for f in ISA_FLAGS if f in flags]
 
 
-def _commit() -> str:
-    """The checkout's commit, '+dirty' when tracked files differ from it; 'unknown' outside git."""
+@functools.cache
+def commit_at_start() -> str:
+    """The checkout's commit, '+dirty' when tracked files differ from it; 'unknown' outside git. Taken
+    once per process (the CLI takes it before a run starts), so a commit made while a long run goes
+    on is not named as the code that ran."""
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
@@ -63,7 +67,7 @@ def provenance() -> dict[str, Any]:
     run_as_module = Path(sys.argv[0]).resolve() == Path(__file__).resolve().with_name("__main__.py")
     argv = ["python", "-m", "benchmarks", *sys.argv[1:]] if run_as_module else sys.argv
     return {
-        "commit": _commit(),
+        "commit": commit_at_start(),
         "cpu_model": model,
         "cpu_flags": flags,
         "cores": os.cpu_count(),
