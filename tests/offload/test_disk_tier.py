@@ -229,7 +229,8 @@ def test_a_disk_file_cut_short_is_recomputed_from_there(model: CausalLM, make_ti
     assert host._key(keys[5]) not in disk.dict
     ref = forward(model, ids)
     assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()
-    tiers.flush()
+    tiers.flush()  # the recomputed chunk stored again: LMCache's disk counts 12 chunks, not 13
+    assert disk.current_cache_size == 12 * disk.dict[host._key(keys[0])].size
     tiers.device_tier.clear()
     _, again = _run(model, tiers, ids, "c")
     assert again.split.num_miss_tokens == 8

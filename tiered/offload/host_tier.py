@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -34,10 +35,15 @@ class _DiskChunk:
     staging in LMCache's memory, which the stores share). Pinned in the disk backend from `get` until
     released, so that LMCache's eviction leaves its file alone meanwhile."""
 
-    __slots__ = ("backend", "key", "path")
+    __slots__ = ("backend", "key", "meta")
 
-    def __init__(self, backend: Any, key: Any, path: str) -> None:
-        self.backend, self.key, self.path = backend, key, path
+    def __init__(self, backend: Any, key: Any, meta: Any) -> None:
+        self.backend, self.key, self.meta = backend, key, meta  # meta: the disk index's entry, pinned
+
+    @property
+    def path(self) -> str:
+        """The chunk's file."""
+        return str(self.meta.path)
 
     def read_into(self, block: Tensor, bounce: Callable[[], Tensor]) -> bool:
         """The file's bytes into `block` (a device-tier block, the chunk's layout); False when the
@@ -47,7 +53,7 @@ class _DiskChunk:
         target = block if direct else bounce()
         raw: Any = target.view(-1).view(torch.uint8).numpy()  # the tensor's own bytes, writable
         try:
-            with open(self.path, "rb", buffering=0) as f:
+            with open(self.path, "rb") as f:  # buffered: reads on until the block is full or the file ends
                 n = f.readinto(raw)
         except OSError:
             return False
@@ -58,8 +64,22 @@ class _DiskChunk:
         return True
 
     def ref_count_down(self) -> None:
-        """Release: unpin the chunk in the disk backend (gone already is fine)."""
-        self.backend.unpin(self.key)
+        """Release: unpin the entry this read pinned (not one stored again under the key since)."""
+        with self.backend.disk_lock:
+            self.meta.unpin()
+
+    def forget(self) -> None:
+        """The file could not be read: take the chunk out of LMCache's disk index (its bytes given
+        back to LMCache's accounting, as its eviction would) and remove what is left of the file."""
+        with self.backend.disk_lock:
+            if self.backend.dict.get(self.key) is not self.meta:
+                return  # gone already, or stored again since: not ours to remove
+            del self.backend.dict[self.key]
+            self.backend.current_cache_size -= self.meta.size
+            self.backend.usage -= self.meta.size
+            self.backend.cache_policy.update_on_force_evict(self.key)
+        with contextlib.suppress(OSError):
+            os.remove(self.meta.path)
 
 
 class HostTier:
@@ -106,7 +126,7 @@ class HostTier:
         self.has_disk = lm.guard_disk_writes(self._storage, self._disk_write_failed)
         self._memory = self._storage.storage_backends.get("LocalCPUBackend")
         self._disk = self._storage.storage_backends.get("LocalDiskBackend")
-        self._bounce: Tensor | None = None  # a disk chunk's way to a block outside CPU memory
+        self._bounce = threading.local()  # per thread: a disk chunk's way to a block outside CPU memory
         self._fmt = MemoryFormat.KV_2LTD
         self._obj_shape = torch.Size([2, args.num_layers, block_tokens, args.num_kv_heads * args.head_dim])
         self._key = lambda k: CacheEngineKey(model_name, 1, 0, k & _KEY_MASK, dtype, None)
@@ -208,20 +228,22 @@ class HostTier:
         since its lookup."""
         assert self._disk is not None
         out: dict[int, _DiskChunk | None] = {}
-        for key, index, _ in reversed(chunks):
-            with self._disk.disk_lock:
+        with self._disk.disk_lock:
+            for key, index, _ in reversed(chunks):
                 meta = self._disk.dict.get(key)
                 if meta is not None:
                     meta.pin()
                     self._disk.cache_policy.update_on_hit(key, self._disk.dict)
-            out[index] = _DiskChunk(self._disk, key, meta.path) if meta is not None else None
+                out[index] = _DiskChunk(self._disk, key, meta) if meta is not None else None
         return out
 
     def _bounce_buffer(self) -> Tensor:
-        if self._bounce is None:
+        """This thread's CPU buffer of one chunk (the engine's and the prefetch thread's loads overlap)."""
+        bounce: Tensor | None = getattr(self._bounce, "buffer", None)
+        if bounce is None:
             pin = torch.cuda.is_available()
-            self._bounce = torch.empty(self.chunk_shape, dtype=self._dtype, pin_memory=pin)
-        return self._bounce
+            bounce = self._bounce.buffer = torch.empty(self.chunk_shape, dtype=self._dtype, pin_memory=pin)
+        return bounce
 
     def load(
         self,
@@ -259,8 +281,7 @@ class HostTier:
                 obj.ref_count_down()
             if n < len(objs):  # LMCache forgets the chunk: it is stored again once recomputed
                 self._failed("disk read", OSError(f"{objs[n].path} is missing or shorter than a chunk"))
-                with contextlib.suppress(OSError):
-                    objs[n].backend.remove(objs[n].key)
+                objs[n].forget()
             num_disk = max(0, min(num_disk, n - (len(objs) - num_remote - num_disk)))
             num_remote = max(0, n - (len(objs) - num_remote))
             self.stats_.num_loads += 1

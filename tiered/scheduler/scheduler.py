@@ -278,7 +278,7 @@ class Scheduler:
             if miss + m > max_batch_tokens or miss + m + max(longest_prefix, prefix) > max_total_tokens:
                 continue
             its_prefix = cached.union(self._prefix_keys(w))
-            if len(its_prefix) > device_blocks:
+            if len(its_prefix) > max(device_blocks, len(cached)):  # a head over the tier alone still takes others
                 continue
             cached = its_prefix
             del self._waiting[w.request_id]
