@@ -172,9 +172,9 @@ def test_a_disk_that_refuses_writes_keeps_the_chunks_in_memory(tmp_path: Path, t
 def test_a_disk_prefix_larger_than_the_memory_is_read_straight_into_device_blocks(
     model: CausalLM, make_tiers, tmp_path: Path
 ) -> None:
-    """A prefix of more chunks than LMCache's memory holds is read from the disk in one load,
-    straight into device blocks: LMCache's memory holds no staging copy (its chunk count is the
-    same before and after), nothing waits for memory, and the logits are a plain forward's."""
+    """A prefix of more chunks than LMCache's memory holds is read from the disk in one load (a
+    read staged in that memory would need several), straight into device blocks: nothing waits for
+    memory, and the logits are a plain forward's."""
     import signal
 
     chunk_bytes = 16 * model.args.kv_bytes_per_token(torch.float32)
@@ -187,7 +187,6 @@ def test_a_disk_prefix_larger_than_the_memory_is_read_straight_into_device_block
         host.evict_from_memory(tiers.new_request(f"keys-{n}", ids[:n]).keys)
         tiers.device_tier.clear()
     assert len(list(tmp_path.glob("*.pt"))) == 12
-    in_memory = host.num_local_chunks() - 12  # the disk's 12 are counted too
     loads = host.stats().num_loads
 
     def stuck(*_: object) -> None:
@@ -202,7 +201,6 @@ def test_a_disk_prefix_larger_than_the_memory_is_read_straight_into_device_block
         signal.signal(signal.SIGALRM, previous)
     assert (prepared.split.num_disk_hit_tokens, prepared.split.num_miss_tokens) == (192, 8)
     assert host.stats().num_loads == loads + 1
-    assert host.num_local_chunks() - 12 == in_memory
     ref = forward(model, ids)
     assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()
 
