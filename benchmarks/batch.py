@@ -4,6 +4,8 @@ Side by side in one process, on one model, timings interleaved (best of `repeats
 - **visit**: N requests of `new` tokens each on one shared cached prefix of `prefix` tokens
   (a user's profile + N candidate posts), run one per forward vs packed into one forward;
   throughput and each side's achieved FLOP/s as a fraction of the measured matmul rate.
+- **row-wise ops**: the batched visit with the native library's fused RMSNorm and
+  SiLU-and-multiply against PyTorch's expressions of them.
 - **hit saving**: `new` tokens on a cached prefix vs recomputing prefix + new tokens from
   scratch: the compute a cache hit saves (the issue's case: 1,296 new on 1,800 cached).
 The prefix is held as a device-tier pool holds it (blocks gathered per layer), so the prefix
@@ -21,7 +23,8 @@ import torch
 
 from benchmarks.mil import forward_flops, matmul_flops_per_s
 from benchmarks.report import write_report
-from tiered.hybrid.attention import KERNELS, Piece
+from tiered.hybrid import pointwise
+from tiered.hybrid.attention import KERNELS, Piece, native
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.memory import GatheredPrefix
@@ -51,6 +54,16 @@ class AttentionResult:
     seconds: float  # one layer, all heads
     flops_per_s: float
     fraction_of_matmul: float
+
+
+@dataclass(slots=True)
+class PointwiseResult:
+    """The batched visit with the native library's fused row-wise ops (RMSNorm, SiLU-and-multiply)
+    against PyTorch's expressions of them, timings interleaved."""
+
+    fused_seconds: float
+    pytorch_seconds: float
+    speedup: float  # pytorch / fused
 
 
 @dataclass(slots=True)
@@ -99,7 +112,8 @@ def run_batch_bench(opts: BatchOptions) -> dict[str, object]:
     profile = torch.randint(0, a.vocab_size, (opts.prefix_tokens,), generator=g)
     kv: list[tuple[torch.Tensor, torch.Tensor]] = []
     forward(model, profile, chunk_tokens=chunk_tokens, kv_sink=lambda i, k, v: kv.append((k.clone(), v.clone())))
-    visit = _visit(model, GatheredPrefix(kv), opts, rate, g)
+    visit, batched = _visit(model, GatheredPrefix(kv), opts, rate, g)
+    fused = _pointwise(batched, opts.repeats)
     attn = _attention_of_one_layer(model, kv[0], opts, rate, g)
     hit = _hit_saving(model, profile, GatheredPrefix(kv), opts.hit_new_tokens, opts.repeats, g)
     return write_report(
@@ -111,14 +125,18 @@ def run_batch_bench(opts: BatchOptions) -> dict[str, object]:
             "dtype": dtype,
             "matmul_flops_per_s": rate,
             "visit": asdict(visit),
+            "pointwise": asdict(fused) if fused is not None else None,
             "attention": asdict(attn),
             "hit_saving": asdict(hit),
         },
     )
 
 
-def _visit(model: CausalLM, prefix: GatheredPrefix, opts: BatchOptions, rate: float, g: torch.Generator) -> VisitResult:
-    """A visit's requests on one cached prefix: one per forward against one batched forward."""
+def _visit(
+    model: CausalLM, prefix: GatheredPrefix, opts: BatchOptions, rate: float, g: torch.Generator
+) -> tuple[VisitResult, Callable[[], None]]:
+    """A visit's requests on one cached prefix: one per forward against one batched forward; the
+    result and the batched forward (to time again)."""
     num_requests, new_tokens, chunk_tokens = opts.num_requests, opts.new_tokens, opts.chunk_tokens
     a = model.args
     prefix_tokens = prefix.num_tokens
@@ -158,7 +176,31 @@ def _visit(model: CausalLM, prefix: GatheredPrefix, opts: BatchOptions, rate: fl
         100 * visit.single_fraction_of_matmul,
         100 * visit.batched_fraction_of_matmul,
     )
-    return visit
+    return visit, batched
+
+
+def _pointwise(batched: Callable[[], None], repeats: int) -> PointwiseResult | None:
+    """The batched visit with the fused row-wise ops and with PyTorch's, interleaved (None where
+    the native library is not available here)."""
+    if not native.available():
+        log.info("fused row-wise ops: the native library is not available here; not measured")
+        return None
+    times = {True: float("inf"), False: float("inf")}
+    try:
+        for _ in range(repeats):
+            for fused in (True, False):
+                pointwise.use_fused(fused)
+                times[fused] = min(times[fused], _best(batched, 1))
+    finally:
+        pointwise.use_fused(True)
+    result = PointwiseResult(times[True], times[False], times[False] / times[True])
+    log.info(
+        "batched visit, row-wise ops fused %.3f s against PyTorch's %.3f s: %.2fx",
+        result.fused_seconds,
+        result.pytorch_seconds,
+        result.speedup,
+    )
+    return result
 
 
 def _attention_of_one_layer(

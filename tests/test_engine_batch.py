@@ -209,3 +209,20 @@ def test_a_batch_takes_only_the_prefixes_the_device_tier_holds_together(tiny_dir
     assert [r.batch_size for r in results] == [2] * 4
     assert sorted(r.split.num_host_hit_tokens for r in results) == [0, 0, 192, 192]
     assert [r.split.num_device_hit_tokens + r.split.num_host_hit_tokens for r in results] == [192] * 4
+
+
+def test_a_profiles_tail_short_of_a_block_counts_once_in_the_batch_budget(tiny_dir: Path, tmp_path: Path) -> None:
+    """A cached profile of 6 blocks (its first visit put them in the tiers) and a 10-token tail, 4
+    posts of 12 tokens, a budget of 60 computed tokens: the forward computes the tail once (its
+    followers see it), 10 + 4 x 12 = 58 tokens, so all four run in one batch; counted per request
+    (22 each) only two would fit."""
+    engine = _engine(tiny_dir, tmp_path, "scheduler.max_batch_tokens=60")
+    profile = _ids(6 * BT + 10, 50)
+    _visit(engine, [profile])
+    prompts = [torch.cat([profile, _ids(12, 51 + i)]) for i in range(4)]
+    results = list(_visit(engine, prompts).values())
+    _assert_plain_forward_answers(engine, prompts, results)
+    engine.close()
+    assert [r.split.num_device_hit_tokens + r.split.num_host_hit_tokens for r in results] == [6 * BT] * 4
+    assert [r.batch_size for r in results] == [4] * 4
+    assert sorted(r.num_shared_tokens for r in results) == [0, 10, 10, 10]

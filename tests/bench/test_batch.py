@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from benchmarks.cli import main
+from tiered.hybrid import pointwise
+from tiered.hybrid.attention import native
 
 
 def test_batch_bench_writes_both_cases(tiny_dir: Path, tmp_path: Path) -> None:
@@ -38,3 +42,9 @@ def test_batch_bench_writes_both_cases(tiny_dir: Path, tmp_path: Path) -> None:
     assert visit["speedup"] == visit["single_seconds"] / visit["batched_seconds"] > 0
     assert (attn["num_queries"], attn["num_keys"]) == (80, 256) and attn["flops_per_s"] > 0
     assert hit["saving"] == hit["recompute_seconds"] / hit["with_prefix_seconds"] and hit["ideal_saving"] > 1
+    fused = doc["pointwise"]
+    if native.available():
+        assert fused["speedup"] == fused["pytorch_seconds"] / fused["fused_seconds"] > 0
+    else:
+        assert fused is None
+    assert pointwise._fused(torch.ones(2, 2), torch.ones(2)) is not None or not native.available()  # switched back on

@@ -46,6 +46,15 @@ class HitSplit:
         return self.num_hit_tokens + self.num_miss_tokens
 
 
+def common_prefix_len(a: Tensor, b: Tensor, limit: int) -> int:
+    """Leading tokens a and b have in common, at most `limit`."""
+    n = min(limit, a.numel(), b.numel())
+    if n <= 0:
+        return 0
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
+
+
 @dataclass(slots=True)
 class TierRequest:
     """What the tiers need of a request: its tokens and their block keys, computed once."""

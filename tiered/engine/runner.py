@@ -14,7 +14,7 @@ from torch import Tensor
 
 from tiered.config import ForwardConfig
 from tiered.engine.adapters import Adapters
-from tiered.engine.request import PrefixKV, Prepared
+from tiered.engine.request import PrefixKV, Prepared, common_prefix_len
 from tiered.hybrid.forward import BatchItem, forward_batch
 from tiered.hybrid.model import CausalLM
 from tiered.offload.tiers import KVTiers
@@ -67,15 +67,6 @@ class ItemPlan:
         return self.token_ids.numel()
 
 
-def _common_prefix_len(a: Tensor, b: Tensor, limit: int) -> int:
-    """Leading tokens a and b have in common, at most `limit`."""
-    n = min(limit, a.numel(), b.numel())
-    if n <= 0:
-        return 0
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if differ.numel() else n
-
-
 def plan_batch(prepared: Sequence[Prepared], block_tokens: int) -> list[ItemPlan]:
     """The batch's plan. Requests with the same prefix blocks share one prefix, read once per
     layer; the first of them leads, and each other one whose next tokens equal the lead's follows
@@ -91,7 +82,7 @@ def plan_batch(prepared: Sequence[Prepared], block_tokens: int) -> list[ItemPlan
         # each follow their own user's first prompt).
         m, lead = max(
             (
-                (_common_prefix_len(plans[i].token_ids, new, new.numel() - 1), i)
+                (common_prefix_len(plans[i].token_ids, new, new.numel() - 1), i)
                 for i in leads.get((blocks, adapter), ())
             ),
             default=(0, -1),

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.attention import KERNELS, default_kernel
 from tiered.hybrid.lora import LoraSlice
+from tiered.hybrid.pointwise import rms_norm, silu_mul_
 
 
 class RMSNorm(nn.Module):
@@ -29,11 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalize x over its last dim in fp32, cast back to x's dtype, then scale."""
-        # fp32 statistics, cast back before the weight: HF's order, so bf16 rounds the same way.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """Normalize x over its last dim in fp32, cast back to x's dtype, then scale (`pointwise.rms_norm`)."""
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -206,7 +203,7 @@ def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor, 
     if lora is not None:
         lora.add_(gate, h, "gate_proj")
         lora.add_(up, h, "up_proj")
-    F.silu(gate, inplace=True).mul_(up)
+    silu_mul_(gate, up)
     _linear_accumulate_(x, gate, mlp.down_proj)
     if lora is not None:
         lora.add_(x, gate, "down_proj")

@@ -12,8 +12,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
+from torch import Tensor
+
 from tiered.config import SchedulerPolicy
-from tiered.engine.request import TierRequest
+from tiered.engine.request import TierRequest, common_prefix_len
 from tiered.engine.score import DEFAULT_PARAMS, ScoreParams
 from tiered.offload.tiers import KVTiers
 from tiered.scheduler.jct import JCTModel
@@ -237,7 +239,9 @@ class Scheduler:
     def pick_batch(self, max_batch_tokens: int, max_total_tokens: int, max_adapters: int = 0) -> list[Decision]:
         """The head (`pick`) plus waiting requests that fit, in the order they were chosen.
 
-        `max_batch_tokens`: computed (miss) tokens in the batch; 0 runs one request per forward,
+        `max_batch_tokens`: computed (miss) tokens in the batch, tokens that requests of the same
+        cached prefix have in common after it (a profile's tail short of a block, a new user's
+        whole profile) counted once, as the forward computes them; 0 runs one request per forward,
         and a head over the budget runs alone. `max_total_tokens`: computed tokens plus the
         longest cached prefix, which bounds the forward's memory (the start-up profile run
         proved `max_model_len` tokens fit). `max_adapters`: most distinct LoRA adapters in the
@@ -256,7 +260,7 @@ class Scheduler:
         if max_batch_tokens <= 0 or miss >= max_batch_tokens or head.waiting.num_pieces:
             return batch
         start = time.perf_counter()
-        computing = set(self._miss_keys(head.waiting))
+        leads = {self._prefix_group(head.waiting): [self._new_tokens(head.waiting)]}
         cached = set(self._prefix_keys(head.waiting))
         device_blocks = self.tiers.device_tier.num_blocks
         longest_prefix = head.waiting.split.num_tokens - miss
@@ -271,9 +275,9 @@ class Scheduler:
             full = max_adapters and len(adapters - {None}) >= max_adapters
             if full and adapter is not None and adapter not in adapters:
                 continue
-            own = self._miss_keys(w)
-            num_shared = next((i for i, key in enumerate(own) if key not in computing), len(own))
-            m = w.split.num_miss_tokens - num_shared * self.tiers.block_tokens
+            group, new = self._prefix_group(w), self._new_tokens(w)
+            num_shared = max((common_prefix_len(t, new, new.numel() - 1) for t in leads.get(group, ())), default=0)
+            m = w.split.num_miss_tokens - num_shared
             prefix = w.split.num_tokens - m
             if miss + m > max_batch_tokens or miss + m + max(longest_prefix, prefix) > max_total_tokens:
                 continue
@@ -289,7 +293,8 @@ class Scheduler:
                 met = min(met, w.deadline)
             miss += m
             longest_prefix = max(longest_prefix, prefix)
-            computing.update(own)
+            if not num_shared:
+                leads.setdefault(group, []).append(new)
             adapters.add(w.request.adapter)
             if miss >= max_batch_tokens:
                 break
@@ -304,9 +309,14 @@ class Scheduler:
         """Keys of the blocks its estimated hits read from the device tier (loaded there first)."""
         return w.request.keys[: self._hit_blocks(w)]
 
-    def _miss_keys(self, w: Waiting) -> list[int]:
-        """Keys of the full blocks this request would compute (after its estimated hits)."""
-        return w.request.keys[self._hit_blocks(w) :]
+    def _prefix_group(self, w: Waiting) -> tuple[tuple[int, ...], str | None]:
+        """Requests of one group share their cached prefix in a batch (`plan_batch`'s rule): the
+        same estimated prefix blocks and adapter."""
+        return tuple(self._prefix_keys(w)), w.request.adapter
+
+    def _new_tokens(self, w: Waiting) -> Tensor:
+        """The tokens this request would compute (after its estimated hits)."""
+        return w.request.token_ids[self._hit_blocks(w) * self.tiers.block_tokens :]
 
     def _fill_candidates(self, head: Waiting, limit: int = 256) -> list[Waiting]:
         """Same-priority waiting requests: those sharing the head's first block, then those of

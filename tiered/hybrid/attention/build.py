@@ -1,4 +1,5 @@
-"""Builds the `native` attention kernel (csrc/attend.cpp, csrc/isa.h) into a shared library, once, cached.
+"""Builds the native library (csrc/attend.cpp, csrc/isa.h: the `native` attention kernel;
+csrc/pointwise.cpp: the fused row-wise ops) into one shared library, once, cached.
 
 Design notes: docs/internals.md, section `tiered/hybrid/attention/build.py`.
 """
@@ -19,8 +20,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "attend.cpp"
-HEADERS = (SOURCE.parent / "isa.h",)
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "attend.cpp", CSRC / "pointwise.cpp")
+HEADERS = (CSRC / "isa.h",)
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
 BUILD_TIMEOUT_S = 600
 
@@ -51,7 +53,7 @@ def _command(output: Path) -> list[str]:
         *FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
-        str(SOURCE),
+        *(str(s) for s in SOURCES),
         "-o",
         str(output),
         *(f"-L{p}" for p in library_paths()),
@@ -64,7 +66,7 @@ def _command(output: Path) -> list[str]:
 def library_path(cache_dir: str | Path | None = None) -> Path:
     """Where the library of this source x torch x compiler x flags lives (built or not)."""
     digest = hashlib.sha256()
-    for source in (SOURCE, *HEADERS):
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     for part in (torch.__version__, *compiler(), *FLAGS, sys.platform):
         digest.update(b"\0" + part.encode())
@@ -73,7 +75,7 @@ def library_path(cache_dir: str | Path | None = None) -> Path:
 
 def build(cache_dir: str | Path | None = None) -> Path:
     """The library's path, built first unless cached. Raises BuildError with the reason."""
-    missing = [str(p) for p in (SOURCE, *HEADERS) if not p.exists()]
+    missing = [str(p) for p in (*SOURCES, *HEADERS) if not p.exists()]
     if missing:
         raise BuildError(f"its sources are missing from this installation: {', '.join(missing)}")
     target = library_path(cache_dir)

@@ -63,6 +63,12 @@ def _ops() -> Any | None:
     return None
 
 
+def library() -> Any | None:
+    """The library's op namespace (`torch.ops.tiered_native`: attend_, rms_norm, silu_mul_, isas), or
+    None where it cannot be built or loaded here (the reason logged once)."""
+    return _ops()
+
+
 def available() -> bool:
     """Whether the native library builds and loads here (tried once, on first call)."""
     return _ops() is not None
