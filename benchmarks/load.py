@@ -166,7 +166,9 @@ async def _run_http_async(
     url: str, model: str, calls: list[Call], arrivals: list[float], opts: HttpOptions
 ) -> list[Record]:
     progress = Progress(opts.label, len(calls))
-    limits = httpx.Limits(max_connections=len(calls), max_keepalive_connections=len(calls))
+    # Idle connections close here before the servers' own keep-alive (uvicorn's 5 s, in both ours and
+    # vLLM): a request sent on a connection the server is closing fails with a ReadError.
+    limits = httpx.Limits(max_connections=len(calls), max_keepalive_connections=len(calls), keepalive_expiry=2.0)
     gate = asyncio.Semaphore(opts.concurrency or len(calls))
     cache_salt = opts.cache_salt
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:

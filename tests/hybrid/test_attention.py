@@ -51,6 +51,8 @@ SHAPES = {
     "no prefix": ([Piece(0, 0, 333)], 333, 0),
     # a chunk in a request's middle (earlier tokens visible) and a follower (a lead's tokens visible)
     "visible ranges": ([Piece(0, 40, 30, ((0, 40),)), Piece(30, 90, 20, ((70, 80), (0, 10)))], 110, 64),
+    # a lead and three followers that see its first 10 tokens (one visible call for the three)
+    "followers": ([Piece(0, 0, 25), *(Piece(25 + 15 * i, 25 + 15 * i, 15, ((0, 10),)) for i in range(3))], 70, 64),
     # one short piece on a prefix: one task per KV head in the native kernel (its prefix read per task)
     "short piece": ([Piece(0, 0, 10)], 10, 150),
     # the last layer's rows: one query per request, a group's not adjacent to its keys (followers, visible ranges)
