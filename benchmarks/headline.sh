@@ -27,14 +27,15 @@ $B visits --config configs/bench-m.yaml --users 40 --zipf 0.5 --visits 96 --post
   --systems tiered,vllm --multiples '' --repeats 3 --warm-up-visits 4 \
   --json $R/visits-beyond-memory-bench-m.json --plots benchmarks/out/visits-beyond-memory
 # KV beyond memory with 4,000-token profiles: 24 users (~7.7x a 96 MiB budget: 64 MiB device + 32 MiB
-# host memory, then a local disk tier; vLLM: 96 MiB of KV blocks); then 12 and 48 users, one run
-# pair each, for the plot of visits/s against the profiles' KV.
+# host memory, then a local disk tier; vLLM: 96 MiB of KV blocks), at saturation and at 0.5x / 0.8x
+# of vLLM's saturation; then 12 and 48 users, one run pair each, for the plot of visits/s against
+# the profiles' KV.
 V4K="--config configs/bench-m.yaml --zipf 0.5 --profile-tokens 4000 --profile-sd 500
   --profile-min 3000 --profile-max 5000 --set model.max_model_len=8192 --set cache.device_tier_bytes=67108864"
 DISK='cache.host.lmcache={max_local_cpu_size: 0.03125, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}'
 rm -rf /tmp/tiered-disk
-$B visits $V4K --users 24 --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
-  --json $R/visits-beyond-memory-4k-bench-m.json --plots benchmarks/out/visits-beyond-memory-4k
+$B visits $V4K --users 24 --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples 0.5,0.8 --load-of vllm \
+  --repeats 3 --json $R/visits-beyond-memory-4k-bench-m.json --plots benchmarks/out/visits-beyond-memory-4k
 for users in 12 48; do
   rm -rf /tmp/tiered-disk
   $B visits $V4K --users $users --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 1 \
