@@ -260,8 +260,11 @@ class Scheduler:
         if max_batch_tokens <= 0 or miss >= max_batch_tokens or head.waiting.num_pieces:
             return batch
         start = time.perf_counter()
-        leads = {self._prefix_group(head.waiting): [self._new_tokens(head.waiting)]}
-        cached = set(self._prefix_keys(head.waiting))
+        # Requests share computed tokens in a batch (`plan_batch`'s rule) when they have the same
+        # estimated prefix blocks and adapter; per such group, its leads' tokens to compute.
+        head_keys = self._prefix_keys(head.waiting)
+        leads = {(tuple(head_keys), head.waiting.request.adapter): [self._new_tokens(head.waiting)]}
+        cached = set(head_keys)
         device_blocks = self.tiers.device_tier.num_blocks
         longest_prefix = head.waiting.split.num_tokens - miss
         adapters = {head.waiting.request.adapter}
@@ -275,13 +278,14 @@ class Scheduler:
             full = max_adapters and len(adapters - {None}) >= max_adapters
             if full and adapter is not None and adapter not in adapters:
                 continue
-            group, new = self._prefix_group(w), self._new_tokens(w)
+            keys, new = self._prefix_keys(w), self._new_tokens(w)
+            group = (tuple(keys), adapter)
             num_shared = max((common_prefix_len(t, new, new.numel() - 1) for t in leads.get(group, ())), default=0)
             m = w.split.num_miss_tokens - num_shared
             prefix = w.split.num_tokens - m
             if miss + m > max_batch_tokens or miss + m + max(longest_prefix, prefix) > max_total_tokens:
                 continue
-            its_prefix = cached.union(self._prefix_keys(w))
+            its_prefix = cached.union(keys)
             if len(its_prefix) > max(device_blocks, len(cached)):  # a head over the tier alone still takes others
                 continue
             cached = its_prefix
@@ -308,11 +312,6 @@ class Scheduler:
     def _prefix_keys(self, w: Waiting) -> list[int]:
         """Keys of the blocks its estimated hits read from the device tier (loaded there first)."""
         return w.request.keys[: self._hit_blocks(w)]
-
-    def _prefix_group(self, w: Waiting) -> tuple[tuple[int, ...], str | None]:
-        """Requests of one group share their cached prefix in a batch (`plan_batch`'s rule): the
-        same estimated prefix blocks and adapter."""
-        return tuple(self._prefix_keys(w)), w.request.adapter
 
     def _new_tokens(self, w: Waiting) -> Tensor:
         """The tokens this request would compute (after its estimated hits)."""
