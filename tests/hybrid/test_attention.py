@@ -9,6 +9,7 @@ import torch
 
 from tiered.config import AttentionConfig, ConfigError
 from tiered.hybrid.attention import KERNELS, Piece, reference_
+from tiered.hybrid.attention import native as native_module
 from tiered.hybrid.attention import select as select_module
 from tiered.hybrid.attention.select import KernelShape, KernelTiming, ShapeClass, choose_kernel, fastest
 
@@ -131,6 +132,10 @@ def test_choice_is_measured_once_then_cached_and_a_forced_kernel_is_checked(
     monkeypatch.setattr(select_module, "time_kernels", must_not_measure)
     assert choose_kernel(AttentionConfig(profile_cache_dir=str(tmp_path)), heads, 1024) == first
     assert choose_kernel(AttentionConfig("masked", str(tmp_path)), heads, 1024) == "masked"
+    if "native" in CPU_KERNELS:  # another build of the native library is timed again, not trusted from the cache
+        monkeypatch.setattr(native_module, "build_id", lambda: "another-build")
+        with pytest.raises(AssertionError, match="measured again"):
+            choose_kernel(AttentionConfig(profile_cache_dir=str(tmp_path)), heads, 1024)
     with pytest.raises(ConfigError, match="attention.kernel.*varlen.*cpu"):
         choose_kernel(AttentionConfig("varlen", str(tmp_path)), heads, 1024)
 

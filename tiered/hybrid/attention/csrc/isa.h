@@ -41,22 +41,28 @@ struct Ops {
   // C[M, N] (+)= A[M, K] B[K, N], A's element (i, k) at A[i * a_row + k * a_col]; N a multiple of column_step.
   void (*gemm)(const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C, int64_t ldc,
                int M, int N, int K, bool accumulate);
-  // Per row r < R (a multiple of kRowStep), over keys j < n of St[j * R + r]: m' = max(m, max_j St);
-  // St = 2^(St - m'); l = l 2^(m - m') + sum_j St; acc[r, :Dp] *= 2^(m - m'); m = m'.
-  void (*softmax)(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dp);
-  // St[n, R] = scale (K[n, Dh] . Q^T) for bf16 K rows (stride ks, Dh even) and Q packed in pairs [Dh / 2][R][2];
+  // Per row r < R (a multiple of kRowStep), over keys j < n of the scores s = scale St[j * R + r]:
+  // m' = max(m, max_j s); P = 2^(s - m'); l = l 2^(m - m') + sum_j P; acc's row r (column r where the path keeps
+  // acc transposed) *= 2^(m - m'); m = m'. P is written over St, or, where Pp is not null (the paths with
+  // pv_bf16, bf16 inputs), rounded to bf16 into Pp [ceil(n / 2), padded to pair_step][R] as pairs of keys
+  // (the first key in the low half), zero pairs past n.
+  void (*softmax)(float* St, int n, int R, float scale, float* m, float* l, float* alpha, float* acc, int Dp,
+                  uint32_t* Pp);
+  // St[n, R] = K[n, Dh] . Q^T (unscaled) for bf16 K rows (stride ks, Dh even) and Q packed in pairs [Dh / 2][R][2];
   // null where the path has no bf16 dot product.
-  void (*scores_bf16)(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh,
-                      float scale);
-  // n bf16 V rows (stride vs, Dh values) packed in pairs of keys into Vp [ceil(n / 2)][Dp][2], zero past Dh
-  // and past key n; null where there is no bf16 dot.
+  void (*scores_bf16)(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh);
+  // n bf16 V rows (stride vs, Dh values) made ready for pv_bf16 (layout per path, zero past Dh and past key n,
+  // at most (kKeyTile + 2) x Dp values); null where there is no bf16 dot.
   void (*pack_v)(const uint16_t* V, int64_t vs, uint16_t* Vp, int n, int Dh, int Dp);
-  // acc[R, Dp] += P Vp for P = St[n, R] rounded to bf16, packed in pairs of keys into Pp [ceil(n / 2)][R]
-  // against V packed by pack_v; null where there is no bf16 dot.
-  void (*pv_bf16)(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R, int Dp);
+  // acc += P V for P as the softmax wrote it into Pp and V packed by pack_v; null where there is no bf16 dot.
+  void (*pv_bf16)(const uint32_t* Pp, const uint16_t* Vp, float* acc, int n, int R, int Dp);
   // Called by each thread before its first task and after its last (the amx path's tile registers); or null.
   void (*thread_begin)();
   void (*thread_end)();
+  // Whether acc is kept transposed, [Dp][R], when pv_bf16 runs (rows [R][Dp] otherwise).
+  bool acc_columns = false;
+  // Pp's pairs of keys are padded with zero pairs to a multiple of this.
+  int pair_step = 1;
 };
 
 // The acc rows whose alpha is not 1, rescaled (alpha from the softmax).
@@ -81,10 +87,11 @@ void gemm_scalar(const float* A, int64_t a_row, int64_t a_col, const float* B, i
   }
 }
 
-void softmax_scalar(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dp) {
+void softmax_scalar(float* St, int n, int R, float scale, float* m, float* l, float* alpha, float* acc, int Dp,
+                    uint32_t*) {
   for (int r = 0; r < R; ++r) {
     float m_new = m[r];
-    for (int j = 0; j < n; ++j) m_new = std::max(m_new, St[j * R + r]);
+    for (int j = 0; j < n; ++j) m_new = std::max(m_new, St[j * R + r] *= scale);
     const float safe = m_new == kNegInf ? 0.f : m_new;  // every key so far masked: no NaN from -inf - -inf
     float sum = 0.f;
     for (int j = 0; j < n; ++j) sum += (St[j * R + r] = std::exp2(St[j * R + r] - safe));
@@ -148,34 +155,34 @@ TARGET_AVX2 void gemm_avx2(const float* A, int64_t a_row, int64_t a_col, const f
   }
 }
 
+// 2^f = sum_k (ln 2)^k / k! f^k: the Taylor coefficients, lowest degree first.
+constexpr float kExp2Taylor[8] = {1.f,          6.9314718e-1f, 2.4022651e-1f, 5.5504109e-2f,
+                                  9.6181291e-3f, 1.3333558e-3f, 1.5403530e-4f, 1.5252734e-5f};
+
 // 2^x for x <= 0: 2^round(x) by the exponent bits times a degree-7 polynomial of the rest
 // (|rest| <= 1/2; relative error ~1e-8 before rounding). x below -126 (and -inf) gives 2^-126.
 TARGET_AVX2 inline __m256 exp2_avx2(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.5252734e-5f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Taylor[7]);
+  UNROLL for (int k = 6; k >= 0; --k) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Taylor[k]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dp) {
-  const __m256 ninf = _mm256_set1_ps(kNegInf), zero = _mm256_setzero_ps();
+TARGET_AVX2 void softmax_avx2(float* St, int n, int R, float scale, float* m, float* l, float* alpha, float* acc,
+                              int Dp, uint32_t*) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf), zero = _mm256_setzero_ps(), vscale = _mm256_set1_ps(scale);
   for (int r = 0; r < R; r += 8) {
     const __m256 m_old = _mm256_loadu_ps(m + r);
-    __m256 m_new = m_old;
-    for (int j = 0; j < n; ++j) m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(St + j * R + r));
+    __m256 raw = ninf;
+    for (int j = 0; j < n; ++j) raw = _mm256_max_ps(raw, _mm256_loadu_ps(St + j * R + r));
+    const __m256 m_new = _mm256_max_ps(m_old, _mm256_mul_ps(raw, vscale));
     const __m256 safe = _mm256_blendv_ps(m_new, zero, _mm256_cmp_ps(m_new, ninf, _CMP_EQ_OQ));
     __m256 sum = zero;
     for (int j = 0; j < n; ++j) {
-      const __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(St + j * R + r), safe));
+      const __m256 p = exp2_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(St + j * R + r), vscale, safe));
       _mm256_storeu_ps(St + j * R + r, p);
       sum = _mm256_add_ps(sum, p);
     }
@@ -229,46 +236,76 @@ TARGET_AVX512 void gemm_avx512(const float* A, int64_t a_row, int64_t a_col, con
   }
 }
 
-// 2^x for x <= 0 as in exp2_avx2; scalef applies 2^round(x).
+// 2^x for x <= 0 as in exp2_avx2 with a polynomial of kDegree (7: ~1e-8; 4, what a bf16 P keeps: relative
+// error below 1e-4, a twentieth of bf16's rounding); scalef applies 2^round(x).
+template <int kDegree = 7>
 TARGET_AVX512 inline __m512 exp2_avx512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5252734e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Taylor[kDegree]);
+  UNROLL for (int k = kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[k]));
   return _mm512_scalef_ps(p, n);
 }
 
-TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float* m, float* l, float* alpha, float* acc, int Dp) {
-  const __m512 zero = _mm512_setzero_ps();
-  for (int r = 0; r < R; r += 16) {
-    const __m512 m_old = _mm512_loadu_ps(m + r);
-    __m512 m_new = m_old;
-    for (int j = 0; j < n; ++j) m_new = _mm512_max_ps(m_new, _mm512_loadu_ps(St + j * R + r));
-    const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ), m_new, zero);
-    __m512 sum = zero;
-    for (int j = 0; j < n; ++j) {
-      const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(St + j * R + r), safe));
-      _mm512_storeu_ps(St + j * R + r, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    const __m512 a = exp2_avx512(_mm512_sub_ps(m_old, safe));
-    _mm512_storeu_ps(alpha + r, a);
-    _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), a, sum));
-    _mm512_storeu_ps(m + r, m_new);
+// max over keys j < n of St[j * R + r .. r + 15], in four chains (one vmaxps waits for the last otherwise).
+TARGET_AVX512 inline __m512 column_max(const float* St, int n, int R, int r) {
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 c0 = ninf, c1 = ninf, c2 = ninf, c3 = ninf;
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    c0 = _mm512_max_ps(c0, _mm512_loadu_ps(St + int64_t(j) * R + r));
+    c1 = _mm512_max_ps(c1, _mm512_loadu_ps(St + int64_t(j + 1) * R + r));
+    c2 = _mm512_max_ps(c2, _mm512_loadu_ps(St + int64_t(j + 2) * R + r));
+    c3 = _mm512_max_ps(c3, _mm512_loadu_ps(St + int64_t(j + 3) * R + r));
   }
+  for (; j < n; ++j) c0 = _mm512_max_ps(c0, _mm512_loadu_ps(St + int64_t(j) * R + r));
+  return _mm512_max_ps(_mm512_max_ps(c0, c1), _mm512_max_ps(c2, c3));
+}
+
+// The running max of rows r .. r + 15 after this tile's scaled scores, and the value exponents are taken
+// against (0 where every key so far is masked: no NaN from -inf - -inf).
+struct RowMax {
+  __m512 m_new, safe;
+};
+
+TARGET_AVX512 inline RowMax row_max(const float* St, int n, int R, int r, __m512 vscale, __m512 m_old) {
+  const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(column_max(St, n, R, r), vscale));
+  const __mmask16 masked = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
+  return {m_new, _mm512_mask_blend_ps(masked, m_new, _mm512_setzero_ps())};
+}
+
+// alpha = 2^(m - m'), l = l alpha + sum, m = m' for rows r .. r + 15.
+TARGET_AVX512 inline void update_rows(float* m, float* l, float* alpha, int r, const RowMax& x, __m512 sum) {
+  const __m512 a = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(m + r), x.safe));
+  _mm512_storeu_ps(alpha + r, a);
+  _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), a, sum));
+  _mm512_storeu_ps(m + r, x.m_new);
+}
+
+TARGET_AVX512 void rescale_rows_avx512(const float* alpha, int R, float* acc, int Dp) {
   for (int r = 0; r < R; ++r) {
     if (alpha[r] == 1.f) continue;
     const __m512 a = _mm512_set1_ps(alpha[r]);
     for (int d = 0; d < Dp; d += 16)
       _mm512_storeu_ps(acc + r * Dp + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * Dp + d), a));
   }
+}
+
+TARGET_AVX512 void softmax_avx512(float* St, int n, int R, float scale, float* m, float* l, float* alpha, float* acc,
+                                  int Dp, uint32_t*) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; r += 16) {
+    const RowMax x = row_max(St, n, R, r, vscale, _mm512_loadu_ps(m + r));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+      const __m512 p = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(St + j * R + r), vscale, x.safe));
+      _mm512_storeu_ps(St + j * R + r, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    update_rows(m, l, alpha, r, x, sum);
+  }
+  rescale_rows_avx512(alpha, R, acc, Dp);
 }
 
 const Ops kAvx512{"avx512", 1, 0, 32, gemm_avx512, softmax_avx512, nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -278,7 +315,7 @@ const Ops kAvx512{"avx512", 1, 0, 32, gemm_avx512, softmax_avx512, nullptr, null
 // NR keys x 32 rows of St: each key's pair (d, d + 1) broadcast against 16 rows' pairs a register.
 template <int NR>
 TARGET_AVX512BF16 inline void scores_tile_bf16(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int R,
-                                               int Dh, float scale) {
+                                               int Dh) {
   __m512 c0[NR], c1[NR];
   UNROLL for (int i = 0; i < NR; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
   for (int d2 = 0; d2 < Dh / 2; ++d2) {
@@ -292,20 +329,19 @@ TARGET_AVX512BF16 inline void scores_tile_bf16(const uint16_t* K, int64_t ks, co
       c1[i] = _mm512_dpbf16_ps(c1[i], (__m512bh)a, (__m512bh)q1);
     }
   }
-  const __m512 vs = _mm512_set1_ps(scale);
   UNROLL for (int i = 0; i < NR; ++i) {
-    _mm512_storeu_ps(St + i * R, _mm512_mul_ps(c0[i], vs));
-    _mm512_storeu_ps(St + i * R + 16, _mm512_mul_ps(c1[i], vs));
+    _mm512_storeu_ps(St + i * R, c0[i]);
+    _mm512_storeu_ps(St + i * R + 16, c1[i]);
   }
 }
 
 TARGET_AVX512BF16 void scores_bf16_avx512(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R,
-                                          int Dh, float scale) {
+                                          int Dh) {
   for (int c = 0; c < R; c += 32) {
     int i = 0;
-    for (; i + 12 <= n; i += 12) scores_tile_bf16<12>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
-    for (; i + 4 <= n; i += 4) scores_tile_bf16<4>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
-    for (; i < n; ++i) scores_tile_bf16<1>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh, scale);
+    for (; i + 12 <= n; i += 12) scores_tile_bf16<12>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh);
+    for (; i + 4 <= n; i += 4) scores_tile_bf16<4>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh);
+    for (; i < n; ++i) scores_tile_bf16<1>(K + i * ks, ks, Qp + 2 * c, St + i * R + c, R, Dh);
   }
 }
 
@@ -354,21 +390,55 @@ TARGET_AVX512BF16 void pack_v_avx512(const uint16_t* V, int64_t vs, uint16_t* Vp
   }
 }
 
-// P's pair of keys (2 j2, 2 j2 + 1) for rows r..r + 15 of St [n][R]: (bf16 of the first) | (bf16 of the
-// second) << 16, the second zero past key n.
-TARGET_AVX512BF16 inline __m512i p_pairs(const float* St, int j2, int n, int R, int r) {
-  const float* s0 = St + int64_t(2 * j2) * R + r;
-  const __m512 x = _mm512_loadu_ps(s0), y = 2 * j2 + 1 < n ? _mm512_loadu_ps(s0 + R) : _mm512_setzero_ps();
-  const __m512i xb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
-  const __m512i yb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y));
-  return _mm512_or_si512(xb, _mm512_slli_epi32(yb, 16));
+// Two rows of 16 fp32 as 16 pairs (bf16 of x) | (bf16 of y) << 16, rounded to nearest even.
+TARGET_AVX512BF16 inline __m512i bf16_pairs(__m512 x, __m512 y) {
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(y, x);  // x's 16 values, then y's
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), both);
 }
 
-TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R,
-                                      int Dp) {
+// The softmax of the bf16 paths: as softmax_avx512, P written as bf16 pairs of keys into Pp [n2, padded][R]
+// (no fp32 P is stored); kColumns: acc is [Dp][R]. Without Pp (fp32 inputs), softmax_avx512.
+template <bool kColumns, int kPairStep>
+TARGET_AVX512BF16 void softmax_pairs(float* St, int n, int R, float scale, float* m, float* l, float* alpha,
+                                     float* acc, int Dp, uint32_t* Pp) {
+  if (!Pp) return softmax_avx512(St, n, R, scale, m, l, alpha, acc, Dp, Pp);
+  const __m512 vscale = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  const int full = n / 2, n2 = (n + 1) / 2, padded = (n2 + kPairStep - 1) / kPairStep * kPairStep;
+  for (int r = 0; r < R; r += 16) {
+    const RowMax x = row_max(St, n, R, r, vscale, _mm512_loadu_ps(m + r));
+    __m512 s0 = zero, s1 = zero;
+    for (int j2 = 0; j2 < full; ++j2) {
+      const float* s = St + int64_t(2 * j2) * R + r;
+      const __m512 p0 = exp2_avx512<4>(_mm512_fmsub_ps(_mm512_loadu_ps(s), vscale, x.safe));
+      const __m512 p1 = exp2_avx512<4>(_mm512_fmsub_ps(_mm512_loadu_ps(s + R), vscale, x.safe));
+      s0 = _mm512_add_ps(s0, p0);
+      s1 = _mm512_add_ps(s1, p1);
+      _mm512_storeu_si512(Pp + int64_t(j2) * R + r, bf16_pairs(p0, p1));
+    }
+    if (n2 > full) {  // an odd last key, paired with zero
+      const __m512 p0 =
+          exp2_avx512<4>(_mm512_fmsub_ps(_mm512_loadu_ps(St + int64_t(n - 1) * R + r), vscale, x.safe));
+      s0 = _mm512_add_ps(s0, p0);
+      _mm512_storeu_si512(Pp + int64_t(full) * R + r, bf16_pairs(p0, zero));
+    }
+    for (int j2 = n2; j2 < padded; ++j2) _mm512_storeu_si512(Pp + int64_t(j2) * R + r, _mm512_setzero_si512());
+    update_rows(m, l, alpha, r, x, _mm512_add_ps(s0, s1));
+  }
+  if constexpr (kColumns) {
+    for (int r = 0; r < R; r += 16) {
+      const __m512 a = _mm512_loadu_ps(alpha + r);
+      if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) == 0) continue;
+      for (int d = 0; d < Dp; ++d) _mm512_storeu_ps(acc + d * R + r, _mm512_mul_ps(_mm512_loadu_ps(acc + d * R + r), a));
+    }
+  } else {
+    rescale_rows_avx512(alpha, R, acc, Dp);
+  }
+}
+
+TARGET_AVX512BF16 void pv_bf16_avx512(const uint32_t* Pp, const uint16_t* Vp, float* acc, int n, int R, int Dp) {
   const int n2 = (n + 1) / 2;
-  for (int j2 = 0; j2 < n2; ++j2)
-    for (int r = 0; r < R; r += 16) _mm512_storeu_si512(Pp + int64_t(j2) * R + r, p_pairs(St, j2, n, R, r));
   for (int d = 0; d < Dp; d += 32) {
     int r = 0;
     for (; r + 12 <= R; r += 12) pv_tile_bf16<12>(Pp + r, R, n2, Vp + 2 * d, acc + r * Dp + d, Dp);
@@ -377,15 +447,15 @@ TARGET_AVX512BF16 void pv_bf16_avx512(const float* St, const uint16_t* Vp, uint3
   }
 }
 
-const Ops kAvx512Bf16{"avx512bf16", 2, 0, 32, gemm_avx512, softmax_avx512, scores_bf16_avx512, pack_v_avx512,
-                      pv_bf16_avx512, nullptr, nullptr};
+const Ops kAvx512Bf16{"avx512bf16",       2,      0,      32, gemm_avx512, softmax_pairs<false, 1>, scores_bf16_avx512,
+                      pack_v_avx512, pv_bf16_avx512, nullptr, nullptr};
 
 // ---- amx: the bf16 products on AMX tiles (tdpbf16ps), the rest as avx512bf16 -------------------
 // Compiled where the compiler knows AMX (GCC 12, clang 14 and newer); run where the CPU has
 // AMX-BF16 and the kernel grants this process the tile data state (arch_prctl).
 #if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12)
 #define TIERED_AMX 1
-#define TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+#define TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 // The tile loads are asm that names no memory: writes to the buffers they read must be ordered first.
 #define TILE_FENCE() __asm__ volatile("" ::: "memory")
 constexpr int kAmxMaxHeadDim = 256;
@@ -407,11 +477,10 @@ TARGET_AMX void amx_thread_begin() {
 
 TARGET_AMX void amx_thread_end() { _tile_release(); }
 
-// St[n, R] = scale K Q^T in blocks of 32 keys x 32 rows: tmm0-3 the four 16 x 16 blocks of St, tmm4-5 K's
+// St[n, R] = K Q^T in blocks of 32 keys x 32 rows: tmm0-3 the four 16 x 16 blocks of St, tmm4-5 K's
 // rows (16 keys x 32 dims), tmm6-7 Qp (16 pairs of dims x 16 rows). A last block of fewer than 32 keys is
 // read from a copy padded with zero keys (St's rows past n are written and not read).
-TARGET_AMX void scores_amx(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh,
-                           float scale) {
+TARGET_AMX void scores_amx(const uint16_t* K, int64_t ks, const uint16_t* Qp, float* St, int n, int R, int Dh) {
   alignas(64) uint16_t padded[32 * kAmxMaxHeadDim];
   const int64_t sb = int64_t(R) * 4;  // bytes per row of St and of Qp
   for (int j = 0; j < n; j += 32) {
@@ -445,45 +514,77 @@ TARGET_AMX void scores_amx(const uint16_t* K, int64_t ks, const uint16_t* Qp, fl
       _tile_stored(3, s + 16 * int64_t(R) + 16, sb);
     }
   }
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (int j = 0; j < n; ++j)
-    for (int r = 0; r < R; r += 16) _mm512_storeu_ps(St + j * R + r, _mm512_mul_ps(_mm512_loadu_ps(St + j * R + r), vs));
 }
 
-// As pack_v_avx512, with zero pairs up to a multiple of 16 pairs (the products read whole tiles of keys).
-TARGET_AMX void pack_v_amx(const uint16_t* V, int64_t vs, uint16_t* Vp, int n, int Dh, int Dp) {
-  pack_v_avx512(V, vs, Vp, n, Dh, Dp);
-  const int n2 = (n + 1) / 2, n2r = (n2 + 15) / 16 * 16;
-  std::memset(Vp + 2 * int64_t(n2) * Dp, 0, sizeof(uint16_t) * 2 * size_t(n2r - n2) * Dp);
+// The keys of an AMX tile: P V reads whole tiles of 16 pairs of keys.
+constexpr int kAmxPairs = 16;
+
+// A 16 x 16 matrix of 32-bit elements, one row a register, transposed in registers.
+TARGET_AMX inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: rows i, i + 1 interleaved
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // per lane L of group g (rows g .. g + 3): columns 4L .. 4L + 3
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // column 4L + i: lane L of each group's vector i
+    const __m512i lo01 = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x44), hi01 = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xEE);
+    const __m512i lo23 = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x44);
+    const __m512i hi23 = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xEE);
+    t[i] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);
+    t[4 + i] = _mm512_shuffle_i32x4(lo01, lo23, 0xDD);
+    t[8 + i] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
+    t[12 + i] = _mm512_shuffle_i32x4(hi01, hi23, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// acc[R, Dp] += P V in blocks of 32 rows x 32 columns: tmm0-3 acc's four 16 x 16 blocks, tmm4-5 P's rows
-// (16 rows x 32 keys, bf16), tmm6-7 Vp (16 pairs of keys x 16 columns). P is laid out row by row in Pp
-// ([R][32] pairs of keys: a tile's rows), zero pairs past n.
-TARGET_AMX void pv_amx(const float* St, const uint16_t* Vp, uint32_t* Pp, float* acc, int n, int R, int Dp) {
-  const int n2 = (n + 1) / 2, n2r = (n2 + 15) / 16 * 16;
-  alignas(64) uint32_t pairs[16];
-  for (int j2 = 0; j2 < n2; ++j2)
-    for (int r = 0; r < R; r += 16) {  // 16 rows' pair, written down P's rows
-      _mm512_store_si512(pairs, p_pairs(St, j2, n, R, r));
-      for (int i = 0; i < 16; ++i) Pp[int64_t(r + i) * 32 + j2] = pairs[i];
+// V transposed for P V with acc kept [Dp][R]: Vt [Dp][keys] in bf16, keys padded with zeros to whole tiles of
+// kAmxPairs pairs (the row length; at most kKeyTile, so the buffer's (kKeyTile + 2) x Dp values hold it).
+// Made 16 pairs of keys x 16 columns at a time: each pair's columns interleaved, the 16 x 16 block transposed.
+TARGET_AMX void pack_v_amx(const uint16_t* V, int64_t vs, uint16_t* Vt, int n, int Dh, int Dp) {
+  const int n2 = (n + 1) / 2, row = (n2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs * 2;
+  uint32_t* out = reinterpret_cast<uint32_t*>(Vt);  // [Dp][row / 2] pairs
+  for (int j2 = 0; j2 < row / 2; j2 += 16)
+    for (int d = 0; d < Dp; d += 16) {
+      const __mmask16 cols = Dh - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(0, Dh - d)) - 1);
+      __m512i block[16];
+      for (int i = 0; i < 16; ++i) {  // pair j2 + i at columns d .. d + 15
+        const int key = 2 * (j2 + i);
+        const __m512i a = key < n ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, V + key * vs + d))
+                                  : _mm512_setzero_si512();
+        const __m512i b = key + 1 < n ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, V + (key + 1) * vs + d))
+                                      : _mm512_setzero_si512();
+        block[i] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+      }
+      transpose16(block);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + int64_t(d + i) * (row / 2) + j2, block[i]);
     }
-  for (int r = 0; r < R; ++r)
-    for (int j2 = n2; j2 < n2r; ++j2) Pp[int64_t(r) * 32 + j2] = 0;
+}
+
+// acc^T [Dp][R] += V^T P^T in blocks of 32 columns of V x 32 rows: tmm0-3 acc^T's four 16 x 16 blocks, tmm4-5
+// Vt's rows (16 columns x 32 keys), tmm6-7 Pp (16 pairs of keys x 16 rows, as the softmax wrote it).
+TARGET_AMX void pv_amx(const uint32_t* Pp, const uint16_t* Vt, float* acc, int n, int R, int Dp) {
+  const int n2 = (n + 1) / 2, n2r = (n2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs, row = 2 * n2r;
+  const int64_t ab = int64_t(R) * 4, vb = int64_t(row) * 2;  // bytes per row of acc^T and Pp; of Vt
   TILE_FENCE();
-  const int64_t ab = int64_t(Dp) * 4;  // bytes per row of acc and of Vp
-  for (int r = 0; r < R; r += 32)
-    for (int d = 0; d < Dp; d += 32) {
-      float* c = acc + int64_t(r) * Dp + d;
+  for (int d = 0; d < Dp; d += 32)
+    for (int r = 0; r < R; r += 32) {
+      float* c = acc + int64_t(d) * R + r;
       _tile_loadd(0, c, ab);
       _tile_loadd(1, c + 16, ab);
-      _tile_loadd(2, c + 16 * int64_t(Dp), ab);
-      _tile_loadd(3, c + 16 * int64_t(Dp) + 16, ab);
-      for (int j2 = 0; j2 < n2r; j2 += 16) {
-        _tile_loadd(4, Pp + int64_t(r) * 32 + j2, 128);
-        _tile_loadd(5, Pp + int64_t(r + 16) * 32 + j2, 128);
-        _tile_loadd(6, Vp + 2 * (int64_t(j2) * Dp + d), ab);
-        _tile_loadd(7, Vp + 2 * (int64_t(j2) * Dp + d + 16), ab);
+      _tile_loadd(2, c + 16 * int64_t(R), ab);
+      _tile_loadd(3, c + 16 * int64_t(R) + 16, ab);
+      for (int j2 = 0; j2 < n2r; j2 += kAmxPairs) {
+        _tile_loadd(4, Vt + int64_t(d) * row + 2 * j2, vb);
+        _tile_loadd(5, Vt + int64_t(d + 16) * row + 2 * j2, vb);
+        _tile_loadd(6, Pp + int64_t(j2) * R + r, ab);
+        _tile_loadd(7, Pp + int64_t(j2) * R + r + 16, ab);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -491,13 +592,14 @@ TARGET_AMX void pv_amx(const float* St, const uint16_t* Vp, uint32_t* Pp, float*
       }
       _tile_stored(0, c, ab);
       _tile_stored(1, c + 16, ab);
-      _tile_stored(2, c + 16 * int64_t(Dp), ab);
-      _tile_stored(3, c + 16 * int64_t(Dp) + 16, ab);
+      _tile_stored(2, c + 16 * int64_t(R), ab);
+      _tile_stored(3, c + 16 * int64_t(R) + 16, ab);
     }
 }
 
-const Ops kAmx{"amx", 32, kAmxMaxHeadDim, 32, gemm_avx512, softmax_avx512, scores_amx, pack_v_amx, pv_amx,
-               amx_thread_begin, amx_thread_end};
+const Ops kAmx{"amx",          32,         kAmxMaxHeadDim, 32, gemm_avx512, softmax_pairs<true, kAmxPairs>,
+               scores_amx,     pack_v_amx, pv_amx,         amx_thread_begin, amx_thread_end,
+               /*acc_columns=*/true, /*pair_step=*/kAmxPairs};
 #else
 #define TIERED_AMX 0
 #endif
