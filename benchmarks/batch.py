@@ -23,12 +23,14 @@ import torch
 
 from benchmarks.mil import forward_flops, matmul_flops_per_s
 from benchmarks.report import write_report
+from tiered.config import AttentionConfig, AttentionKernel
 from tiered.hybrid import pointwise
 from tiered.hybrid.attention import KERNELS, Piece, native
+from tiered.hybrid.attention.select import KernelShape, choose_kernel
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.memory import GatheredPrefix
-from tiered.hybrid.model import CausalLM
+from tiered.hybrid.model import CausalLM, use_attention
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,9 @@ class BatchOptions:
     hit_new_tokens: int  # new tokens of the hit-saving case
     chunk_tokens: int  # hybrid chunk size
     repeats: int  # timed runs per side; the best is kept
+    attention: AttentionKernel = (
+        "auto"  # attention.kernel: auto (chosen as the engine does at start-up) or a kernel's name
+    )
 
 
 def run_batch_bench(opts: BatchOptions) -> dict[str, object]:
@@ -106,6 +111,10 @@ def run_batch_bench(opts: BatchOptions) -> dict[str, object]:
     dtype, device, chunk_tokens = opts.dtype, opts.device, opts.chunk_tokens
     model = load_model(opts.model_dir, dtype, device)
     a = model.args
+    heads = KernelShape(a.num_heads, a.num_kv_heads, a.head_dim, DTYPES[dtype], device)
+    longest = opts.prefix_tokens + opts.num_requests * opts.new_tokens
+    use_attention(model, choose_kernel(AttentionConfig(kernel=opts.attention), heads, longest))
+    log.info("attention kernel: %s", model.attention)
     g = torch.Generator().manual_seed(0)
     rate = matmul_flops_per_s(DTYPES[dtype], device)
     log.info("matmul rate (%s, 2048^3): %.1f GFLOP/s", dtype, rate / 1e9)

@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import get_args
 
 from benchmarks import pipeline_sim, stages
 from benchmarks.commands import (
@@ -31,6 +32,7 @@ from benchmarks.commands import (
     cmd_bench_visits,
     cmd_plot_working_set,
 )
+from tiered.config import AttentionKernel
 from tiered.config.options import add_config_args, parse_bytes, parse_float_list, parse_int_list
 
 
@@ -139,6 +141,12 @@ def _add_batch_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     bb.add_argument("--hit-new-tokens", type=int, default=1296, help="new tokens of the hit-saving case")
     bb.add_argument("--chunk-tokens", type=int, default=1024, help="hybrid chunk size")
     bb.add_argument("--repeats", type=int, default=3, help="timed runs per side (best is kept)")
+    bb.add_argument(
+        "--attention",
+        default="auto",
+        choices=get_args(AttentionKernel),
+        help="attention kernel (attention.kernel: auto, the engine's start-up choice, measured here; or a name)",
+    )
     bb.add_argument("--json", default=None, help="write results as JSON here")
     bb.set_defaults(func=cmd_bench_batch)
 

@@ -75,6 +75,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         hit_new_tokens=args.hit_new_tokens,
         chunk_tokens=args.chunk_tokens,
         repeats=args.repeats,
+        attention=args.attention,
     )
     run_batch_bench(opts)
     return 0

@@ -6,6 +6,7 @@ a value of the wrong type or range is a `ConfigError` whose message names the ke
 
 from tiered.config.tree import (
     AttentionConfig,
+    AttentionKernel,
     CacheConfig,
     ClusterConfig,
     Config,
@@ -42,6 +43,7 @@ __all__ = [
     "CacheConfig",
     "SchedulerConfig",
     "AttentionConfig",
+    "AttentionKernel",
     "EngineConfig",
     "ServerConfig",
     "LoraConfig",

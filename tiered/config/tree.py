@@ -189,6 +189,9 @@ class SchedulerConfig:
         )
 
 
+AttentionKernel = Literal["auto", "flash-head", "flash", "flash-f32", "native", "masked", "varlen", "vllm-cpu"]
+
+
 @dataclass(slots=True)
 class AttentionConfig:
     """Which attention kernel computes (tiered/hybrid/attention)."""
@@ -197,8 +200,9 @@ class AttentionConfig:
     # shapes and cached; a name forces one (flash-head, flash: cpu; flash-f32: cpu, computes
     # half-precision inputs in fp32; native: cpu, where its C++ library builds; masked: any;
     # varlen: cuda; vllm-cpu: cpu, where vLLM's library loads, see vllm_library).
-    kernel: Literal["auto", "flash-head", "flash", "flash-f32", "native", "masked", "varlen", "vllm-cpu"] = "auto"
-    # Where the measured choice is cached (keyed by CPU, torch, threads, dtype and head shapes).
+    kernel: AttentionKernel = "auto"
+    # Where the measured choice is cached (keyed by CPU, torch, threads, dtype, head shapes and the
+    # native library's build).
     profile_cache_dir: str = ".cache/attention"
     # Where the vllm-cpu kernel's compiled ops come from: auto (the vllm package this interpreter
     # would import, found without importing it), a site-packages or vllm package folder, a .so
