@@ -8,7 +8,7 @@
 // Work: one task = (piece, KV head, block of query positions); its rows are the block's
 // positions x the group's heads, so every K/V tile is loaded (and converted from bf16) once for
 // the whole group. Per key tile: S = Q K^T (a small GEMM against K packed transposed), an online
-// fp32 softmax in base 2 (log2(e) folded into Q's scale), acc += P V. Tasks are handed out
+// fp32 softmax in base 2 (log2(e) folded into the scores' scale), acc += P V. Tasks are handed out
 // largest first from an atomic counter inside at::parallel_for (causal blocks differ in cost).
 // The shared prefix's tiles are converted (widened to fp32 or packed in bf16 pairs) once per call
 // for all tasks, when more than one task per KV head reads them and the copy stays small.
