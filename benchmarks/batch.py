@@ -101,9 +101,8 @@ class BatchOptions:
     hit_new_tokens: int  # new tokens of the hit-saving case
     chunk_tokens: int  # hybrid chunk size
     repeats: int  # timed runs per side; the best is kept
-    attention: AttentionKernel = (
-        "auto"  # attention.kernel: auto (chosen as the engine does at start-up) or a kernel's name
-    )
+    # attention.kernel: auto (chosen as the engine does at start-up) or a kernel's name
+    attention: AttentionKernel = "auto"
 
 
 def run_batch_bench(opts: BatchOptions) -> dict[str, object]:

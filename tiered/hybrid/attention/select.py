@@ -6,8 +6,7 @@ timed on the shape classes of a prefill-only engine (many requests on one shared
 long suffix on a long prefix; a fresh causal prompt), each checked against the fp32 reference,
 and the fastest whose error is within bounds is used. The choice is cached on disk per exact
 setup (CPU model and flags, torch, threads, dtype, head shapes, the native library's build) like
-the JCT profile; the
-config's `attention.kernel` forces one instead. A kernel that needs a library this process lacks
+the JCT profile; the config's `attention.kernel` forces one instead. A kernel that needs a library this process lacks
 (`vllm-cpu`: `attention.vllm_library`) is not available, so neither measured nor accepted.
 """
 
