@@ -154,8 +154,14 @@ def test_lora_adapters_answer_as_one_process_in_mixed_batches(engines: tuple[Eng
     for _ in range(2):  # computed, then from each adapter's own cached prefix
         got, ref = _run(two, prompts, adapters), _run(one, prompts, adapters)
         _assert_equal(got, ref)
-    # An adapter's prefix read back from the stages' pools (the small device tier keeps one or two).
-    assert "small" in {a for r, a in zip(got, adapters, strict=True) if r.split.num_device_hit_tokens >= 288}
+    # An adapter's prefix read back from the stages' pools: its requests run again right after they
+    # ran (which of the three prefixes the small device tier kept after the mixed batches depends on
+    # the order the scheduler picked; the one just computed is there).
+    small = [p for p, a in zip(prompts, adapters, strict=True) if a == "small"]
+    _run(two, small, ["small"] * len(small))
+    again = _run(two, small, ["small"] * len(small))
+    assert all(r.split.num_device_hit_tokens >= 288 for r in again)
+    _assert_equal(again, _run(one, small, ["small"] * len(small)))
     base = _run(two, prompts[:1])[0]
     assert abs(base.logprobs[0] - got[0].logprobs[0]) > 1e-3  # "small" changes the answer (not the base model)
 
