@@ -44,8 +44,8 @@ struct Ops {
   // Per row r < R (a multiple of kRowStep), over keys j < n of the scores s = scale St[j * R + r]:
   // m' = max(m, max_j s); P = 2^(s - m'); l = l 2^(m - m') + sum_j P; acc's row r (column r where the path keeps
   // acc transposed) *= 2^(m - m'); m = m'. P is written over St, or, where Pp is not null (the paths with
-  // pv_bf16, bf16 inputs), rounded to bf16 into Pp [ceil(n / 2), padded to pair_step][R] as pairs of keys
-  // (the first key in the low half), zero pairs past n.
+  // pv_bf16, bf16 inputs), rounded to bf16 into Pp [ceil(n / 2), padded as the path's pv_bf16 reads][R] as
+  // pairs of keys (the first key in the low half), zero pairs past n.
   void (*softmax)(float* St, int n, int R, float scale, float* m, float* l, float* alpha, float* acc, int Dp,
                   uint32_t* Pp);
   // St[n, R] = K[n, Dh] . Q^T (unscaled) for bf16 K rows (stride ks, Dh even) and Q packed in pairs [Dh / 2][R][2];
@@ -61,9 +61,10 @@ struct Ops {
   void (*thread_end)();
   // Whether acc is kept transposed, [Dp][R], when pv_bf16 runs (rows [R][Dp] otherwise).
   bool acc_columns = false;
-  // Pp's pairs of keys are padded with zero pairs to a multiple of this.
-  int pair_step = 1;
 };
+
+// x rounded up to a multiple of step.
+constexpr int round_up(int x, int step) { return (x + step - 1) / step * step; }
 
 // The acc rows whose alpha is not 1, rescaled (alpha from the softmax).
 inline void rescale_rows(const float* alpha, int R, float* acc, int Dp) {
@@ -405,7 +406,7 @@ TARGET_AVX512BF16 void softmax_pairs(float* St, int n, int R, float scale, float
                                      float* acc, int Dp, uint32_t* Pp) {
   if (!Pp) return softmax_avx512(St, n, R, scale, m, l, alpha, acc, Dp, Pp);
   const __m512 vscale = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
-  const int full = n / 2, n2 = (n + 1) / 2, padded = (n2 + kPairStep - 1) / kPairStep * kPairStep;
+  const int full = n / 2, n2 = (n + 1) / 2, padded = round_up(n2, kPairStep);
   for (int r = 0; r < R; r += 16) {
     const RowMax x = row_max(St, n, R, r, vscale, _mm512_loadu_ps(m + r));
     __m512 s0 = zero, s1 = zero;
@@ -548,7 +549,7 @@ TARGET_AMX inline void transpose16(__m512i r[16]) {
 // kAmxPairs pairs (the row length; at most kKeyTile, so the buffer's (kKeyTile + 2) x Dp values hold it).
 // Made 16 pairs of keys x 16 columns at a time: each pair's columns interleaved, the 16 x 16 block transposed.
 TARGET_AMX void pack_v_amx(const uint16_t* V, int64_t vs, uint16_t* Vt, int n, int Dh, int Dp) {
-  const int n2 = (n + 1) / 2, row = (n2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs * 2;
+  const int row = 2 * round_up((n + 1) / 2, kAmxPairs);
   uint32_t* out = reinterpret_cast<uint32_t*>(Vt);  // [Dp][row / 2] pairs
   for (int j2 = 0; j2 < row / 2; j2 += 16)
     for (int d = 0; d < Dp; d += 16) {
@@ -570,7 +571,7 @@ TARGET_AMX void pack_v_amx(const uint16_t* V, int64_t vs, uint16_t* Vt, int n, i
 // acc^T [Dp][R] += V^T P^T in blocks of 32 columns of V x 32 rows: tmm0-3 acc^T's four 16 x 16 blocks, tmm4-5
 // Vt's rows (16 columns x 32 keys), tmm6-7 Pp (16 pairs of keys x 16 rows, as the softmax wrote it).
 TARGET_AMX void pv_amx(const uint32_t* Pp, const uint16_t* Vt, float* acc, int n, int R, int Dp) {
-  const int n2 = (n + 1) / 2, n2r = (n2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs, row = 2 * n2r;
+  const int n2r = round_up((n + 1) / 2, kAmxPairs), row = 2 * n2r;
   const int64_t ab = int64_t(R) * 4, vb = int64_t(row) * 2;  // bytes per row of acc^T and Pp; of Vt
   TILE_FENCE();
   for (int d = 0; d < Dp; d += 32)
@@ -599,7 +600,7 @@ TARGET_AMX void pv_amx(const uint32_t* Pp, const uint16_t* Vt, float* acc, int n
 
 const Ops kAmx{"amx",          32,         kAmxMaxHeadDim, 32, gemm_avx512, softmax_pairs<true, kAmxPairs>,
                scores_amx,     pack_v_amx, pv_amx,         amx_thread_begin, amx_thread_end,
-               /*acc_columns=*/true, /*pair_step=*/kAmxPairs};
+               /*acc_columns=*/true};
 #else
 #define TIERED_AMX 0
 #endif
