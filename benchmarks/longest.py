@@ -1,7 +1,9 @@
 """`python -m benchmarks longest`: the longest prompt each engine serves within one memory budget, and its time.
 
 A budget covers everything a prompt needs: weights, activations and KV. Per budget:
-- ours (hybrid mode, one layer's K,V alive): the longest prompt whose forward peak (weights +
+- ours (hybrid mode, one layer's K,V alive; with `--set forward.spill_dir=DIR` the residual stream
+  of forwards of `forward.spill_min_tokens` or more lives in a file there, on disk, not in the
+  budget): the longest prompt whose forward peak (weights +
   activations, each length measured in a fresh process by `benchmarks.probe`) fits, to
   --resolution tokens. Each probe after the first two goes where the line through the last two
   meets the budget (the peak grows about linearly with tokens); the answer is a measured bracket:
@@ -35,6 +37,7 @@ from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention import default_kernel
 from tiered.hybrid.loader import resolve_device
 from tiered.hybrid.precision import config_precision
+from tiered.hybrid.spill import spill_of
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +231,7 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     precision = config_precision(cfg)
     device = resolve_device(cfg.device)
-    setup = ForwardSetup(str(model_dir), precision.compute, device, cfg.forward.chunk_tokens)
+    setup = ForwardSetup(str(model_dir), precision.compute, device, cfg.forward.chunk_tokens, spill_of(cfg.forward))
     vocab = ordinary_token_ids(model_dir)
     print(f"the longest prompt per budget, ours (hybrid) against vLLM; precision: {precision.describe()}")
     results = []

@@ -26,6 +26,7 @@ from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES, load_model, read_args
 from tiered.hybrid.memory import ForwardPeak
+from tiered.hybrid.spill import Spill
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class ForwardSetup:
     dtype: str  # float32, bfloat16 or float16
     device: str
     chunk_tokens: int  # the chunk size of the hybrid and chunked modes
+    spill: Spill | None = None  # hybrid: where a long forward keeps its residual stream
 
 
 def probe_peak(setup: ForwardSetup, mode: str, num_tokens: int, num_requests: int = 1, prefix_tokens: int = 0) -> int:
@@ -125,6 +127,8 @@ def probe(
         "--prefix-tokens",
         str(prefix_tokens),
     ]
+    if setup.spill is not None:
+        cmd += ["--spill-dir", setup.spill.directory, "--spill-min-tokens", str(setup.spill.min_tokens)]
     # A fixed mmap threshold makes glibc return every freed tensor to the OS, so the resident
     # size follows live memory (its dynamic threshold would keep freed blocks in the heap).
     # The probe is a module of this harness: its repository root goes on the child's path.

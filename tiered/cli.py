@@ -125,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_overrides,
         served_model_names,
     )
+    from tiered.hybrid.spill import check_spill
     from tiered.logs import uvicorn_config
 
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
@@ -132,6 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_device(cfg.device)
     check_adapters(cfg)
     check_local_disk(cfg)
+    check_spill(cfg.forward)
     app_kwargs: dict[str, Any] = {
         "api_key": api_key(args),
         "served_model_names": served_model_names(args, cfg),

@@ -53,9 +53,16 @@ class ForwardConfig:
     mode: ForwardMode = "hybrid"
     # Tokens per chunk for the token-wise ops (hybrid) or per model pass (chunked).
     chunk_tokens: int = 1024
+    # A directory on a disk where a hybrid forward of at least `spill_min_tokens` tokens keeps its
+    # residual stream (every token's hidden state between layers) instead of memory, so a prompt
+    # needs about one layer's K,V in memory; each chunk's rows are read and written back once
+    # per layer. null: always in memory. One process only (not with engine.pipeline_stages > 1).
+    spill_dir: str | None = None
+    spill_min_tokens: int = 16384
 
     def __post_init__(self) -> None:
         require(self.chunk_tokens >= 1, "forward.chunk_tokens", f"must be >= 1, got {self.chunk_tokens}")
+        require(self.spill_min_tokens >= 1, "forward.spill_min_tokens", f"must be >= 1, got {self.spill_min_tokens}")
 
 
 @dataclass(slots=True)
@@ -385,4 +392,5 @@ class Config:
                 f"a shared or disk backend {later} (each stage's host tier is in its own memory)",
             )
         require(self.forward.mode != "chunked", "forward.mode", f"'chunked' {later} (use hybrid or vanilla)")
+        require(self.forward.spill_dir is None, "forward.spill_dir", f"a spilled residual stream {later}")
         require(self.cluster.replicas == 1, "cluster.replicas", f"replicas {later}")

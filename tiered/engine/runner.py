@@ -17,6 +17,7 @@ from tiered.engine.adapters import Adapters
 from tiered.engine.request import PrefixKV, Prepared, common_prefix_len
 from tiered.hybrid.forward import BatchItem, forward_batch
 from tiered.hybrid.model import CausalLM
+from tiered.hybrid.spill import spill_of
 from tiered.offload.tiers import KVTiers
 
 
@@ -174,7 +175,8 @@ class LocalRunner:
                     adapter=weights,
                 )
             )
-        return forward_batch(self.model, items, mode=self.config.mode, chunk_tokens=self.config.chunk_tokens)
+        f = self.config
+        return forward_batch(self.model, items, mode=f.mode, chunk_tokens=f.chunk_tokens, spill=spill_of(f))
 
     def close(self) -> None:
         """Nothing to release: the model and tiers belong to the engine."""

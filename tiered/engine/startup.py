@@ -24,6 +24,7 @@ from tiered.hybrid.memory import PeakShape, measure_forward_peak
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError, start_pipeline
 from tiered.hybrid.precision import Precision, precision_for
+from tiered.hybrid.spill import check_spill, spill_of
 from tiered.offload.tiers import KVTiers, TierSetup
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ def start(config: Config) -> Parts:
     if config.engine.threads or stages > 1:  # with stages, the cores are theirs
         torch.set_num_threads(config.engine.threads or 1)
     device = resolve_device(config.device)
+    check_spill(config.forward)
     folder = resolve_model_path(config.model.path, config.model.models_dir)
     precision = precision_for(config.model.dtype, config.cache.kv_dtype, folder, device)
     log.info("precision: %s", precision.describe())
@@ -108,7 +110,7 @@ def start(config: Config) -> Parts:
 def _split_memory(config: Config, model: CausalLM, budget: int) -> int:
     """Device-tier bytes = budget − weights − peak of a max_model_len forward (profile run)."""
     f, max_len = config.forward, config.model.max_model_len
-    peak = measure_forward_peak(model, PeakShape(max_len), f.mode, f.chunk_tokens)
+    peak = measure_forward_peak(model, PeakShape(max_len), f.mode, f.chunk_tokens, spill_of(f))
     left = budget - peak.peak_bytes
     log.info(
         "profile run: %d tokens peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f MiB",

@@ -25,6 +25,7 @@ from tiered.hybrid.model import (
     q_step,
     rope_cos_sin,
 )
+from tiered.hybrid.spill import ResidualFile, Spill
 
 LayerKV = tuple[Tensor, Tensor]
 """K and V of one layer, each [tokens, kv_heads, head_dim]."""
@@ -134,12 +135,15 @@ def forward_batch(
     chunk_tokens: int = 1024,
     hidden: Tensor | None = None,
     last_stage: bool = True,
+    spill: Spill | None = None,
 ) -> Tensor:
     """One forward over every item; returns each item's last-token logits [len(items), V] (fp32).
 
     A pipeline stage (tiered/pipeline) runs it over its own layers: `hidden` [N, D] is the residual
     stream of the packed tokens from the stage before (not their embeddings); a stage before the
-    last (`last_stage=False`) returns its residual stream [N, D] (packed alike on every stage)."""
+    last (`last_stage=False`) returns its residual stream [N, D] (packed alike on every stage).
+    With `spill`, a hybrid forward of the whole model over at least `spill.min_tokens` tokens keeps
+    its residual stream in a file there (`tiered.hybrid.spill`), not in memory."""
     if not items:
         raise ForwardInputError("a batch needs at least one request")
     for i in range(len(items)):
@@ -162,7 +166,8 @@ def forward_batch(
     # Only the last token of each request leaves the last layer, so hybrid computes that layer's
     # queries, attention, o_proj and MLP for those rows alone (its K,V still for every token).
     trim = last_stage and mode == "hybrid"
-    x = _layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla", hidden, trim)
+    spill = spill if trim and hidden is None else None
+    x = _layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla", hidden, trim, spill)
     if not last_stage:
         return x
     return model.last_token_logits(x if trim else x[_last_rows(items).to(x.device)])
@@ -222,6 +227,7 @@ def _layer_by_layer(
     hold_kv: bool,
     hidden: Tensor | None = None,
     last_rows_only: bool = False,
+    spill: Spill | None = None,
 ) -> Tensor:
     """hybrid (chunk < N, KV dropped per layer) and vanilla (chunk = N, KV held to the end).
 
@@ -231,18 +237,70 @@ def _layer_by_layer(
     complete before any residual changes, so updating chunk by chunk is exact; queries exist for
     one chunk at a time. Returns the residual stream of the packed tokens [N, D] (`hidden`, if
     given, is updated in place); with `last_rows_only`, the last layer runs past its K,V for each
-    request's last row only and the result is their residual stream [R, D], in request order."""
+    request's last row only and the result is their residual stream [R, D], in request order.
+    With `spill` (and `last_rows_only`) and at least `spill.min_tokens` tokens, the residual stream
+    lives in a file: each chunk's rows are read, updated and written back."""
     a = model.args
     order, groups = _pack(items)
     device = model.inv_freq.device
     token_ids = torch.cat([items[i].token_ids for i in order]).to(device)
     positions = torch.cat([torch.arange(prefix_lens[i], prefix_lens[i] + items[i].token_ids.numel()) for i in order])
     N = token_ids.numel()
-    x = model.model.embed_tokens(token_ids) if hidden is None else hidden  # [N, D], updated in place
     chunk = N if hold_kv else min(chunk, N)
     bounds = [(s, min(s + chunk, N)) for s in range(0, N, chunk)]
-    q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=x.dtype, device=device)  # one chunk's queries
-    gate_buf = torch.empty((chunk, a.intermediate_size), dtype=x.dtype, device=device)
+    stream: _Stream
+    if spill is not None and last_rows_only and not hold_kv and N >= spill.min_tokens:
+        dtype = model.model.embed_tokens.weight.dtype
+        stream = ResidualFile(spill.directory, N, a.hidden_size, dtype, chunk, device)
+        for s, e in bounds:
+            stream.write(s, model.model.embed_tokens(token_ids[s:e]))
+    else:
+        stream = _InMemory(model.model.embed_tokens(token_ids) if hidden is None else hidden)  # updated in place
+    try:
+        return _layers(model, items, (order, groups), positions, stream, bounds, hold_kv, last_rows_only)
+    finally:
+        stream.close()
+
+
+class _InMemory:
+    """The residual stream [N, D] in memory: a chunk's rows are a view, updated in place."""
+
+    def __init__(self, x: Tensor) -> None:
+        self.x, self.dtype = x, x.dtype
+
+    def read(self, start: int, end: int) -> Tensor:
+        return self.x[start:end]
+
+    def write(self, start: int, rows: Tensor) -> None:
+        pass  # `rows` is the view `read` returned
+
+    def rows(self, index: Tensor) -> Tensor:
+        return self.x[index.to(self.x.device)]
+
+    def close(self) -> None:
+        pass
+
+
+_Stream = _InMemory | ResidualFile
+
+
+def _layers(
+    model: CausalLM,
+    items: Sequence[BatchItem],
+    packed: tuple[list[int], list[_Group]],
+    positions: Tensor,
+    stream: _Stream,
+    bounds: list[tuple[int, int]],
+    hold_kv: bool,
+    last_rows_only: bool,
+) -> Tensor:
+    """Every layer over the residual stream in `stream`, chunk by chunk (see `_layer_by_layer`)."""
+    a = model.args
+    order, groups = packed
+    device = model.inv_freq.device
+    N, chunk, dtype = positions.numel(), bounds[0][1], stream.dtype
+    q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=dtype, device=device)  # one chunk's queries
+    gate_buf = torch.empty((chunk, a.intermediate_size), dtype=dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
     chunk_pieces = [_pieces(groups, s, e) for s, e in bounds]  # the same for every layer
     rows = [seg for g in groups for seg in g.segments]  # packed rows, in packing order
@@ -252,30 +310,34 @@ def _layer_by_layer(
     attend_ = KERNELS[model.attention].attend_
     num_layers = len(model.layers)
     for i, layer in enumerate(model.layers):
-        k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=x.dtype, device=device)
+        k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=dtype, device=device)
         v = torch.empty_like(k)
         lora = [LoraSlice(i, r) if r else None for r in runs]
         for (s, e), lo in zip(bounds, lora, strict=True):
-            kv_step(layer, x[s:e], rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), (k[s:e], v[s:e]), lo)
+            cos_sin = rope_cos_sin(model.inv_freq, positions[s:e], dtype)
+            kv_step(layer, stream.read(s, e), cos_sin, (k[s:e], v[s:e]), lo)
         if hold_kv:
             held.append((k, v))
         else:
             _to_sinks(items, order, rows, shared, i, (k, v))
-        prefixes = _LayerPrefixes(groups, i, x.dtype)
+        prefixes = _LayerPrefixes(groups, i, dtype)
         if last_rows_only and i == num_layers - 1:
-            return _last_layer_rows(model, layer, x, (k, v), prefixes, _RowsOut(items, order, groups, positions))
+            return _last_layer_rows(model, layer, stream, (k, v), prefixes, _RowsOut(items, order, groups, positions))
         for (s, e), pieces_of_chunk, lo in zip(bounds, chunk_pieces, lora, strict=True):
             n = e - s
-            q_step(layer, x[s:e], *rope_cos_sin(model.inv_freq, positions[s:e], x.dtype), q[:n], lo)
+            xs = stream.read(s, e)
+            q_step(layer, xs, *rope_cos_sin(model.inv_freq, positions[s:e], dtype), q[:n], lo)
             for g, pieces in pieces_of_chunk:
                 attend_(q, k, v, pieces, *prefixes.get(g))  # q[:n] now holds the attention output
                 prefixes.release_before(e)  # one group's prefix alive at a time
-            o_proj_step_(layer, x[s:e], q[:n].view(n, -1), lo)
-            mlp_step_(layer, x[s:e], gate_buf, up_buf, lo)
+            o_proj_step_(layer, xs, q[:n].view(n, -1), lo)
+            mlp_step_(layer, xs, gate_buf, up_buf, lo)
+            stream.write(s, xs)
         del k, v, prefixes
     for i, (k, v) in enumerate(held):
         _to_sinks(items, order, rows, shared, i, (k, v))
-    return x
+    assert isinstance(stream, _InMemory)  # a spilled stream ends in the last layer's rows above
+    return stream.x
 
 
 @dataclass(slots=True)
@@ -289,7 +351,7 @@ class _RowsOut:
 
 
 def _last_layer_rows(
-    model: CausalLM, layer: DecoderLayer, x: Tensor, kv: LayerKV, prefixes: _LayerPrefixes, out: _RowsOut
+    model: CausalLM, layer: DecoderLayer, stream: _Stream, kv: LayerKV, prefixes: _LayerPrefixes, out: _RowsOut
 ) -> Tensor:
     """The last layer for each request's last token: its query attends to everything the request
     sees (prefix, shared tokens, its own earlier tokens), then o_proj and the MLP. Rows are taken in
@@ -298,11 +360,11 @@ def _last_layer_rows(
     ends = [e for g in out.groups for _, e in g.segments]  # packing order
     num_rows = len(ends)
     last = torch.tensor(ends) - 1
-    xr = x[last.to(x.device)]  # [R, D], a copy: the packed residual stream is left as the layer found it
-    q = torch.empty((num_rows, a.num_heads, a.head_dim), dtype=x.dtype, device=xr.device)
+    xr = stream.rows(last)  # [R, D], a copy: the packed residual stream is left as the layer found it
+    q = torch.empty((num_rows, a.num_heads, a.head_dim), dtype=xr.dtype, device=xr.device)
     lora_runs = _lora_runs(out.items, out.order, [(j, j + 1) for j in range(num_rows)], 0, num_rows)
     lo = LoraSlice(len(model.layers) - 1, lora_runs) if lora_runs else None
-    q_step(layer, xr, *rope_cos_sin(model.inv_freq, out.positions[last], x.dtype), q, lo)
+    q_step(layer, xr, *rope_cos_sin(model.inv_freq, out.positions[last], xr.dtype), q, lo)
     attend_ = KERNELS[model.attention].attend_
     row = 0
     for gi, g in enumerate(out.groups):
@@ -313,7 +375,7 @@ def _last_layer_rows(
             row += 1
         attend_(q, kv[0], kv[1], pieces, *prefixes.get(gi))  # q now holds the attention output
     o_proj_step_(layer, xr, q.view(num_rows, -1), lo)
-    scratch = torch.empty((num_rows, a.intermediate_size), dtype=x.dtype, device=xr.device)
+    scratch = torch.empty((num_rows, a.intermediate_size), dtype=xr.dtype, device=xr.device)
     mlp_step_(layer, xr, scratch, torch.empty_like(scratch), lo)
     rank = torch.empty(num_rows, dtype=torch.long)
     rank[torch.tensor(out.order)] = torch.arange(num_rows)

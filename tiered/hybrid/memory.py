@@ -18,6 +18,7 @@ import torch
 from tiered.config import ForwardMode
 from tiered.hybrid.forward import BatchItem, LayerKV, forward_batch
 from tiered.hybrid.model import CausalLM
+from tiered.hybrid.spill import Spill
 
 
 @dataclass(slots=True)
@@ -82,8 +83,11 @@ class PeakShape:
     last_stage: bool = True
 
 
-def measure_forward_peak(model: CausalLM, shape: PeakShape, mode: ForwardMode, chunk_tokens: int) -> ForwardPeak:
-    """Run one forward of `shape` on random tokens and return its memory peak."""
+def measure_forward_peak(
+    model: CausalLM, shape: PeakShape, mode: ForwardMode, chunk_tokens: int, spill: Spill | None = None
+) -> ForwardPeak:
+    """Run one forward of `shape` on random tokens (its residual stream in `spill`'s directory when
+    it asks for one that long) and return its memory peak."""
     num_tokens, num_requests, prefix_tokens = shape.num_tokens, shape.num_requests, shape.prefix_tokens
     first_stage, last_stage = shape.first_stage, shape.last_stage
     a = model.args
@@ -105,7 +109,9 @@ def measure_forward_peak(model: CausalLM, shape: PeakShape, mode: ForwardMode, c
         if not first_stage:
             num_rows = sum(it.token_ids.numel() for it in items)
             hidden = torch.randn((num_rows, a.hidden_size), generator=g).to(device, dtype)
-        forward_batch(model, items, mode=mode, chunk_tokens=chunk_tokens, hidden=hidden, last_stage=last_stage)
+        forward_batch(
+            model, items, mode=mode, chunk_tokens=chunk_tokens, hidden=hidden, last_stage=last_stage, spill=spill
+        )
 
     run(warm)  # warm-up
     weights = weights_bytes(model)
