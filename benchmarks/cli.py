@@ -627,10 +627,10 @@ def _add_longest_parser(bsub: argparse._SubParsersAction) -> None:  # type: igno
         description="Per budget (weights + activations + KV): ours, the longest prompt whose hybrid forward peak "
         "fits (each length measured in a fresh process; a measured bracket of --resolution tokens), then served by "
         "`tiered serve` with engine.memory_budget_bytes = the budget, no host tier, and timed over HTTP (also at the "
-        "peer's length); with --set forward.spill_dir=DIR our long forwards keep their residual stream in a file there (on "
-        "disk, outside the budget); vLLM at its defaults (compiled) with KV memory = budget - weights (its activations not "
-        "charged to it), the largest --max-model-len it starts with (lowered a block at a time), and one prompt of "
-        "it timed over HTTP.",
+        "peer's length); with --set forward.spill_dir=DIR our long forwards keep their residual stream in a file "
+        "there (on disk, outside the budget); vLLM at its defaults (compiled) with KV memory = budget - weights (its "
+        "activations not charged to it), the largest --max-model-len it starts with (lowered a block at a time), "
+        "and one prompt of it timed over HTTP.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_config_args(p)
