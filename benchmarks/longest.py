@@ -37,7 +37,7 @@ from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention import default_kernel
 from tiered.hybrid.loader import resolve_device
 from tiered.hybrid.precision import config_precision
-from tiered.hybrid.spill import spill_of
+from tiered.hybrid.spill import check_spill, spill_of
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,7 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     precision = config_precision(cfg)
     device = resolve_device(cfg.device)
+    check_spill(cfg.forward)  # made if missing, before the first probe writes there
     setup = ForwardSetup(str(model_dir), precision.compute, device, cfg.forward.chunk_tokens, spill_of(cfg.forward))
     vocab = ordinary_token_ids(model_dir)
     print(f"the longest prompt per budget, ours (hybrid) against vLLM; precision: {precision.describe()}")
