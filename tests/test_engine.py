@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tiered.config import load_config
-from tiered.engine import Engine, EngineStartError, ScoreParams
+from tiered.engine import Engine, EngineStartError, ScoreParams, startup
 from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import ForwardInputError, forward
+from tiered.hybrid.memory import measure_forward_peak
 
 
 def _cfg(tiny_dir: Path, tmp_path: Path, *overrides: str):
@@ -66,6 +67,28 @@ def test_memory_budget_sets_the_device_tier_or_refuses_to_start(tiny_dir: Path, 
     engine.close()
     with pytest.raises(EngineStartError, match=r"max_model_len 2048 does not fit .* bytes over"):
         Engine(_cfg(tiny_dir, tmp_path, "engine.memory_budget_bytes=1000000", "cache.suffix=discard"))
+
+
+def test_with_a_spill_dir_the_profile_run_also_measures_the_longest_forward_in_memory(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Just short of spill_min_tokens a forward keeps its residual stream in memory and can peak
+    above a longer one that spills: the split counts the larger of the two measured peaks."""
+    measured: dict[int, int] = {}
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        peak = measure_forward_peak(*args, **kwargs)
+        measured[peak.num_tokens] = peak.peak_bytes
+        return peak
+
+    monkeypatch.setattr(startup, "measure_forward_peak", recorded)
+    spill = [f"forward.spill_dir={tmp_path / 'spill'}", "forward.spill_min_tokens=1500"]
+    budget = ["engine.memory_budget_bytes=268435456", "cache.suffix=discard"]
+    engine = Engine(_cfg(tiny_dir, tmp_path, *budget, *spill))
+    assert set(measured) == {2048, 1499}
+    pool = engine.tiers.device_tier.num_blocks * engine.tiers.device_tier.bytes_per_block
+    assert 0 < 268435456 - max(measured.values()) - pool < engine.tiers.device_tier.bytes_per_block
+    engine.close()
 
 
 def test_priority_allowed_tokens_logit_bias_and_cancel(tiny_dir: Path, tmp_path: Path) -> None:

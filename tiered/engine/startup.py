@@ -108,13 +108,21 @@ def start(config: Config) -> Parts:
 
 
 def _split_memory(config: Config, model: CausalLM, budget: int) -> int:
-    """Device-tier bytes = budget − weights − peak of a max_model_len forward (profile run)."""
+    """Device-tier bytes = budget − weights − peak of a max_model_len forward (profile run). With
+    `forward.spill_dir`, a forward just short of `spill_min_tokens` keeps its residual stream in
+    memory and may peak higher than a longer one that spills: the larger of the two counts."""
     f, max_len = config.forward, config.model.max_model_len
-    peak = measure_forward_peak(model, PeakShape(max_len), f.mode, f.chunk_tokens, spill_of(f))
+    spill = spill_of(f)
+    lengths = [max_len]
+    if spill is not None and 1 < spill.min_tokens <= max_len:
+        lengths.append(spill.min_tokens - 1)
+    peaks = {n: measure_forward_peak(model, PeakShape(n), f.mode, f.chunk_tokens, spill) for n in lengths}
+    worst = max(lengths, key=lambda n: peaks[n].peak_bytes)
+    peak = peaks[worst]
     left = budget - peak.peak_bytes
     log.info(
-        "profile run: %d tokens peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f MiB",
-        max_len,
+        "profile run: %s peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f MiB",
+        ", ".join(f"{n} tokens{' (spilled)' if spill and n >= spill.min_tokens else ''}" for n in lengths),
         peak.peak_bytes / 2**20,
         peak.weights_bytes / 2**20,
         budget / 2**20,
@@ -123,7 +131,7 @@ def _split_memory(config: Config, model: CausalLM, budget: int) -> int:
     if left <= 0:
         raise EngineStartError(
             f"model.max_model_len {max_len} does not fit engine.memory_budget_bytes {budget}: "
-            f"weights + one forward peak at {peak.peak_bytes} bytes, {-left} bytes over; "
+            f"weights + one forward peak ({worst} tokens) at {peak.peak_bytes} bytes, {-left} bytes over; "
             "lower max_model_len or raise the budget"
         )
     return left
