@@ -1,7 +1,8 @@
 """`python -m benchmarks longest`: the longest prompt each engine serves within one memory budget, and its time.
 
 A budget covers everything a prompt needs: weights, activations and KV. Per budget:
-- ours (hybrid mode, one layer's K,V alive; with `--set forward.spill_dir=DIR` the residual stream
+- ours (hybrid mode, one layer's K,V alive, the attention kernel `attention.kernel` or, with
+  `auto`, the model's default on its device; with `--set forward.spill_dir=DIR` the residual stream
   of forwards of `forward.spill_min_tokens` or more lives in a file there, on disk, not in the
   budget): the longest prompt whose forward peak (weights +
   activations, each length measured in a fresh process by `benchmarks.probe`) fits, to
@@ -177,9 +178,9 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
             f"model.max_model_len={n}",
             "cache.host.enabled=false",
             "cache.suffix=discard",
-            # The kernel the probes ran (the model's default on its device): kernels differ in scratch
-            # (one that reads all KV heads at once copies the keys it attends to).
-            f"attention.kernel={default_kernel(resolve_device(cfg.device))}",
+            # The kernel the probes ran: kernels differ in scratch (one that reads all KV heads at
+            # once copies the keys it attends to).
+            f"attention.kernel={cfg.attention.kernel}",
         ]
         try:
             with serve_tiered(
@@ -231,8 +232,13 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     precision = config_precision(cfg)
     device = resolve_device(cfg.device)
+    # One kernel for the probes and the server: the configured one, or (auto, whose start-up
+    # measurement picks by speed, not by scratch) the model's default on its device.
+    kernel = cfg.attention.kernel if cfg.attention.kernel != "auto" else default_kernel(device)
+    cfg = with_overrides(cfg, [f"attention.kernel={kernel}"])
     check_spill(cfg.forward)  # made if missing, before the first probe writes there
-    setup = ForwardSetup(str(model_dir), precision.compute, device, cfg.forward.chunk_tokens, spill_of(cfg.forward))
+    f = cfg.forward
+    setup = ForwardSetup(str(model_dir), precision.compute, device, f.chunk_tokens, spill_of(f), kernel)
     vocab = ordinary_token_ids(model_dir)
     print(f"the longest prompt per budget, ours (hybrid) against vLLM; precision: {precision.describe()}")
     results = []

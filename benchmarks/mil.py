@@ -93,6 +93,7 @@ class ForwardSetup:
     device: str
     chunk_tokens: int  # the chunk size of the hybrid and chunked modes
     spill: Spill | None = None  # hybrid: where a long forward keeps its residual stream
+    attention: str | None = None  # the attention kernel (None: the model's default on its device)
 
 
 def probe_peak(setup: ForwardSetup, mode: str, num_tokens: int, num_requests: int = 1, prefix_tokens: int = 0) -> int:
@@ -127,6 +128,8 @@ def probe(
         "--prefix-tokens",
         str(prefix_tokens),
     ]
+    if setup.attention is not None:
+        cmd += ["--attention", setup.attention]
     if setup.spill is not None:
         cmd += ["--spill-dir", setup.spill.directory, "--spill-min-tokens", str(setup.spill.min_tokens)]
     # A fixed mmap threshold makes glibc return every freed tensor to the OS, so the resident

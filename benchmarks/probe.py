@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.memory import PeakShape, measure_forward_peak
+from tiered.hybrid.model import use_attention
 from tiered.hybrid.spill import Spill
 
 
@@ -26,10 +27,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, required=True, help="new tokens (per request, with --requests)")
     p.add_argument("--requests", type=int, default=1, help="requests in one batched forward")
     p.add_argument("--prefix-tokens", type=int, default=0, help="one cached prefix all requests share")
+    p.add_argument("--attention", help="the attention kernel (default: the model's default on its device)")
     p.add_argument("--spill-dir", help="hybrid: keep a long forward's residual stream in a file in this directory")
     p.add_argument("--spill-min-tokens", type=int, default=1, help="with --spill-dir: from this many tokens on")
     a = p.parse_args(argv)
     model = load_model(a.model, a.dtype, a.device)
+    use_attention(model, a.attention)
     shape = PeakShape(a.tokens, a.requests, a.prefix_tokens)
     spill = Spill(a.spill_dir, a.spill_min_tokens) if a.spill_dir else None
     peak = measure_forward_peak(model, shape, a.mode, a.chunk_tokens, spill)

@@ -120,10 +120,10 @@ def _split_memory(config: Config, model: CausalLM, budget: int) -> int:
     worst = max(lengths, key=lambda n: peaks[n].peak_bytes)
     peak = peaks[worst]
     left = budget - peak.peak_bytes
+    spilled = {n: " (spilled)" if spill and n >= spill.min_tokens else "" for n in lengths}
     log.info(
-        "profile run: %s peak %.1f MiB (weights %.1f MiB) of a %.1f MiB budget -> device tier %.1f MiB",
-        ", ".join(f"{n} tokens{' (spilled)' if spill and n >= spill.min_tokens else ''}" for n in lengths),
-        peak.peak_bytes / 2**20,
+        "profile run: %s; weights %.1f MiB of a %.1f MiB budget -> device tier %.1f MiB",
+        ", ".join(f"{n} tokens{spilled[n]} peak {peaks[n].peak_bytes / 2**20:.1f} MiB" for n in lengths),
         peak.weights_bytes / 2**20,
         budget / 2**20,
         left / 2**20,
