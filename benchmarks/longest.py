@@ -6,8 +6,9 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
   of forwards of `forward.spill_min_tokens` or more lives in a file there, on disk, not in the
   budget): the longest prompt whose forward peak (weights +
   activations, each length measured in a fresh process by `benchmarks.probe`) fits, to
-  --resolution tokens. Each probe after the first two goes where the line through the last two
-  meets the budget (the peak grows about linearly with tokens); the answer is a measured bracket:
+  --resolution tokens. Each probe after the first two (with a spill directory, two lengths that
+  spill) goes where the line through the last two meets the budget (the peak grows about linearly
+  with tokens); the answer is a measured bracket:
   a length that fits and one --resolution above it that does not.
   Then `tiered serve` starts with engine.memory_budget_bytes = the budget and model.max_model_len
   = that length (its start-up profile run checks the same fit; no host tier, so no KV leaves the
@@ -121,6 +122,9 @@ def find_ours(setup: ForwardSetup, result: BudgetResult, opts: LongestOptions) -
         return ok
 
     a, b = opts.guess_tokens
+    if setup.spill is not None and b < setup.spill.min_tokens:
+        # The peak grows slower per token once a forward spills: guess from two spilled lengths.
+        a, b = setup.spill.min_tokens, setup.spill.min_tokens + b - a
     if not fits(a):
         raise BenchError(f"a budget of {budget} bytes does not fit even {a} tokens of ours")
     lo, hi = a, 0  # the longest that fits; the shortest over (0: none yet)
