@@ -131,7 +131,7 @@ def _split_memory(config: Config, model: CausalLM, budget: int) -> int:
     if left <= 0:
         raise EngineStartError(
             f"model.max_model_len {max_len} does not fit engine.memory_budget_bytes {budget}: "
-            f"weights + one forward peak ({worst} tokens) at {peak.peak_bytes} bytes, {-left} bytes over; "
+            f"weights + one forward peak at {peak.peak_bytes} bytes, {-left} bytes over (at {worst} tokens); "
             "lower max_model_len or raise the budget"
         )
     return left

@@ -269,16 +269,18 @@ class _InMemory:
         self.x, self.dtype = x, x.dtype
 
     def read(self, start: int, end: int) -> Tensor:
+        """Rows [start, end): a view of the stream."""
         return self.x[start:end]
 
     def write(self, start: int, rows: Tensor) -> None:
-        pass  # `rows` is the view `read` returned
+        """Nothing to store: `rows` is the view `read` returned, updated in place."""
 
     def rows(self, index: Tensor) -> Tensor:
+        """The rows at `index` [R] (a copy [R, D])."""
         return self.x[index.to(self.x.device)]
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the tensor belongs to the forward."""
 
 
 _Stream = _InMemory | ResidualFile
