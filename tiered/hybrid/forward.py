@@ -238,8 +238,9 @@ def _layer_by_layer(
     one chunk at a time. Returns the residual stream of the packed tokens [N, D] (`hidden`, if
     given, is updated in place); with `last_rows_only`, the last layer runs past its K,V for each
     request's last row only and the result is their residual stream [R, D], in request order.
-    With `spill` (and `last_rows_only`) and at least `spill.min_tokens` tokens, the residual stream
-    lives in a file: each chunk's rows are read, updated and written back."""
+    With `spill` (given only with `last_rows_only`, without `hidden`) and at least
+    `spill.min_tokens` tokens, the residual stream lives in a file: each chunk's rows are read,
+    updated and written back."""
     a = model.args
     order, groups = _pack(items)
     device = model.inv_freq.device
@@ -249,7 +250,7 @@ def _layer_by_layer(
     chunk = N if hold_kv else min(chunk, N)
     bounds = [(s, min(s + chunk, N)) for s in range(0, N, chunk)]
     stream: _Stream
-    if spill is not None and last_rows_only and not hold_kv and N >= spill.min_tokens:
+    if spill is not None and N >= spill.min_tokens:
         dtype = model.model.embed_tokens.weight.dtype
         stream = ResidualFile(spill.directory, N, a.hidden_size, dtype, chunk, device)
         for s, e in bounds:
