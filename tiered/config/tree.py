@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +24,18 @@ def require(ok: bool, key: str, message: str) -> None:
     """Raise ConfigError naming `key` unless `ok`: how each section checks its invariants."""
     if not ok:
         raise ConfigError(f"config key '{key}': {message}")
+
+
+def require_writable_dir(path: str, key: str, what: str) -> None:
+    """Make directory `path` if missing and write one file there (removed at once); a path that
+    cannot hold `what` (a file, read-only, not creatable) is a ConfigError naming `key`."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as f:
+            f.write(bytes(4096))
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"config key '{key}': '{path}' cannot hold {what} ({reason})") from None
 
 
 @dataclass(slots=True)

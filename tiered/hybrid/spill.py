@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tiered.config import ConfigError, ForwardConfig
+from tiered.config import ForwardConfig
+from tiered.config.tree import require_writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,7 @@ def check_spill(forward: ForwardConfig) -> None:
     directory = forward.spill_dir
     if not directory:
         return
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory) as f:
-            f.write(bytes(4096))
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(
-            f"config key 'forward.spill_dir': '{directory}' cannot hold the residual stream ({reason})"
-        ) from None
+    require_writable_dir(directory, "forward.spill_dir", "the residual stream")
     kind = file_system_of(directory)
     if kind in MEMORY_FILE_SYSTEMS:
         log.warning("forward.spill_dir '%s' is on %s: a spilled residual stream stays in memory there", directory, kind)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tiered.config import ConfigError
+from tiered.config.tree import require_writable_dir
 from tiered.hybrid.args import ModelArgs
 
 # Set before LMCache is first imported (it reads them at import): a user's own values win.
@@ -219,16 +220,7 @@ def check_local_disk(config: Any) -> list[str]:
     its own thread, or kill the engine with a traceback). Returns the directories."""
     paths = local_disk_paths(config)
     for path in paths:
-        probe = Path(path) / f".tiered-probe-{os.getpid()}"
-        try:
-            os.makedirs(path, exist_ok=True)
-            probe.write_bytes(bytes(4096))
-            probe.unlink()
-        except OSError as exc:
-            reason = exc.strerror or type(exc).__name__
-            raise ConfigError(
-                f"config key 'cache.host.lmcache.local_disk': '{path}' cannot hold the disk tier ({reason})"
-            ) from None
+        require_writable_dir(path, "cache.host.lmcache.local_disk", "the disk tier")
     return paths
 
 
