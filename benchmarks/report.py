@@ -60,7 +60,8 @@ def commit_at_start() -> str:
 
 
 def provenance() -> dict[str, Any]:
-    """What a reader needs to recompute a figure: code, machine, threads, torch and the command."""
+    """What a reader needs to recompute a figure: code, machine (its GPU where CUDA is there),
+    threads, torch and the command."""
     import torch
 
     model, flags = _cpu()
@@ -73,6 +74,7 @@ def provenance() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}),
         "command": shlex.join(argv),
     }
 
@@ -154,7 +156,8 @@ def print_headline(rows: list[dict[str, Any]]) -> None:
 
 def _machine(prov: dict[str, Any]) -> str:
     flags = ", ".join(prov.get("cpu_flags") or []) or "no avx2"
-    return f"{prov.get('cpu_model', '?')} ({flags}); {prov.get('threads', '?')} threads"
+    host = f"{prov.get('cpu_model', '?')} ({flags}); {prov.get('threads', '?')} threads"
+    return f"{prov['gpu']}; host: {host}" if prov.get("gpu") else host
 
 
 def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/") -> str:

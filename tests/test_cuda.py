@@ -9,9 +9,10 @@ import torch
 from through_tiers import forward_with_tiers
 
 from tiered.config import CacheConfig, HostTierConfig
-from tiered.hybrid.forward import forward
+from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.memory import PeakShape, measure_forward_peak
+from tiered.hybrid.spill import ResidualFile, Spill
 from tiered.offload.tiers import KVTiers, TierSetup
 
 pytestmark = [
@@ -56,3 +57,21 @@ def test_cuda_peak_is_max_allocated(tiny_dir: Path) -> None:
     short = measure_forward_peak(model, PeakShape(1024), "hybrid", 256)
     long = measure_forward_peak(model, PeakShape(8192), "hybrid", 256)
     assert short.method == "cuda max allocated" and short.weights_bytes < short.peak_bytes < long.peak_bytes
+
+
+def test_cuda_spilled_forward_equals_the_one_in_memory(tiny_dir: Path, tmp_path: Path) -> None:
+    """The residual stream through a file and a pinned host buffer: the same logits, bit for bit."""
+    model = load_model(tiny_dir, "bfloat16", "cuda")
+    ids = torch.randint(0, 1300, (3000,), generator=torch.Generator().manual_seed(2))
+    ref = forward_batch(model, [BatchItem(ids)], chunk_tokens=256)
+    got = forward_batch(model, [BatchItem(ids)], chunk_tokens=256, spill=Spill(str(tmp_path), 1))
+    assert got.device.type == "cuda" and torch.equal(ref, got)
+    stream = ResidualFile(str(tmp_path), 8, 4, torch.bfloat16, 8, torch.device("cuda"))
+    try:
+        rows = torch.randn((8, 4), device="cuda").to(torch.bfloat16)
+        stream.write(0, rows)
+        back = stream.read(0, 8)
+        assert back.device.type == "cuda" and torch.equal(back, rows)
+        assert torch.equal(stream.rows(torch.tensor([5, 1])), rows[[5, 1]])
+    finally:
+        stream.close()

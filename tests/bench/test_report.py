@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.report import END, START, headline_row, render_table, splice, write_report, write_tables
 from benchmarks.servers import wait_quiet
@@ -26,8 +27,21 @@ def test_every_document_carries_its_provenance(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "r.json").read_text())
     prov = saved["provenance"]
     assert saved == doc and saved["x"] == 1
-    assert set(prov) == {"commit", "cpu_model", "cpu_flags", "cores", "threads", "torch", "command"}
+    assert set(prov) - {"gpu"} == {"commit", "cpu_model", "cpu_flags", "cores", "threads", "torch", "command"}
+    assert ("gpu" in prov) == torch.cuda.is_available()
     assert len(prov["commit"].split("+")[0]) == 40 and prov["threads"] >= 1 and prov["torch"].startswith("2.13")
+
+
+def test_the_table_names_the_gpu_a_run_had(tmp_path: Path) -> None:
+    row = headline_row("load", "s", ("offload", [1.0, 1.0, 1.0]), ("discard", [2.0, 2.0, 2.0]), False)
+    for name, gpu in (("gpu", {"gpu": "NVIDIA H200"}), ("cpu", {})):
+        doc = write_report(None, "demo", "cuda" if gpu else "cpu", {"headline": [row]})
+        doc["provenance"].pop("gpu", None)
+        doc["provenance"].update(gpu, cpu_model="Host CPU", cpu_flags=["avx2"], threads=16)
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    rows = [line for line in render_table(tmp_path).splitlines() if line.startswith("| load")]
+    assert "| NVIDIA H200; host: Host CPU (avx2); 16 threads |" in rows[1]
+    assert "| Host CPU (avx2); 16 threads |" in rows[0] and "H200" not in rows[0]
 
 
 def test_ratios_are_paired_run_by_run_and_say_which_way_is_better() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,23 @@ def _timing(kernel: str, shape: str, seconds: float, ok: bool = True) -> KernelT
     return KernelTiming(kernel, shape, seconds, 1.0, 0.0 if ok else 1.0, ok)
 
 
+@pytest.mark.parametrize("error", [RuntimeError, ValueError, TypeError])
+def test_a_kernel_that_raises_while_measured_is_refused(
+    error: type[Exception], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library kernel failing on this machine (a missing op, an older signature) is measured as
+    refused, and the engine's choice falls on one that ran."""
+
+    def broken(*args: object) -> None:
+        raise error("not here")
+
+    monkeypatch.setitem(KERNELS, "broken", dataclasses.replace(KERNELS["masked"], name="broken", attend_=broken))
+    shapes = (ShapeClass("small", 2, 16, 32),)
+    timings = select_module.time_kernels(["broken", "masked"], shapes, KernelShape(4, 2, 16, torch.float32, "cpu"))
+    assert [(t.kernel, t.ok) for t in timings] == [("broken", False), ("masked", True)]
+    assert fastest(timings) == "masked"
+
+
 def test_the_fastest_correct_kernel_wins_with_each_shape_counted_equally() -> None:
     timings = [
         _timing("a", "big", 10.0),
@@ -164,6 +182,36 @@ def test_varlen_packs_each_piece_as_one_sequence(shape: str, monkeypatch: pytest
 
     monkeypatch.setattr(kernels, "_varlen_attn", _varlen_on_cpu)
     pieces, num_keys, prefix = SHAPES[shape]
+    q, k, v, pk, pv = _case(pieces, num_keys, prefix, 16, 4, 64, torch.bfloat16)
+    expected = q.clone().float()
+    reference_(expected, k, v, pieces, pk, pv)
+    got = q.clone()
+    kernels.varlen_(got, k, v, pieces, pk, pv)
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+def _varlen_with_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):  # type: ignore[no-untyped-def]
+    """torch's `varlen_attn` where it takes `window_size` and `enable_gqa` (the CPU stand-in inside)."""
+    assert window_size == (-1, 0) and enable_gqa
+    return _varlen_on_cpu(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+def _varlen_equal_heads(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):  # type: ignore[no-untyped-def]
+    """torch's older `varlen_attn`: `is_causal` (bottom-right with FlashAttention-2), equal head counts."""
+    assert is_causal and k.shape[1] == v.shape[1] == q.shape[1]
+    return _varlen_on_cpu(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+@pytest.mark.parametrize("api", [_varlen_with_gqa, _varlen_equal_heads])
+def test_varlen_calls_either_signature_of_torchs_varlen_attn(api, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Grouped K,V heads go through both versions of torch's API: as groups where it takes them,
+    else each K,V head repeated for its query heads."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    from tiered.hybrid.attention import kernels
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", api)
+    pieces, num_keys, prefix = SHAPES["followers"]
     q, k, v, pk, pv = _case(pieces, num_keys, prefix, 16, 4, 64, torch.bfloat16)
     expected = q.clone().float()
     reference_(expected, k, v, pieces, pk, pv)

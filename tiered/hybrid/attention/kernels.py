@@ -5,6 +5,7 @@ Design notes: docs/internals.md, section `tiered/hybrid/attention/kernels.py`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -128,7 +129,17 @@ def _varlen_attn(
 ) -> Tensor:  # pragma: no cover - needs CUDA (tests swap in a CPU stand-in to check the packing)
     from torch.nn.attention.varlen import varlen_attn
 
-    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0), enable_gqa=True)
+    params = inspect.signature(varlen_attn).parameters
+    options: dict[str, object] = {}
+    if "enable_gqa" in params:
+        options["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:  # a torch whose varlen_attn takes equal head counts only
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if "window_size" in params:
+        options["window_size"] = (-1, 0)  # causal, aligned to the last key
+    else:
+        options["is_causal"] = True
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **options)
     return out  # type: ignore[return-value]
 
 

@@ -132,7 +132,7 @@ def time_kernels(
             got = q.clone()
             try:
                 attend(got, k, v, shape.pieces(), pk, pv)
-            except (RuntimeError, ValueError) as e:  # a library kernel that fails here is refused, not fatal
+            except (RuntimeError, ValueError, TypeError) as e:  # a library kernel that fails here is refused
                 log.warning("attention kernel %s failed on %s: %s", name, shape.name, e)
                 out.append(KernelTiming(name, shape.name, math.inf, 0.0, math.inf, False))
                 continue
