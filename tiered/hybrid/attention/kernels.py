@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -130,7 +130,7 @@ def _varlen_attn(
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    options: dict[str, object] = {}
+    options: dict[str, Any] = {}
     if "enable_gqa" in params:
         options["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:  # a torch whose varlen_attn takes equal head counts only
