@@ -7,11 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import tiered.hybrid.memory as memory
+from benchmarks.mil import ForwardSetup, probe_peak
 from tiered.config import load_config
-from tiered.engine import Engine, EngineStartError, ScoreParams, startup
+from tiered.engine import Engine, EngineStartError, ScoreParams
 from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import ForwardInputError, forward
-from tiered.hybrid.memory import measure_forward_peak
+from tiered.hybrid.memory import extend_line, measure_forward_peak, profile_lengths
+from tiered.hybrid.spill import Spill
 
 
 def _cfg(tiny_dir: Path, tmp_path: Path, *overrides: str):
@@ -69,19 +72,25 @@ def test_memory_budget_sets_the_device_tier_or_refuses_to_start(tiny_dir: Path, 
         Engine(_cfg(tiny_dir, tmp_path, "engine.memory_budget_bytes=1000000", "cache.suffix=discard"))
 
 
-def test_with_a_spill_dir_the_profile_run_also_measures_the_longest_forward_in_memory(
-    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Just short of spill_min_tokens a forward keeps its residual stream in memory and can peak
-    above a longer one that spills: the split counts the larger of the two measured peaks."""
-    measured: dict[int, int] = {}
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """The peak of every forward the start-up profile measures, by its tokens."""
+    peaks: dict[int, int] = {}
 
     def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
         peak = measure_forward_peak(*args, **kwargs)
-        measured[peak.num_tokens] = peak.peak_bytes
+        peaks[peak.num_tokens] = peak.peak_bytes
         return peak
 
-    monkeypatch.setattr(startup, "measure_forward_peak", recorded)
+    monkeypatch.setattr(memory, "measure_forward_peak", recorded)
+    return peaks
+
+
+def test_with_a_spill_dir_the_profile_run_also_measures_the_longest_forward_in_memory(
+    tiny_dir: Path, tmp_path: Path, measured: dict[int, int]
+) -> None:
+    """Just short of spill_min_tokens a forward keeps its residual stream in memory and can peak
+    above a longer one that spills: the split counts the larger of the two measured peaks."""
     spill = [f"forward.spill_dir={tmp_path / 'spill'}", "forward.spill_min_tokens=1500"]
     budget = ["engine.memory_budget_bytes=268435456", "cache.suffix=discard"]
     engine = Engine(_cfg(tiny_dir, tmp_path, *budget, *spill))
@@ -89,6 +98,49 @@ def test_with_a_spill_dir_the_profile_run_also_measures_the_longest_forward_in_m
     pool = engine.tiers.device_tier.num_blocks * engine.tiers.device_tier.bytes_per_block
     assert 0 < 268435456 - max(measured.values()) - pool < engine.tiers.device_tier.bytes_per_block
     engine.close()
+
+
+def test_past_profile_max_tokens_the_profile_runs_two_shorter_forwards(
+    tiny_dir: Path, tmp_path: Path, measured: dict[int, int]
+) -> None:
+    """A long max_model_len is not forwarded at start-up: two lengths up to engine.profile_max_tokens
+    are, and the device tier gets what their line leaves at max_model_len."""
+    budget = 268435456
+    overrides = [f"engine.memory_budget_bytes={budget}", "cache.suffix=discard", "engine.profile_max_tokens=1024"]
+    engine = Engine(_cfg(tiny_dir, tmp_path, *overrides, "model.max_model_len=8192"))
+    assert set(measured) == {512, 1024}
+    extended = extend_line(512, measured[512], 1024, measured[1024], 8192)
+    pool = engine.tiers.device_tier.num_blocks * engine.tiers.device_tier.bytes_per_block
+    assert 0 <= budget - extended - pool < engine.tiers.device_tier.bytes_per_block
+    engine.close()
+    with pytest.raises(EngineStartError, match=r"at 8192 tokens extended from 512 and 1024 tokens"):
+        Engine(_cfg(tiny_dir, tmp_path, *overrides, "model.max_model_len=8192", "engine.memory_budget_bytes=1000"))
+
+
+def test_the_extended_peak_is_the_measured_one(tiny_dir: Path, tmp_path: Path) -> None:
+    """A hybrid forward's peak is affine in its length within a regime: the line through the two
+    lengths a 32 K cap measures meets the peak measured at twice the cap (fresh processes), in
+    memory and spilled; with its margin it does not fall under it."""
+    for spill in (None, Spill(str(tmp_path), 4096)):
+        setup = ForwardSetup(str(tiny_dir), "float32", "cpu", 256, spill)
+        lengths, extend = profile_lengths(65536, "hybrid", spill, 32768)
+        lo, hi = lengths[:2]
+        assert extend and (lo, hi) == (16384, 32768)
+        peak = {n: probe_peak(setup, "hybrid", n) for n in (lo, hi, 65536)}
+        extended = extend_line(lo, peak[lo], hi, peak[hi], 65536)
+        growth = peak[65536] - peak[hi]
+        assert growth > 0 and peak[65536] - 2**20 <= extended <= peak[65536] + 0.15 * growth, (spill, peak)
+
+
+def test_profile_lengths_stay_in_the_regime_of_max_model_len() -> None:
+    assert profile_lengths(2048, "hybrid", None, 32768) == ([2048], False)  # short: measured itself
+    assert profile_lengths(100000, "hybrid", None, 32768) == ([16384, 32768], True)
+    assert profile_lengths(100000, "chunked", None, 32768) == ([100000], False)  # only hybrid extends
+    assert profile_lengths(100000, "hybrid", None, 0) == ([100000], False)
+    spill = Spill("/unused", 16384)
+    assert profile_lengths(100000, "hybrid", spill, 32768) == ([16384, 32768, 16383], True)
+    assert profile_lengths(100000, "hybrid", Spill("/unused", 40000), 32768) == ([40000, 56384, 39999], True)
+    assert profile_lengths(50000, "hybrid", Spill("/unused", 40000), 32768) == ([50000, 39999], False)
 
 
 def test_priority_allowed_tokens_logit_bias_and_cancel(tiny_dir: Path, tmp_path: Path) -> None:

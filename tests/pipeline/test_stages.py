@@ -276,7 +276,7 @@ def test_a_budget_too_small_for_the_stages_fails_the_start_naming_them(tiny_dir:
 
 def test_pools_get_the_blocks_the_tightest_stage_has_room_for() -> None:
     specs = [
-        StageSpec(s, 3, layers, "", "float32", "float32", "cpu", "masked", 16, 128, 1, "", "hybrid", 1024)
+        StageSpec(s, 3, layers, "", "float32", "float32", "cpu", "masked", 16, 128, 0, 1, "", "hybrid", 1024)
         for s, layers in enumerate(stage_layers(5, 3))
     ]  # layers 0-1, 2-3, 4
     loaded = [StageLoaded(0, 500, 600, 20), StageLoaded(1, 300, 450, 20), StageLoaded(2, 550, 700, 10)]

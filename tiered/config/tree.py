@@ -244,6 +244,11 @@ class EngineConfig:
     # With pipeline_stages > 1, each stage's budget: each measures its own layers' weights and
     # forward, and every stage's pool gets the blocks the tightest stage has room for.
     memory_budget_bytes: int = 0
+    # The profile run's longest forward. A hybrid max_model_len above it is not run: its peak is
+    # extended along the line through two measured lengths (the peak is affine in the length, the
+    # residual stream spilled or not), so a start-up with a long max_model_len takes seconds, not
+    # the minutes its forward takes. 0: always forward max_model_len tokens.
+    profile_max_tokens: int = 32768
     # torch threads of the engine process's forward. 0: torch's default (one per core).
     threads: int = 0
     # Pipeline parallelism (vLLM's --pipeline-parallel-size): the decoder layers split into this
@@ -269,6 +274,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         require(self.memory_budget_bytes >= 0, "engine.memory_budget_bytes", "must be >= 0")
+        require(
+            self.profile_max_tokens == 0 or self.profile_max_tokens >= 2,
+            "engine.profile_max_tokens",
+            f"must be 0 or >= 2, got {self.profile_max_tokens}",
+        )
         require(self.threads >= 0, "engine.threads", f"must be >= 0, got {self.threads}")
         require(self.pipeline_stages >= 1, "engine.pipeline_stages", f"must be >= 1, got {self.pipeline_stages}")
         require(self.threads_per_stage >= 0, "engine.threads_per_stage", f"must be >= 0, got {self.threads_per_stage}")

@@ -20,7 +20,7 @@ from tiered.engine.request import Prepared
 from tiered.engine.runner import LocalRunner, Runner, plan_batch
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
 from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, resolve_device
-from tiered.hybrid.memory import PeakShape, measure_forward_peak
+from tiered.hybrid.memory import profile_peak
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError, start_pipeline
 from tiered.hybrid.precision import Precision, precision_for
@@ -108,30 +108,27 @@ def start(config: Config) -> Parts:
 
 
 def _split_memory(config: Config, model: CausalLM, budget: int) -> int:
-    """Device-tier bytes = budget − weights − peak of a max_model_len forward (profile run). With
+    """Device-tier bytes = budget − weights − peak of a max_model_len forward (profile run; past
+    `engine.profile_max_tokens` a hybrid forward's peak is extended from two shorter ones). With
     `forward.spill_dir`, a forward just short of `spill_min_tokens` keeps its residual stream in
     memory and may peak higher than a longer one that spills: the larger of the two counts."""
     f, max_len = config.forward, config.model.max_model_len
     spill = spill_of(f)
-    lengths = [max_len]
-    if spill is not None and 1 < spill.min_tokens <= max_len:
-        lengths.append(spill.min_tokens - 1)
-    peaks = {n: measure_forward_peak(model, PeakShape(n), f.mode, f.chunk_tokens, spill) for n in lengths}
-    worst = max(lengths, key=lambda n: peaks[n].peak_bytes)
-    peak = peaks[worst]
-    left = budget - peak.peak_bytes
-    spilled = {n: " (spilled)" if spill and n >= spill.min_tokens else "" for n in lengths}
+    profiled = profile_peak(model, max_len, f.mode, f.chunk_tokens, spill, config.engine.profile_max_tokens)
+    worst, peak_bytes = profiled.worst, profiled.peak_bytes
+    left = budget - peak_bytes
     log.info(
         "profile run: %s; weights %.1f MiB of a %.1f MiB budget -> device tier %.1f MiB",
-        ", ".join(f"{n} tokens{spilled[n]} peak {peaks[n].peak_bytes / 2**20:.1f} MiB" for n in lengths),
-        peak.weights_bytes / 2**20,
+        profiled.describe(spill),
+        profiled.weights_bytes / 2**20,
         budget / 2**20,
         left / 2**20,
     )
     if left <= 0:
+        how = " extended from {} and {} tokens".format(*profiled.extended[worst]) if worst in profiled.extended else ""
         raise EngineStartError(
             f"model.max_model_len {max_len} does not fit engine.memory_budget_bytes {budget}: "
-            f"weights + one forward peak at {peak.peak_bytes} bytes, {-left} bytes over (at {worst} tokens); "
+            f"weights + one forward peak at {peak_bytes} bytes, {-left} bytes over (at {worst} tokens{how}); "
             "lower max_model_len or raise the budget"
         )
     return left

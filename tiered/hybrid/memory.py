@@ -9,7 +9,7 @@ For a clean reading run it in a process of its own with a fixed glibc mmap thres
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +130,92 @@ def measure_forward_peak(
     run(items)
     seconds = time.perf_counter() - start
     return ForwardPeak(total, max(0, _status_bytes("VmHWM") - baseline) + weights, weights, seconds, method)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfiledPeak:
+    """The forward peak a start-up split counts: the largest over `peaks` (tokens -> bytes, weights
+    included), each measured or, for the lengths in `extended`, read off a line through two measured
+    ones."""
+
+    peaks: dict[int, int]
+    weights_bytes: int
+    extended: dict[int, tuple[int, int]]  # a length -> the two measured lengths its peak extends
+
+    @property
+    def worst(self) -> int:
+        """The length with the largest peak (the longest of equal ones)."""
+        return max(self.peaks, key=lambda n: (self.peaks[n], n))
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest peak, bytes (weights included)."""
+        return self.peaks[self.worst]
+
+    def describe(self, spill: Spill | None = None) -> str:
+        """Each length's peak in MiB, saying which spilled and which were extended."""
+        parts = []
+        for n in sorted(self.peaks):
+            how = " (spilled)" if spill is not None and n >= spill.min_tokens else ""
+            if n in self.extended:
+                lo, hi = self.extended[n]
+                how += f" (extended from {lo} and {hi})"
+            parts.append(f"{n} tokens{how} peak {self.peaks[n] / 2**20:.1f} MiB")
+        return ", ".join(parts)
+
+
+def profile_lengths(max_tokens: int, mode: ForwardMode, spill: Spill | None, cap: int) -> tuple[list[int], bool]:
+    """The lengths a start-up profile of `max_tokens` measures, and whether `max_tokens`' own peak
+    is extended from the last two instead of measured. A hybrid forward's peak is affine in its
+    length within one regime (the chunk's scratch is fixed; the residual stream, unless it spills,
+    and one layer's K,V grow per token), so past `cap` tokens two lengths of max_tokens' regime
+    (both spilled when it spills) give it. With a spill the longest forward that keeps its stream
+    in memory is measured too: it can peak above longer ones that spill."""
+    extend = mode == "hybrid" and 0 < cap < max_tokens
+    lengths = [max_tokens]
+    if extend:
+        lo = cap // 2
+        if spill is not None and max_tokens >= spill.min_tokens:
+            lo = max(lo, spill.min_tokens)
+        hi = max(cap, lo + cap // 2)
+        extend = hi < max_tokens
+        if extend:
+            lengths = [lo, hi]
+    if spill is not None and 1 < spill.min_tokens <= max_tokens and spill.min_tokens - 1 not in lengths:
+        lengths.append(spill.min_tokens - 1)
+    return lengths, extend
+
+
+# The extension's slope is the measured one raised by this share: the resident peak's growth per
+# token, measured between shorter lengths, can run a few percent under its growth further on.
+EXTENSION_MARGIN = 0.05
+
+
+def extend_line(lo: int, peak_lo: int, hi: int, peak_hi: int, num_tokens: int) -> int:
+    """The peak at `num_tokens` > hi on the line through (lo, peak_lo) and (hi, peak_hi), its slope
+    raised by EXTENSION_MARGIN (never below the peak at hi)."""
+    slope = max(0.0, (peak_hi - peak_lo) / (hi - lo)) * (1 + EXTENSION_MARGIN)
+    return int(peak_hi + slope * (num_tokens - hi))
+
+
+def profile_peak(
+    model: CausalLM,
+    max_tokens: int,
+    mode: ForwardMode,
+    chunk_tokens: int,
+    spill: Spill | None = None,
+    cap: int = 0,
+    shape: Callable[[int], PeakShape] = PeakShape,
+) -> ProfiledPeak:
+    """The peak of a forward of `max_tokens` (`shape(n)`: the measured forward of n tokens), from the
+    forwards `profile_lengths` names; `cap` 0 measures `max_tokens` itself."""
+    lengths, extend = profile_lengths(max_tokens, mode, spill, cap)
+    measured = {n: measure_forward_peak(model, shape(n), mode, chunk_tokens, spill) for n in lengths}
+    peaks = {n: p.peak_bytes for n, p in measured.items()}
+    extended: dict[int, tuple[int, int]] = {}
+    if extend:
+        lo, hi = lengths[0], lengths[1]
+        peaks[max_tokens] = extend_line(lo, peaks[lo], hi, peaks[hi], max_tokens)
+        extended[max_tokens] = (lo, hi)
+    weights = next(iter(measured.values())).weights_bytes
+    return ProfiledPeak(peaks, weights, extended)

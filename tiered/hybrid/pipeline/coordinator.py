@@ -456,6 +456,7 @@ def start_pipeline(
             attention,
             bt,
             profile_tokens,
+            e.profile_max_tokens,
             threads,
             "",
             config.forward.mode,

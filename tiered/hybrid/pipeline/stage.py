@@ -32,7 +32,7 @@ from tiered.engine.runner import ItemPlan
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterError, AdapterSpec
-from tiered.hybrid.memory import PeakShape, measure_forward_peak, weights_bytes
+from tiered.hybrid.memory import PeakShape, profile_peak, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline.host import HostOps, StageHost
 from tiered.logs import setup as setup_logging
@@ -57,6 +57,8 @@ class StageSpec:
     # With engine.memory_budget_bytes: a profile run of this many tokens (max_model_len) through
     # its layers at start-up, its peak reported in StageLoaded. 0: none.
     profile_tokens: int
+    # Past this many tokens the profile's peak is extended from two shorter forwards (engine.profile_max_tokens).
+    profile_max_tokens: int
     threads: int
     init_method: str  # torch.distributed rendezvous (file://... on this machine)
     mode: ForwardMode
@@ -169,10 +171,15 @@ def load_stage(spec: StageSpec) -> tuple[CausalLM, StageLoaded]:
     use_attention(model, spec.attention)
     peak = 0
     if spec.profile_tokens:
-        shape = PeakShape(
-            spec.profile_tokens, first_stage=spec.stage == 0, last_stage=spec.stage == spec.num_stages - 1
-        )
-        peak = measure_forward_peak(model, shape, spec.mode, spec.chunk_tokens).peak_bytes
+        first, last = spec.stage == 0, spec.stage == spec.num_stages - 1
+        peak = profile_peak(
+            model,
+            spec.profile_tokens,
+            spec.mode,
+            spec.chunk_tokens,
+            cap=spec.profile_max_tokens,
+            shape=lambda n: PeakShape(n, first_stage=first, last_stage=last),
+        ).peak_bytes
     bytes_per_block = spec.block_tokens * model.args.kv_bytes_per_token(DTYPES[spec.kv_dtype])
     return model, StageLoaded(spec.stage, weights_bytes(model), peak, bytes_per_block)
 
