@@ -102,7 +102,9 @@ def measure_forward_peak(
         ]
         prefix = GatheredPrefix(layers)  # type: ignore[arg-type]
     items = [BatchItem(torch.randint(0, a.vocab_size, (num_tokens,), generator=g), prefix) for _ in range(num_requests)]
-    warm = [BatchItem(it.token_ids[: min(64, num_tokens)], prefix) for it in items[:2]]
+    # The warm-up runs whole chunks: a process's first forward of chunk-sized matmuls also sets up
+    # what every later one reuses (the GEMM library's kernels and scratch), which is no activation.
+    warm = [BatchItem(it.token_ids[: min(2 * chunk_tokens, num_tokens)], prefix) for it in items[:2]]
 
     def run(items: list[BatchItem]) -> None:
         hidden = None
@@ -208,7 +210,7 @@ def profile_peak(
     shape: Callable[[int], PeakShape] = PeakShape,
 ) -> ProfiledPeak:
     """The peak of a forward of `max_tokens` (`shape(n)`: the measured forward of n tokens), from the
-    forwards `profile_lengths` names; `cap` 0 measures `max_tokens` itself."""
+    forwards `profile_lengths` names, in this process; `cap` 0 measures `max_tokens` itself."""
     lengths, extend = profile_lengths(max_tokens, mode, spill, cap)
     measured = {n: measure_forward_peak(model, shape(n), mode, chunk_tokens, spill) for n in lengths}
     peaks = {n: p.peak_bytes for n, p in measured.items()}
