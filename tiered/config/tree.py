@@ -246,8 +246,8 @@ class EngineConfig:
     memory_budget_bytes: int = 0
     # The profile run's longest forward. A hybrid max_model_len above it is not run: its peak is
     # extended along the line through two measured lengths (the peak is affine in the length, the
-    # residual stream spilled or not), so a start-up with a long max_model_len takes seconds, not
-    # the minutes its forward takes. 0: always forward max_model_len tokens.
+    # residual stream spilled or not), so a start-up with a long max_model_len costs the forwards
+    # up to this length, not one of max_model_len. 0: always forward max_model_len tokens.
     profile_max_tokens: int = 32768
     # torch threads of the engine process's forward. 0: torch's default (one per core).
     threads: int = 0
