@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.mil import matmul_flops_per_s
+from benchmarks.traces import BenchError
 from tiered.hybrid.attention import vllm_cpu
 from tiered.hybrid.attention.select import SHAPE_CLASSES, KernelShape, ShapeClass, available, fastest, time_kernels
 from tiered.hybrid.loader import DTYPES, read_args
@@ -121,6 +122,9 @@ def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
     vllm_cpu.use_library(opts.vllm_library)
     names = opts.kernels or available(device, dtype, a.head_dim)
     shapes = tuple(s for s in ATTENTION_SHAPES if s.new_tokens + s.prefix_tokens <= opts.max_tokens)
+    if not shapes:
+        shortest = min(s.new_tokens + s.prefix_tokens for s in ATTENTION_SHAPES)
+        raise BenchError(f"--max-tokens {opts.max_tokens} leaves no shape class (the shortest has {shortest} tokens)")
     rates = {d: matmul_flops_per_s(d, device, 1024, 1) / 1e9 for d in (torch.float32, torch.bfloat16) if d != dtype}
     # n = 1,024 for half precisions: a CPU without native bf16 takes ~1 min per 2,048^3 product.
     rates[dtype] = matmul_flops_per_s(dtype, device, *((2048, 5) if dtype == torch.float32 else (1024, 2))) / 1e9

@@ -43,3 +43,12 @@ def test_attention_bench_times_every_kernel_on_every_shape(
     assert got == {(k, s) for k in here for s in ("shared", "causal")}  # "too long" skipped
     assert all(t["ok"] and t["max_error"] < 1e-4 and t["gflops"] > 0 for t in doc["timings"])
     assert doc["fastest"] in here
+
+
+def test_a_max_tokens_below_every_shape_is_named(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kernels_module, "ATTENTION_SHAPES", (ShapeClass("causal", 1, 96, 0),))
+    args = ["attention", "--model", str(tiny_dir), "--device", "cpu", "--max-tokens", "64", "--vllm-library", "none"]
+    assert main(args) == 2
+    assert "--max-tokens 64 leaves no shape class (the shortest has 96 tokens)" in capsys.readouterr().err
