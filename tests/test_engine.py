@@ -123,9 +123,9 @@ def test_the_extended_peak_is_the_measured_one(tiny_dir: Path, tmp_path: Path) -
     memory and spilled; with its margin it does not fall under it."""
     for spill in (None, Spill(str(tmp_path), 4096)):
         setup = ForwardSetup(str(tiny_dir), "float32", "cpu", 256, spill)
-        lengths, extend = profile_lengths(65536, "hybrid", spill, 32768)
+        lengths = profile_lengths(65536, "hybrid", spill, 32768)
         lo, hi = lengths[:2]
-        assert extend and (lo, hi) == (16384, 32768)
+        assert 65536 not in lengths and (lo, hi) == (16384, 32768)
         peak = {n: probe_peak(setup, "hybrid", n) for n in (lo, hi, 65536)}
         extended = extend_line(lo, peak[lo], hi, peak[hi], 65536)
         growth = peak[65536] - peak[hi]
@@ -133,14 +133,14 @@ def test_the_extended_peak_is_the_measured_one(tiny_dir: Path, tmp_path: Path) -
 
 
 def test_profile_lengths_stay_in_the_regime_of_max_model_len() -> None:
-    assert profile_lengths(2048, "hybrid", None, 32768) == ([2048], False)  # short: measured itself
-    assert profile_lengths(100000, "hybrid", None, 32768) == ([16384, 32768], True)
-    assert profile_lengths(100000, "chunked", None, 32768) == ([100000], False)  # only hybrid extends
-    assert profile_lengths(100000, "hybrid", None, 0) == ([100000], False)
+    assert profile_lengths(2048, "hybrid", None, 32768) == [2048]  # short: measured itself
+    assert profile_lengths(100000, "hybrid", None, 32768) == [16384, 32768]
+    assert profile_lengths(100000, "chunked", None, 32768) == [100000]  # only hybrid extends
+    assert profile_lengths(100000, "hybrid", None, 0) == [100000]
     spill = Spill("/unused", 16384)
-    assert profile_lengths(100000, "hybrid", spill, 32768) == ([16384, 32768, 16383], True)
-    assert profile_lengths(100000, "hybrid", Spill("/unused", 40000), 32768) == ([40000, 56384, 39999], True)
-    assert profile_lengths(50000, "hybrid", Spill("/unused", 40000), 32768) == ([50000, 39999], False)
+    assert profile_lengths(100000, "hybrid", spill, 32768) == [16384, 32768, 16383]
+    assert profile_lengths(100000, "hybrid", Spill("/unused", 40000), 32768) == [40000, 56384, 39999]
+    assert profile_lengths(50000, "hybrid", Spill("/unused", 40000), 32768) == [50000, 39999]
 
 
 def test_priority_allowed_tokens_logit_bias_and_cancel(tiny_dir: Path, tmp_path: Path) -> None:

@@ -166,26 +166,24 @@ class ProfiledPeak:
         return ", ".join(parts)
 
 
-def profile_lengths(max_tokens: int, mode: ForwardMode, spill: Spill | None, cap: int) -> tuple[list[int], bool]:
-    """The lengths a start-up profile of `max_tokens` measures, and whether `max_tokens`' own peak
-    is extended from the last two instead of measured. A hybrid forward's peak is affine in its
-    length within one regime (the chunk's scratch is fixed; the residual stream, unless it spills,
-    and one layer's K,V grow per token), so past `cap` tokens two lengths of max_tokens' regime
-    (both spilled when it spills) give it. With a spill the longest forward that keeps its stream
-    in memory is measured too: it can peak above longer ones that spill."""
-    extend = mode == "hybrid" and 0 < cap < max_tokens
+def profile_lengths(max_tokens: int, mode: ForwardMode, spill: Spill | None, cap: int) -> list[int]:
+    """The lengths a start-up profile of `max_tokens` measures; where `max_tokens` is not among
+    them, its peak is extended from the first two. A hybrid forward's peak is affine in its length
+    within one regime (the chunk's scratch is fixed; the residual stream, unless it spills, and one
+    layer's K,V grow per token), so past `cap` tokens two lengths of max_tokens' regime (both
+    spilled when it spills) give it. With a spill the longest forward that keeps its stream in
+    memory is measured too: it can peak above longer ones that spill."""
     lengths = [max_tokens]
-    if extend:
+    if mode == "hybrid" and 0 < cap < max_tokens:
         lo = cap // 2
         if spill is not None and max_tokens >= spill.min_tokens:
             lo = max(lo, spill.min_tokens)
         hi = max(cap, lo + cap // 2)
-        extend = hi < max_tokens
-        if extend:
+        if hi < max_tokens:
             lengths = [lo, hi]
     if spill is not None and 1 < spill.min_tokens <= max_tokens and spill.min_tokens - 1 not in lengths:
         lengths.append(spill.min_tokens - 1)
-    return lengths, extend
+    return lengths
 
 
 # The extension's slope is the measured one raised by this share: the resident peak's growth per
@@ -211,11 +209,11 @@ def profile_peak(
 ) -> ProfiledPeak:
     """The peak of a forward of `max_tokens` (`shape(n)`: the measured forward of n tokens), from the
     forwards `profile_lengths` names, in this process; `cap` 0 measures `max_tokens` itself."""
-    lengths, extend = profile_lengths(max_tokens, mode, spill, cap)
+    lengths = profile_lengths(max_tokens, mode, spill, cap)
     measured = {n: measure_forward_peak(model, shape(n), mode, chunk_tokens, spill) for n in lengths}
     peaks = {n: p.peak_bytes for n, p in measured.items()}
     extended: dict[int, tuple[int, int]] = {}
-    if extend:
+    if max_tokens not in peaks:
         lo, hi = lengths[0], lengths[1]
         peaks[max_tokens] = extend_line(lo, peaks[lo], hi, peaks[hi], max_tokens)
         extended[max_tokens] = (lo, hi)
