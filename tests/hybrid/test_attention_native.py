@@ -78,6 +78,41 @@ def test_the_prefix_is_read_through_a_block_table(isa: str, dtype: torch.dtype) 
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
+# Pieces with many query blocks: a task then runs several consecutive blocks over each key tile (the tile made
+# ready once for all of them), the causal tiles skipping the blocks before their first key.
+GROUPED = {
+    # a long chunk whose earlier tokens are visible, and a piece after it on the same keys
+    "chunk after chunk": ([Piece(0, 300, 700, ((0, 300),)), Piece(700, 1000, 90, ((0, 1000),))], 1090, 0),
+    # a suffix longer than its (made ready) prefix, and a short piece on the same prefix
+    "suffix past the prefix": ([Piece(0, 0, 900), Piece(900, 900, 40)], 940, 320),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("shape", list(GROUPED))
+# group 4 (16 positions a block), group 3 (21: blocks that start inside a key tile), group 1 at head dim 128
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 64), (6, 2, 64), (2, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tasks_of_many_query_blocks_equal_the_fp32_reference(
+    isa: str, shape: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    _isa_or_skip(isa)
+    pieces, num_keys, prefix = GROUPED[shape]
+    q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
+    expected = q.clone().float()
+    reference_(expected, k, v, pieces, pk, pv)
+    paged = native.PagedPrefix(pk[None], pv[None], torch.zeros(1, dtype=torch.int64), prefix) if prefix else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the fewest tasks, so the most blocks a task
+    try:
+        got = q.clone()
+        native.attend_paged_(got, k, v, pieces, paged, isa=isa)  # type: ignore[arg-type]
+    finally:
+        torch.set_num_threads(threads)
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
 @needs_native
 def test_auto_takes_the_best_path_here_and_strided_views_are_read_in_place() -> None:
     pieces, num_keys, prefix = SHAPES["shared prefix"]

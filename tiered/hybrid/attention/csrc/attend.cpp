@@ -5,13 +5,14 @@
 // a pool [blocks, block_tokens, Hkv, Dh] through a block-id list, (2) its piece's visible key
 // ranges, (3) its own keys causally. GQA: the H / Hkv query heads of a KV head form a group.
 //
-// Work: one task = (piece, KV head, block of query positions); its rows are the block's
+// Work: one task = (piece, KV head, consecutive blocks of query positions); a block's rows are its
 // positions x the group's heads, so every K/V tile is loaded (and converted from bf16) once for
-// the whole group. Per key tile: S = Q K^T (a small GEMM against K packed transposed), an online
-// fp32 softmax in base 2 (log2(e) folded into the scores' scale), acc += P V. Tasks are handed out
-// largest first from an atomic counter inside at::parallel_for (causal blocks differ in cost).
+// the whole group, and made ready for the products (widened, or V packed in pairs) once for all the
+// task's blocks. Per key tile and block: S = Q K^T (a small GEMM against K packed transposed), an
+// online fp32 softmax in base 2 (log2(e) folded into the scores' scale), acc += P V. Tasks are handed
+// out largest first from an atomic counter inside at::parallel_for (causal blocks differ in cost).
 // The shared prefix's tiles are converted (widened to fp32 or packed in bf16 pairs) once per call
-// for all tasks, when more than one task per KV head reads them and the copy stays small.
+// for all tasks, when more than one block per KV head reads them and the copy stays small.
 // Values and outputs are kept Dp wide inside (the head dim rounded up to the path's register
 // width, zero columns past it), so every head dim runs on every path.
 //
@@ -128,22 +129,33 @@ struct Args {
 };
 
 struct Task {
-  int64_t piece, head, q0, nq, cost;
+  int64_t piece, head, q0, nq, cost;  // positions q0 .. q0 + nq of the piece: consecutive query blocks
 };
 
-// A thread's buffers, for `rows` query rows (a multiple of kRowStep), keys of Dh values, values of Dp.
+// A thread's buffers: per query block (at most `blocks` a task, `rows` rows each, a multiple of kRowStep) its
+// queries, accumulator and softmax state; per key tile the scores, P and the tile's K, V made ready.
 struct Scratch {
-  std::vector<float> qt, acc, st, m, l, alpha, kf, vf;
+  int rows;
+  std::vector<float> qt, acc, m, l, alpha, st, kf, vf;
   std::vector<uint16_t> qp, vp;
   std::vector<uint32_t> pp;
-  Scratch(int rows, int Dh, int Dp)
-      : qt(size_t(rows) * Dh), acc(size_t(rows) * Dp), st(size_t(rows) * kKeyTile), m(rows), l(rows), alpha(rows),
-        kf(size_t(kKeyTile) * Dh), vf(size_t(kKeyTile) * Dp), qp(size_t(rows) * Dh), vp(size_t(kKeyTile + 2) * Dp),
+  Scratch(int blocks, int rows, int Dh, int Dp)
+      : rows(rows),
+        qt(size_t(blocks) * rows * Dh),
+        acc(size_t(blocks) * rows * Dp),
+        m(size_t(blocks) * rows),
+        l(size_t(blocks) * rows),
+        alpha(size_t(blocks) * rows),
+        st(size_t(rows) * kKeyTile),
+        kf(size_t(kKeyTile) * Dh),
+        vf(size_t(kKeyTile) * Dp),
+        qp(size_t(blocks) * rows * Dh),
+        vp(size_t(kKeyTile + 2) * Dp),
         pp(size_t(rows) * (kKeyTile / 2 + 1)) {}
 };
 
-// A key tile's K and V in the form the path's products read, when made once for all tasks (the shared
-// prefix): K widened to fp32 (or in place), V widened to fp32 rows of Dp, or V packed in bf16 pairs.
+// A key tile's K and V in the form the path's products read: K widened to fp32 (or in place; unused by the
+// bf16 dot, which reads K's rows), V widened to fp32 rows of Dp, or V packed in bf16 pairs.
 struct Prepared {
   const float* k;
   int64_t k_ld;
@@ -186,6 +198,14 @@ const float* as_float_rows(const T* rows) {
     return nullptr;
 }
 
+// One query block of a task: its positions, padded rows and state in the thread's buffers.
+struct Block {
+  int64_t q0, nq;
+  int R, Rp;
+  float *qt, *acc, *m, *l, *alpha;
+  uint16_t* qp;
+};
+
 template <typename T>
 struct TaskRunner {
   const Args<T>& a;
@@ -195,92 +215,137 @@ struct TaskRunner {
   bool pairs;    // P V by the path's bf16 product (bf16 inputs on a path with one)
   bool columns;  // acc kept transposed, [Dp][Rp] (the path's choice for its bf16 product)
 
-  // One tile of nk keys (rows `kb`, `vb` of stride ks, vs; `prep`: the same made ready, or null), Rp rows:
-  // scores, causal mask, softmax, P V.
-  void tile(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0,
-            const Prepared* prep) {
-    const int Dh = a.Dh, Dp = a.Dp;
-    float* St = sc.st.data();
-    if (bf16_dot) {
-      ops.scores_bf16(reinterpret_cast<const uint16_t*>(kb), ks, sc.qp.data(), St, nk, Rp, Dh);
+  // Block b of task t: rows_per_block positions from t.q0 + b x rows_per_block (fewer at the task's end).
+  Block block(const Task& t, int b) const {
+    const int64_t q0 = t.q0 + int64_t(b) * a.rows_per_block, nq = std::min<int64_t>(a.rows_per_block, t.q0 + t.nq - q0);
+    const int R = int(nq) * a.group, Rp = (R + kRowStep - 1) / kRowStep * kRowStep;
+    const size_t rows = size_t(b) * sc.rows;
+    return {q0,
+            nq,
+            R,
+            Rp,
+            sc.qt.data() + rows * a.Dh,
+            sc.acc.data() + rows * a.Dp,
+            sc.m.data() + rows,
+            sc.l.data() + rows,
+            sc.alpha.data() + rows,
+            sc.qp.data() + rows * a.Dh};
+  }
+
+  // A tile's K and V made ready for every block of the task: `prep` where made once per call, else here.
+  Prepared ready(const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, const Prepared* prep) {
+    if (prep) return *prep;
+    Prepared p{nullptr, 0, nullptr, 0, nullptr};
+    if (!bf16_dot) p.k = widen(kb, ks, nk, a.Dh, a.Dh, sc.kf.data(), &p.k_ld);
+    if (pairs) {
+      ops.pack_v(reinterpret_cast<const uint16_t*>(vb), vs, sc.vp.data(), nk, a.Dh, a.Dp);
+      p.vp = sc.vp.data();
     } else {
-      int64_t ldk = prep ? prep->k_ld : 0;
-      const float* K = prep ? prep->k : widen(kb, ks, nk, Dh, Dh, sc.kf.data(), &ldk);
-      ops.gemm(K, ldk, 1, sc.qt.data(), Rp, St, Rp, nk, Rp, Dh, false);
+      p.v = widen(vb, vs, nk, a.Dh, a.Dp, sc.vf.data(), &p.v_ld);
     }
-    if (causal_j0 >= 0 && causal_j0 + nk - 1 > t.q0) {  // own keys past some row's position
+    return p;
+  }
+
+  // One block against one tile of nk keys (K rows `kb` of stride ks; `p`: the tile made ready): scores, causal
+  // mask (causal_j0 >= 0: the tile's keys are the piece's own, the first at position causal_j0), softmax, P V.
+  void step(const Block& b, const T* kb, int64_t ks, int nk, int64_t causal_j0, const Prepared& p) {
+    const int Dh = a.Dh, Dp = a.Dp, Rp = b.Rp;
+    float* St = sc.st.data();
+    if (bf16_dot)
+      ops.scores_bf16(reinterpret_cast<const uint16_t*>(kb), ks, b.qp, St, nk, Rp, Dh);
+    else
+      ops.gemm(p.k, p.k_ld, 1, b.qt, Rp, St, Rp, nk, Rp, Dh, false);
+    if (causal_j0 >= 0 && causal_j0 + nk - 1 > b.q0) {  // own keys past some row's position
       // Key j is past the position of rows r < (causal_j0 + j - q0) x group (positions before it).
       for (int j = 0; j < nk; ++j) {
-        const int64_t upto = std::min<int64_t>(Rp, (causal_j0 + j - t.q0) * a.group);
+        const int64_t upto = std::min<int64_t>(Rp, (causal_j0 + j - b.q0) * a.group);
         if (upto > 0) std::fill(St + int64_t(j) * Rp, St + int64_t(j) * Rp + upto, kNegInf);
       }
     }
     // bf16 scores are scaled in the softmax; fp32 ones came from queries scaled when loaded.
     const float scale = bf16_dot ? a.scale : 1.f;
-    if (pairs) {  // P rounded to bf16 against V, in pairs of keys
-      ops.softmax(St, nk, Rp, scale, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dp, sc.pp.data());
-      const uint16_t* Vp = prep ? prep->vp : sc.vp.data();
-      if (!prep) ops.pack_v(reinterpret_cast<const uint16_t*>(vb), vs, sc.vp.data(), nk, Dh, Dp);
-      ops.pv_bf16(sc.pp.data(), Vp, sc.acc.data(), nk, Rp, Dp);
-      return;
+    ops.softmax(St, nk, Rp, scale, b.m, b.l, b.alpha, b.acc, Dp, pairs ? sc.pp.data() : nullptr);
+    if (pairs)
+      ops.pv_bf16(sc.pp.data(), p.vp, b.acc, nk, Rp, Dp);
+    else
+      ops.gemm(St, 1, Rp, p.v, p.v_ld, b.acc, Dp, Rp, Dp, nk, true);
+  }
+
+  // One tile for every block of the task that sees one of its keys (causal: a block before the tile's first
+  // key sees none); its K and V are made ready once for all of them.
+  void tile(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0,
+            const Prepared* prep) {
+    const Prepared p = ready(kb, ks, vb, vs, nk, prep);
+    const int num_blocks = int((t.nq + a.rows_per_block - 1) / a.rows_per_block);
+    for (int i = 0; i < num_blocks; ++i) {
+      const Block b = block(t, i);
+      if (causal_j0 < 0 || causal_j0 <= b.q0 + b.nq - 1) step(b, kb, ks, nk, causal_j0, p);
     }
-    ops.softmax(St, nk, Rp, scale, sc.m.data(), sc.l.data(), sc.alpha.data(), sc.acc.data(), Dp, nullptr);
-    int64_t ldv = prep ? prep->v_ld : 0;
-    const float* V = prep ? prep->v : widen(vb, vs, nk, Dh, Dp, sc.vf.data(), &ldv);
-    ops.gemm(St, 1, Rp, V, ldv, sc.acc.data(), Dp, Rp, Dp, nk, true);
   }
 
   // n keys from `kb` / `vb`; causal: they are the piece's own keys (key j at position j).
-  void keys(const Task& t, int Rp, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal) {
+  void keys(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal) {
     for (int64_t j0 = 0; j0 < n; j0 += kKeyTile)
-      tile(t, Rp, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1,
+      tile(t, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1,
            nullptr);
   }
 
-  // Q^T [Dh][Rp] scaled (fp32 scores) or Q in bf16 pairs [Dh / 2][Rp][2] (bf16 dot); padded rows 0.
-  void load_q(const Task& t, int Rp, int64_t q_start) {
-    const int G = a.group, Dh = a.Dh, R = int(t.nq) * G;
-    std::fill(sc.qt.begin(), sc.qt.begin() + size_t(Rp) * Dh, 0.f);
-    std::fill(sc.qp.begin(), sc.qp.begin() + size_t(Rp) * Dh, uint16_t(0));
-    for (int r = 0; r < R; ++r) {
-      const T* src = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
+  // Q^T [Dh][Rp] scaled (fp32 scores) or Q in bf16 pairs [Dh / 2][Rp][2] (bf16 dot); padded rows 0. The
+  // softmax state and acc start empty.
+  void start(const Block& b, int64_t head, int64_t q_start) {
+    const int G = a.group, Dh = a.Dh, Rp = b.Rp;
+    std::fill(b.qt, b.qt + size_t(Rp) * Dh, 0.f);
+    std::fill(b.qp, b.qp + size_t(Rp) * Dh, uint16_t(0));
+    for (int r = 0; r < b.R; ++r) {
+      const T* src = a.q + (q_start + b.q0 + r / G) * a.q_row + (head * G + r % G) * a.q_head;
       for (int d = 0; d < Dh; ++d) {
         if (bf16_dot)
-          sc.qp[(d / 2 * Rp + r) * 2 + d % 2] = bits(src[d]);
+          b.qp[(d / 2 * Rp + r) * 2 + d % 2] = bits(src[d]);
         else
-          sc.qt[d * Rp + r] = static_cast<float>(src[d]) * a.scale;
+          b.qt[d * Rp + r] = static_cast<float>(src[d]) * a.scale;
       }
+    }
+    std::fill(b.m, b.m + Rp, kNegInf);
+    std::fill(b.l, b.l + Rp, 0.f);
+    std::fill(b.acc, b.acc + size_t(Rp) * a.Dp, 0.f);
+  }
+
+  // acc / l written over the block's queries.
+  void finish(const Block& b, int64_t head, int64_t q_start) {
+    const int G = a.group, Dh = a.Dh;
+    const int64_t row_step = columns ? 1 : a.Dp, col_step = columns ? b.Rp : 1;
+    for (int r = 0; r < b.R; ++r) {
+      T* dst = a.q + (q_start + b.q0 + r / G) * a.q_row + (head * G + r % G) * a.q_head;
+      const float inv = 1.f / b.l[r];
+      for (int d = 0; d < Dh; ++d) dst[d] = static_cast<T>(b.acc[r * row_step + d * col_step] * inv);
     }
   }
 
   // The task's queries against every key they see: the shared prefix's tiles (`prefix`, offsets from KV
   // head 0; `prepared`: those tiles made ready once per call, or empty), visible ranges, own keys.
   void run(const Task& t, const std::vector<PrefixTile>& prefix, const std::vector<Prepared>& prepared) {
-    const int G = a.group, Dh = a.Dh, Dp = a.Dp, R = int(t.nq) * G, Rp = (R + kRowStep - 1) / kRowStep * kRowStep;
     const int64_t* p = a.pieces + 5 * t.piece;
     const int64_t q_start = p[0], k_start = p[1];
-    load_q(t, Rp, q_start);
-    std::fill(sc.m.begin(), sc.m.begin() + Rp, kNegInf);
-    std::fill(sc.l.begin(), sc.l.begin() + Rp, 0.f);
-    std::fill(sc.acc.begin(), sc.acc.begin() + size_t(Rp) * Dp, 0.f);
-    for (size_t i = 0; i < prefix.size(); ++i) {
-      const PrefixTile& pt = prefix[i];
-      tile(t, Rp, a.pool_k + pt.k_off + t.head * a.pk_head, a.pk_row, a.pool_v + pt.v_off + t.head * a.pv_head,
-           a.pv_row, pt.n, -1, prepared.empty() ? nullptr : &prepared[t.head * prefix.size() + i]);
+    const int num_blocks = int((t.nq + a.rows_per_block - 1) / a.rows_per_block);
+    for (int i = 0; i < num_blocks; ++i) start(block(t, i), t.head, q_start);
+    if (prepared.empty()) {
+      for (const PrefixTile& pt : prefix)
+        tile(t, a.pool_k + pt.k_off + t.head * a.pk_head, a.pk_row, a.pool_v + pt.v_off + t.head * a.pv_head,
+             a.pv_row, pt.n, -1, nullptr);
+    } else {  // tiles made ready already: block by block, so one block's state stays in cache over them all
+      for (int b = 0; b < num_blocks; ++b)
+        for (size_t i = 0; i < prefix.size(); ++i)
+          step(block(t, b), a.pool_k + prefix[i].k_off + t.head * a.pk_head, a.pk_row, prefix[i].n, -1,
+               prepared[t.head * prefix.size() + i]);
     }
     for (int64_t i = p[3]; i < p[4]; ++i) {
       const int64_t begin = a.visible[2 * i], end = a.visible[2 * i + 1];
-      keys(t, Rp, a.k + begin * a.k_row + t.head * a.k_head, a.k_row, a.v + begin * a.v_row + t.head * a.v_head,
-           a.v_row, end - begin, false);
+      keys(t, a.k + begin * a.k_row + t.head * a.k_head, a.k_row, a.v + begin * a.v_row + t.head * a.v_head, a.v_row,
+           end - begin, false);
     }
-    keys(t, Rp, a.k + k_start * a.k_row + t.head * a.k_head, a.k_row, a.v + k_start * a.v_row + t.head * a.v_head,
-         a.v_row, t.q0 + t.nq, true);
-    const int64_t row_step = columns ? 1 : Dp, col_step = columns ? Rp : 1;
-    for (int r = 0; r < R; ++r) {
-      T* dst = a.q + (q_start + t.q0 + r / G) * a.q_row + (t.head * G + r % G) * a.q_head;
-      const float inv = 1.f / sc.l[r];
-      for (int d = 0; d < Dh; ++d) dst[d] = static_cast<T>(sc.acc[r * row_step + d * col_step] * inv);
-    }
+    keys(t, a.k + k_start * a.k_row + t.head * a.k_head, a.k_row, a.v + k_start * a.v_row + t.head * a.v_head, a.v_row,
+         t.q0 + t.nq, true);
+    for (int i = 0; i < num_blocks; ++i) finish(block(t, i), t.head, q_start);
   }
 };
 
@@ -339,30 +404,50 @@ void prepare_prefix(const Args<T>& a, const Ops& ops, bool bf16_dot, const std::
 
 template <typename T>
 void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_kv_heads) {
+  const bool bf16_dot = ops.scores_bf16 != nullptr && std::is_same_v<T, c10::BFloat16>;
+  const std::vector<PrefixTile> prefix = prefix_tiles(a);
+  int64_t num_blocks = 0;
+  for (int64_t i = 0; i < num_pieces; ++i)
+    num_blocks += (a.pieces[5 * i + 2] + a.rows_per_block - 1) / a.rows_per_block * num_kv_heads;
+  // The prefix's tiles are made ready once when more than one block per KV head reads them and the copy stays
+  // small.
+  PreparedPrefix prepared;
+  const int64_t copy_bytes = num_kv_heads * int64_t(prefix.size()) * kKeyTile * (a.Dh + a.Dp) * 4;
+  if (!prefix.empty() && num_blocks > num_kv_heads && copy_bytes <= kPrepareBytes)
+    prepare_prefix(a, ops, bf16_dot, prefix, num_kv_heads, prepared);
+  // Blocks per task: a task makes each tile it reads ready once for all its blocks, so a piece whose blocks read
+  // mostly tiles not made ready above takes as many as keep kTasksPerThread tasks a thread (more tasks than
+  // threads keep the threads evenly loaded), at most kBlocksPerTask; a piece whose keys are mostly the ready
+  // prefix takes one (its blocks' state then stays in cache over the whole prefix).
+  const int64_t grouped =
+      std::clamp<int64_t>(num_blocks / (kTasksPerThread * int64_t(at::get_num_threads())), 1, kBlocksPerTask);
+  const int64_t ready_keys = prepared.tiles.empty() ? 0 : a.prefix_tokens;
   std::vector<Task> tasks;
+  int64_t most_blocks = 1;  // in one task
   for (int64_t i = 0; i < num_pieces; ++i) {
     const int64_t* p = a.pieces + 5 * i;
     int64_t shared = a.pool_k ? a.prefix_tokens : 0;
     for (int64_t v = p[3]; v < p[4]; ++v) shared += a.visible[2 * v + 1] - a.visible[2 * v];
-    for (int64_t q0 = 0; q0 < p[2]; q0 += a.rows_per_block)
+    const int64_t per_task = shared + p[2] - ready_keys >= ready_keys ? grouped : 1;
+    most_blocks = std::max(most_blocks, std::min(per_task, (p[2] + a.rows_per_block - 1) / a.rows_per_block));
+    for (int64_t q0 = 0; q0 < p[2]; q0 += per_task * a.rows_per_block)
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t nq = std::min<int64_t>(a.rows_per_block, p[2] - q0);
-        tasks.push_back({i, h, q0, nq, nq * (shared + q0 + nq)});
+        const int64_t nq = std::min<int64_t>(per_task * a.rows_per_block, p[2] - q0);
+        int64_t cost = 0;  // query-key pairs, block by block
+        for (int64_t b0 = q0; b0 < q0 + nq; b0 += a.rows_per_block) {
+          const int64_t bq = std::min<int64_t>(a.rows_per_block, q0 + nq - b0);
+          cost += bq * (shared + b0 + bq);
+        }
+        tasks.push_back({i, h, q0, nq, cost});
       }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
-  const bool bf16_dot = ops.scores_bf16 != nullptr && std::is_same_v<T, c10::BFloat16>;
-  const std::vector<PrefixTile> prefix = prefix_tiles(a);
-  // Made ready once when more than one task per KV head reads the prefix and the copy stays small.
-  PreparedPrefix prepared;
-  const int64_t copy_bytes = num_kv_heads * int64_t(prefix.size()) * kKeyTile * (a.Dh + a.Dp) * 4;
-  if (!prefix.empty() && int64_t(tasks.size()) > num_kv_heads && copy_bytes <= kPrepareBytes)
-    prepare_prefix(a, ops, bf16_dot, prefix, num_kv_heads, prepared);
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = int64_t(tasks.size());
   at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)), 1,
                    [&](int64_t, int64_t) {
-                     Scratch sc((a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep, a.Dh, a.Dp);
+                     Scratch sc(int(most_blocks), (a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep,
+                                a.Dh, a.Dp);
                      const bool pairs = bf16_dot && ops.pv_bf16;
                      TaskRunner<T> runner{a, ops, sc, bf16_dot, pairs, pairs && ops.acc_columns};
                      if (ops.thread_begin) ops.thread_begin();

@@ -22,7 +22,9 @@
 namespace tiered_native {
 
 constexpr int kKeyTile = 64;      // keys per tile
-constexpr int kRowsPerTask = 64;  // query rows (positions x group heads) per task
+constexpr int kRowsPerTask = 64;  // query rows (positions x group heads) per block
+constexpr int kBlocksPerTask = 8;  // most blocks of a task: each key tile made ready once serves them all
+constexpr int64_t kTasksPerThread = 8;  // fewest tasks a thread, where the blocks allow
 constexpr int kRowStep = 32;      // rows are padded to a multiple of this (every path's column step divides it)
 constexpr int64_t kPrepareBytes = int64_t(64) << 20;  // most bytes of prefix tiles converted once per call
 constexpr float kLog2e = 1.4426950408889634f;
