@@ -30,6 +30,28 @@ def _isa_or_skip(isa: str) -> str:
     return isa
 
 
+def _error_against_reference(
+    isa: str,
+    case: tuple[list[Piece], int, int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> float:
+    """The native kernel's path `isa` on a case of SHAPES' form (the prefix as one pool block): the
+    largest difference from the fp32 reference. Checks the path ran and kept q's dtype."""
+    pieces, num_keys, prefix = case
+    q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
+    expected = q.clone().float()
+    reference_(expected, k, v, pieces, pk, pv)
+    got = q.clone()
+    one_block = torch.zeros(1, dtype=torch.int64)
+    paged = native.PagedPrefix(pk[None], pv[None], one_block, prefix) if pk is not None and pv is not None else None
+    assert native.attend_paged_(got, k, v, pieces, paged, isa=isa) == isa
+    assert got.dtype == dtype
+    return (got.float() - expected).abs().max().item()
+
+
 @needs_native
 @pytest.mark.parametrize("isa", native.ISAS)
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -45,16 +67,7 @@ def test_every_isa_path_equals_the_fp32_reference(
     _isa_or_skip(isa)
     if head_dim % HEAD_DIM_STEP.get(isa, 1):
         pytest.skip(f"the {isa} path's dot products take head dims in multiples of {HEAD_DIM_STEP[isa]} (tested below)")
-    pieces, num_keys, prefix = SHAPES[shape]
-    q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
-    expected = q.clone().float()
-    reference_(expected, k, v, pieces, pk, pv)
-    got = q.clone()
-    one_block = torch.zeros(1, dtype=torch.int64)
-    paged = native.PagedPrefix(pk[None], pv[None], one_block, prefix) if pk is not None and pv is not None else None
-    assert native.attend_paged_(got, k, v, pieces, paged, isa=isa) == isa
-    assert got.dtype == dtype
-    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+    assert _error_against_reference(isa, SHAPES[shape], heads, kv_heads, head_dim, dtype) <= TOLERANCE[dtype]
 
 
 @needs_native
@@ -98,19 +111,13 @@ def test_tasks_of_many_query_blocks_equal_the_fp32_reference(
     isa: str, shape: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
     _isa_or_skip(isa)
-    pieces, num_keys, prefix = GROUPED[shape]
-    q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
-    expected = q.clone().float()
-    reference_(expected, k, v, pieces, pk, pv)
-    paged = native.PagedPrefix(pk[None], pv[None], torch.zeros(1, dtype=torch.int64), prefix) if prefix else None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: the fewest tasks, so the most blocks a task
     try:
-        got = q.clone()
-        native.attend_paged_(got, k, v, pieces, paged, isa=isa)  # type: ignore[arg-type]
+        error = _error_against_reference(isa, GROUPED[shape], heads, kv_heads, head_dim, dtype)
     finally:
         torch.set_num_threads(threads)
-    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+    assert error <= TOLERANCE[dtype]
 
 
 @needs_native
