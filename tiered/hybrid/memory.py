@@ -2,8 +2,11 @@
 
 On cpu the kernel's peak counter is reset (`/proc/self/clear_refs` with 5) just before the
 forward and VmHWM read after it; the forward's peak is VmHWM minus the resident size before it.
-For a clean reading run it in a process of its own with a fixed glibc mmap threshold (see
-`benchmarks.mil`), so freed tensors go back to the OS and residency follows live memory.
+The baseline is the resident size after a few-token warm-up (the weights read in, the libraries'
+code loaded), taken before any forward of chunk-sized work: what the allocator keeps of a
+forward's freed scratch for the next one (glibc's heap, the GEMM library's buffers) counts in the
+peak, since the process holds it. A start-up profile of several forwards measures them all against
+one baseline.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ForwardPeak:
     weights_bytes: int
     seconds: float
     method: str
+    baseline_bytes: int = 0  # resident size the peak was measured against (cpu)
 
 
 def _status_bytes(field: str) -> int:
@@ -83,11 +87,22 @@ class PeakShape:
     last_stage: bool = True
 
 
+# Tokens per request of the warm-up forward before the baseline: enough to read every weight in
+# and load the kernels' code, too few to leave chunk-sized scratch behind.
+WARM_UP_TOKENS = 16
+
+
 def measure_forward_peak(
-    model: CausalLM, shape: PeakShape, mode: ForwardMode, chunk_tokens: int, spill: Spill | None = None
+    model: CausalLM,
+    shape: PeakShape,
+    mode: ForwardMode,
+    chunk_tokens: int,
+    spill: Spill | None = None,
+    baseline: int | None = None,
 ) -> ForwardPeak:
     """Run one forward of `shape` on random tokens (its residual stream in `spill`'s directory when
-    it asks for one that long) and return its memory peak."""
+    it asks for one that long) and return its memory peak: on cpu, the resident high-water mark
+    over `baseline` (None: the resident size after this call's warm-up)."""
     num_tokens, num_requests, prefix_tokens = shape.num_tokens, shape.num_requests, shape.prefix_tokens
     first_stage, last_stage = shape.first_stage, shape.last_stage
     a = model.args
@@ -102,9 +117,7 @@ def measure_forward_peak(
         ]
         prefix = GatheredPrefix(layers)  # type: ignore[arg-type]
     items = [BatchItem(torch.randint(0, a.vocab_size, (num_tokens,), generator=g), prefix) for _ in range(num_requests)]
-    # The warm-up runs whole chunks: a process's first forward of chunk-sized matmuls also sets up
-    # what every later one reuses (the GEMM library's kernels and scratch), which is no activation.
-    warm = [BatchItem(it.token_ids[: min(2 * chunk_tokens, num_tokens)], prefix) for it in items[:2]]
+    warm = [BatchItem(it.token_ids[: min(WARM_UP_TOKENS, num_tokens)], prefix) for it in items[:2]]
 
     def run(items: list[BatchItem]) -> None:
         hidden = None
@@ -126,12 +139,14 @@ def measure_forward_peak(
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         return ForwardPeak(total, torch.cuda.max_memory_allocated(device), weights, seconds, "cuda max allocated")
-    baseline = _status_bytes("VmRSS")
+    if baseline is None:
+        baseline = _status_bytes("VmRSS")
     method = "VmHWM after clear_refs" if _reset_cpu_peak() else "VmHWM (not resettable: an upper bound)"
     start = time.perf_counter()
     run(items)
     seconds = time.perf_counter() - start
-    return ForwardPeak(total, max(0, _status_bytes("VmHWM") - baseline) + weights, weights, seconds, method)
+    peak = max(0, _status_bytes("VmHWM") - baseline) + weights
+    return ForwardPeak(total, peak, weights, seconds, method, baseline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +225,11 @@ def profile_peak(
     """The peak of a forward of `max_tokens` (`shape(n)`: the measured forward of n tokens), from the
     forwards `profile_lengths` names, in this process; `cap` 0 measures `max_tokens` itself."""
     lengths = profile_lengths(max_tokens, mode, spill, cap)
-    measured = {n: measure_forward_peak(model, shape(n), mode, chunk_tokens, spill) for n in lengths}
+    measured: dict[int, ForwardPeak] = {}
+    baseline = None  # the first forward's, for every one: what earlier ones left resident counts
+    for n in lengths:
+        measured[n] = measure_forward_peak(model, shape(n), mode, chunk_tokens, spill, baseline)
+        baseline = measured[n].baseline_bytes
     peaks = {n: p.peak_bytes for n, p in measured.items()}
     extended: dict[int, tuple[int, int]] = {}
     if max_tokens not in peaks:
