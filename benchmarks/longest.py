@@ -120,6 +120,13 @@ def find_ours(setup: ForwardSetup, result: BudgetResult, opts: LongestOptions) -
         )
         return ok
 
+    # The server's start-up profile also runs the longest forward that keeps its stream in memory:
+    # a budget it does not fit refuses every length.
+    if setup.spill is not None and setup.spill.min_tokens > 1 and not fits(setup.spill.min_tokens - 1):
+        raise BenchError(
+            f"a forward of forward.spill_min_tokens - 1 = {setup.spill.min_tokens - 1} tokens keeps its stream in "
+            f"memory and peaks over the budget of {budget} bytes: lower forward.spill_min_tokens"
+        )
     a, b = opts.guess_tokens
     if setup.spill is not None and b < setup.spill.min_tokens:
         # The peak grows slower per token once a forward spills: guess from two spilled lengths.

@@ -184,6 +184,40 @@ def test_cache_salt_shares_kv_only_within_a_salt(tiny_dir: Path, tmp_path: Path)
     engine.close()
 
 
+GEMM_CACHE_SCRIPT = """
+import sys, torch
+from tiered.config import load_config
+from tiered.engine import Engine
+from tiered.hybrid.memory import _status_bytes
+cfg = load_config(None, [f"model.path={sys.argv[1]}", "model.dtype=bfloat16", "cache.suffix=discard",
+                         "scheduler.profile_tokens=[64]", f"scheduler.profile_cache_dir={sys.argv[2]}",
+                         "engine.memory_budget_bytes=268435456"])
+engine = Engine(cfg)
+engine.submit(list(range(3, 300)))
+engine.run()
+before = _status_bytes("VmRSS")
+for n in range(300, 540, 3):  # 80 lengths: as many row counts of each projection's matmul
+    engine.submit(torch.randint(3, 1300, (n,)))
+    (r,) = engine.run()
+    assert r.error is None, r.error
+print((_status_bytes("VmRSS") - before) // 2**20)
+"""
+
+
+def test_under_a_budget_new_prompt_lengths_do_not_grow_the_resident_size(tiny_dir: Path, tmp_path: Path) -> None:
+    """The GEMM library caches a prepared kernel per matmul shape: without a bound, each new
+    prompt length leaves a process that prepares bf16 kernels (oneDNN on a bf16 CPU) larger, by
+    far more over 80 lengths than this allows; under a memory budget the caches are bounded."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", GEMM_CACHE_SCRIPT, str(tiny_dir), str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    growth_mib = int(out.stdout.split()[-1])
+    assert growth_mib < 100, f"{growth_mib} MiB more resident after 80 new lengths under a budget"
+
+
 OOM_SCRIPT = """
 import resource, sys, torch
 from tiered.config import load_config

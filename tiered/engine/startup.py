@@ -20,7 +20,7 @@ from tiered.engine.request import Prepared
 from tiered.engine.runner import LocalRunner, Runner, plan_batch
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
 from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, resolve_device
-from tiered.hybrid.memory import profile_peak
+from tiered.hybrid.memory import bound_gemm_caches, profile_peak
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError, start_pipeline
 from tiered.hybrid.precision import Precision, precision_for
@@ -77,6 +77,8 @@ class Parts:
 def start(config: Config) -> Parts:
     """Build the parts for `config` (EngineStartError: they do not fit or a stage failed)."""
     stages = config.engine.pipeline_stages
+    if config.engine.memory_budget_bytes:  # before this process's first matmul
+        bound_gemm_caches()
     if config.engine.threads or stages > 1:  # with stages, the cores are theirs
         torch.set_num_threads(config.engine.threads or 1)
     device = resolve_device(config.device)

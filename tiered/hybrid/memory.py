@@ -11,6 +11,8 @@ one baseline.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +24,28 @@ from tiered.config import ForwardMode
 from tiered.hybrid.forward import BatchItem, LayerKV, forward_batch
 from tiered.hybrid.model import CausalLM
 from tiered.hybrid.spill import Spill
+
+log = logging.getLogger(__name__)
+
+# Entries kept by each of the GEMM library's caches of prepared kernels under a memory budget.
+# There is one entry per matmul shape, and the row counts differ from forward to forward (a
+# prompt's last chunk, a batch's rows), so at their defaults (1,024 entries each) the resident
+# size grows with every new length served. One forward uses up to three row counts per
+# projection shape (a whole chunk, the last chunk, the last rows): these entries hold them all,
+# so none is evicted within a forward.
+GEMM_CACHE_ENTRIES = 16
+_GEMM_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, and ideep's over it
+
+
+def bound_gemm_caches(entries: int = GEMM_CACHE_ENTRIES) -> None:
+    """Bound oneDNN's primitive cache and ideep's cache over it to `entries` each, unless the
+    environment sets them. They read their variables once, at this process's first matmul: call
+    this before it (a process under engine.memory_budget_bytes, before its profile run)."""
+    set_here = [name for name in _GEMM_CACHES if name not in os.environ]
+    for name in set_here:
+        os.environ[name] = str(entries)
+    described = [f"{n}={os.environ[n]}{'' if n in set_here else ' (from the environment)'}" for n in _GEMM_CACHES]
+    log.info("GEMM kernel caches: %s", ", ".join(described))
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from tiered.engine.runner import ItemPlan
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterError, AdapterSpec
-from tiered.hybrid.memory import PeakShape, profile_peak, weights_bytes
+from tiered.hybrid.memory import PeakShape, bound_gemm_caches, profile_peak, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline.host import HostOps, StageHost
 from tiered.logs import setup as setup_logging
@@ -167,6 +167,8 @@ def load_stage(spec: StageSpec) -> tuple[CausalLM, StageLoaded]:
     """The stage's part of the model, and what it holds: its weights and, with `profile_tokens`,
     the peak of one forward of that many tokens through its layers (the first stage's from token
     ids, a later one's from a residual stream; the last one's ending in logits)."""
+    if spec.profile_tokens:  # under a memory budget, before this process's first matmul
+        bound_gemm_caches()
     model = load_model(spec.model_dir, spec.compute_dtype, spec.device, spec.layers)
     use_attention(model, spec.attention)
     peak = 0
