@@ -2,15 +2,16 @@
 
 On cpu the kernel's peak counter is reset (`/proc/self/clear_refs` with 5) just before the
 forward and VmHWM read after it; the forward's peak is VmHWM minus the resident size before it.
-The baseline is the resident size after a few-token warm-up (the weights read in, the libraries'
-code loaded), taken before any forward of chunk-sized work: what the allocator keeps of a
-forward's freed scratch for the next one (glibc's heap, the GEMM library's buffers) counts in the
-peak, since the process holds it. A start-up profile of several forwards measures them all against
-one baseline.
+Before the baseline a warm-up forward of whole chunks sets up what every later forward reuses
+(the GEMM library's kernels), and glibc is asked to return the heap's free memory to the OS
+(`malloc_trim`): what the warm-up freed is no longer resident, so the measured forward's own
+allocations, and whatever of them the allocator keeps, count in its peak.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import time
@@ -57,7 +58,6 @@ class ForwardPeak:
     weights_bytes: int
     seconds: float
     method: str
-    baseline_bytes: int = 0  # resident size the peak was measured against (cpu)
 
 
 def _status_bytes(field: str) -> int:
@@ -65,6 +65,15 @@ def _status_bytes(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _return_free_heap() -> None:
+    """Ask glibc to give the free memory of its heaps back to the OS (nothing elsewhere)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _reset_cpu_peak() -> bool:
@@ -111,22 +120,11 @@ class PeakShape:
     last_stage: bool = True
 
 
-# Tokens per request of the warm-up forward before the baseline: enough to read every weight in
-# and load the kernels' code, too few to leave chunk-sized scratch behind.
-WARM_UP_TOKENS = 16
-
-
 def measure_forward_peak(
-    model: CausalLM,
-    shape: PeakShape,
-    mode: ForwardMode,
-    chunk_tokens: int,
-    spill: Spill | None = None,
-    baseline: int | None = None,
+    model: CausalLM, shape: PeakShape, mode: ForwardMode, chunk_tokens: int, spill: Spill | None = None
 ) -> ForwardPeak:
     """Run one forward of `shape` on random tokens (its residual stream in `spill`'s directory when
-    it asks for one that long) and return its memory peak: on cpu, the resident high-water mark
-    over `baseline` (None: the resident size after this call's warm-up)."""
+    it asks for one that long) and return its memory peak."""
     num_tokens, num_requests, prefix_tokens = shape.num_tokens, shape.num_requests, shape.prefix_tokens
     first_stage, last_stage = shape.first_stage, shape.last_stage
     a = model.args
@@ -141,7 +139,9 @@ def measure_forward_peak(
         ]
         prefix = GatheredPrefix(layers)  # type: ignore[arg-type]
     items = [BatchItem(torch.randint(0, a.vocab_size, (num_tokens,), generator=g), prefix) for _ in range(num_requests)]
-    warm = [BatchItem(it.token_ids[: min(WARM_UP_TOKENS, num_tokens)], prefix) for it in items[:2]]
+    # The warm-up runs whole chunks: a process's first forward of chunk-sized matmuls also sets up
+    # what every later one reuses (the GEMM library's kernels and scratch), which is no activation.
+    warm = [BatchItem(it.token_ids[: min(2 * chunk_tokens, num_tokens)], prefix) for it in items[:2]]
 
     def run(items: list[BatchItem]) -> None:
         hidden = None
@@ -163,14 +163,13 @@ def measure_forward_peak(
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         return ForwardPeak(total, torch.cuda.max_memory_allocated(device), weights, seconds, "cuda max allocated")
-    if baseline is None:
-        baseline = _status_bytes("VmRSS")
+    _return_free_heap()
+    baseline = _status_bytes("VmRSS")
     method = "VmHWM after clear_refs" if _reset_cpu_peak() else "VmHWM (not resettable: an upper bound)"
     start = time.perf_counter()
     run(items)
     seconds = time.perf_counter() - start
-    peak = max(0, _status_bytes("VmHWM") - baseline) + weights
-    return ForwardPeak(total, peak, weights, seconds, method, baseline)
+    return ForwardPeak(total, max(0, _status_bytes("VmHWM") - baseline) + weights, weights, seconds, method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,11 +248,7 @@ def profile_peak(
     """The peak of a forward of `max_tokens` (`shape(n)`: the measured forward of n tokens), from the
     forwards `profile_lengths` names, in this process; `cap` 0 measures `max_tokens` itself."""
     lengths = profile_lengths(max_tokens, mode, spill, cap)
-    measured: dict[int, ForwardPeak] = {}
-    baseline = None  # the first forward's, for every one: what earlier ones left resident counts
-    for n in lengths:
-        measured[n] = measure_forward_peak(model, shape(n), mode, chunk_tokens, spill, baseline)
-        baseline = measured[n].baseline_bytes
+    measured = {n: measure_forward_peak(model, shape(n), mode, chunk_tokens, spill) for n in lengths}
     peaks = {n: p.peak_bytes for n, p in measured.items()}
     extended: dict[int, tuple[int, int]] = {}
     if max_tokens not in peaks:
