@@ -132,6 +132,36 @@ def test_the_extended_peak_is_the_measured_one(tiny_dir: Path, tmp_path: Path) -
         assert growth > 0 and peak[65536] - 2**20 <= extended <= peak[65536] + 0.15 * growth, (spill, peak)
 
 
+PEAK_AFTER_SCRIPT = """
+import sys, torch
+from tiered.hybrid.forward import forward
+from tiered.hybrid.loader import load_model
+from tiered.hybrid.memory import PeakShape, measure_forward_peak
+model = load_model(sys.argv[1], "float32", "cpu")
+if sys.argv[2] == "after-a-longer-forward":  # its freed scratch stays in the allocator's heap
+    forward(model, torch.randint(3, 1000, (30000,)), chunk_tokens=8192)
+print(measure_forward_peak(model, PeakShape(12000), "hybrid", 2048).peak_bytes)
+"""
+
+
+def test_a_forwards_peak_is_measured_alike_after_a_longer_one(tiny_dir: Path) -> None:
+    """What an earlier, larger forward freed stays in glibc's heap, where the measured forward
+    would find it without growing the resident size: the measurement returns the free heap to
+    the OS first, so its peak reads about as in a fresh process (a start-up profile measures
+    several forwards in one process)."""
+    import subprocess
+    import sys
+
+    def peak(history: str) -> int:
+        cmd = [sys.executable, "-c", PEAK_AFTER_SCRIPT, str(tiny_dir), history]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return int(out.stdout.split()[-1])
+
+    fresh, after = peak("fresh"), peak("after-a-longer-forward")
+    assert 0.8 * fresh <= after <= 1.1 * fresh, (fresh, after)
+
+
 def test_profile_lengths_stay_in_the_regime_of_max_model_len() -> None:
     assert profile_lengths(2048, "hybrid", None, 32768) == [2048]  # short: measured itself
     assert profile_lengths(100000, "hybrid", None, 32768) == [16384, 32768]
