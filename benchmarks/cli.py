@@ -648,4 +648,10 @@ def _add_longest_parser(bsub: argparse._SubParsersAction) -> None:  # type: igno
     p.add_argument("--json", default=None, help="write every probe, length and time, with provenance, here")
     p.add_argument("--out-dir", default="benchmarks/out/longest", help="server configs and logs")
     p.add_argument("--plot", default=None, help="a PNG of the longest prompt against the budget, both engines")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="each engine answers a prompt of vLLM's length this many times (own cache salts); the median counts",
+    )
     p.set_defaults(func=cmd_bench_longest)

@@ -409,6 +409,7 @@ def cmd_bench_longest(args: argparse.Namespace) -> int:
         json_path=args.json,
         out_dir=Path(args.out_dir),
         plot_path=Path(args.plot) if args.plot else None,
+        repeats=args.repeats,
     )
     run_longest_bench(config_from_args(args), opts)
     return 0

@@ -9,19 +9,23 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
   --resolution tokens. Each probe after the first two (with a spill directory, two lengths that
   spill) goes where the line through the last two meets the budget (the peak grows about linearly
   with tokens); the answer is a measured bracket:
-  a length that fits and one --resolution above it that does not.
+  a length that fits and one --resolution above it that does not. With a spill directory the
+  forward of `forward.spill_min_tokens` - 1 tokens, in memory, is probed first: the server's
+  start-up profile runs it too, so a budget it does not fit stops the bench.
   Then `tiered serve` starts with engine.memory_budget_bytes = the budget and model.max_model_len
   = that length (its start-up profile run checks the same fit; no host tier, so no KV leaves the
-  budget) and answers one prompt of that length, and one of the peer's length, timed over HTTP.
+  budget) and answers one prompt of that length, and one of the peer's length (--repeats times,
+  each under its own cache salt, the median kept), timed over HTTP.
 - vLLM at its defaults (compiled): KV memory = budget - weights (its activations are not charged
   to it), --max-model-len = as many tokens as that memory holds, lowered a block at a time
-  until it starts; then one prompt of that length, timed over HTTP.
+  until it starts; then one prompt of that length (--repeats times, as ours), timed over HTTP.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -55,14 +59,16 @@ class LongestOptions:
     json_path: str | None = None
     out_dir: Path = Path("benchmarks/out/longest")
     plot_path: Path | None = None  # a PNG of the longest prompt against the budget
+    repeats: int = 1  # answers of the peer's length by each engine (fresh cache salts); the median is kept
 
 
 @dataclass(slots=True)
 class Served:
-    """One prompt answered over HTTP."""
+    """One prompt answered over HTTP: its seconds, the median of `runs` when it was answered more than once."""
 
     tokens: int
     seconds: float
+    runs: list[float] = field(default_factory=list)  # each answer's seconds, in order
 
     @property
     def ms_per_token(self) -> float:
@@ -94,12 +100,17 @@ def _prompt(vocab: list[int], num_tokens: int, seed: int) -> list[int]:
     return [rng.choice(vocab) for _ in range(num_tokens)]
 
 
-def _answer(url: str, system: str, prompt: list[int], salt: str) -> Served:
-    (record,), _ = run_http(url, "model", [Call(salt, [prompt])], [0.0], HttpOptions(system, cache_salt=salt))
-    if record.error is not None:
-        raise BenchError(f"{system}: the {len(prompt)}-token prompt failed: {record.error}")
-    log.info("%s: %d tokens in %.1f s", system, len(prompt), record.latency_seconds)
-    return Served(len(prompt), record.latency_seconds)
+def _answer(url: str, system: str, prompt: list[int], salt: str, repeats: int = 1) -> Served:
+    """`prompt` answered `repeats` times, each under its own cache salt (nothing cached between them)."""
+    runs = []
+    for i in range(repeats):
+        key = salt if repeats == 1 else f"{salt}-{i}"
+        (record,), _ = run_http(url, "model", [Call(key, [prompt])], [0.0], HttpOptions(system, cache_salt=key))
+        if record.error is not None:
+            raise BenchError(f"{system}: the {len(prompt)}-token prompt failed: {record.error}")
+        log.info("%s: %d tokens in %.1f s", system, len(prompt), record.latency_seconds)
+        runs.append(record.latency_seconds)
+    return Served(len(prompt), statistics.median(runs), runs)
 
 
 def find_ours(setup: ForwardSetup, result: BudgetResult, opts: LongestOptions) -> None:
@@ -165,7 +176,7 @@ def find_peer(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: li
         try:
             with serve_vllm(server, f"vllm-{result.budget_bytes >> 20}MiB-{n}", opts.out_dir) as served:
                 prompt = _prompt(vocab, n - 1, opts.seed)
-                result.peer = _answer(served.url, "vllm", prompt, f"longest-vllm-{n}")
+                result.peer = _answer(served.url, "vllm", prompt, f"longest-vllm-{n}", opts.repeats)
                 result.peer_tokens = n
                 return
         except RuntimeError as exc:  # refused at start: the KV memory does not hold max_model_len
@@ -197,7 +208,7 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
                 if 0 < result.peer_tokens <= n:
                     prompt = _prompt(vocab, result.peer_tokens - 1, opts.seed)
                     salt = f"longest-tiered-{result.peer_tokens}"
-                    result.ours_at_peer_length = _answer(served.url, "tiered", prompt, salt)
+                    result.ours_at_peer_length = _answer(served.url, "tiered", prompt, salt, opts.repeats)
                 result.ours_served_tokens = n
                 return
         except RuntimeError as exc:  # refused at start: its profile run's peak is over the budget
@@ -231,8 +242,8 @@ def format_table(results: list[BudgetResult]) -> str:
 def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
     """Per budget, ours and vLLM's longest prompt and its time (see the module docstring)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if not opts.budgets or opts.resolution < 1:
-        raise BenchError("give at least one --budgets value and a --resolution >= 1")
+    if not opts.budgets or opts.resolution < 1 or opts.repeats < 1:
+        raise BenchError("give at least one --budgets value, a --resolution >= 1 and --repeats >= 1")
     model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     precision = config_precision(cfg)
