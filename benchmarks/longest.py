@@ -24,6 +24,7 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
 from __future__ import annotations
 
 import logging
+import os
 import random
 import statistics
 from dataclasses import asdict, dataclass, field, replace
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load import Call, HttpOptions, run_http
-from benchmarks.mil import ForwardSetup, probe
+from benchmarks.mil import MMAP_THRESHOLD, ForwardSetup, probe
 from benchmarks.plots import plot_longest
 from benchmarks.report import write_report
 from benchmarks.servers import serve_tiered, serve_vllm
@@ -191,6 +192,8 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
     start-up profile run finds it over the budget): a prompt of it, and one of the peer's length."""
     n = result.ours_tokens
     while n > opts.resolution:
+        # The probes' allocator setting, so the server's start-up profile run reads its peak as they did.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
         overrides = [
             f"engine.memory_budget_bytes={result.budget_bytes}",
             f"model.max_model_len={n}",
@@ -217,6 +220,8 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
             )
             result.ours_refused.append(n)
             n -= opts.resolution
+        finally:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     raise BenchError(f"tiered started with no max_model_len at a budget of {result.budget_bytes} bytes")
 
 

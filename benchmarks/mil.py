@@ -31,6 +31,12 @@ from tiered.hybrid.spill import Spill
 log = logging.getLogger(__name__)
 
 
+# glibc's mmap threshold for processes whose peak is measured: every freed tensor goes back to the
+# OS, so a forward's peak reads the same run to run (at glibc's dynamic threshold, where its large
+# tensors land depends on what ran before, and the reading wanders by several MiB).
+MMAP_THRESHOLD = "65536"
+
+
 @dataclass(slots=True)
 class Throughput:
     num_tokens: int
@@ -128,12 +134,10 @@ def probe(
         cmd += ["--attention", setup.attention]
     if setup.spill is not None:
         cmd += ["--spill-dir", setup.spill.directory, "--spill-min-tokens", str(setup.spill.min_tokens)]
-    # The allocator as a served engine has it (what glibc keeps of freed scratch counts, as it
-    # does in the server's start-up profile). The probe is a module of this harness: its
-    # repository root goes on the child's path.
+    # The probe is a module of this harness: its repository root goes on the child's path.
     root = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "PYTHONPATH": path}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         if "out of memory" in done.stderr.lower() or done.returncode in (-9, 137):
