@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # glibc's mmap threshold for processes whose peak is measured: every freed tensor goes back to the
 # OS, so a forward's peak reads the same run to run (at glibc's dynamic threshold, where its large
-# tensors land depends on what ran before, and the reading wanders by several MiB).
+# tensors land depends on what ran before, and the reading wanders).
 MMAP_THRESHOLD = "65536"
 
 
