@@ -148,18 +148,25 @@ def test_a_forwards_peak_is_measured_alike_after_a_longer_one(tiny_dir: Path) ->
     """What an earlier, larger forward freed stays in glibc's heap, where the measured forward
     would find it without growing the resident size: the measurement returns the free heap to
     the OS first, so its peak reads about as in a fresh process (a start-up profile measures
-    several forwards in one process)."""
+    several forwards in one process). glibc's thresholds are fixed high, so every tensor comes
+    from the heap in both processes (at its dynamic threshold, the longer forward would move
+    where the measured one's large tensors land)."""
+    import os
     import subprocess
     import sys
 
+    heap_only = {"MALLOC_MMAP_THRESHOLD_": str(2**28), "MALLOC_TRIM_THRESHOLD_": str(2**28)}
+
     def peak(history: str) -> int:
         cmd = [sys.executable, "-c", PEAK_AFTER_SCRIPT, str(tiny_dir), history]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **heap_only})
         assert out.returncode == 0, out.stderr[-3000:]
         return int(out.stdout.split()[-1])
 
     fresh, after = peak("fresh"), peak("after-a-longer-forward")
-    assert 0.8 * fresh <= after <= 1.1 * fresh, (fresh, after)
+    # Not hidden: without the trim `after` reads a small share of `fresh`. Above it: two fresh
+    # processes' readings of this small model already differ by up to a sixth.
+    assert 0.8 * fresh <= after <= 1.25 * fresh, (fresh, after)
 
 
 def test_profile_lengths_stay_in_the_regime_of_max_model_len() -> None:
