@@ -5,7 +5,8 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
   `auto`, the model's default on its device; with `--set forward.spill_dir=DIR` the residual stream
   of forwards of `forward.spill_min_tokens` or more lives in a file there, on disk, not in the
   budget): the longest prompt whose forward peak (weights +
-  activations, each length measured in a fresh process by `benchmarks.probe`) fits, to
+  activations, each length measured in a fresh process by `benchmarks.probe`, with the block cache
+  as a server under a budget has it) fits, to
   --resolution tokens. Each probe after the first two (with a spill directory, two lengths that
   spill) goes where the line through the last two meets the budget (the peak grows about linearly
   with tokens); the answer is a measured bracket:
@@ -24,7 +25,6 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
 from __future__ import annotations
 
 import logging
-import os
 import random
 import statistics
 from dataclasses import asdict, dataclass, field, replace
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load import Call, HttpOptions, run_http
-from benchmarks.mil import MMAP_THRESHOLD, ForwardSetup, probe
+from benchmarks.mil import ForwardSetup, probe
 from benchmarks.plots import plot_longest
 from benchmarks.report import write_report
 from benchmarks.servers import serve_tiered, serve_vllm
@@ -192,8 +192,6 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
     start-up profile run finds it over the budget): a prompt of it, and one of the peer's length."""
     n = result.ours_tokens
     while n > opts.resolution:
-        # The probes' allocator setting, so the server's start-up profile run reads its peak as they did.
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
         overrides = [
             f"engine.memory_budget_bytes={result.budget_bytes}",
             f"model.max_model_len={n}",
@@ -220,8 +218,6 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
             )
             result.ours_refused.append(n)
             n -= opts.resolution
-        finally:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     raise BenchError(f"tiered started with no max_model_len at a budget of {result.budget_bytes} bytes")
 
 

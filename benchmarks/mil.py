@@ -31,12 +31,6 @@ from tiered.hybrid.spill import Spill
 log = logging.getLogger(__name__)
 
 
-# glibc's mmap threshold for processes whose peak is measured: every freed tensor goes back to the
-# OS, so a forward's peak reads the same run to run (at glibc's dynamic threshold, where its large
-# tensors land depends on what ran before, and the reading wanders).
-MMAP_THRESHOLD = "65536"
-
-
 @dataclass(slots=True)
 class Throughput:
     num_tokens: int
@@ -137,7 +131,7 @@ def probe(
     # The probe is a module of this harness: its repository root goes on the child's path.
     root = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         if "out of memory" in done.stderr.lower() or done.returncode in (-9, 137):

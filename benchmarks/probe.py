@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict
 
 from tiered.hybrid.loader import load_model
-from tiered.hybrid.memory import PeakShape, measure_forward_peak
+from tiered.hybrid.memory import PeakShape, measure_forward_peak, use_block_cache
 from tiered.hybrid.model import use_attention
 from tiered.hybrid.spill import Spill
 
@@ -30,9 +30,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention", help="the attention kernel (default: the model's default on its device)")
     p.add_argument("--spill-dir", help="hybrid: keep a long forward's residual stream in a file in this directory")
     p.add_argument("--spill-min-tokens", type=int, default=1, help="with --spill-dir: from this many tokens on")
+    p.add_argument(
+        "--block-cache-bytes",
+        type=int,
+        help="the block cache's cap, as a server under engine.memory_budget_bytes uses it (default: sized from the "
+        "model and --chunk-tokens, as engine.block_cache_bytes null; 0: glibc's allocator)",
+    )
     a = p.parse_args(argv)
     model = load_model(a.model, a.dtype, a.device)
     use_attention(model, a.attention)
+    use_block_cache(model, a.chunk_tokens, a.block_cache_bytes)
     shape = PeakShape(a.tokens, a.requests, a.prefix_tokens)
     spill = Spill(a.spill_dir, a.spill_min_tokens) if a.spill_dir else None
     peak = measure_forward_peak(model, shape, a.mode, a.chunk_tokens, spill)

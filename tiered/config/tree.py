@@ -249,6 +249,12 @@ class EngineConfig:
     # residual stream spilled or not), so a start-up with a long max_model_len costs the forwards
     # up to this length, not one of max_model_len. 0: always forward max_model_len tokens.
     profile_max_tokens: int = 32768
+    # Under memory_budget_bytes on the CPU: bytes of freed tensors the block cache keeps for reuse
+    # (tiered/hybrid/blocks.py: each tensor of 64 KiB or more has its own mapping, and every forward
+    # starts with the cache empty, so the profile's peak holds whatever ran before). A larger cap
+    # faults fewer pages per chunk and raises the peak by up to itself. null: four
+    # [forward.chunk_tokens, intermediate_size] tensors' bytes; 0: off (glibc's allocator).
+    block_cache_bytes: int | None = None
     # torch threads of the engine process's forward. 0: torch's default (one per core).
     threads: int = 0
     # Pipeline parallelism (vLLM's --pipeline-parallel-size): the decoder layers split into this
@@ -274,6 +280,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         require(self.memory_budget_bytes >= 0, "engine.memory_budget_bytes", "must be >= 0")
+        require(
+            self.block_cache_bytes is None or self.block_cache_bytes >= 0,
+            "engine.block_cache_bytes",
+            f"must be null or >= 0, got {self.block_cache_bytes}",
+        )
         require(
             self.profile_max_tokens == 0 or self.profile_max_tokens >= 2,
             "engine.profile_max_tokens",

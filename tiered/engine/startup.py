@@ -20,7 +20,7 @@ from tiered.engine.request import Prepared
 from tiered.engine.runner import LocalRunner, Runner, plan_batch
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
 from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, resolve_device
-from tiered.hybrid.memory import bound_gemm_caches, profile_peak
+from tiered.hybrid.memory import bound_gemm_caches, profile_peak, use_block_cache
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError, start_pipeline
 from tiered.hybrid.precision import Precision, precision_for
@@ -95,6 +95,7 @@ def start(config: Config) -> Parts:
     use_attention(model, kernel)
     cache = config.cache
     if config.engine.memory_budget_bytes and stages == 1:  # with stages, each stage measures its own
+        use_block_cache(model, config.forward.chunk_tokens, config.engine.block_cache_bytes)
         device_bytes = _split_memory(config, model, config.engine.memory_budget_bytes)
         cache = replace(cache, device_tier_bytes=device_bytes)
     identity = model_identity(folder, precision.identity, cache.block_tokens)

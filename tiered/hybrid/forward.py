@@ -14,6 +14,7 @@ from torch import Tensor
 from tiered.config import ForwardMode
 from tiered.engine.validation import InputError
 from tiered.engine.validation import check_token_ids as check_token_list
+from tiered.hybrid import blocks
 from tiered.hybrid.attention import KERNELS, Piece
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
@@ -148,6 +149,7 @@ def forward_batch(
         raise ForwardInputError("a batch needs at least one request")
     for i in range(len(items)):
         _check_lead(items, i)
+    blocks.release()  # every forward starts with the block cache empty: its peak is its own
     prefix_lens = [_num_prefix_tokens(model, it) for it in items]
     if mode == "chunked" and (hidden is not None or not last_stage):
         raise ValueError("forward mode 'chunked' runs the whole model per chunk: it cannot run as a pipeline stage")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tiered.config import ForwardMode
+from tiered.hybrid import blocks
 from tiered.hybrid.forward import BatchItem, LayerKV, forward_batch
 from tiered.hybrid.model import CausalLM
 from tiered.hybrid.spill import Spill
@@ -75,8 +76,21 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
 
+def use_block_cache(model: CausalLM, chunk_tokens: int, cap: int | None) -> bool:
+    """Under a memory budget, on the CPU: the block cache as this process's allocator (`cap` bytes
+    cached, None: `blocks.cap_bytes` for the model and `chunk_tokens`, 0: none). Whether it is."""
+    if model.inv_freq.device.type != "cpu" or cap == 0:
+        return False
+    if cap is None:
+        element_size = next(p.element_size() for p in model.parameters() if not p.is_meta)
+        cap = blocks.cap_bytes(model.args, chunk_tokens, element_size)
+    return blocks.install(cap)
+
+
 def _return_free_heap() -> None:
-    """Ask glibc to give the free memory of its heaps back to the OS (nothing elsewhere)."""
+    """Unmap the block cache's cached blocks and ask glibc to give the free memory of its heaps back
+    to the OS (nothing elsewhere)."""
+    blocks.release()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -1,5 +1,6 @@
 """Builds the native library (csrc/attend.cpp, csrc/isa.h: the `native` attention kernel;
-csrc/pointwise.cpp: the fused row-wise ops) into one shared library, once, cached.
+csrc/pointwise.cpp: the fused row-wise ops; csrc/blocks.cpp: the block cache, a CPU allocator
+for a process under a memory budget) into one shared library, once, cached.
 
 Design notes: docs/internals.md, section `tiered/hybrid/attention/build.py`.
 """
@@ -21,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "attend.cpp", CSRC / "pointwise.cpp")
+SOURCES = (CSRC / "attend.cpp", CSRC / "pointwise.cpp", CSRC / "blocks.cpp")
 HEADERS = (CSRC / "isa.h",)
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
 BUILD_TIMEOUT_S = 600

@@ -464,6 +464,7 @@ def start_pipeline(
             config.lora.max_loras,
             stage_host(layers),
             model_name,
+            e.block_cache_bytes,
         )
         for s, layers in enumerate(stage_layers(num_layers, stages))
     ]

@@ -32,7 +32,7 @@ from tiered.engine.runner import ItemPlan
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterError, AdapterSpec
-from tiered.hybrid.memory import PeakShape, bound_gemm_caches, profile_peak, weights_bytes
+from tiered.hybrid.memory import PeakShape, bound_gemm_caches, profile_peak, use_block_cache, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline.host import HostOps, StageHost
 from tiered.logs import setup as setup_logging
@@ -66,6 +66,7 @@ class StageSpec:
     max_loras: int = 1  # LoRA adapters kept resident (lora.max_loras)
     host: HostTierConfig | None = None  # this stage's LMCache tier (pipeline/host.py), None: no host tier
     model_name: str = ""  # the host tier's chunk keys name this model
+    block_cache_bytes: int | None = None  # with profile_tokens: the block cache's cap (engine.block_cache_bytes)
 
     @property
     def backend(self) -> str:
@@ -173,6 +174,7 @@ def load_stage(spec: StageSpec) -> tuple[CausalLM, StageLoaded]:
     use_attention(model, spec.attention)
     peak = 0
     if spec.profile_tokens:
+        use_block_cache(model, spec.chunk_tokens, spec.block_cache_bytes)
         first, last = spec.stage == 0, spec.stage == spec.num_stages - 1
         peak = profile_peak(
             model,
