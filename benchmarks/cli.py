@@ -654,4 +654,12 @@ def _add_longest_parser(bsub: argparse._SubParsersAction) -> None:  # type: igno
         default=1,
         help="each engine answers a prompt of vLLM's length this many times (own cache salts); the median counts",
     )
+    p.add_argument(
+        "--answer-max-tokens",
+        type=int,
+        default=0,
+        help="for budgets whose longest forwards take hours: our longest is read off the line through the two "
+        "lengths the server's start-up profile measures (engine.profile_max_tokens) and checked by starting the "
+        "server there, and a prompt of ours longer than this is not answered; 0: probe every length, answer all",
+    )
     p.set_defaults(func=cmd_bench_longest)

@@ -410,6 +410,7 @@ def cmd_bench_longest(args: argparse.Namespace) -> int:
         out_dir=Path(args.out_dir),
         plot_path=Path(args.plot) if args.plot else None,
         repeats=args.repeats,
+        answer_max_tokens=args.answer_max_tokens,
     )
     run_longest_bench(config_from_args(args), opts)
     return 0

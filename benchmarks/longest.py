@@ -17,6 +17,10 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
   = that length (its start-up profile run checks the same fit; no host tier, so no KV leaves the
   budget) and answers one prompt of that length, and one of the peer's length (--repeats times,
   each under its own cache salt, the median kept), timed over HTTP.
+  With --answer-max-tokens N (for budgets whose longest forwards take hours here): our longest is
+  not probed length by length but read off the line through the two lengths a server's start-up
+  profile measures for a long max_model_len (engine.profile_max_tokens), as the server extends
+  it, then checked by starting the server there; a prompt of ours longer than N is not answered.
 - vLLM at its defaults (compiled): KV memory = budget - weights (its activations are not charged
   to it), --max-model-len = as many tokens as that memory holds, lowered a block at a time
   until it starts; then one prompt of that length (--repeats times, as ours), timed over HTTP.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import logging
 import random
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,7 @@ from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention import default_kernel
 from tiered.hybrid.loader import resolve_device
+from tiered.hybrid.memory import extended_reach, profile_lengths
 from tiered.hybrid.precision import config_precision
 from tiered.hybrid.spill import check_spill, spill_of
 
@@ -61,6 +67,10 @@ class LongestOptions:
     out_dir: Path = Path("benchmarks/out/longest")
     plot_path: Path | None = None  # a PNG of the longest prompt against the budget
     repeats: int = 1  # answers of the peer's length by each engine (fresh cache salts); the median is kept
+    # Past this many tokens our forwards are too slow to run here (0: no limit): our longest is found
+    # from the line through the two lengths the server's start-up profile measures, checked by
+    # starting the server, and its prompt is not answered.
+    answer_max_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -84,11 +94,12 @@ class BudgetResult:
     budget_bytes: int
     weights_bytes: int
     ours_tokens: int = 0  # the longest that fits
-    ours_over_tokens: int = 0  # measured not to fit (ours_tokens + resolution)
+    ours_over_tokens: int = 0  # measured not to fit (ours_tokens + resolution); 0 when found from the line
+    ours_from_line: bool = False  # found from the profile's line (--answer-max-tokens), not by probing each length
     peaks_by_len: dict[int, int] = field(default_factory=dict)  # every probe: tokens -> peak bytes
     ours_served_tokens: int = 0  # the max_model_len our server started with (ours_tokens unless it refused)
     ours_refused: list[int] = field(default_factory=list)  # larger ones its start-up profile run refused
-    ours: Served | None = None  # our server at ours_served_tokens
+    ours: Served | None = None  # our server at ours_served_tokens (None: longer than --answer-max-tokens, not answered)
     ours_at_peer_length: Served | None = None
     peer_kv_bytes: int = 0
     peer_tokens: int = 0  # the largest --max-model-len it started with
@@ -163,6 +174,40 @@ def find_ours(setup: ForwardSetup, result: BudgetResult, opts: LongestOptions) -
     result.ours_tokens, result.ours_over_tokens = lo, hi
 
 
+def find_ours_from_line(
+    setup: ForwardSetup, result: BudgetResult, opts: LongestOptions, profile_max_tokens: int
+) -> None:
+    """Our longest prompt under the budget without forwarding it: the lengths a server's start-up
+    profile measures for a long max_model_len, each probed in a fresh process, and the longest
+    length whose peak on their line (as the server extends it) stays under the budget, floored to
+    `opts.resolution`. Shorter than the profile's second length: the probes' search instead."""
+    budget = result.budget_bytes
+    if profile_max_tokens == 0:
+        raise BenchError(
+            "--answer-max-tokens needs engine.profile_max_tokens > 0 (the server would forward every length)"
+        )
+    lengths = profile_lengths(sys.maxsize, "hybrid", setup.spill, profile_max_tokens)
+    for n in lengths:
+        peak = probe(setup, "hybrid", n)
+        result.peaks_by_len[n] = peak.peak_bytes
+        result.weights_bytes = peak.weights_bytes or result.weights_bytes
+        log.info("hybrid %7d tokens: peak %.1f MiB (%.1f s)", n, peak.peak_bytes / 2**20, peak.seconds)
+    peaks = result.peaks_by_len
+    if any(peaks[n] >= budget for n in lengths[2:]):
+        raise BenchError(
+            f"a forward of forward.spill_min_tokens - 1 tokens keeps its stream in memory and peaks over the budget "
+            f"of {budget} bytes: lower forward.spill_min_tokens"
+        )
+    lo, hi = lengths[:2]
+    reach = extended_reach(lo, peaks[lo], hi, peaks[hi], budget)
+    if reach <= hi:
+        find_ours(setup, result, opts)
+        return
+    result.ours_tokens = reach // opts.resolution * opts.resolution
+    result.ours_from_line = True
+    log.info("hybrid: %d tokens reach the budget on the line through %d and %d", result.ours_tokens, lo, hi)
+
+
 def find_peer(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: list[int]) -> None:
     """vLLM's largest --max-model-len with KV = budget - weights, and one prompt of it."""
     assert opts.vllm_python is not None
@@ -205,7 +250,10 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
             with serve_tiered(
                 with_overrides(cfg, overrides), f"tiered-{result.budget_bytes >> 20}MiB-{n}", opts.out_dir
             ) as served:
-                result.ours = _answer(served.url, "tiered", _prompt(vocab, n - 1, opts.seed), f"longest-tiered-{n}")
+                if not opts.answer_max_tokens or n <= opts.answer_max_tokens:
+                    result.ours = _answer(served.url, "tiered", _prompt(vocab, n - 1, opts.seed), f"longest-tiered-{n}")
+                else:
+                    log.info("tiered started with max_model_len %d; not answered (--answer-max-tokens)", n)
                 if 0 < result.peer_tokens <= n:
                     prompt = _prompt(vocab, result.peer_tokens - 1, opts.seed)
                     salt = f"longest-tiered-{result.peer_tokens}"
@@ -263,7 +311,10 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
         result = BudgetResult(budget, 0)
         results.append(result)
         log.info("budget %.0f MiB: ours", budget / 2**20)
-        find_ours(setup, result, opts)
+        if opts.answer_max_tokens:
+            find_ours_from_line(setup, result, opts, cfg.engine.profile_max_tokens)
+        else:
+            find_ours(setup, result, opts)
         if opts.vllm_python:
             log.info("budget %.0f MiB: vLLM, %d bytes of KV", budget / 2**20, budget - result.weights_bytes)
             find_peer(cfg, result, opts, vocab)
@@ -273,7 +324,12 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
         opts.json_path,
         "longest",
         device,
-        {"config": asdict(cfg), "resolution": opts.resolution, "budgets": [asdict(r) for r in results]},
+        {
+            "config": asdict(cfg),
+            "resolution": opts.resolution,
+            "answer_max_tokens": opts.answer_max_tokens,
+            "budgets": [asdict(r) for r in results],
+        },
     )
     if opts.plot_path is not None:
         log.info("wrote %s", plot_longest(doc, opts.plot_path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from tiered.config import load_config
 from tiered.engine import Engine, EngineStartError, ScoreParams
 from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import ForwardInputError, forward
-from tiered.hybrid.memory import extend_line, measure_forward_peak, profile_lengths
+from tiered.hybrid.memory import extend_line, extended_reach, measure_forward_peak, profile_lengths
 from tiered.hybrid.spill import Spill
 
 
@@ -167,6 +168,14 @@ def test_a_forwards_peak_is_measured_alike_after_a_longer_one(tiny_dir: Path) ->
     # Not hidden: without the trim `after` reads a small share of `fresh`. Above it: two fresh
     # processes' readings of this small model already differ by up to a sixth.
     assert 0.8 * fresh <= after <= 1.25 * fresh, (fresh, after)
+
+
+def test_the_extended_reach_is_the_longest_length_the_line_keeps_under_a_limit() -> None:
+    lo, peak_lo, hi, peak_hi, limit = 16384, 270 << 20, 32768, 290 << 20, 320 << 20
+    n = extended_reach(lo, peak_lo, hi, peak_hi, limit)
+    assert extend_line(lo, peak_lo, hi, peak_hi, n) < limit <= extend_line(lo, peak_lo, hi, peak_hi, n + 1)
+    assert extended_reach(lo, peak_lo, hi, peak_hi, peak_hi) == hi  # nothing past hi fits
+    assert extended_reach(lo, peak_hi, hi, peak_hi, limit) == sys.maxsize  # a flat line never reaches it
 
 
 def test_profile_lengths_stay_in_the_regime_of_max_model_len() -> None:

@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 from benchmarks.longest import LongestOptions, run_longest_bench
+from benchmarks.mil import ForwardSetup, probe_peak
 from tiered.config import load_config
 from tiered.config.options import DEFAULT_CONFIG
+from tiered.hybrid.spill import Spill
 
 
-def _run(tiny_dir: Path, tmp_path: Path, *extra: str) -> dict:
+def _run(tiny_dir: Path, tmp_path: Path, *extra: str, answer_max_tokens: int = 0) -> dict:
     cfg = load_config(
         DEFAULT_CONFIG,
         [
@@ -30,6 +32,7 @@ def _run(tiny_dir: Path, tmp_path: Path, *extra: str) -> dict:
         guess_tokens=(1024, 2048),
         json_path=str(tmp_path / "longest.json"),
         out_dir=tmp_path,
+        answer_max_tokens=answer_max_tokens,
     )
     run_longest_bench(cfg, opts)
     (r,) = json.loads((tmp_path / "longest.json").read_text())["budgets"]
@@ -59,3 +62,18 @@ def test_ours_serves_the_longest_length_that_fits_and_longer_with_a_spill_dir(ti
     # Per token the residual stream (hidden size x 4 bytes) leaves the measured peak, in the probes
     # and in the server's start-up profile run alike.
     assert spilled["ours_served_tokens"] > in_memory["ours_served_tokens"]
+
+
+def test_past_answer_max_tokens_ours_is_read_off_the_profiles_line_and_fits(tiny_dir: Path, tmp_path: Path) -> None:
+    """Without probing each length: the lengths the server's profile measures, the line's reach
+    under the budget, the server started there and not asked to answer; a forward of that length,
+    measured afterwards, fits the budget."""
+    spill_dir = tmp_path / "spill"
+    line = [f"forward.spill_dir={spill_dir}", "forward.spill_min_tokens=1024", "engine.profile_max_tokens=2048"]
+    r = _run(tiny_dir, tmp_path / "line", *line, "forward.chunk_tokens=256", answer_max_tokens=4096)
+    assert r["ours_from_line"] and {int(n) for n in r["peaks_by_len"]} == {1023, 1024, 2048}
+    assert r["ours_tokens"] % 512 == 0 and r["ours_over_tokens"] == 0
+    assert r["ours_served_tokens"] == r["ours_tokens"] - 512 * len(r["ours_refused"]) > 4096
+    assert r["ours"] is None  # longer than --answer-max-tokens: started, not answered
+    setup = ForwardSetup(str(tiny_dir), "float32", "cpu", 256, Spill(str(spill_dir), 1024))
+    assert probe_peak(setup, "hybrid", r["ours_served_tokens"]) <= BUDGET

@@ -15,6 +15,7 @@ import ctypes.util
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -252,8 +253,23 @@ EXTENSION_MARGIN = 0.05
 def extend_line(lo: int, peak_lo: int, hi: int, peak_hi: int, num_tokens: int) -> int:
     """The peak at `num_tokens` > hi on the line through (lo, peak_lo) and (hi, peak_hi), its slope
     raised by EXTENSION_MARGIN (never below the peak at hi)."""
-    slope = max(0.0, (peak_hi - peak_lo) / (hi - lo)) * (1 + EXTENSION_MARGIN)
-    return int(peak_hi + slope * (num_tokens - hi))
+    return int(peak_hi + _extension_slope(lo, peak_lo, hi, peak_hi) * (num_tokens - hi))
+
+
+def extended_reach(lo: int, peak_lo: int, hi: int, peak_hi: int, limit: int) -> int:
+    """The longest length whose peak `extend_line` puts under `limit` bytes (hi when none past it
+    is; no bound when the line does not rise: the largest int)."""
+    slope = _extension_slope(lo, peak_lo, hi, peak_hi)
+    if slope <= 0:
+        return sys.maxsize
+    n = hi + max(0, int((limit - 1 - peak_hi) // slope))
+    while n > hi and extend_line(lo, peak_lo, hi, peak_hi, n) >= limit:  # the float division's rounding
+        n -= 1
+    return n
+
+
+def _extension_slope(lo: int, peak_lo: int, hi: int, peak_hi: int) -> float:
+    return max(0.0, (peak_hi - peak_lo) / (hi - lo)) * (1 + EXTENSION_MARGIN)
 
 
 def profile_peak(
