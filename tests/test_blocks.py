@@ -61,6 +61,29 @@ def test_a_freed_block_is_taken_back_by_its_exact_size_within_the_cap() -> None:
     assert _run(REUSE_SCRIPT).strip().endswith("ok")
 
 
+OOM_SCRIPT = """
+import resource, torch
+from tiered.engine.executor import out_of_memory
+from tiered.hybrid import blocks
+assert blocks.install(2**20)
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + 256 * 2**20, resource.RLIM_INFINITY))
+try:
+    torch.empty(2**30, dtype=torch.uint8)
+    raise SystemExit("a 1 GiB tensor was mapped under a 256 MiB address-space limit")
+except Exception as exc:  # what the engine's executor sees
+    assert out_of_memory(exc), repr(exc)
+kept = torch.ones(2**20)  # the cache goes on serving
+assert float(kept.sum()) == 2**20 and blocks.stats().live_bytes == 4 * 2**20
+print("ok")
+"""
+
+
+def test_a_mapping_that_fails_is_out_of_memory_to_the_engine() -> None:
+    """Out of memory fails one request and the engine goes on: the error is one the executor knows."""
+    assert _run(OOM_SCRIPT).strip().endswith("ok")
+
+
 FORWARD_SCRIPT = """
 import sys, torch
 from tiered.hybrid import blocks

@@ -19,6 +19,7 @@
 #include <sys/mman.h>
 #include <torch/library.h>
 
+#include <cerrno>
 #include <cstring>
 #include <list>
 #include <mutex>
@@ -45,8 +46,8 @@ class BlockCache final : public c10::Allocator {
     void* p = take(size);
     if (p == nullptr) {
       p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "block cache: can't allocate memory: mapping ", size, " bytes failed: ",
-                       std::strerror(errno));
+      TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "block cache: can't allocate memory: mapping ", size,
+                       " bytes failed: ", std::strerror(errno));
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
