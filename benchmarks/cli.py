@@ -30,6 +30,7 @@ from benchmarks.commands import (
     cmd_bench_tiers,
     cmd_bench_trace,
     cmd_bench_visits,
+    cmd_plot_longest,
     cmd_plot_working_set,
 )
 from tiered.config import AttentionKernel
@@ -527,6 +528,16 @@ def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
     ws.add_argument("json_files", nargs="+", help="JSONs written by `python -m benchmarks visits --json`")
     ws.add_argument("--out", required=True, help="the PNG to write")
     ws.set_defaults(func=cmd_plot_working_set)
+    lg = bsub.add_parser(
+        "plot-longest",
+        help="PNG: the longest prompt per budget, both engines, from one or more `python -m benchmarks longest` JSONs",
+        description="Every budget of every JSON on one figure (runs of one machine): the longest prompt each engine "
+        "started with (a hollow marker: not answered), and the seconds per 1,000 tokens of a prompt of vLLM's "
+        "length. A budget in several JSONs is taken from the last.",
+    )
+    lg.add_argument("json_files", nargs="+", help="JSONs written by `python -m benchmarks longest --json`")
+    lg.add_argument("--out", required=True, help="the PNG to write")
+    lg.set_defaults(func=cmd_plot_longest)
 
 
 def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -204,6 +204,23 @@ def cmd_plot_working_set(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot_longest(args: argparse.Namespace) -> int:
+    """`python -m benchmarks plot-longest`: every budget of the JSONs on one figure."""
+    import json
+
+    from benchmarks.plots import plot_longest
+    from benchmarks.traces import BenchError
+
+    docs = [json.loads(Path(name).read_text()) for name in args.json_files]
+    for name, doc in zip(args.json_files, docs, strict=True):
+        if doc.get("bench") != "longest":
+            raise BenchError(f"{name} is not a `python -m benchmarks longest` JSON")
+    by_budget = {b["budget_bytes"]: b for doc in docs for b in doc["budgets"]}
+    merged = {**docs[-1], "budgets": list(by_budget.values())}
+    print(f"wrote {plot_longest(merged, args.out)}")
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     from benchmarks.plots import plot_load
 

@@ -149,8 +149,9 @@ def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
 
 
 def plot_longest(doc: dict[str, Any], out_path: str | Path) -> Path:
-    """A `python -m benchmarks longest` run: the longest prompt each engine served against the
-    memory budget (left), and its seconds per 1,000 tokens (right)."""
+    """A `python -m benchmarks longest` run: the longest prompt each engine started with against the
+    memory budget (left; a hollow marker: started, not answered), and each engine's seconds per
+    1,000 tokens of a prompt of vLLM's length (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,19 +160,20 @@ def plot_longest(doc: dict[str, Any], out_path: str | Path) -> Path:
     budgets = sorted(doc["budgets"], key=lambda b: b["budget_bytes"])
     mib = [b["budget_bytes"] / 2**20 for b in budgets]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, tokens, served in (
-        ("tiered (hybrid)", "ours_served_tokens", "ours"),
-        ("vLLM at its defaults", "peer_tokens", "peer"),
+    for name, tokens, served, at_peer_length in (
+        ("tiered (hybrid)", "ours_served_tokens", "ours", "ours_at_peer_length"),
+        ("vLLM at its defaults", "peer_tokens", "peer", "peer"),
     ):
-        points = [(m, b[tokens], b[served]) for m, b in zip(mib, budgets, strict=True) if b[served]]
-        left.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-        right.plot(
-            [p[0] for p in points], [1e3 * p[2]["seconds"] / p[2]["tokens"] for p in points], marker="o", label=name
-        )
+        started = [(m, b[tokens], b[served] is not None) for m, b in zip(mib, budgets, strict=True) if b[tokens]]
+        (line,) = left.plot([p[0] for p in started], [p[1] for p in started], label=name)
+        for m, n, answered in started:
+            left.plot([m], [n], marker="o", color=line.get_color(), fillstyle="full" if answered else "none")
+        timed = [(m, b[at_peer_length]) for m, b in zip(mib, budgets, strict=True) if b[at_peer_length]]
+        right.plot([m for m, _ in timed], [1e3 * t["seconds"] / t["tokens"] for _, t in timed], marker="o", label=name)
     left.set_xlabel("memory budget: weights + activations + KV (MiB)")
-    left.set_ylabel("longest prompt served (tokens)")
+    left.set_ylabel("longest prompt started with (tokens)")
     right.set_xlabel("memory budget (MiB)")
-    right.set_ylabel("seconds per 1,000 tokens of that prompt")
+    right.set_ylabel("s per 1,000 tokens at vLLM's length")
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
