@@ -518,26 +518,30 @@ def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
     pl.add_argument("json_file", help="JSON written by `python -m benchmarks load --json`")
     pl.add_argument("--out", required=True, help="folder for the PNGs")
     pl.set_defaults(func=cmd_bench_plot)
-    ws = bsub.add_parser(
-        "plot-working-set",
-        help="PNG: visits/s against the users' profiles' KV, from several `python -m benchmarks visits` JSONs",
-        description="One point per JSON and system: saturation visits/s (median, min-max over its runs) "
-        "against the KV of the trace's profiles (every visited user's, once) as a multiple of our "
-        "KV memory (device + host tier; vLLM is given the same). Run the JSONs with one budget.",
-    )
-    ws.add_argument("json_files", nargs="+", help="JSONs written by `python -m benchmarks visits --json`")
-    ws.add_argument("--out", required=True, help="the PNG to write")
-    ws.set_defaults(func=cmd_plot_working_set)
-    lg = bsub.add_parser(
-        "plot-longest",
-        help="PNG: the longest prompt per budget, both engines, from one or more `python -m benchmarks longest` JSONs",
-        description="Every budget of every JSON on one figure (runs of one machine): the longest prompt each engine "
-        "started with (a hollow marker: not answered), and the seconds per 1,000 tokens of a prompt of vLLM's "
-        "length. A budget in several JSONs is taken from the last.",
-    )
-    lg.add_argument("json_files", nargs="+", help="JSONs written by `python -m benchmarks longest --json`")
-    lg.add_argument("--out", required=True, help="the PNG to write")
-    lg.set_defaults(func=cmd_plot_longest)
+    for name, kind, func, help_, description in (
+        (
+            "plot-working-set",
+            "visits",
+            cmd_plot_working_set,
+            "PNG: visits/s against the users' profiles' KV, from several `python -m benchmarks visits` JSONs",
+            "One point per JSON and system: saturation visits/s (median, min-max over its runs) "
+            "against the KV of the trace's profiles (every visited user's, once) as a multiple of our "
+            "KV memory (device + host tier; vLLM is given the same). Run the JSONs with one budget.",
+        ),
+        (
+            "plot-longest",
+            "longest",
+            cmd_plot_longest,
+            "PNG: the longest prompt per budget, both engines, from one or more `python -m benchmarks longest` JSONs",
+            "Every budget of every JSON on one figure (runs of one machine): the longest prompt each engine "
+            "started with (a hollow marker: not answered), and the seconds per 1,000 tokens of a prompt of vLLM's "
+            "length. A budget in several JSONs is taken from the last.",
+        ),
+    ):
+        fig = bsub.add_parser(name, help=help_, description=description)
+        fig.add_argument("json_files", nargs="+", help=f"JSONs written by `python -m benchmarks {kind} --json`")
+        fig.add_argument("--out", required=True, help="the PNG to write")
+        fig.set_defaults(func=func)
 
 
 def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
