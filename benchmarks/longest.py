@@ -200,6 +200,8 @@ def find_ours_from_line(
         )
     lo, hi = lengths[:2]
     reach = extended_reach(lo, peaks[lo], hi, peaks[hi], budget)
+    if reach == sys.maxsize:
+        raise BenchError(f"the peak did not grow from {lo} to {hi} tokens: no line to read a longest length off")
     if reach <= hi:
         find_ours(setup, result, opts)
         return
@@ -291,8 +293,10 @@ def format_table(results: list[BudgetResult]) -> str:
 def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
     """Per budget, ours and vLLM's longest prompt and its time (see the module docstring)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if not opts.budgets or opts.resolution < 1 or opts.repeats < 1:
-        raise BenchError("give at least one --budgets value, a --resolution >= 1 and --repeats >= 1")
+    if not opts.budgets or opts.resolution < 1 or opts.repeats < 1 or opts.answer_max_tokens < 0:
+        raise BenchError(
+            "give at least one --budgets value, a --resolution >= 1, --repeats >= 1 and --answer-max-tokens >= 0"
+        )
     model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     precision = config_precision(cfg)
