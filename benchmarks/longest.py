@@ -125,31 +125,41 @@ def _answer(url: str, system: str, prompt: list[int], salt: str, repeats: int = 
     return Served(len(prompt), statistics.median(runs), runs)
 
 
+def _fits(setup: ForwardSetup, result: BudgetResult, n: int) -> bool:
+    """Whether our forward of `n` tokens, probed in a fresh process, fits the budget (its peak recorded)."""
+    peak = probe(setup, "hybrid", n)
+    result.peaks_by_len[n] = peak.peak_bytes
+    result.weights_bytes = peak.weights_bytes or result.weights_bytes
+    ok = peak.peak_bytes <= result.budget_bytes
+    log.info(
+        "hybrid %7d tokens: peak %.1f MiB (%s, %.1f s)",
+        n,
+        peak.peak_bytes / 2**20,
+        "fits" if ok else "over",
+        peak.seconds,
+    )
+    return ok
+
+
+def _stream_in_memory_over(setup: ForwardSetup, budget: int) -> BenchError:
+    # The server's start-up profile also runs the longest forward that keeps its stream in memory:
+    # a budget it does not fit refuses every length.
+    assert setup.spill is not None
+    return BenchError(
+        f"a forward of forward.spill_min_tokens - 1 = {setup.spill.min_tokens - 1} tokens keeps its stream in "
+        f"memory and peaks over the budget of {budget} bytes: lower forward.spill_min_tokens"
+    )
+
+
 def find_ours(setup: ForwardSetup, result: BudgetResult, opts: LongestOptions) -> None:
     """Our longest prompt under the budget, to `opts.resolution` tokens (see the module docstring)."""
     res, budget = opts.resolution, result.budget_bytes
 
     def fits(n: int) -> bool:
-        peak = probe(setup, "hybrid", n)
-        result.peaks_by_len[n] = peak.peak_bytes
-        result.weights_bytes = peak.weights_bytes or result.weights_bytes
-        ok = peak.peak_bytes <= budget
-        log.info(
-            "hybrid %7d tokens: peak %.1f MiB (%s, %.1f s)",
-            n,
-            peak.peak_bytes / 2**20,
-            "fits" if ok else "over",
-            peak.seconds,
-        )
-        return ok
+        return _fits(setup, result, n)
 
-    # The server's start-up profile also runs the longest forward that keeps its stream in memory:
-    # a budget it does not fit refuses every length.
     if setup.spill is not None and setup.spill.min_tokens > 1 and not fits(setup.spill.min_tokens - 1):
-        raise BenchError(
-            f"a forward of forward.spill_min_tokens - 1 = {setup.spill.min_tokens - 1} tokens keeps its stream in "
-            f"memory and peaks over the budget of {budget} bytes: lower forward.spill_min_tokens"
-        )
+        raise _stream_in_memory_over(setup, budget)
     a, b = opts.guess_tokens
     if setup.spill is not None and b < setup.spill.min_tokens:
         # The peak grows slower per token once a forward spills: guess from two spilled lengths.
@@ -187,17 +197,10 @@ def find_ours_from_line(
             "--answer-max-tokens needs engine.profile_max_tokens > 0 (the server would forward every length)"
         )
     lengths = profile_lengths(sys.maxsize, "hybrid", setup.spill, profile_max_tokens)
-    for n in lengths:
-        peak = probe(setup, "hybrid", n)
-        result.peaks_by_len[n] = peak.peak_bytes
-        result.weights_bytes = peak.weights_bytes or result.weights_bytes
-        log.info("hybrid %7d tokens: peak %.1f MiB (%.1f s)", n, peak.peak_bytes / 2**20, peak.seconds)
+    fit = {n: _fits(setup, result, n) for n in lengths}
+    if not all(fit[n] for n in lengths[2:]):  # the in-memory forward a spill directory adds
+        raise _stream_in_memory_over(setup, budget)
     peaks = result.peaks_by_len
-    if any(peaks[n] >= budget for n in lengths[2:]):
-        raise BenchError(
-            f"a forward of forward.spill_min_tokens - 1 tokens keeps its stream in memory and peaks over the budget "
-            f"of {budget} bytes: lower forward.spill_min_tokens"
-        )
     lo, hi = lengths[:2]
     reach = extended_reach(lo, peaks[lo], hi, peaks[hi], budget)
     if reach == sys.maxsize:

@@ -63,11 +63,6 @@ def install(cap: int) -> bool:
     return True
 
 
-def installed() -> bool:
-    """Whether the block cache is this process's CPU allocator."""
-    return _ops is not None
-
-
 def release() -> None:
     """Unmap every cached block (nothing when the cache is not installed)."""
     if _ops is not None:
