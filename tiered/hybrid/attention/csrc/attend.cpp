@@ -469,7 +469,7 @@ template <typename T>
 Args<T> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pieces,
                   const at::Tensor& visible, const std::optional<at::Tensor>& pool_k,
                   const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& ids, int64_t prefix_tokens,
-                  int column_step) {
+                  const Ops& ops) {
   const int64_t Dh = q.size(2), group = q.size(1) / k.size(1);
   Args<T> a{};
   a.q = q.data_ptr<T>(), a.q_row = q.stride(0), a.q_head = q.stride(1);
@@ -483,8 +483,8 @@ Args<T> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     a.block_tokens = pool_k->size(1), a.prefix_tokens = prefix_tokens;
   }
   a.pieces = pieces.const_data_ptr<int64_t>(), a.visible = visible.const_data_ptr<int64_t>();
-  a.group = int(group), a.Dh = int(Dh), a.rows_per_block = int(std::max<int64_t>(1, kRowsPerTask / group));
-  a.Dp = int((Dh + column_step - 1) / column_step * column_step);
+  a.group = int(group), a.Dh = int(Dh), a.rows_per_block = int(std::max<int64_t>(1, ops.rows_per_block / group));
+  a.Dp = int((Dh + ops.column_step - 1) / ops.column_step * ops.column_step);
   a.scale = float(1.0 / std::sqrt(double(Dh))) * kLog2e;
   return a;
 }
@@ -546,11 +546,10 @@ std::string attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
   const Ops* ops = choose_ops(isa, int(Dh));
   if (q.scalar_type() == at::kFloat)
-    run_all(make_args<float>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens, ops->column_step), *ops,
+    run_all(make_args<float>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens, *ops), *ops,
             pieces.size(0), Hkv);
   else
-    run_all(make_args<c10::BFloat16>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens,
-                                     ops->column_step), *ops,
+    run_all(make_args<c10::BFloat16>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens, *ops), *ops,
             pieces.size(0), Hkv);
   return ops->name;
 }

@@ -22,7 +22,7 @@
 namespace tiered_native {
 
 constexpr int kKeyTile = 64;      // keys per tile
-constexpr int kRowsPerTask = 64;  // query rows (positions x group heads) per block
+constexpr int kRowsPerTask = 64;  // query rows (positions x group heads) per block, unless the path says
 constexpr int kBlocksPerTask = 8;  // most blocks of a task: each key tile made ready once serves them all
 constexpr int64_t kTasksPerThread = 8;  // fewest tasks a thread, where the blocks allow
 constexpr int kRowStep = 32;      // rows are padded to a multiple of this (every path's column step divides it)
@@ -63,6 +63,8 @@ struct Ops {
   void (*thread_end)();
   // Whether acc is kept transposed, [Dp][R], when pv_bf16 runs (rows [R][Dp] otherwise).
   bool acc_columns = false;
+  // Query rows (positions x group heads) per block.
+  int rows_per_block = kRowsPerTask;
 };
 
 // x rounded up to a multiple of step.
@@ -602,7 +604,9 @@ TARGET_AMX void pv_amx(const uint32_t* Pp, const uint16_t* Vt, float* acc, int n
 
 const Ops kAmx{"amx",          32,         kAmxMaxHeadDim, 32, gemm_avx512, softmax_pairs<true, kAmxPairs>,
                scores_amx,     pack_v_amx, pv_amx,         amx_thread_begin, amx_thread_end,
-               /*acc_columns=*/true};
+               /*acc_columns=*/true,
+               // A block's scores, P, acc and the tile's packed V stay in L1 at 32 rows, not at 64.
+               /*rows_per_block=*/32};
 #else
 #define TIERED_AMX 0
 #endif
