@@ -22,7 +22,7 @@
 namespace tiered_native {
 
 constexpr int kKeyTile = 64;      // keys per tile
-constexpr int kRowsPerTask = 64;  // query rows (positions x group heads) per block, unless the path says
+constexpr int kRowsPerBlock = 64;  // query rows (positions x group heads) per block, unless the path sets its own
 constexpr int kBlocksPerTask = 8;  // most blocks of a task: each key tile made ready once serves them all
 constexpr int64_t kTasksPerThread = 8;  // fewest tasks a thread, where the blocks allow
 constexpr int kRowStep = 32;      // rows are padded to a multiple of this (every path's column step divides it)
@@ -64,7 +64,7 @@ struct Ops {
   // Whether acc is kept transposed, [Dp][R], when pv_bf16 runs (rows [R][Dp] otherwise).
   bool acc_columns = false;
   // Query rows (positions x group heads) per block.
-  int rows_per_block = kRowsPerTask;
+  int rows_per_block = kRowsPerBlock;
 };
 
 // x rounded up to a multiple of step.
