@@ -16,7 +16,8 @@ samples on pieces, yields and parked KV (`goodput.PIECE_METRICS`, after minus be
 absent: not shown). Then `python -m benchmarks load`'s per-load table of the short calls and their
 sustainable QPS at P99 / mean latency <= the short objective.
 
-Systems (`systems.mixed_system`): `tiered` (`scheduler.pieces=deadline`: SLOWeave), `tiered-fixedN`
+Systems (`systems.mixed_system`): `tiered` (`scheduler.pieces=deadline`: SLOWeave), `tiered-in-order`
+(the same, with calls that can no longer be in time not deferred: `scheduler.defer_late=false`), `tiered-fixedN`
 (pieces of N tokens whatever the deadlines), `tiered-never` (one pass); `vllm-chunkN` (chunked
 prefill, --max-num-batched-tokens N), `vllm-priority-chunkN` (the same with --scheduling-policy
 priority, short calls `priority` 0 and long ones 1), and either with `-capM`

@@ -114,17 +114,25 @@ def test_a_long_request_yields_to_a_request_that_would_miss_its_deadline(
             assert done[long_id].num_pieces == 1
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "calibrated"])
-def test_a_request_already_late_goes_before_the_rest_of_a_long_one(tiny_dir: Path, tmp_path: Path, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "defer"), [("fcfs", False), ("calibrated", False), ("calibrated", True)])
+def test_a_request_already_late_goes_before_the_rest_of_a_long_one(
+    tiny_dir: Path, tmp_path: Path, policy: str, defer: bool
+) -> None:
     """A 2,000-token request (2 s predicted) is the head (calibrated with a large λ: it waited
-    longest); a 50-token one's 1 ms objective is lost already. It no longer has to wait for the long
-    one's end: shorter than the long one's rest, it runs first, and the long one's answer still
-    equals one pass. Under fcfs, arrival order holds for the late (only the urgent go ahead)."""
+    longest); a 50-token one's 1 ms objective is lost already. With `defer_late` off it no longer
+    has to wait for the long one's end: shorter than the long one's rest, it runs first, and the
+    long one's answer still equals one pass. Under fcfs, arrival order holds for the late (only the
+    urgent go ahead); with `defer_late` the hopeful long one keeps its place ahead of the hopeless."""
     long_ids, short_ids = _ids(2000, 8), _ids(50, 9)
     with _engine(tiny_dir, tmp_path, "scheduler.pieces=never", "model.max_model_len=4096") as one:
         whole = _one(one, long_ids)
     with _engine(
-        tiny_dir, tmp_path, f"scheduler.policy={policy}", "scheduler.fairness=1000", "model.max_model_len=4096"
+        tiny_dir,
+        tmp_path,
+        f"scheduler.policy={policy}",
+        f"scheduler.defer_late={str(defer).lower()}",
+        "scheduler.fairness=1000",
+        "model.max_model_len=4096",
     ) as engine:
         long_id = engine.submit(long_ids, TOP)
         time.sleep(0.01)  # 10 s forgiven to the long one by λ: it is the head
@@ -132,7 +140,7 @@ def test_a_request_already_late_goes_before_the_rest_of_a_long_one(tiny_dir: Pat
         done = {r.request_id: r for r in engine.run()}
     short, long_ = done[short_id], done[long_id]
     assert short.deadline_met is False
-    assert (short.finished_at < long_.finished_at) == (policy == "calibrated")
+    assert (short.finished_at < long_.finished_at) == (policy == "calibrated" and not defer)
     _same(long_, whole)
 
 

@@ -81,6 +81,9 @@ def test_calls_cap_the_trace_and_each_system_gets_its_fields() -> None:
 def test_system_names() -> None:
     assert mixed_system("tiered") == MixedSystem("tiered", ("scheduler.pieces=deadline",))
     assert mixed_system("tiered-never") == MixedSystem("tiered-never", ("scheduler.pieces=never",))
+    assert mixed_system("tiered-in-order") == MixedSystem(
+        "tiered-in-order", ("scheduler.pieces=deadline", "scheduler.defer_late=false")
+    )
     assert mixed_system("tiered-fixed1024") == MixedSystem(
         "tiered-fixed1024", ("scheduler.pieces=fixed", "scheduler.piece_tokens=1024")
     )

@@ -14,6 +14,7 @@ from tiered.engine.request import TierRequest
 from tiered.engine.score import ScoreParams
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Scheduler
+from tiered.scheduler.step import StepLimits
 
 BT = 16
 MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0, 0.0])  # a job costs 1 ms per computed token
@@ -154,3 +155,53 @@ def test_one_entry_per_waiting_request_and_a_reused_id_is_a_new_request(tiny_dir
     sched.add(req("z", 10))
     assert sched.remove("z") is not None and sched.remove("z") is None and sched.pick() is None
     engine.close()
+
+
+@pytest.mark.parametrize("policy", ["calibrated", "srjf", "hrrn", "fcfs"])
+@pytest.mark.parametrize("defer", [True, False])
+def test_requests_past_hope_of_their_deadline_wait_behind_the_others(
+    tiny_dir: Path, tmp_path: Path, policy: str, defer: bool
+) -> None:
+    """With `defer_late`, a request whose predicted time from now ends past its deadline runs after
+    every request that can still meet its own and every one without a deadline; fcfs keeps arrival
+    order. One that turns hopeless while another runs is deferred too (1 ms per computed token)."""
+    engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard", "cache.device_tier_bytes=0")
+    clock = FakeClock()
+    sched = Scheduler(policy, 0.0, engine.tiers, engine.jct, clock=clock, limits=StepLimits(defer_late=defer))
+    g = torch.Generator().manual_seed(3)
+
+    def add(rid: str, n: int, slo: float | None) -> None:
+        sched.add(engine.tiers.new_request(rid, torch.randint(0, 1300, (n,), generator=g)), slo_seconds=slo)
+
+    add("first", 300, None)  # 0.3 s, picked before the others arrive
+    assert (head := sched.pick()) is not None and head.waiting.request_id == "first"
+    add("hopeless", 100, 0.05)  # 0.1 s of work for a 0.05 s objective
+    add("turns", 150, 0.2)  # can meet it now, not once 0.1 s more have passed
+    add("hopeful", 200, 5.0)
+    add("plain", 400, None)
+    clock.now = 0.1
+    order = [d.waiting.request_id for d in iter(sched.pick, None)]
+    engine.close()
+    # Every policy here ranks these by length (hrrn: equal waits, the shortest has the highest ratio).
+    if defer and policy != "fcfs":
+        assert order == ["hopeful", "plain", "hopeless", "turns"]
+    else:
+        assert order == ["hopeless", "turns", "hopeful", "plain"]
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_hopeless_request_rides_along_only_where_deferral_is_off(tiny_dir: Path, tmp_path: Path, defer: bool) -> None:
+    """A batch's filler that can no longer meet its deadline would run ahead of the hopeful
+    requests still waiting: with `defer_late` it stays out of a hopeful head's batch."""
+    engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard", "cache.device_tier_bytes=0")
+    sched = Scheduler(
+        "calibrated", 0.0, engine.tiers, engine.jct, clock=FakeClock(), limits=StepLimits(defer_late=defer)
+    )
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 1300, (64,), generator=g)
+    for rid, slo in (("head", 5.0), ("late", 0.01), ("hopeful", 5.0)):
+        tail = torch.randint(0, 1300, (40,), generator=g)
+        sched.add(engine.tiers.new_request(rid, torch.cat([prefix, tail])), slo_seconds=slo)
+    batch = [d.waiting.request_id for d in sched.pick_batch(2048, 1 << 30)]
+    engine.close()
+    assert sorted(batch) == (["head", "hopeful"] if defer else ["head", "hopeful", "late"])

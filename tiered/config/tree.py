@@ -177,6 +177,10 @@ class SchedulerConfig:
     default_slo_ms: float | None = None
     # A request past its deadline fails with a clear error instead of running late.
     drop_expired: bool = False
+    # A request whose predicted time from now ends past its deadline waits behind every request
+    # that can still meet its own (and those without one); it still runs, late. Under overload the
+    # calls that can be in time are, instead of every call running a little late in arrival order.
+    defer_late: bool = True
     # How a request running alone may yield between block-aligned pieces, its finished KV parked in
     # the tiers: `deadline` (when a waiting request would miss its deadline), `fixed` (pieces of
     # `piece_tokens`), `never` (one pass). A yielding request ends within (1 + max_yield_delay) x its time alone.

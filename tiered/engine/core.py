@@ -47,7 +47,7 @@ class Engine:
         self.model_identity, self.runner = parts.model_identity, parts.runner
         sc = config.scheduler
         limits = StepLimits(
-            sc.max_batch_tokens, self.max_model_len, config.lora.max_loras, sc.prefetch, sc.drop_expired
+            sc.max_batch_tokens, self.max_model_len, config.lora.max_loras, sc.prefetch, sc.drop_expired, sc.defer_late
         )
         self.pieces = PieceStats()
         policy = PiecePolicy(sc, self.tiers.block_tokens, self.jct, self.pieces)

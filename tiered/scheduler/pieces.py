@@ -145,7 +145,9 @@ class PiecePolicy:
             whole = jct.piece_seconds(split, split.num_miss_tokens)
             waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in by_deadline() if u.deadline is not None]
             urgent = [u for u in waiting if now + u.jct <= u.deadline < now + whole + u.jct]
-            late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if sc.policy != "fcfs" else []
+            # Already late and shorter than the head's rest: it goes first, unless hopeless ones wait (defer_late).
+            late_first = sc.policy != "fcfs" and not sc.defer_late
+            late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if late_first else []
             arrival, tightest = self._anticipated(now) or (None, math.inf)
             if w.deadline is not None and w.deadline - w.arrival <= tightest + 1e-6:
                 arrival = None  # a call as tight as those anticipated: a real one is not cut for a guess

@@ -50,6 +50,9 @@ class Scheduler:
         self.pieces = pieces
         self._waiting: dict[str, Waiting] = {}  # request id -> entry
         self._heap: list[tuple[int, float, int, str, int]] = []  # (priority, score, seq, request id, version)
+        self._late: list[
+            tuple[int, float, int, str, int]
+        ] = []  # entries moved out of _heap: past hope of their deadline
         self._by_key: dict[int, set[str]] = defaultdict(set)  # block key -> ids of the requests that hold it
         self._dirty: set[str] = set()
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, request id), stale entries skipped
@@ -208,21 +211,38 @@ class Scheduler:
     # ---- picking ---------------------------------------------------------------------------
 
     def _best(self) -> Waiting | None:
+        defer, now = self._defers_late(), self.clock()
         if self.policy == "hrrn":
-            now = self.clock()
-            best, best_key = None, (0, 0.0)
+            best, best_key = None, (False, 0, 0.0)
             for w in self._waiting.values():
                 service = max(w.jct, 1e-9)
-                key = (-w.priority, (now - w.arrival + service) / service)
+                key = (not (defer and self._hopeless(w, now)), -w.priority, (now - w.arrival + service) / service)
                 if best is None or key > best_key:
                     best, best_key = w, key
             return best
         while self._heap:
             top = self._current(self._heap[0])
+            if top is None:
+                heapq.heappop(self._heap)  # stale: removed or re-scored since
+            elif defer and self._hopeless(top, now):
+                heapq.heappush(self._late, heapq.heappop(self._heap))  # runs once no hopeful request waits
+            else:
+                return top
+        while self._late:
+            top = self._current(self._late[0])
             if top is not None:
                 return top
-            heapq.heappop(self._heap)  # stale: removed or re-scored since
+            heapq.heappop(self._late)
         return None
+
+    def _defers_late(self) -> bool:
+        """Whether hopeless requests wait behind hopeful ones (`scheduler.defer_late`; fcfs keeps arrival order)."""
+        return self.limits.defer_late and self.policy != "fcfs"
+
+    @staticmethod
+    def _hopeless(w: Waiting, now: float) -> bool:
+        """Whether `w`, run from `now` for its predicted time, ends past its deadline."""
+        return w.deadline is not None and now + w.jct > w.deadline
 
     def pick(self) -> Decision | None:
         """Take the request to run next out of the queue (after re-scoring what changed)."""
@@ -268,11 +288,14 @@ class Scheduler:
         device_blocks = self.tiers.device_tier.num_blocks
         longest_prefix = head.waiting.split.num_tokens - miss
         adapters = {head.waiting.request.adapter}
-        ends, met = self.clock() + head.waiting.jct, math.inf  # the batch's predicted end, its earliest deadline met
+        now = self.clock()
+        ends, met = now + head.waiting.jct, math.inf  # the batch's predicted end, its earliest deadline met
         if head.waiting.deadline is not None and ends <= head.waiting.deadline:
             met = head.waiting.deadline
+        # Behind a hopeful head, a hopeless filler would run ahead of the hopeful ones still waiting.
+        hopeful_head = self._defers_late() and not self._hopeless(head.waiting, now)
         for w in self._fill_candidates(head.waiting):
-            if w.num_pieces or ends + w.jct > met:
+            if w.num_pieces or ends + w.jct > met or (hopeful_head and self._hopeless(w, now)):
                 continue
             adapter = w.request.adapter  # the base model (None) takes no adapter slot
             full = max_adapters and len(adapters - {None}) >= max_adapters

@@ -55,6 +55,7 @@ class StepLimits:
     max_adapters: int = 0  # distinct LoRA adapters per batch; 0: no bound
     prefetch: bool = True  # start loading the next pick's host-resident prefix
     drop_expired: bool = False  # fail waiting requests whose deadline passed
+    defer_late: bool = True  # requests that can no longer meet their deadline wait behind those that can
 
 
 @dataclass(slots=True)
