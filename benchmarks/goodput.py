@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace
 from benchmarks.stats import Record, percentile
 
-# /metrics samples of ours on prefills that yield (tolerated absent): pieces, yields, parked KV.
-PIECE_METRICS = re.compile(r"^tiered:.*(piece|yield|park)")
+# /metrics samples of ours on prefills that yield (tolerated absent): pieces, yields, deferrals, parked KV.
+PIECE_METRICS = re.compile(r"^tiered:.*(piece|yield|deferral|park)")
 
 
 @dataclass(slots=True)

@@ -166,13 +166,37 @@ def test_pieces_sized_by_deadline_leave_room_for_the_urgent_and_equal_one_pass(t
     _same(done[long_id], whole)
 
 
-@pytest.mark.parametrize("max_yield_delay", [0.1, 1e6])
+def test_the_urgent_requests_a_long_head_waits_for_run_in_one_batch(tiny_dir: Path, tmp_path: Path) -> None:
+    """A long head (20 s predicted at 10 ms a token) leaves no room for even one block before two
+    urgent short ones (0.5 s each, 1.05 s objectives): it waits, and the urgent ones run together
+    in the next forward, the second joining the first's batch as its predicted end still meets both
+    deadlines, not one forward each."""
+    with _engine(
+        tiny_dir,
+        tmp_path,
+        "scheduler.policy=fcfs",
+        "scheduler.max_batch_tokens=2048",
+        "model.max_model_len=4096",
+        jct=JCTModel([0.0, 1e-2]),
+    ) as engine:
+        long_id = engine.submit(_ids(2000, 11), TOP)
+        urgent = {engine.submit(_ids(50, 12 + i), TOP, options=RequestOptions(slo_ms=1050)) for i in range(2)}
+        first = engine.step()
+        assert engine.pieces.num_deferrals == 1
+        rest = engine.run()
+    assert {r.request_id for r in first} == urgent and all(r.error is None for r in first)
+    assert [r.request_id for r in rest] == [long_id]
+
+
+@pytest.mark.parametrize(("max_yield_delay", "own_slo_ms"), [(0.1, None), (1e6, None), (0.1, 400), (0.1, 60_000)])
 def test_a_long_request_under_a_stream_of_urgent_ones_finishes_within_its_bound(
-    tiny_dir: Path, tmp_path: Path, max_yield_delay: float
+    tiny_dir: Path, tmp_path: Path, max_yield_delay: float, own_slo_ms: int | None
 ) -> None:
     """Urgent short requests keep coming (each would miss behind the long one); the long one
     yields until (1 + max_yield_delay) x its predicted time alone (0.2 s here) has passed since
-    its first yield, then runs. With an unbounded delay it would still be waiting."""
+    its first yield, then runs. With an unbounded delay it would still be waiting; so would one
+    whose own deadline (60 s) leaves room for (1 + max_yield_delay) x its rest, while one whose
+    deadline (0.4 s) does not runs at the bound."""
     with _engine(
         tiny_dir,
         tmp_path,
@@ -181,7 +205,8 @@ def test_a_long_request_under_a_stream_of_urgent_ones_finishes_within_its_bound(
         "model.max_model_len=4096",
         jct=JCTModel([0.0, 1e-4]),
     ) as engine:
-        long_id = engine.submit(_ids(2000, 6), TOP)
+        own = RequestOptions(slo_ms=own_slo_ms) if own_slo_ms is not None else RequestOptions()
+        long_id = engine.submit(_ids(2000, 6), TOP, options=own)
         start, done = time.monotonic(), None
         for i in range(400):
             engine.submit(
@@ -190,7 +215,7 @@ def test_a_long_request_under_a_stream_of_urgent_ones_finishes_within_its_bound(
             done = next((r for r in engine.step() if r.request_id == long_id), None)
             if done is not None or time.monotonic() - start > 3.0:
                 break
-    if max_yield_delay < 1:
+    if max_yield_delay < 1 and (own_slo_ms or 0) < 1000:
         # The bound, the step under way when it passed (a short one), then its own forward.
         assert done is not None and done.finished_at - start <= 1.1 * 0.2 + 0.3 + done.compute_seconds
         assert engine.pieces.num_deferrals >= 1

@@ -139,8 +139,8 @@ class PiecePolicy:
         if sc.pieces == "fixed":  # a baseline: always in pieces (as chunked prefill), no bound needed
             n = fixed_piece(split, sc.piece_tokens, bt)
             choice = PieceChoice(n) if n < split.num_miss_tokens else None
-        elif w.yield_until is not None and now >= w.yield_until:  # yielded long enough: it runs now
-            return None
+        elif w.yield_until is not None and now >= w.yield_until and not self._slack(w, now):
+            return None  # yielded long enough, and no deadline of its own leaves room to yield more: it runs now
         else:
             whole = jct.piece_seconds(split, split.num_miss_tokens)
             waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in by_deadline() if u.deadline is not None]
@@ -168,6 +168,14 @@ class PiecePolicy:
         if choice is not None and choice.take is not None:
             self.stats.num_deferrals += 1
         return choice
+
+    def _slack(self, w: Waiting, now: float) -> bool:
+        """Whether the head's own deadline leaves room to yield on: its rest, (1 + max_yield_delay) x its
+        predicted time from now, still ends by it."""
+        if w.deadline is None:
+            return False
+        rest = self.jct.piece_seconds(w.split, w.split.num_miss_tokens)
+        return now + (1 + self.config.max_yield_delay) * rest <= w.deadline
 
     def _least_piece(self, split: HitSplit) -> int:
         """The smallest block-aligned piece that costs PIECE_OVERHEAD_SHARE times its fixed part."""

@@ -256,8 +256,11 @@ class Scheduler:
         self._unindex(w)
         return Decision(w, w.jct, time.perf_counter() - start, rescored, depth)
 
-    def pick_batch(self, max_batch_tokens: int, max_total_tokens: int, max_adapters: int = 0) -> list[Decision]:
-        """The head (`pick`) plus waiting requests that fit, in the order they were chosen.
+    def pick_batch(
+        self, max_batch_tokens: int, max_total_tokens: int, max_adapters: int = 0, head: Decision | None = None
+    ) -> list[Decision]:
+        """The head (`pick`, or `head`: one taken out already) plus waiting requests that fit, in the
+        order they were chosen.
 
         `max_batch_tokens`: computed (miss) tokens in the batch, tokens that requests of the same
         cached prefix have in common after it (a profile's tail short of a block, a new user's
@@ -272,7 +275,7 @@ class Scheduler:
         Nor when the batch's cached prefixes (device hits and host loads, each block once) would
         not fit in the device tier together: the forward reads them all from there, and a load that
         finds no free block is recomputed, a whole prefix's work in a batch sized for its misses."""
-        head = self.pick()
+        head = head or self.pick()
         if head is None:
             return []
         batch = [head]
@@ -386,9 +389,9 @@ class Scheduler:
         expired = self.take_expired() if lim.drop_expired else []
         batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters)
         piece = self.pieces.decide(batch[0], self.by_deadline) if self.pieces and len(batch) == 1 else None
-        if piece is not None and piece.take is not None:  # yield before starting: the most urgent first
-            self.requeue(batch[0].waiting)
-            batch = [self.take(piece.take)]
+        if piece is not None and piece.take is not None:  # yield before starting: the most urgent first,
+            self.requeue(batch[0].waiting)  # with the requests that fit beside it (as a head's batch fills)
+            batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters, self.take(piece.take))
             piece = None
         prefetch = None
         if batch and lim.prefetch:
