@@ -120,7 +120,14 @@ def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
     a = read_args(model_dir)
     dtype = DTYPES[dtype_name]
     vllm_cpu.use_library(opts.vllm_library)
-    names = opts.kernels or available(device, dtype, a.head_dim)
+    runs_here = available(device, dtype, a.head_dim)
+    names = opts.kernels or runs_here
+    unknown = [n for n in names if n not in runs_here]
+    if unknown:
+        raise BenchError(
+            f"--kernels {','.join(unknown)}: not a kernel that runs here (on {device} at {dtype_name}, head dim "
+            f"{a.head_dim}: {', '.join(runs_here)})"
+        )
     shapes = tuple(s for s in ATTENTION_SHAPES if s.new_tokens + s.prefix_tokens <= opts.max_tokens)
     if not shapes:
         shortest = min(s.new_tokens + s.prefix_tokens for s in ATTENTION_SHAPES)

@@ -247,6 +247,9 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
             f"model.max_model_len={n}",
             "cache.host.enabled=false",
             "cache.suffix=discard",
+            # No request timeout (0): a budget's longest prompts can take longer than the default here, and
+            # the bench times them as it times vLLM's, which has none.
+            "server.request_timeout_s=0",
             # The kernel the probes ran: kernels differ in scratch (one that reads all KV heads at
             # once copies the keys it attends to).
             f"attention.kernel={cfg.attention.kernel}",

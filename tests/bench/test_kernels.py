@@ -52,3 +52,20 @@ def test_a_max_tokens_below_every_shape_is_named(
     args = ["attention", "--model", str(tiny_dir), "--device", "cpu", "--max-tokens", "64", "--vllm-library", "none"]
     assert main(args) == 2
     assert "--max-tokens 64 leaves no shape class (the shortest has 96 tokens)" in capsys.readouterr().err
+
+
+def test_a_kernel_that_does_not_run_here_is_named(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "attention",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--kernels",
+        "flash,sdpa",
+        "--vllm-library",
+        "none",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--kernels sdpa: not a kernel that runs here" in err and "flash" in err.split("here")[-1]
