@@ -23,7 +23,9 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
   it, then checked by starting the server there; a prompt of ours longer than N is not answered.
 - vLLM at its defaults (compiled): KV memory = budget - weights (its activations are not charged
   to it), --max-model-len = as many tokens as that memory holds, lowered a block at a time
-  until it starts; then one prompt of that length (--repeats times, as ours), timed over HTTP.
+  until it starts; then one prompt of that length (--repeats times, as ours), timed over HTTP. A
+  length past the model's max_position_embeddings stops the bench (vLLM refuses it): give
+  `--set model.path=` a copy of the model folder whose config.json has more positions.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from benchmarks.vllm import VLLM_CPU_BLOCK_TOKENS, PeerOptions, VLLMServer, peer
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention import default_kernel
-from tiered.hybrid.loader import resolve_device
+from tiered.hybrid.loader import read_args, resolve_device
 from tiered.hybrid.memory import extended_reach, profile_lengths
 from tiered.hybrid.precision import config_precision
 from tiered.hybrid.spill import check_spill, spill_of
@@ -221,6 +223,16 @@ def find_peer(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: li
     block = VLLM_CPU_BLOCK_TOKENS
     n = kv // probe_launch.kv_bytes_per_token // block * block
     result.peer_kv_bytes = kv
+    positions = read_args(cfg.model.path).max_position_embeddings
+    if n > positions:
+        # vLLM refuses a --max-model-len past the model's positions (VLLM_ALLOW_LONG_MAX_MODEL_LEN lets it start,
+        # with RoPE positions past them computing NaN, its own warning says): lowering the length a block a time
+        # from here would start it for hours.
+        raise BenchError(
+            f"vLLM's KV at {result.budget_bytes >> 20} MiB holds {n} tokens, past the model's "
+            f"max_position_embeddings {positions}, so vLLM would be capped by positions, not memory: give --set "
+            "model.path= a copy of the model folder whose config.json has more positions (the weights are the same)"
+        )
     while n >= block:
         launch = replace(peer_launch(cfg, opts.vllm_python, n, kv, PeerOptions()), kv_exact=True)
         server = VLLMServer(launch)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.longest import LongestOptions, run_longest_bench
+import pytest
+
+from benchmarks.longest import BudgetResult, LongestOptions, find_peer, run_longest_bench
 from benchmarks.mil import ForwardSetup, probe_peak
+from benchmarks.traces import BenchError
 from tiered.config import load_config
 from tiered.config.options import DEFAULT_CONFIG
+from tiered.hybrid.loader import DTYPES, read_args
 from tiered.hybrid.spill import Spill
 
 
@@ -81,3 +85,14 @@ def test_past_answer_max_tokens_ours_is_read_off_the_profiles_line_and_fits(tiny
     # Within 2% of the budget: two probes' noise moves the line's slope (the engine's own start-up
     # check reads lengths off the same line); a slope read near zero lands far over.
     assert probe_peak(setup, "hybrid", r["ours_served_tokens"]) <= 1.02 * BUDGET
+
+
+def test_a_budget_whose_kv_holds_more_than_the_models_positions_is_named_before_vllm_starts(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    cfg = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "model.dtype=float32"])
+    args = read_args(tiny_dir)
+    budget = 2 * args.max_position_embeddings * args.kv_bytes_per_token(DTYPES["float32"])
+    opts = LongestOptions([budget], vllm_python=str(tmp_path / "no-python"), out_dir=tmp_path)
+    with pytest.raises(BenchError, match=f"past the model's max_position_embeddings {args.max_position_embeddings}"):
+        find_peer(cfg, BudgetResult(budget, 0), opts, [])
