@@ -48,8 +48,8 @@ from benchmarks.vllm import VLLM_CPU_BLOCK_TOKENS, PeerOptions, VLLMServer, peer
 from tiered.config import Config, with_overrides
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention import default_kernel
-from tiered.hybrid.loader import read_args, resolve_device
-from tiered.hybrid.memory import extended_reach, profile_lengths
+from tiered.hybrid.loader import DTYPES, read_args, resolve_device
+from tiered.hybrid.memory import extended_reach, growth_floor, profile_lengths
 from tiered.hybrid.precision import config_precision
 from tiered.hybrid.spill import check_spill, spill_of
 
@@ -204,9 +204,8 @@ def find_ours_from_line(
         raise _stream_in_memory_over(setup, budget)
     peaks = result.peaks_by_len
     lo, hi = lengths[:2]
-    reach = extended_reach(lo, peaks[lo], hi, peaks[hi], budget)
-    if reach == sys.maxsize:
-        raise BenchError(f"the peak did not grow from {lo} to {hi} tokens: no line to read a longest length off")
+    floor = growth_floor(read_args(setup.model_dir), DTYPES[setup.dtype])
+    reach = extended_reach(lo, peaks[lo], hi, peaks[hi], budget, floor)
     if reach <= hi:
         find_ours(setup, result, opts)
         return

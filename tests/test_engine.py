@@ -14,7 +14,15 @@ from tiered.config import load_config
 from tiered.engine import Engine, EngineStartError, ScoreParams
 from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import ForwardInputError, forward
-from tiered.hybrid.memory import extend_line, extended_reach, measure_forward_peak, profile_lengths
+from tiered.hybrid.loader import read_args
+from tiered.hybrid.memory import (
+    EXTENSION_MARGIN,
+    extend_line,
+    extended_reach,
+    growth_floor,
+    measure_forward_peak,
+    profile_lengths,
+)
 from tiered.hybrid.spill import Spill
 
 
@@ -110,7 +118,8 @@ def test_past_profile_max_tokens_the_profile_runs_two_shorter_forwards(
     overrides = [f"engine.memory_budget_bytes={budget}", "cache.suffix=discard", "engine.profile_max_tokens=1024"]
     engine = Engine(_cfg(tiny_dir, tmp_path, *overrides, "model.max_model_len=8192"))
     assert set(measured) == {512, 1024}
-    extended = extend_line(512, measured[512], 1024, measured[1024], 8192)
+    floor = growth_floor(engine.parts.model.args, torch.float32)
+    extended = extend_line(512, measured[512], 1024, measured[1024], 8192, floor)
     pool = engine.tiers.device_tier.num_blocks * engine.tiers.device_tier.bytes_per_block
     assert 0 <= budget - extended - pool < engine.tiers.device_tier.bytes_per_block
     engine.close()
@@ -128,7 +137,7 @@ def test_the_extended_peak_is_the_measured_one(tiny_dir: Path, tmp_path: Path) -
         lo, hi = lengths[:2]
         assert 65536 not in lengths and (lo, hi) == (16384, 32768)
         peak = {n: probe_peak(setup, "hybrid", n) for n in (lo, hi, 65536)}
-        extended = extend_line(lo, peak[lo], hi, peak[hi], 65536)
+        extended = extend_line(lo, peak[lo], hi, peak[hi], 65536, growth_floor(read_args(tiny_dir), torch.float32))
         growth = peak[65536] - peak[hi]
         assert growth > 0 and peak[65536] - 2**20 <= extended <= peak[65536] + 0.15 * growth, (spill, peak)
 
@@ -170,12 +179,18 @@ def test_a_forwards_peak_is_measured_alike_after_a_longer_one(tiny_dir: Path) ->
     assert 0.8 * fresh <= after <= 1.25 * fresh, (fresh, after)
 
 
-def test_the_extended_reach_is_the_longest_length_the_line_keeps_under_a_limit() -> None:
+def test_the_extended_reach_is_the_longest_length_the_line_keeps_under_a_limit(tiny_dir: Path) -> None:
     lo, peak_lo, hi, peak_hi, limit = 16384, 270 << 20, 32768, 290 << 20, 320 << 20
-    n = extended_reach(lo, peak_lo, hi, peak_hi, limit)
-    assert extend_line(lo, peak_lo, hi, peak_hi, n) < limit <= extend_line(lo, peak_lo, hi, peak_hi, n + 1)
-    assert extended_reach(lo, peak_lo, hi, peak_hi, peak_hi) == hi  # nothing past hi fits
-    assert extended_reach(lo, peak_hi, hi, peak_hi, limit) == sys.maxsize  # a flat line never reaches it
+    n = extended_reach(lo, peak_lo, hi, peak_hi, limit, 0.0)
+    assert extend_line(lo, peak_lo, hi, peak_hi, n, 0.0) < limit <= extend_line(lo, peak_lo, hi, peak_hi, n + 1, 0.0)
+    assert extended_reach(lo, peak_lo, hi, peak_hi, peak_hi, 0.0) == hi  # nothing past hi fits
+    assert extended_reach(lo, peak_hi, hi, peak_hi, limit, 0.0) == sys.maxsize  # a flat line never reaches it
+    # Readings that differ by less than one layer's K,V per token (noise at short lengths) do not stretch
+    # the reach: the slope is that growth at the least.
+    floor = growth_floor(read_args(tiny_dir), torch.float32)
+    flat = extended_reach(lo, peak_hi, hi, peak_hi, limit, floor)
+    assert flat == hi + int((limit - 1 - peak_hi) // (floor * (1 + EXTENSION_MARGIN)))
+    assert extended_reach(lo, peak_lo, hi, peak_hi, limit, floor) == n  # a line steeper than the floor keeps its slope
 
 
 def test_profile_lengths_stay_in_the_regime_of_max_model_len() -> None:

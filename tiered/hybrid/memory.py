@@ -25,6 +25,7 @@ import torch
 
 from tiered.config import ForwardMode
 from tiered.hybrid import blocks
+from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import BatchItem, LayerKV, forward_batch
 from tiered.hybrid.model import CausalLM
 from tiered.hybrid.spill import Spill
@@ -250,26 +251,33 @@ def profile_lengths(max_tokens: int, mode: ForwardMode, spill: Spill | None, cap
 EXTENSION_MARGIN = 0.05
 
 
-def extend_line(lo: int, peak_lo: int, hi: int, peak_hi: int, num_tokens: int) -> int:
-    """The peak at `num_tokens` > hi on the line through (lo, peak_lo) and (hi, peak_hi), its slope
-    raised by EXTENSION_MARGIN (never below the peak at hi)."""
-    return int(peak_hi + _extension_slope(lo, peak_lo, hi, peak_hi) * (num_tokens - hi))
+def growth_floor(args: ModelArgs, dtype: torch.dtype) -> float:
+    """The least a hybrid forward's peak grows by per token, bytes: one layer's K and V in `dtype`, alive
+    whole while the layer runs. Two short lengths' readings can differ by less than their noise; the
+    line's slope is never taken under this."""
+    return float(args.kv_elems_per_token_per_layer * dtype.itemsize)
 
 
-def extended_reach(lo: int, peak_lo: int, hi: int, peak_hi: int, limit: int) -> int:
+def extend_line(lo: int, peak_lo: int, hi: int, peak_hi: int, num_tokens: int, floor: float) -> int:
+    """The peak at `num_tokens` > hi on the line through (lo, peak_lo) and (hi, peak_hi), its slope at
+    least `floor` (growth_floor) and raised by EXTENSION_MARGIN (never below the peak at hi)."""
+    return int(peak_hi + _extension_slope(lo, peak_lo, hi, peak_hi, floor) * (num_tokens - hi))
+
+
+def extended_reach(lo: int, peak_lo: int, hi: int, peak_hi: int, limit: int, floor: float) -> int:
     """The longest length whose peak `extend_line` puts under `limit` bytes (hi when none past it
-    is; no bound when the line does not rise: the largest int)."""
-    slope = _extension_slope(lo, peak_lo, hi, peak_hi)
+    is; no bound when the line does not rise, which only a `floor` of 0 allows: the largest int)."""
+    slope = _extension_slope(lo, peak_lo, hi, peak_hi, floor)
     if slope <= 0:
         return sys.maxsize
     n = hi + max(0, int((limit - 1 - peak_hi) // slope))
-    while n > hi and extend_line(lo, peak_lo, hi, peak_hi, n) >= limit:  # the float division's rounding
+    while n > hi and extend_line(lo, peak_lo, hi, peak_hi, n, floor) >= limit:  # the float division's rounding
         n -= 1
     return n
 
 
-def _extension_slope(lo: int, peak_lo: int, hi: int, peak_hi: int) -> float:
-    return max(0.0, (peak_hi - peak_lo) / (hi - lo)) * (1 + EXTENSION_MARGIN)
+def _extension_slope(lo: int, peak_lo: int, hi: int, peak_hi: int, floor: float) -> float:
+    return max(floor, (peak_hi - peak_lo) / (hi - lo)) * (1 + EXTENSION_MARGIN)
 
 
 def profile_peak(
@@ -289,7 +297,8 @@ def profile_peak(
     extended: dict[int, tuple[int, int]] = {}
     if max_tokens not in peaks:
         lo, hi = lengths[0], lengths[1]
-        peaks[max_tokens] = extend_line(lo, peaks[lo], hi, peaks[hi], max_tokens)
+        dtype = next(p.dtype for p in model.parameters() if not p.is_meta)
+        peaks[max_tokens] = extend_line(lo, peaks[lo], hi, peaks[hi], max_tokens, growth_floor(model.args, dtype))
         extended[max_tokens] = (lo, hi)
     weights = next(iter(measured.values())).weights_bytes
     return ProfiledPeak(peaks, weights, extended)
