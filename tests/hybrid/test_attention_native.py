@@ -98,6 +98,8 @@ GROUPED = {
     "chunk after chunk": ([Piece(0, 300, 700, ((0, 300),)), Piece(700, 1000, 90, ((0, 1000),))], 1090, 0),
     # a suffix longer than its (made ready) prefix, and a short piece on the same prefix
     "suffix past the prefix": ([Piece(0, 0, 900), Piece(900, 900, 40)], 940, 320),
+    # a chunk on a history of more K,V per KV head than a core's cache: its blocks in the fewest tasks
+    "chunk on a long history": ([Piece(0, 5000, 200, ((0, 5000),))], 5200, 0),
 }
 
 

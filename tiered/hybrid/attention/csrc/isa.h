@@ -25,6 +25,7 @@ constexpr int kKeyTile = 64;      // keys per tile
 constexpr int kRowsPerBlock = 64;  // query rows (positions x group heads) per block, unless the path sets its own
 constexpr int kBlocksPerTask = 8;  // most blocks of a task: each key tile made ready once serves them all
 constexpr int64_t kTasksPerThread = 8;  // fewest tasks a thread, where the blocks allow
+constexpr int64_t kStreamBytes = int64_t(1) << 20;  // K,V per KV head past which a piece's tasks are fewest
 constexpr int kRowStep = 32;      // rows are padded to a multiple of this (every path's column step divides it)
 constexpr int64_t kPrepareBytes = int64_t(64) << 20;  // most bytes of prefix tiles converted once per call
 constexpr float kLog2e = 1.4426950408889634f;
