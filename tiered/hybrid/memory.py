@@ -152,7 +152,7 @@ def measure_forward_peak(
     a = model.args
     g = torch.Generator().manual_seed(0)
     device = model.inv_freq.device
-    dtype = next(p.dtype for p in model.parameters() if not p.is_meta)
+    dtype = compute_dtype(model)
     prefix = None
     if prefix_tokens:
         kv_shape = (prefix_tokens, a.num_kv_heads, a.head_dim)
@@ -251,6 +251,11 @@ def profile_lengths(max_tokens: int, mode: ForwardMode, spill: Spill | None, cap
 EXTENSION_MARGIN = 0.05
 
 
+def compute_dtype(model: CausalLM) -> torch.dtype:
+    """The dtype the model's loaded weights compute in (a pipeline stage's other layers stay on the meta device)."""
+    return next(p.dtype for p in model.parameters() if not p.is_meta)
+
+
 def growth_floor(args: ModelArgs, dtype: torch.dtype) -> float:
     """The least a hybrid forward's peak grows by per token, bytes: one layer's K and V in `dtype`, alive
     whole while the layer runs. Two short lengths' readings can differ by less than their noise; the
@@ -297,8 +302,8 @@ def profile_peak(
     extended: dict[int, tuple[int, int]] = {}
     if max_tokens not in peaks:
         lo, hi = lengths[0], lengths[1]
-        dtype = next(p.dtype for p in model.parameters() if not p.is_meta)
-        peaks[max_tokens] = extend_line(lo, peaks[lo], hi, peaks[hi], max_tokens, growth_floor(model.args, dtype))
+        floor = growth_floor(model.args, compute_dtype(model))
+        peaks[max_tokens] = extend_line(lo, peaks[lo], hi, peaks[hi], max_tokens, floor)
         extended[max_tokens] = (lo, hi)
     weights = next(iter(measured.values())).weights_bytes
     return ProfiledPeak(peaks, weights, extended)

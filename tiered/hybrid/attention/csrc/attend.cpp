@@ -422,25 +422,25 @@ void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_k
   const int64_t grouped =
       std::clamp<int64_t>(num_blocks / (kTasksPerThread * int64_t(at::get_num_threads())), 1, kBlocksPerTask);
   const int64_t ready_keys = prepared.tiles.empty() ? 0 : a.prefix_tokens;
+  const int64_t block_rows = (a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep;  // padded
   std::vector<Task> tasks;
   int64_t most_blocks = 1;  // in one task
   for (int64_t i = 0; i < num_pieces; ++i) {
     const int64_t* p = a.pieces + 5 * i;
     int64_t shared = a.pool_k ? a.prefix_tokens : 0;
     for (int64_t v = p[3]; v < p[4]; ++v) shared += a.visible[2 * v + 1] - a.visible[2 * v];
+    const int64_t piece_blocks = (p[2] + a.rows_per_block - 1) / a.rows_per_block;
     int64_t per_task = shared + p[2] - ready_keys >= ready_keys ? grouped : 1;
     // A piece whose keys not made ready hold more K,V per KV head than a core's cache reads them from memory once
     // per task: its blocks go in as few tasks as keep every thread busy (each KV head's split in
     // ceil(threads / KV heads)), as many a task as keep the blocks' state (acc, queries) in that cache.
     const int64_t streamed = (shared + p[2] - ready_keys) * 2 * a.Dh * int64_t(sizeof(T));
     if (streamed > kStreamBytes) {
-      const int64_t piece_blocks = (p[2] + a.rows_per_block - 1) / a.rows_per_block;
       const int64_t splits = (int64_t(at::get_num_threads()) + num_kv_heads - 1) / num_kv_heads;
-      const int64_t block_rows = (a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep;
       const int64_t state_fits = std::max<int64_t>(1, kStreamBytes / (block_rows * (a.Dp + a.Dh) * 4));
       per_task = std::max(per_task, std::min(state_fits, (piece_blocks + splits - 1) / splits));
     }
-    most_blocks = std::max(most_blocks, std::min(per_task, (p[2] + a.rows_per_block - 1) / a.rows_per_block));
+    most_blocks = std::max(most_blocks, std::min(per_task, piece_blocks));
     for (int64_t q0 = 0; q0 < p[2]; q0 += per_task * a.rows_per_block)
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t nq = std::min<int64_t>(per_task * a.rows_per_block, p[2] - q0);
@@ -457,8 +457,7 @@ void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_k
   const int64_t num_tasks = int64_t(tasks.size());
   at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)), 1,
                    [&](int64_t, int64_t) {
-                     Scratch sc(int(most_blocks), (a.rows_per_block * a.group + kRowStep - 1) / kRowStep * kRowStep,
-                                a.Dh, a.Dp);
+                     Scratch sc(int(most_blocks), int(block_rows), a.Dh, a.Dp);
                      const bool pairs = bf16_dot && ops.pv_bf16;
                      TaskRunner<T> runner{a, ops, sc, bf16_dot, pairs, pairs && ops.acc_columns};
                      if (ops.thread_begin) ops.thread_begin();
