@@ -174,9 +174,9 @@ def test_a_forwards_peak_is_measured_alike_after_a_longer_one(tiny_dir: Path) ->
         return int(out.stdout.split()[-1])
 
     fresh, after = peak("fresh"), peak("after-a-longer-forward")
-    # Not hidden: without the trim `after` reads a small share of `fresh`. Above it: two fresh
-    # processes' readings of this small model already differ by up to a sixth.
-    assert 0.8 * fresh <= after <= 1.25 * fresh, (fresh, after)
+    # Not hidden: without the trim `after` reads under a tenth of `fresh`. The bounds are wide
+    # because two processes' readings of this small model differ by up to a quarter on a busy host.
+    assert 0.5 * fresh <= after <= 2 * fresh, (fresh, after)
 
 
 def test_the_extended_reach_is_the_longest_length_the_line_keeps_under_a_limit(tiny_dir: Path) -> None:
