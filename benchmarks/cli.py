@@ -678,4 +678,11 @@ def _add_longest_parser(bsub: argparse._SubParsersAction) -> None:  # type: igno
         "lengths the server's start-up profile measures (engine.profile_max_tokens) and checked by starting the "
         "server there, and a prompt of ours longer than this is not answered; 0: probe every length, answer all",
     )
+    p.add_argument(
+        "--time-at-peer-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ours also answers a prompt of vLLM's length (--repeats times), for the time per token at the same "
+        "length; --no-time-at-peer-length: the lengths alone (vLLM still answers its own, to show it serves it)",
+    )
     p.set_defaults(func=cmd_bench_longest)

@@ -428,6 +428,7 @@ def cmd_bench_longest(args: argparse.Namespace) -> int:
         plot_path=Path(args.plot) if args.plot else None,
         repeats=args.repeats,
         answer_max_tokens=args.answer_max_tokens,
+        time_at_peer_length=args.time_at_peer_length,
     )
     run_longest_bench(config_from_args(args), opts)
     return 0

@@ -17,6 +17,7 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
   = that length (its start-up profile run checks the same fit; no host tier, so no KV leaves the
   budget) and answers one prompt of that length, and one of the peer's length (--repeats times,
   each under its own cache salt, the median kept), timed over HTTP.
+  With --no-time-at-peer-length ours answers no prompt of the peer's length (the lengths alone).
   With --answer-max-tokens N (for budgets whose longest forwards take hours here): our longest is
   not probed length by length but read off the line through the two lengths a server's start-up
   profile measures for a long max_model_len (engine.profile_max_tokens), as the server extends
@@ -73,6 +74,9 @@ class LongestOptions:
     # from the line through the two lengths the server's start-up profile measures, checked by
     # starting the server, and its prompt is not answered.
     answer_max_tokens: int = 0
+    # Off: ours answers no prompt of the peer's length (for budgets where one takes an hour here, the
+    # lengths alone); the peer still answers its own, which is how it shows it serves that length.
+    time_at_peer_length: bool = True
 
 
 @dataclass(slots=True)
@@ -273,7 +277,7 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
                     result.ours = _answer(served.url, "tiered", _prompt(vocab, n - 1, opts.seed), f"longest-tiered-{n}")
                 else:
                     log.info("tiered started with max_model_len %d; not answered (--answer-max-tokens)", n)
-                if 0 < result.peer_tokens <= n:
+                if opts.time_at_peer_length and 0 < result.peer_tokens <= n:
                     prompt = _prompt(vocab, result.peer_tokens - 1, opts.seed)
                     salt = f"longest-tiered-{result.peer_tokens}"
                     result.ours_at_peer_length = _answer(served.url, "tiered", prompt, salt, opts.repeats)
@@ -349,6 +353,7 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
             "config": asdict(cfg),
             "resolution": opts.resolution,
             "answer_max_tokens": opts.answer_max_tokens,
+            "time_at_peer_length": opts.time_at_peer_length,
             "budgets": [asdict(r) for r in results],
         },
     )

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.longest import BudgetResult, LongestOptions, find_peer, run_longest_bench
+from benchmarks.longest import BudgetResult, LongestOptions, find_peer, run_longest_bench, serve_ours
 from benchmarks.mil import ForwardSetup, probe_peak
-from benchmarks.traces import BenchError
-from tiered.config import load_config
+from benchmarks.traces import BenchError, ordinary_token_ids
+from tiered.config import Config, load_config
 from tiered.config.options import DEFAULT_CONFIG
 from tiered.hybrid.loader import DTYPES, read_args
 from tiered.hybrid.spill import Spill
 
 
-def _run(tiny_dir: Path, tmp_path: Path, *extra: str, answer_max_tokens: int = 0) -> dict:
-    cfg = load_config(
+def _cfg(tiny_dir: Path, tmp_path: Path, *extra: str) -> Config:
+    return load_config(
         DEFAULT_CONFIG,
         [
             f"model.path={tiny_dir}",
@@ -29,6 +29,10 @@ def _run(tiny_dir: Path, tmp_path: Path, *extra: str, answer_max_tokens: int = 0
             *extra,
         ],
     )
+
+
+def _run(tiny_dir: Path, tmp_path: Path, *extra: str, answer_max_tokens: int = 0) -> dict:
+    cfg = _cfg(tiny_dir, tmp_path, *extra)
     opts = LongestOptions(
         [BUDGET],
         vllm_python=None,
@@ -96,3 +100,18 @@ def test_a_budget_whose_kv_holds_more_than_the_models_positions_is_named_before_
     opts = LongestOptions([budget], vllm_python=str(tmp_path / "no-python"), out_dir=tmp_path)
     with pytest.raises(BenchError, match=f"past the model's max_position_embeddings {args.max_position_embeddings}"):
         find_peer(cfg, BudgetResult(budget, 0), opts, [])
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_ours_answers_the_peers_length_unless_told_lengths_alone(tiny_dir: Path, tmp_path: Path, timed: bool) -> None:
+    """Our server at our longest length answers a prompt of the peer's length too (its time against
+    the peer's), --repeats times; with --no-time-at-peer-length it answers only its own."""
+    result = BudgetResult(BUDGET, 0, ours_tokens=2048, peer_tokens=1024)
+    opts = LongestOptions([BUDGET], None, resolution=512, out_dir=tmp_path, repeats=2, time_at_peer_length=timed)
+    serve_ours(_cfg(tiny_dir, tmp_path), result, opts, ordinary_token_ids(tiny_dir))
+    assert result.ours_served_tokens == 2048 and result.ours is not None and result.ours.tokens == 2047
+    if timed:
+        assert result.ours_at_peer_length is not None and result.ours_at_peer_length.tokens == 1023
+        assert len(result.ours_at_peer_length.runs) == 2
+    else:
+        assert result.ours_at_peer_length is None
