@@ -160,6 +160,8 @@ class HttpOptions:
     label: str = ""  # names the run in the progress log
     concurrency: int | None = None  # calls in flight at most; None: all of them
     cache_salt: str | None = None  # sent as every call's `cache_salt`; None: none sent
+    # Seconds a call may take to answer; None: no limit (a long prompt's answer can take over an hour).
+    timeout_s: float | None = 3600.0
 
 
 async def _run_http_async(
@@ -171,7 +173,7 @@ async def _run_http_async(
     limits = httpx.Limits(max_connections=len(calls), max_keepalive_connections=len(calls), keepalive_expiry=2.0)
     gate = asyncio.Semaphore(opts.concurrency or len(calls))
     cache_salt = opts.cache_salt
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=opts.timeout_s, limits=limits) as client:
         loop = asyncio.get_running_loop()
         start = loop.time()
 

@@ -123,7 +123,9 @@ def _answer(url: str, system: str, prompt: list[int], salt: str, repeats: int = 
     runs = []
     for i in range(repeats):
         key = salt if repeats == 1 else f"{salt}-{i}"
-        (record,), _ = run_http(url, "model", [Call(key, [prompt])], [0.0], HttpOptions(system, cache_salt=key))
+        # No client timeout: neither server has one here, and a budget's longest prompt can take hours.
+        http = HttpOptions(system, cache_salt=key, timeout_s=None)
+        (record,), _ = run_http(url, "model", [Call(key, [prompt])], [0.0], http)
         if record.error is not None:
             raise BenchError(f"{system}: the {len(prompt)}-token prompt failed: {record.error}")
         log.info("%s: %d tokens in %.1f s", system, len(prompt), record.latency_seconds)
