@@ -333,7 +333,25 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
     setup = ForwardSetup(str(model_dir), precision.compute, device, f.chunk_tokens, spill_of(f), kernel)
     vocab = ordinary_token_ids(model_dir)
     print(f"the longest prompt per budget, ours (hybrid) against vLLM; precision: {precision.describe()}")
-    results = []
+    results: list[BudgetResult] = []
+
+    def report(complete: bool) -> dict[str, Any]:
+        # Written after every step as well as at the end: a budget's answers can take hours here, and
+        # a run stopped part way keeps what it measured (`complete` false, the budget's later fields empty).
+        return write_report(
+            opts.json_path,
+            "longest",
+            device,
+            {
+                "config": asdict(cfg),
+                "resolution": opts.resolution,
+                "answer_max_tokens": opts.answer_max_tokens,
+                "time_at_peer_length": opts.time_at_peer_length,
+                "complete": complete,
+                "budgets": [asdict(r) for r in results],
+            },
+        )
+
     for budget in opts.budgets:
         result = BudgetResult(budget, 0)
         results.append(result)
@@ -342,23 +360,14 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
             find_ours_from_line(setup, result, opts, cfg.engine.profile_max_tokens)
         else:
             find_ours(setup, result, opts)
+        report(complete=False)
         if opts.vllm_python:
             log.info("budget %.0f MiB: vLLM, %d bytes of KV", budget / 2**20, budget - result.weights_bytes)
             find_peer(cfg, result, opts, vocab)
+            report(complete=False)
         serve_ours(cfg, result, opts, vocab)
     print(format_table(results))
-    doc = write_report(
-        opts.json_path,
-        "longest",
-        device,
-        {
-            "config": asdict(cfg),
-            "resolution": opts.resolution,
-            "answer_max_tokens": opts.answer_max_tokens,
-            "time_at_peer_length": opts.time_at_peer_length,
-            "budgets": [asdict(r) for r in results],
-        },
-    )
+    doc = report(complete=True)
     if opts.plot_path is not None:
         log.info("wrote %s", plot_longest(doc, opts.plot_path))
     return doc

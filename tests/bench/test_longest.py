@@ -43,7 +43,9 @@ def _run(tiny_dir: Path, tmp_path: Path, *extra: str, answer_max_tokens: int = 0
         answer_max_tokens=answer_max_tokens,
     )
     run_longest_bench(cfg, opts)
-    (r,) = json.loads((tmp_path / "longest.json").read_text())["budgets"]
+    doc = json.loads((tmp_path / "longest.json").read_text())
+    assert doc["complete"] is True
+    (r,) = doc["budgets"]
     return r  # type: ignore[no-any-return]
 
 
@@ -70,6 +72,27 @@ def test_ours_serves_the_longest_length_that_fits_and_longer_with_a_spill_dir(ti
     # Per token the residual stream (hidden size x 4 bytes) leaves the measured peak, in the probes
     # and in the server's start-up profile run alike.
     assert spilled["ours_served_tokens"] > in_memory["ours_served_tokens"]
+
+
+def test_a_run_stopped_while_serving_keeps_what_it_measured(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget's answers can take hours: the JSON is written after each step, so an operator's
+    interrupt during our server's answer (raised here where `serve_ours` would run) leaves the
+    probes' bracket on disk, marked incomplete."""
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("benchmarks.longest.serve_ours", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_dir, tmp_path)
+    doc = json.loads((tmp_path / "longest.json").read_text())
+    (r,) = doc["budgets"]
+    assert doc["complete"] is False
+    peaks = {int(n): p for n, p in r["peaks_by_len"].items()}
+    assert peaks[r["ours_tokens"]] <= BUDGET < peaks[r["ours_over_tokens"]]
+    assert r["ours_served_tokens"] == 0 and r["ours"] is None
 
 
 def test_past_answer_max_tokens_ours_is_read_off_the_profiles_line_and_fits(tiny_dir: Path, tmp_path: Path) -> None:
