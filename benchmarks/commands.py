@@ -275,6 +275,7 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
         json_path=args.json,
         out_dir=out_dir,
         profile_dir=args.profile_dir,
+        memory_limit_bytes=args.memory_limit,
     )
     doc = run_visits_bench(cfg, trace, opts)
     if not doc["summaries"]:  # saturation runs only: no latency against load to plot

@@ -32,9 +32,13 @@ class ServerProcess(subprocess.Popen[bytes]):
 
 
 def start_server(
-    args: list[str], timeout_s: float = 900, log_path: str | Path | None = None
+    args: list[str],
+    timeout_s: float = 900,
+    log_path: str | Path | None = None,
+    preexec: Callable[[], None] | None = None,
 ) -> tuple[ServerProcess, str]:
     """`tiered serve ARGS --port <free>`; returns the process and its base URL once /health is 200.
+    `preexec` runs in the child before exec (a memory cgroup's join).
 
     Raises RuntimeError if the server exits or does not become healthy in time (it is killed)."""
     port = free_port()
@@ -42,7 +46,10 @@ def start_server(
         log_path = tempfile.NamedTemporaryFile(prefix="tiered-serve-", suffix=".log", delete=False).name
     with open(log_path, "wb") as log:
         proc = ServerProcess(
-            [sys.executable, "-m", "tiered", "serve", *args, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "tiered", "serve", *args, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec,
         )
     proc.log_path = Path(log_path)
     url = f"http://127.0.0.1:{port}"

@@ -79,7 +79,27 @@ def provenance() -> dict[str, Any]:
     }
 
 
-def write_report(json_path: str | None, bench: str, device: str, results: dict[str, Any]) -> dict[str, Any]:
+def new_json_path(path: str | Path) -> Path:
+    """Where a run asked to write `path` writes: `path` itself if free, else a dated name beside it
+    (STEM-YYYY-MM-DD.json, then STEM-YYYY-MM-DD-2.json, ...). A rerun never overwrites a kept result."""
+    path = Path(path)
+    if not path.exists():
+        return path
+    date = time.strftime("%Y-%m-%d")
+    for n in range(1, 1000):
+        candidate = path.with_name(f"{path.stem}-{date}{'' if n == 1 else f'-{n}'}{path.suffix}")
+        if not candidate.exists():
+            return candidate
+    raise FileExistsError(f"no free dated name beside {path}")
+
+
+def records_path_of(json_path: str | Path) -> Path:
+    """The compressed per-request records kept beside a result JSON: STEM.records.json.gz."""
+    path = Path(json_path)
+    return path.with_name(f"{path.stem}.records.json.gz")
+
+
+def write_report(json_path: str | Path | None, bench: str, device: str, results: dict[str, Any]) -> dict[str, Any]:
     """Build the document; write it to `json_path` when given. Returns it either way."""
     prov = provenance()
     doc: dict[str, Any] = {

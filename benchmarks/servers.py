@@ -18,6 +18,7 @@ import psutil
 
 from benchmarks.launch import start_server, stop_server
 from benchmarks.load import WARM_UP, Call, HttpOptions, run_http
+from benchmarks.memory_group import MemoryGroup
 from benchmarks.vllm import VLLMServer
 from tiered.config import Config, write_config
 
@@ -33,6 +34,13 @@ class Served:
     pid: int
     launch: dict[str, Any]  # argv, env (the variables the harness set), startup_seconds
     vllm: VLLMServer | None = None  # the peer's handle (its prefix-cache reset), None for ours
+    group: MemoryGroup | None = None  # the memory cgroup its processes run in
+
+    @property
+    def pids(self) -> list[int]:
+        """The roots of its process trees: the server, and LMCache's server beside the peer's."""
+        lmcache = self.vllm.lmcache if self.vllm is not None else None
+        return [self.pid, *([lmcache.proc.pid] if lmcache is not None and lmcache.proc is not None else [])]
 
 
 def _warm_up(url: str, calls: Sequence[Call], concurrency: int | None) -> None:
@@ -44,34 +52,47 @@ def _warm_up(url: str, calls: Sequence[Call], concurrency: int | None) -> None:
 
 @contextmanager
 def serve_tiered(
-    cfg: Config, system: str, out_dir: Path, warm_up: Sequence[Call] = (), concurrency: int | None = None
+    cfg: Config,
+    system: str,
+    out_dir: Path,
+    warm_up: Sequence[Call] = (),
+    concurrency: int | None = None,
+    group: MemoryGroup | None = None,
 ) -> Iterator[Served]:
     """`tiered serve` with `cfg` (written to OUT_DIR/SYSTEM.yaml, its log beside it), served as
-    `model`, warmed up; stops it on exit."""
+    `model`, in `group` where one is given, warmed up; stops it on exit."""
     path = write_config(cfg, out_dir / f"{system}.yaml")
     began = time.perf_counter()
     proc, url = start_server(
-        ["--config", str(path), "--served-model-name", "model"], log_path=out_dir / f"{system}.log"
+        ["--config", str(path), "--served-model-name", "model"],
+        log_path=out_dir / f"{system}.log",
+        preexec=group.preexec if group else None,
     )
     argv = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
     launch = {"argv": argv, "env": {}, "startup_seconds": time.perf_counter() - began}
     try:
         _warm_up(url, warm_up, concurrency)
-        yield Served(system, url, proc.pid, launch)
+        yield Served(system, url, proc.pid, launch, group=group)
     finally:
         stop_server(proc)
 
 
 @contextmanager
 def serve_vllm(
-    vllm: VLLMServer, system: str, out_dir: Path, warm_up: Sequence[Call] = (), concurrency: int | None = None
+    vllm: VLLMServer,
+    system: str,
+    out_dir: Path,
+    warm_up: Sequence[Call] = (),
+    concurrency: int | None = None,
+    group: MemoryGroup | None = None,
 ) -> Iterator[Served]:
-    """Start `vllm` (its log at OUT_DIR/SYSTEM.log) and warm it up as ours; stops it on exit."""
-    vllm.start(out_dir / f"{system}.log")
+    """Start `vllm` (its log at OUT_DIR/SYSTEM.log) in `group` where one is given and warm it up as
+    ours; stops it on exit."""
+    vllm.start(out_dir / f"{system}.log", preexec=group.preexec if group else None)
     try:
         _warm_up(vllm.url, warm_up, concurrency)
         assert vllm.proc is not None
-        yield Served(system, vllm.url, vllm.proc.pid, vllm.launch_record(), vllm)
+        yield Served(system, vllm.url, vllm.proc.pid, vllm.launch_record(), vllm, group)
     finally:
         vllm.stop()
 

@@ -50,6 +50,9 @@ class PeerSetup:
     # "working-set" = enough for every prompt of the trace at once (nothing is evicted).
     kv: Literal["total", "device", "working-set"] = "total"
     eager: bool = False  # --enforce-eager: no torch.compile
+    # LMCache's server beside vLLM with our tiers: L1 = our host tier's memory, L2 = a folder beside our
+    # disk tier of its size, chunk = our KV block (`kv` is then "device": vLLM's own KV is our device tier).
+    lmcache: bool = False
 
 
 VISIT_VLLM_SYSTEMS: dict[str, PeerSetup] = {
@@ -57,6 +60,7 @@ VISIT_VLLM_SYSTEMS: dict[str, PeerSetup] = {
     "vllm-devkv": PeerSetup(kv="device"),
     "vllm-eager": PeerSetup(eager=True),
     "vllm-full": PeerSetup(kv="working-set"),
+    "vllm-lmcache": PeerSetup(kv="device", lmcache=True),
 }
 VISIT_SYSTEMS = [*VISIT_TIERED_SYSTEMS, *VISIT_VLLM_SYSTEMS]
 LORA_SYSTEM = re.compile(r"^(tiered|vllm)-lora([1-9][0-9]*)$")  # K adapters, one per user (u mod K)

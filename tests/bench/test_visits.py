@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import Counter
 from dataclasses import replace
@@ -196,7 +197,12 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     }
     assert saved["provenance"]["command"] and set(saved["launch"]) == {"tiered", "tiered-lora2"}
     assert all(launch["startup_seconds"] > 0 for launch in saved["launch"].values())
-    assert "runs" not in saved and (tmp_path / "records.json").exists()  # records beside the plots, not in the summary
+    # every record beside the JSON, compressed, not in the summary; each saturation run's records under its repeat
+    assert "runs" not in saved and saved["records"] == str(tmp_path / "v.records.json.gz")
+    with gzip.open(tmp_path / "v.records.json.gz", "rt") as f:
+        kept = json.load(f)
+    assert sorted({r["repeat"] for r in kept["saturation"]["tiered"]}) == [0, 1]
+    assert len(kept["saturation"]["tiered"]) == 2 * 6 and len(kept["visits"]) == 6
     sat, sat_lora = saved["saturation"]
     assert [len(saved["saturation_runs"][s]) for s in ("tiered", "tiered-lora2")] == [2, 2]
     assert sat_lora["system"] == "tiered-lora2" and sat_lora["num_errors"] == 0
