@@ -255,7 +255,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_visits(args: argparse.Namespace) -> int:
-    from benchmarks.plots import plot_load
+    from benchmarks.plots import plot_load, plot_saturation
     from benchmarks.visits import VisitsOptions, run_visits_bench
 
     cfg = config_from_args(args)
@@ -278,6 +278,7 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
         memory_limit_bytes=args.memory_limit,
     )
     doc = run_visits_bench(cfg, trace, opts)
+    print(f"wrote {plot_saturation(doc, out_dir / 'saturation.png')}")
     if not doc["summaries"]:  # saturation runs only: no latency against load to plot
         return 0
     for path in plot_load(doc, out_dir):
@@ -386,12 +387,13 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
 def cmd_bench_report(args: argparse.Namespace) -> int:
     from benchmarks.report import write_tables
 
-    targets = [(Path(args.results_md), ""), (Path(args.readme), "benchmarks/")]
-    for target, _ in targets:
+    # RESULTS.md holds every machine's rows; the README only the newest machine's.
+    targets = [(Path(args.results_md), "", False), (Path(args.readme), "benchmarks/", True)]
+    for target, _, _ in targets:
         if not target.exists():
             raise SystemExit(f"python -m benchmarks report: {target} does not exist")
     results = Path(args.results)
-    prefixes = [(path, f"{prefix}{results.name}/") for path, prefix in targets]
+    prefixes = [(path, f"{prefix}{results.name}/", newest) for path, prefix, newest in targets]
     stale = write_tables(prefixes, results, check=args.check)
     for path in stale:
         print(f"{path}: {'differs from the generated table' if args.check else 'table rewritten'}")

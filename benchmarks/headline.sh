@@ -65,4 +65,36 @@ $B mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 1 \
 $B mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 3 \
   --systems tiered,vllm-priority-chunk2048-cap512 \
   --json $R/mixed-bench-m-16k.json --plots benchmarks/out/mixed-16k
+# The same 8 K prompt on the AMX Xeon (run there: its rows name that machine).
+$B alone --config configs/bench-m.yaml --tokens 8192 --systems tiered,vllm --repeats 3 --json $R/alone-bench-m-8k-amx.json
+# Short calls among 16 K prompts at heavier loads (the AMX Xeon's rows).
+M2="--config configs/bench-m.yaml --long-tokens 16384 --long-per-minute 4 --long-slo-ms 60000 --short-slo-ms 2000"
+$B mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 3 --systems tiered,vllm-priority-chunk2048-cap512 \
+  --json $R/mixed-bench-m-16k-amx-light.json --plots benchmarks/out/mixed-16k-amx-light
+$B mixed $M2 --minutes 2 --short-qps 1.0 --alone-repeats 1 --repeats 3 --systems tiered,vllm-priority-chunk2048-cap512 \
+  --json $R/mixed-bench-m-16k-amx.json --plots benchmarks/out/mixed-16k-amx
+$B mixed $M2 --minutes 2 --short-qps 5,7 --alone-repeats 1 --repeats 3 \
+  --systems tiered,vllm-priority-chunk2048-cap512,tiered-in-order \
+  --json $R/mixed-bench-m-16k-overload.json --plots benchmarks/out/mixed-16k-overload
+# KV beyond memory with 4,000-token profiles again (24 users, 100 visits), and a feed of 240 visits of 8 posts.
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 24 --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
+  --json $R/visits-beyond-memory-4k-rerun-bench-m.json --plots benchmarks/out/visits-beyond-memory-4k-rerun
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 24 --visits 240 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
+  --json $R/visits-beyond-memory-feed8-bench-m.json --plots benchmarks/out/visits-beyond-memory-feed8
+# KV beyond memory against the peer with our tiers (vLLM + LMCache's server: vLLM's KV = our device tier,
+# LMCache's L1 = our host memory, an fs L2 beside our disk tier) and against plain vLLM (KV = both our memory
+# tiers), every system's processes in a 4 GiB memory cgroup (page cache included; needs root).
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 32 --visits 80 --posts 8 \
+  --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
+  --systems tiered,vllm-lmcache,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
+  --json $R/visits-beyond-memory-lmcache-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache
+# On a machine with an NVIDIA GPU only: the revisit sequence on the device (the H200's row).
+if command -v nvidia-smi >/dev/null; then
+  rm -rf /tmp/gc/disk-tier
+  $B tiers --model embedded:bench-m --device cuda --dtype bfloat16 --lengths 2048,8192 --repeats 3 \
+    --disk /tmp/gc/disk-tier --json $R/tiers-h200-bench-m.json
+fi
 $B report

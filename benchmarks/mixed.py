@@ -31,7 +31,6 @@ each call's objective as `slo_ms`; vLLM has no such field and gets none.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -43,9 +42,9 @@ from typing import Any
 from benchmarks.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
 from benchmarks.load import Call, HttpOptions, print_tables, run_http, sustainable_table
 from benchmarks.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
-from benchmarks.report import headline_row, print_headline, write_report
+from benchmarks.report import headline_row, print_headline, result_paths, write_records, write_report
 from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
-from benchmarks.stats import Record, Summary, summarize
+from benchmarks.stats import Record, Summary, abba, summarize
 from benchmarks.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
 from benchmarks.traces import BenchError, ordinary_token_ids
 from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
@@ -182,7 +181,7 @@ def run_mixed_bench(cfg: Config, params: MixedParams, opts: MixedOptions) -> dic
         print(f"{system.name}: a {params.long_tokens}-token prompt alone on the idle server: {seconds:.2f} s")
         return served
 
-    # The reference stays up; each other system runs beside it, run for run (reference, other, ...).
+    # The reference stays up; each other system runs beside it, run for run in ABBA order.
     with ExitStack() as stack:
         ref = started(stack, reference)
         for i, pair in enumerate(pairs):
@@ -192,7 +191,7 @@ def run_mixed_bench(cfg: Config, params: MixedParams, opts: MixedOptions) -> dic
                 for k, trace in enumerate(traces):
                     for rep in range(repeats):
                         here: dict[str, RunScore] = {}
-                        for system in pair:
+                        for system in abba(pair, rep):
                             wait_quiet(pids)
                             server = served[system.name]
                             label = f"{system.name} {trace.short_qps:g}/s #{rep + 1}"
@@ -232,10 +231,9 @@ def run_mixed_bench(cfg: Config, params: MixedParams, opts: MixedOptions) -> dic
                             runs.paired.setdefault((other.name, trace.short_qps), []).append(
                                 (here[other.name], here[reference.name])
                             )
-    # Every record of every run: large, so beside the plots (OUT_DIR), not in the summary JSON.
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "records.json").write_text(json.dumps(runs.documents) + "\n")
-    doc = _report(cfg, params, opts, systems, traces, runs)
+    json_path, records_path = result_paths(opts.json_path, out_dir)
+    write_records(records_path, runs.documents)
+    doc = _report(cfg, params, opts, systems, traces, runs, json_path, records_path)
     return {**doc, "runs": runs.documents}
 
 
@@ -262,6 +260,8 @@ def _report(
     systems: list[MixedSystem],
     traces: list[MixedTrace],
     runs: _Runs,
+    json_path: Path | None,
+    records_path: Path,
 ) -> dict[str, Any]:
     """Print the headline rows, the goodput table, the short calls' per-load and sustainable-QPS tables;
     write the JSON."""
@@ -275,7 +275,7 @@ def _report(
         print("short calls per offered load (x and QPS: short calls/s offered; SLO: the short objective)")
         print_tables(summaries, table, slo, slo)
     return write_report(
-        opts.json_path,
+        json_path,
         "mixed",
         resolve_device(cfg.device),
         {
@@ -299,5 +299,6 @@ def _report(
             "launch": runs.launch,
             "alone_seconds": runs.alone,
             "headline": headline,
+            "records": str(records_path),
         },
     )

@@ -215,6 +215,49 @@ def plot_working_set(docs: list[dict[str, Any]], out_path: str | Path) -> Path:
     return _save(fig, out_path)
 
 
+def plot_saturation(doc: dict[str, Any], out_path: str | Path) -> Path:
+    """A `python -m benchmarks visits` run's saturation runs: each system's visits/s (median bar, min-max
+    over its runs, faulty runs left out) and where its median run's prompt tokens came from."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = doc["systems"]
+    fig, (rate_ax, token_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, system in enumerate(systems):
+        rates = sorted(r["visits_per_s"] for r in doc["saturation_runs"][system] if not r.get("faults"))
+        if not rates:
+            continue
+        mid = rates[(len(rates) - 1) // 2]
+        rate_ax.bar(i, mid, yerr=[[mid - rates[0]], [rates[-1] - mid]], capsize=4, color=f"C{i}")
+        rate_ax.text(i, mid / 2, f"{mid:.3g}", ha="center", fontsize=8)
+    rate_ax.set_xticks(range(len(systems)), systems, fontsize=8)
+    rate_ax.set_ylabel("visits/s at saturation")
+    rate_ax.grid(True, axis="y", alpha=0.3)
+    parts = (
+        ("device_hit_tokens", "device tier / vLLM's cache"),
+        ("host_hit_tokens", "host memory / LMCache"),
+        ("disk_hit_tokens", "our disk tier"),
+        ("shared_tokens", "computed once for a batch"),
+        ("computed_tokens", "computed"),
+    )
+    by_system = {s["system"]: s["cache"] for s in doc["saturation"]}
+    for i, system in enumerate(systems):
+        left = 0.0
+        for k, (key, label) in enumerate(parts):
+            share = by_system[system][key] / max(1, by_system[system]["prompt_tokens"])
+            token_ax.barh(i, share, left=left, color=f"C{k + 3}", label=label if i == 0 else None)
+            left += share
+    token_ax.set_yticks(range(len(systems)), systems, fontsize=8)
+    token_ax.set_xlabel("share of prompt tokens (median run)")
+    token_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3)
+    limit = doc.get("memory_limit_bytes")
+    memory = f", {limit / 2**30:g} GiB cgroup each" if limit else ""
+    fig.suptitle(f"Visits at saturation ({doc['date']}, {doc['provenance'].get('cpu_model', '')}{memory})", fontsize=9)
+    return _save(fig, out_path)
+
+
 def _save(fig: Any, out_path: str | Path) -> Path:
     """Write a small PNG of `fig` (its folder made) and close it."""
     import matplotlib.pyplot as plt

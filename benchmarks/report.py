@@ -9,6 +9,7 @@ fails when the committed table differs from what it writes."""
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import logging
 import os
@@ -99,6 +100,20 @@ def records_path_of(json_path: str | Path) -> Path:
     return path.with_name(f"{path.stem}.records.json.gz")
 
 
+def result_paths(json_path: str | Path | None, out_dir: Path) -> tuple[Path | None, Path]:
+    """Where a run writes its JSON (`new_json_path`: never over a kept one) and its per-request
+    records (compressed beside the JSON; without a JSON in OUT_DIR)."""
+    path = new_json_path(json_path) if json_path else None
+    return path, records_path_of(path) if path else out_dir / "records.json.gz"
+
+
+def write_records(path: Path, payload: Any) -> None:
+    """Every record of a run (the input of every mean and tail), gzip-compressed JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump(payload, f)
+
+
 def write_report(json_path: str | Path | None, bench: str, device: str, results: dict[str, Any]) -> dict[str, Any]:
     """Build the document; write it to `json_path` when given. Returns it either way."""
     prov = provenance()
@@ -180,34 +195,48 @@ def _machine(prov: dict[str, Any]) -> str:
     return f"{prov['gpu']}; host: {host}" if prov.get("gpu") else host
 
 
-def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/") -> str:
+HEADER = [
+    "| measure | ours: median (min–max) | peer: median (min–max) | ours ahead by | runs | date | run |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+def render_table(
+    results_dir: Path = RESULTS_DIR, link_prefix: str = "results/", newest_machine_only: bool = False
+) -> str:
     """The generated table (markers included) of every headline row of every JSON in `results_dir`
-    that has at least MIN_TABLE_RUNS paired runs, and the command of each JSON."""
-    lines = [
-        START,
-        "",
-        "| measure | ours: median (min–max) | peer: median (min–max) | ours ahead by | runs | machine | date | run |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    commands = []
+    that has at least MIN_TABLE_RUNS paired runs, and the command of each JSON.
+
+    Rows are grouped by the machine that measured them (figures from different machines are never
+    compared), the machine with the newest run first; `newest_machine_only` keeps that group alone."""
+    groups: dict[str, list[tuple[str, Path, dict[str, Any], list[dict[str, Any]]]]] = {}
     for path in sorted(results_dir.glob("*.json")):
         doc = json.loads(path.read_text())
         rows = [row for row in doc.get("headline") or [] if row["ratio"]["n"] >= MIN_TABLE_RUNS]
-        if not rows:
-            continue
-        prov = doc.get("provenance") or {}
-        link = f"[{path.stem}]({link_prefix}{path.name})"
-        for row in rows:
-            r = row["ratio"]
-            ratio = f"**{r['median']:.2f}x** ({r['min']:.2f}–{r['max']:.2f})"
-            lines.append(
-                f"| {row['measure']} | {_cell(row['ours'], row['unit'])} | {_cell(row['peer'], row['unit'])} | "
-                f"{ratio} | {r['n']} | {_machine(prov)} | {doc.get('date', '?')} | {link} |"
-            )
-        commit = prov.get("commit", "?")
-        commands.append(f"- {link} (commit `{commit[:12]}`): `{prov.get('command', doc.get('command', '?'))}`")
+        if rows:
+            machine = _machine(doc.get("provenance") or {})
+            groups.setdefault(machine, []).append((doc.get("date", "?"), path, doc, rows))
+    ordered = sorted(groups.items(), key=lambda item: max(d for d, *_ in item[1]), reverse=True)
+    if newest_machine_only:
+        ordered = ordered[:1]
+    lines = [START, ""]
+    commands = []
+    for machine, docs in ordered:
+        lines += [f"**{machine}**", "", *HEADER]
+        for date, path, doc, rows in sorted(docs, key=lambda d: (d[0], d[1].name), reverse=True):
+            link = f"[{path.stem}]({link_prefix}{path.name})"
+            for row in rows:
+                r = row["ratio"]
+                ratio = f"**{r['median']:.2f}x** ({r['min']:.2f}–{r['max']:.2f})"
+                lines.append(
+                    f"| {row['measure']} | {_cell(row['ours'], row['unit'])} | {_cell(row['peer'], row['unit'])} | "
+                    f"{ratio} | {r['n']} | {date} | {link} |"
+                )
+            prov = doc.get("provenance") or {}
+            commit = prov.get("commit", "?")
+            commands.append(f"- {link} (commit `{commit[:12]}`): `{prov.get('command', doc.get('command', '?'))}`")
+        lines.append("")
     lines += [
-        "",
         "Ratios are taken run by run (ours and the peer's runs interleaved), then their median; rows of "
         f"fewer than {MIN_TABLE_RUNS} paired runs stay in their JSON only.",
         "",
@@ -224,13 +253,15 @@ def splice(text: str, table: str, where: str) -> str:
     return head + table + rest.split(END, 1)[1]
 
 
-def write_tables(targets: list[tuple[Path, str]], results_dir: Path = RESULTS_DIR, check: bool = False) -> list[Path]:
-    """Write the table into each (file, link prefix to the results folder); with `check`, write
-    nothing and return the files whose table differs from what would be written."""
+def write_tables(
+    targets: list[tuple[Path, str, bool]], results_dir: Path = RESULTS_DIR, check: bool = False
+) -> list[Path]:
+    """Write the table into each (file, link prefix to the results folder, newest machine only); with
+    `check`, write nothing and return the files whose table differs from what would be written."""
     stale = []
-    for path, prefix in targets:
+    for path, prefix, newest_only in targets:
         text = path.read_text()
-        new = splice(text, render_table(results_dir, prefix), str(path))
+        new = splice(text, render_table(results_dir, prefix, newest_only), str(path))
         if new != text:
             stale.append(path)
             if not check:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -47,6 +50,12 @@ def percentile(values: list[float], q: float) -> float:
     """The nearest-rank `q`-quantile: the smallest value with at least q·n values at or below it."""
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))] if s else math.nan
+
+
+def abba(pair: list[T], rep: int) -> list[T]:
+    """The order a pair runs in at repeat `rep`: as given, then reversed, and so on (A B, B A, A B, ...),
+    so that neither side always runs first after the wait for quiet."""
+    return pair if rep % 2 == 0 else pair[::-1]
 
 
 # A tail percentile is named as such only from this many samples; below, the figure is the maximum.

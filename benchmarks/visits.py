@@ -35,8 +35,6 @@ adapters and bind user u to adapter u mod K.
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 import math
 import statistics
@@ -52,10 +50,10 @@ from benchmarks.lmcache_peer import LMCacheServer, LMCacheTiers, run_faults
 from benchmarks.load import SLO_FACTORS, Call, HttpOptions, print_tables, run_http, sustainable_table
 from benchmarks.memory_group import MemoryGroup, MemoryUse
 from benchmarks.mil import forward_flops, matmul_flops_per_s
-from benchmarks.report import headline_row, new_json_path, print_headline, records_path_of, write_report
+from benchmarks.report import headline_row, print_headline, result_paths, write_records, write_report
 from benchmarks.sampled import breakdown, sampled, table
 from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
-from benchmarks.stats import Record, Summary, median_summary, poisson_arrivals, summarize, tail_name
+from benchmarks.stats import Record, Summary, abba, median_summary, poisson_arrivals, summarize, tail_name
 from benchmarks.systems import LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check_vllm_sizing
 from benchmarks.systems import VISIT_SYSTEMS as SYSTEMS
 from benchmarks.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
@@ -382,8 +380,10 @@ def _measure(
         return _Measured(records, makespan, cache, memory, faults)
     after = vllm_prefix_cache_tokens(served.url)
     queried, hit, loaded = (a - b for a, b in zip(after, before, strict=True))
+    faults += [] if vllm.healthy() else ["vLLM's /health did not answer 200 after the run"]
     if vllm.lmcache is not None:
         faults += run_faults(host, vllm.log_path)
+        faults += [] if vllm.lmcache.healthy() else ["LMCache's /healthcheck did not answer 200 after the run"]
     cache = CacheUse(queried, hit, loaded, queried - hit - loaded, "metrics", host_counters=host)
     return _Measured(records, makespan, cache, memory, faults)
 
@@ -571,12 +571,6 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
     return _report(ctx, runs, rate)
 
 
-def abba(pair: list[str], rep: int) -> list[str]:
-    """The order a pair runs in at repeat `rep`: as given, then reversed, and so on (A B, B A, A B, ...),
-    so that neither side always runs first after the wait for quiet."""
-    return pair if rep % 2 == 0 else pair[::-1]
-
-
 def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep: int, runs: _Runs) -> Saturation:
     """All visits at once, at most `concurrency` in flight: visits/s, cache use and the physical limit."""
     system, concurrency = served.system, ctx.opts.concurrency
@@ -758,12 +752,8 @@ def _report(ctx: _Context, runs: _Runs, rate: float | None) -> dict[str, Any]:
         }
         for v in visits
     ]
-    json_path = new_json_path(opts.json_path) if opts.json_path else None
-    # Every record of every run (the input of every mean and tail): compressed, beside the JSON (or in OUT_DIR).
-    records_path = records_path_of(json_path) if json_path else opts.out_dir / "records.json.gz"
-    records_path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(records_path, "wt") as f:
-        json.dump({"saturation": runs.saturation_records, "runs": runs.documents, "visits": visit_rows}, f)
+    json_path, records_path = result_paths(opts.json_path, opts.out_dir)
+    write_records(records_path, {"saturation": runs.saturation_records, "runs": runs.documents, "visits": visit_rows})
     doc = write_report(
         json_path,
         "visits",

@@ -198,6 +198,15 @@ class VLLMServer:
             raise
         self.startup_seconds = time.perf_counter() - began
 
+    def healthy(self) -> bool:
+        """Its process runs and its `/health` answers 200."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            return httpx.get(f"{self.url}/health", timeout=10).status_code == 200
+        except httpx.TransportError:
+            return False
+
     def reset(self) -> None:
         """Empty vLLM's prefix cache, so every run starts cold (as ours do)."""
         r = httpx.post(f"{self.url}/reset_prefix_cache", timeout=60)

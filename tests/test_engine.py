@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -79,6 +81,16 @@ def test_memory_budget_sets_the_device_tier_or_refuses_to_start(tiny_dir: Path, 
     engine.close()
     with pytest.raises(EngineStartError, match=r"max_model_len 2048 does not fit .* bytes over"):
         Engine(_cfg(tiny_dir, tmp_path, "engine.memory_budget_bytes=1000000", "cache.suffix=discard"))
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    positions = json.loads((tiny_dir / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(
+        EngineStartError, match=f"max_model_len {positions + 1} is past the model's {positions} positions"
+    ):
+        Engine(_cfg(tiny_dir, tmp_path, f"model.max_model_len={positions + 1}", "cache.suffix=discard"))
+    engine = Engine(_cfg(tiny_dir, tmp_path, f"model.max_model_len={positions}", "cache.suffix=discard"))
+    engine.close()
 
 
 @pytest.fixture
@@ -305,7 +317,10 @@ def test_out_of_memory_fails_only_that_request(tiny_dir: Path, tmp_path: Path) -
     import subprocess
     import sys
 
+    long = shutil.copytree(tiny_dir, tmp_path / "tiny-2m")  # the same weights, 2,000,000 positions
+    config = json.loads((long / "config.json").read_text())
+    (long / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2_000_000}))
     out = subprocess.run(
-        [sys.executable, "-c", OOM_SCRIPT, str(tiny_dir), str(tmp_path)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", OOM_SCRIPT, str(long), str(tmp_path)], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -3,6 +3,7 @@ refusals before anything starts, and one small run over HTTP on the tiny model."
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -262,7 +263,16 @@ def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
         assert 0 <= score[kind]["goodput_per_s"] <= score[kind]["offered_per_s"]
     assert len(score["longs"]) == len(trace.of(LONG)) and all(x["slowdown"] > 0 for x in score["longs"])
     run = doc["runs"][0]
-    assert json.loads((tmp_path / "records.json").read_text()) == doc["runs"]
+    assert saved["records"] == str(tmp_path / "m.records.json.gz")  # every record kept beside the JSON, compressed
+    with gzip.open(tmp_path / "m.records.json.gz", "rt") as f:
+        assert json.load(f) == doc["runs"]
+    # pairs in ABBA order: the reference first in the first repeat, second in the next
+    assert [(d["system"], d["repeat"]) for d in doc["runs"]] == [
+        ("tiered-fixed32", 0),
+        ("tiered-never", 0),
+        ("tiered-never", 1),
+        ("tiered-fixed32", 1),
+    ]
     assert [(r["request_id"], r["kind"]) for r in run["records"]] == [(c.call.call_id, c.kind) for c in trace.calls]
     assert all(r["num_pieces"] is None or r["num_pieces"] >= 1 for r in run["records"])
     assert (tmp_path / "tiered-fixed32.yaml").read_text().count("piece_tokens: 32") == 1

@@ -39,9 +39,8 @@ def test_the_table_names_the_gpu_a_run_had(tmp_path: Path) -> None:
         doc["provenance"].pop("gpu", None)
         doc["provenance"].update(gpu, cpu_model="Host CPU", cpu_flags=["avx2"], threads=16)
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
-    rows = [line for line in render_table(tmp_path).splitlines() if line.startswith("| load")]
-    assert "| NVIDIA H200; host: Host CPU (avx2); 16 threads |" in rows[1]
-    assert "| Host CPU (avx2); 16 threads |" in rows[0] and "H200" not in rows[0]
+    table = render_table(tmp_path)
+    assert "**NVIDIA H200; host: Host CPU (avx2); 16 threads**" in table and "**Host CPU (avx2); 16 threads**" in table
 
 
 def test_ratios_are_paired_run_by_run_and_say_which_way_is_better() -> None:
@@ -87,7 +86,10 @@ def test_a_run_waits_until_no_server_computes() -> None:
 
 
 def test_the_committed_results_tables_are_the_generated_ones() -> None:
-    targets = [(ROOT / "benchmarks" / "RESULTS.md", "results/"), (ROOT / "README.md", "benchmarks/results/")]
+    targets = [
+        (ROOT / "benchmarks" / "RESULTS.md", "results/", False),
+        (ROOT / "README.md", "benchmarks/results/", True),
+    ]
     stale = write_tables(targets, ROOT / "benchmarks" / "results", check=True)
     assert stale == [], (
         f"run `python -m benchmarks report`: {', '.join(map(str, stale))} differ from the generated table"
@@ -122,3 +124,37 @@ def test_a_lone_prompt_refuses_what_it_cannot_size(tmp_path: Path) -> None:
         run_alone_bench(cfg, AloneOptions(["tiered", "vllm-full"], out_dir=tmp_path))
     with pytest.raises(BenchError, match="--tokens must be >= 2"):
         run_alone_bench(cfg, AloneOptions(["tiered"], tokens=1, out_dir=tmp_path))
+
+
+def test_rows_are_grouped_by_machine_newest_first_and_the_readme_keeps_the_newest_alone(tmp_path: Path) -> None:
+    row = headline_row("visits/s", "visits/s", ("tiered", [2.0, 2.0, 2.0]), ("vllm", [1.0, 1.0, 1.0]), True)
+    for name, cpu, date in (
+        ("old-amd", "AMD", "2026-12-01"),
+        ("xeon", "Xeon", "2026-12-04"),
+        ("amd", "AMD", "2026-12-06"),
+    ):
+        doc = write_report(None, "visits", "cpu", {"headline": [row]})
+        doc["provenance"].update(cpu_model=cpu, cpu_flags=["avx2"], threads=2)
+        doc["date"] = date
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    table = render_table(tmp_path, "results/")
+    amd, xeon = table.index("**AMD (avx2); 2 threads**"), table.index("**Xeon (avx2); 2 threads**")
+    assert amd < xeon  # the machine with the newest run first
+    amd_rows = table[amd:xeon]
+    assert amd_rows.index("[amd](results/amd.json)") < amd_rows.index("[old-amd](results/old-amd.json)")
+    assert "[xeon]" not in amd_rows
+    newest = render_table(tmp_path, "results/", newest_machine_only=True)
+    assert "**AMD (avx2); 2 threads**" in newest and "Xeon" not in newest and "[old-amd]" in newest
+
+
+def test_headline_sh_holds_the_command_of_every_json_in_the_table() -> None:
+    script = (ROOT / "benchmarks" / "headline.sh").read_text()
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        doc = json.loads(path.read_text())
+        if not any(row["ratio"]["n"] >= 3 for row in doc.get("headline") or []):
+            continue
+        lines = [line for line in script.splitlines() if f"$R/{path.name}" in line]
+        assert lines, f"benchmarks/headline.sh has no command that writes {path.name}"
+        bench = doc["provenance"]["command"].split()[3]  # python -m benchmarks BENCH ...
+        command = script[: script.index(lines[0]) + len(lines[0])].rsplit("$B ", 1)[1]
+        assert command.startswith(bench), f"{path.name} was written by `{bench}`, headline.sh runs `{command[:40]}`"

@@ -19,7 +19,7 @@ from tiered.engine.adapters import Adapters
 from tiered.engine.request import Prepared
 from tiered.engine.runner import LocalRunner, Runner, plan_batch
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
-from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, resolve_device
+from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, read_args, resolve_device
 from tiered.hybrid.memory import bound_gemm_caches, profile_peak, use_block_cache
 from tiered.hybrid.model import CausalLM, use_attention
 from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError, start_pipeline
@@ -74,6 +74,18 @@ class Parts:
         self.tiers.close()
 
 
+def check_positions(max_model_len: int, folder: Path) -> None:
+    """Refuse a `model.max_model_len` past the checkpoint's positions (`max_position_embeddings`,
+    which an HF config with RoPE scaling already states at its scaled length), as vLLM does: the
+    model was never trained there, so a score would mean nothing."""
+    positions = read_args(folder).max_position_embeddings
+    if max_model_len > positions:
+        raise EngineStartError(
+            f"model.max_model_len {max_model_len} is past the model's {positions} positions "
+            f"(max_position_embeddings in {folder / 'config.json'}): lower model.max_model_len"
+        )
+
+
 def start(config: Config) -> Parts:
     """Build the parts for `config` (EngineStartError: they do not fit or a stage failed)."""
     stages = config.engine.pipeline_stages
@@ -84,6 +96,7 @@ def start(config: Config) -> Parts:
     device = resolve_device(config.device)
     check_spill(config.forward)
     folder = resolve_model_path(config.model.path, config.model.models_dir)
+    check_positions(config.model.max_model_len, folder)
     precision = precision_for(config.model.dtype, config.cache.kv_dtype, folder, device)
     log.info("precision: %s", precision.describe())
     # With stages the coordinator keeps the model's args and structure, not its weights: the
