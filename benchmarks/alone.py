@@ -1,7 +1,7 @@
 """`python -m benchmarks alone`: one fresh long prompt on an idle server (credit verification), ours against vLLM.
 
 Both servers run at once, started and warmed up alike (a short call and one prompt of the same
-length under its own cache salt). Then, --repeats times, each system in turn gets the same fresh
+length under its own cache salt). Then, --repeats times, each system (in ABBA order) gets the same fresh
 seeded prompt of --tokens under a salt of its own (vLLM's prefix cache is reset first), one at a
 time, each run started only once neither server computes. Reported per system: the latency of
 each run over HTTP and its tokens/s; the headline rows compare the first system with each other
@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load import Call, HttpOptions, run_http
-from benchmarks.report import headline_row, print_headline, write_report
+from benchmarks.report import headline_row, new_json_path, print_headline, write_report
 from benchmarks.servers import Served, serve_tiered, serve_vllm, wait_quiet
+from benchmarks.stats import abba
 from benchmarks.systems import VISIT_TIERED_SYSTEMS, VISIT_VLLM_SYSTEMS, check_vllm_sizing
 from benchmarks.traces import BenchError, ordinary_token_ids
 from benchmarks.vllm import PeerOptions, VLLMServer, kv_memory_bytes, peer_launch
@@ -105,7 +106,8 @@ def run_alone_bench(cfg: Config, opts: AloneOptions) -> dict[str, Any]:
             launch[system] = served[system].launch
         pids = [s.pid for s in served.values()]
         for rep in range(opts.repeats):
-            for system, server in served.items():
+            for system in abba(list(served), rep):
+                server = served[system]
                 wait_quiet(pids)
                 if server.vllm is not None:
                     server.vllm.reset()
@@ -131,7 +133,7 @@ def run_alone_bench(cfg: Config, opts: AloneOptions) -> dict[str, Any]:
     ]
     print_headline(headline)
     return write_report(
-        opts.json_path,
+        new_json_path(opts.json_path) if opts.json_path else None,
         "alone",
         resolve_device(cfg.device),
         {

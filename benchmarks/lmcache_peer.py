@@ -97,7 +97,7 @@ class LMCacheServer:
             f"{tiers.l1_bytes / 2**30:.6f}",
             *l2,
         ]
-        self.env = {"LMCACHE_DISABLE_BANNER": "1"}
+        self.env = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}  # no usage report leaves the machine
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, log_path: Path, preexec: Callable[[], None] | None = None, timeout_s: float = 120) -> None:

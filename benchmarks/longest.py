@@ -42,7 +42,7 @@ from typing import Any
 from benchmarks.load import Call, HttpOptions, run_http
 from benchmarks.mil import ForwardSetup, probe
 from benchmarks.plots import plot_longest
-from benchmarks.report import write_report
+from benchmarks.report import new_json_path, write_report
 from benchmarks.servers import serve_tiered, serve_vllm
 from benchmarks.traces import BenchError, ordinary_token_ids
 from benchmarks.vllm import VLLM_CPU_BLOCK_TOKENS, PeerOptions, VLLMServer, peer_launch
@@ -334,12 +334,13 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
     vocab = ordinary_token_ids(model_dir)
     print(f"the longest prompt per budget, ours (hybrid) against vLLM; precision: {precision.describe()}")
     results: list[BudgetResult] = []
+    json_path = new_json_path(opts.json_path) if opts.json_path else None  # a rerun never overwrites a kept one
 
     def report(complete: bool) -> dict[str, Any]:
         # Written after every step as well as at the end: a budget's answers can take hours here, and
         # a run stopped part way keeps what it measured (`complete` false, the budget's later fields empty).
         return write_report(
-            opts.json_path,
+            json_path,
             "longest",
             device,
             {

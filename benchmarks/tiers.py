@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.load import kv_bytes_per_token
-from benchmarks.report import headline_row, print_headline, write_report
+from benchmarks.report import headline_row, new_json_path, print_headline, write_report
 from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
 from tiered.engine import Engine
 from tiered.engine.score import Result
@@ -388,7 +388,7 @@ def run_tiers_bench(cfg: Config, opts: TiersOptions) -> dict[str, object]:
     print(f"end to end, discard takes {speedup:.2f}x the time of offload (median of {sequence_repeats} paired runs)")
     print_headline(headline)
     return write_report(
-        opts.json_path,
+        new_json_path(opts.json_path) if opts.json_path else None,
         "tiers",
         cfg.device,
         {

@@ -146,6 +146,7 @@ class VLLMServer:
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
             "OMP_NUM_THREADS": str(cores),
             "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_NO_USAGE_STATS": "1",  # no usage report leaves the machine
             **({"LMCACHE_MP_TRANSFER_MODE": "engine_driven"} if self.lmcache else {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -347,6 +347,7 @@ def test_fuzzing_from_the_openapi_schema_finds_no_server_error(server: str, tmp_
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=tmp_path,  # its example database (.schemathesis/) goes there, not into the checkout
     )
     assert out.returncode == 0, out.stdout[-4000:]
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
