@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,9 @@ class MemoryUse:
     disk_folder_bytes: int  # bytes in their disk-tier folders at the end of the run
     method: str  # "cgroup-v1", "cgroup-v2" or "rss+fincore"
     oom_kills: int = 0  # processes the kernel killed at the limit over the run
+    # CPU seconds (user + system) each of its processes spent over the run, by process name: where a
+    # side's cores went (vLLM's worker and API server, LMCache's server; our engine and API)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _read_int(path: Path, default: int = 0) -> int:
@@ -96,6 +101,7 @@ class MemoryGroup:
     method: str = "rss+fincore"
     _io_start: tuple[int, int] = (0, 0)
     _oom_start: int = 0
+    _cpu_start: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.limit_bytes is None:
@@ -139,9 +145,8 @@ class MemoryGroup:
             return []
         return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
 
-    def _io(self, roots: list[int]) -> tuple[int, int]:
-        """(read_bytes, write_bytes) summed over the group's live processes (/proc/PID/io)."""
-        read = written = 0
+    def _members(self, roots: list[int]) -> set[int]:
+        """The group's processes and the trees of `roots` (all of them where there is no cgroup)."""
         pids = set(self.pids())
         for root in roots:
             try:
@@ -149,7 +154,24 @@ class MemoryGroup:
                 pids |= {proc.pid, *(c.pid for c in proc.children(recursive=True))}
             except psutil.NoSuchProcess:
                 continue
-        for pid in pids:
+        return pids
+
+    def _cpu(self, roots: list[int]) -> dict[int, tuple[str, float]]:
+        """pid -> (name, user + system CPU seconds so far) of each live member."""
+        out = {}
+        for pid in self._members(roots):
+            try:
+                proc = psutil.Process(pid)
+                times = proc.cpu_times()
+                out[pid] = (proc.name(), times.user + times.system)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return out
+
+    def _io(self, roots: list[int]) -> tuple[int, int]:
+        """(read_bytes, write_bytes) summed over the group's live processes (/proc/PID/io)."""
+        read = written = 0
+        for pid in self._members(roots):
             try:
                 io = psutil.Process(pid).io_counters()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -174,12 +196,16 @@ class MemoryGroup:
                 pass
         self._io_start = self._io(roots)
         self._oom_start = self._oom_kills()
+        self._cpu_start = self._cpu(roots)
 
     def end_run(self, roots: list[int]) -> MemoryUse:
         """After a run: the peak, the page cache, the disk traffic since `begin_run`."""
         read, written = (now - then for now, then in zip(self._io(roots), self._io_start, strict=True))
         on_disk = folder_bytes(self.disk_folders)
         oom = self._oom_kills() - self._oom_start
+        cpu: dict[str, float] = {}
+        for pid, (name, seconds) in self._cpu(roots).items():
+            cpu[name] = cpu.get(name, 0.0) + seconds - self._cpu_start.get(pid, (name, 0.0))[1]
         if self.method == "cgroup-v1" and self.path is not None:
             peak = _read_int(self.path / "memory.max_usage_in_bytes")
             cache = _stat(self.path / "memory.stat").get("total_cache", 0)
@@ -196,12 +222,29 @@ class MemoryGroup:
                     continue
             cache = cached_bytes(self.disk_folders)
             peak = rss + cache
-        return MemoryUse(self.limit_bytes, peak, cache, read, written, on_disk, self.method, oom)
+        return MemoryUse(self.limit_bytes, peak, cache, read, written, on_disk, self.method, oom, cpu)
 
-    def close(self) -> None:
-        """Remove the group (its processes must have exited)."""
-        if self.path is not None and self.path.exists():
+    def close(self, timeout_s: float = 30) -> None:
+        """Remove the group once its processes have exited (a server's children may outlive it by a
+        moment; any still there after `timeout_s` are killed)."""
+        if self.path is None or not self.path.exists():
+            return
+        deadline = time.monotonic() + timeout_s
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in self.pids():
+            log.warning("%s: process %d still in its memory group after its server stopped: killed", self.name, pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while True:
             try:
                 self.path.rmdir()
+                return
             except OSError as e:
-                log.warning("could not remove %s: %s", self.path, e)
+                if time.monotonic() > deadline:
+                    log.warning("could not remove %s: %s", self.path, e)
+                    return
+                time.sleep(0.2)

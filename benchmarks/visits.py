@@ -616,10 +616,11 @@ def memory_note(memory: MemoryUse | None) -> str:
     if memory is None:
         return ""
     limit = f" of {memory.limit_bytes >> 20} MiB" if memory.limit_bytes else ""
+    busiest = sorted(memory.cpu_seconds.items(), key=lambda kv: -kv[1])[:3]
     return (
         f"; memory peak {memory.peak_bytes >> 20} MiB{limit} ({memory.method}), page cache "
         f"{memory.page_cache_bytes >> 20} MiB, disk read {memory.disk_read_bytes >> 20} MiB / written "
-        f"{memory.disk_written_bytes >> 20} MiB"
+        f"{memory.disk_written_bytes >> 20} MiB; CPU s: " + ", ".join(f"{name} {sec:.0f}" for name, sec in busiest)
     )
 
 

@@ -128,6 +128,7 @@ def test_a_memory_group_charges_its_processes_and_their_page_cache(tmp_path: Pat
         assert use.peak_bytes >= 96 * MiB  # its heap and the file's pages
         assert use.page_cache_bytes >= 32 * MiB and use.disk_written_bytes >= 32 * MiB
         assert use.disk_folder_bytes == folder_bytes([folder]) == 32 * MiB and use.oom_kills == 0
+        assert 0 < sum(use.cpu_seconds.values()) < 30  # the child's CPU time over the run, by process name
         child.kill()
         child.wait()
     finally:
