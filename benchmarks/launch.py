@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -9,8 +11,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import httpx
+import psutil
 
 
 def free_port() -> int:
@@ -150,6 +154,41 @@ def wait_healthy(
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"{what} did not become healthy within {timeout_s:.0f} s; {where}")
+
+
+def start_session(
+    args: list[str], log: IO[bytes], env: dict[str, str], preexec: Callable[[], None] | None = None
+) -> subprocess.Popen[bytes]:
+    """`args` in a process group of its own (so that stopping it reaches its workers), its output to
+    `log`, `env` over this process's environment, `preexec` run in the child before exec."""
+    return subprocess.Popen(
+        args,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+        start_new_session=True,
+        preexec_fn=preexec,
+    )
+
+
+def stop_session(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """Stop a `start_session` process and its whole group: SIGTERM, SIGKILL after `timeout_s`, then
+    wait up to 30 s for every child it had (one that outlives it is killed)."""
+    if proc.poll() is not None:
+        return
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    for p in alive:
+        p.kill()
 
 
 def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:

@@ -12,9 +12,7 @@ want of L1 memory, L2 stores that failed.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -24,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.launch import free_port
+from benchmarks.launch import free_port, start_session, stop_session
 
 # Counters read per run (after minus before), summed over their labels.
 COUNTERS = (
@@ -109,14 +107,7 @@ class LMCacheServer:
             shutil.rmtree(self.tiers.l2_folder, ignore_errors=True)
             self.tiers.l2_folder.mkdir(parents=True)
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            self.args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
-            start_new_session=True,
-            preexec_fn=preexec,
-        )
+        self.proc = start_session(self.args, self._log, self.env, preexec)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -149,14 +140,8 @@ class LMCacheServer:
 
     def stop(self) -> None:
         """Stop it and its children; its L2 folder is left for the run's disk figures."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
         if self.proc is not None:
+            stop_session(self.proc, timeout_s=30)
             self._log.close()
 
 

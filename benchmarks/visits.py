@@ -263,7 +263,9 @@ def _serve(
     every other."""
     setup = VISIT_VLLM_SYSTEMS.get(system, PeerSetup())
     tiers = peer_tiers(cfg) if setup.lmcache else None
-    folders = [f for f in (tiers.l2_folder if tiers else disk_tier(cfg)[0],) if f is not None]
+    # the disk folder whose bytes and page cache are this system's: ours, LMCache's L2, none for plain vLLM
+    disk = disk_tier(cfg)[0] if system.startswith("tiered") else tiers.l2_folder if tiers else None
+    folders = [disk] if disk is not None else []
     group = MemoryGroup(system, opts.memory_limit_bytes, folders)
     try:
         with _started(system, cfg, opts, kv_bytes, max_len, warm_up, group, tiers) as served:

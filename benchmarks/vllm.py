@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -19,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
-from benchmarks.launch import free_port, wait_healthy
+from benchmarks.launch import free_port, start_session, stop_session, wait_healthy
 from benchmarks.lmcache_peer import LMCacheServer, LMCacheTiers, kv_transfer_config
 from tiered.config import Config
 
@@ -184,14 +182,7 @@ class VLLMServer:
         if self.lmcache is not None:
             self.lmcache.start(log_path.with_name(f"{log_path.stem}-lmcache.log"), preexec)
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            self.args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
-            start_new_session=True,
-            preexec_fn=preexec,
-        )
+        self.proc = start_session(self.args, self._log, self.env, preexec)
         try:
             wait_healthy(self.proc, self.url, timeout_s, "vllm serve", f"see {log_path}", lambda n: f"see {log_path}")
         except RuntimeError:
@@ -217,20 +208,8 @@ class VLLMServer:
     def stop(self) -> None:
         """Stop the server and wait for all its processes (its workers too, then LMCache's server) to
         be gone, so that nothing of it still runs when the next measurement starts."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                children = psutil.Process(self.proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                children = []
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-            _, alive = psutil.wait_procs(children, timeout=30)
-            for p in alive:
-                p.kill()
+        if self.proc is not None:
+            stop_session(self.proc)
         self._log.close()
         if self.lmcache is not None:
             self.lmcache.stop()

