@@ -91,6 +91,12 @@ $B visits $V4K --users 32 --visits 80 --posts 8 \
   --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
   --systems tiered,vllm-lmcache,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
   --json $R/visits-beyond-memory-lmcache-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache
+# The same pair at a 6 GiB limit, one run each (data, not a table row: was 4 GiB too tight for the peer?).
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 32 --visits 80 --posts 8 \
+  --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
+  --systems tiered,vllm-lmcache --multiples '' --repeats 1 --memory-limit 6GiB \
+  --json $R/visits-beyond-memory-lmcache-6g-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache-6g
 # On a machine with an NVIDIA GPU only: the revisit sequence on the device (the H200's row).
 if command -v nvidia-smi >/dev/null; then
   rm -rf /tmp/gc/disk-tier
