@@ -20,11 +20,13 @@ import os
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from benchmarks.load import kv_bytes_per_token
 from benchmarks.report import headline_row, new_json_path, print_headline, write_report
+from benchmarks.stats import abba
 from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
 from tiered.engine import Engine
 from tiered.engine.score import Result
@@ -353,8 +355,9 @@ def run_tiers_bench(cfg: Config, opts: TiersOptions) -> dict[str, object]:
     sized = replace(cfg, cache=replace(cfg.cache, device_tier_bytes=device_bytes))
     vocab = read_args(cfg.model.path).vocab_size
     trace = revisit_trace(vocab, users, profile_tokens, post_tokens, rounds, seed=0)
-    # offload, discard, offload, discard, ...: drift in the machine's speed hits both alike
-    runs = [run_sequence(sized, trace, s) for _ in range(sequence_repeats) for s in ("offload", "discard")]
+    # offload, discard; discard, offload; ... (ABBA): drift in the machine's speed hits both alike
+    suffixes: list[Literal["offload", "discard"]] = ["offload", "discard"]
+    runs = [run_sequence(sized, trace, s) for rep in range(sequence_repeats) for s in abba(suffixes, rep)]
     offload = [r.seconds for r in runs if r.suffix == "offload"]
     discard = [r.seconds for r in runs if r.suffix == "discard"]
     headline = [
