@@ -1,4 +1,5 @@
-"""Start `tiered serve` in a child process and wait until it serves (tests and benchmarks)."""
+"""Start and stop the servers of the tests and benchmarks (`tiered serve`, vLLM, LMCache's server,
+Redis, vllm-router), wait until they serve, and read their Prometheus counters."""
 
 from __future__ import annotations
 
@@ -195,3 +196,16 @@ def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
     """SIGTERM the process and wait up to `timeout_s` for it to exit."""
     proc.terminate()
     proc.wait(timeout_s)
+
+
+def prometheus_totals(url: str, keep: Callable[[str], bool]) -> dict[str, float]:
+    """The server's `/metrics` samples whose name `keep` accepts, each summed over its labels
+    (`_created` timestamps left out: they are not amounts)."""
+    totals: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if keep(name) and not name.endswith("_created"):
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals

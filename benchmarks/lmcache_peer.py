@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.launch import free_port, start_session, stop_session
+from benchmarks.launch import free_port, prometheus_totals, start_session, stop_session
 
 # Counters read per run (after minus before), summed over their labels.
 COUNTERS = (
@@ -127,12 +127,17 @@ class LMCacheServer:
 
     def counters(self) -> dict[str, float]:
         """COUNTERS now, each summed over its labels (absent ones 0)."""
-        totals = dict.fromkeys(COUNTERS, 0.0)
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in totals:
-                totals[name] += float(line.rsplit(" ", 1)[1])
-        return totals
+        return dict.fromkeys(COUNTERS, 0.0) | prometheus_totals(self.url, lambda name: name in COUNTERS)
+
+    def settled_counters(self, timeout_s: float = 60) -> dict[str, float]:
+        """COUNTERS once the L2 stores submitted so far have completed (or after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            c = self.counters()
+            done = c["lmcache_mp_l2_store_completed_objects_chunks_total"]
+            if done >= c["lmcache_mp_l2_store_submitted_objects_chunks_total"] or time.monotonic() > deadline:
+                return c
+            time.sleep(0.5)
 
     def launch_record(self) -> dict[str, Any]:
         """How it was started, for the run's JSON."""

@@ -44,6 +44,17 @@ class MemoryUse:
     cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(slots=True, frozen=True)
+class _Sample:
+    """One process at one moment, as a run's figures need it."""
+
+    name: str
+    cpu_seconds: float  # user + system so far
+    read_bytes: int  # from storage so far (/proc/PID/io)
+    write_bytes: int  # toward storage so far
+    rss_bytes: int
+
+
 def _read_int(path: Path, default: int = 0) -> int:
     try:
         return int(path.read_text().split()[0])
@@ -99,9 +110,8 @@ class MemoryGroup:
     disk_folders: list[Path] = field(default_factory=list)
     path: Path | None = None
     method: str = "rss+fincore"
-    _io_start: tuple[int, int] = (0, 0)
+    _start: dict[int, _Sample] = field(default_factory=dict)
     _oom_start: int = 0
-    _cpu_start: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.limit_bytes is None:
@@ -145,8 +155,9 @@ class MemoryGroup:
             return []
         return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
 
-    def _members(self, roots: list[int]) -> set[int]:
-        """The group's processes and the trees of `roots` (all of them where there is no cgroup)."""
+    def _sample(self, roots: list[int]) -> dict[int, _Sample]:
+        """Each live process of the group (and of the trees of `roots`: all of them where there is no
+        cgroup): its name, CPU seconds and storage traffic so far, and its resident bytes."""
         pids = set(self.pids())
         for root in roots:
             try:
@@ -154,30 +165,18 @@ class MemoryGroup:
                 pids |= {proc.pid, *(c.pid for c in proc.children(recursive=True))}
             except psutil.NoSuchProcess:
                 continue
-        return pids
-
-    def _cpu(self, roots: list[int]) -> dict[int, tuple[str, float]]:
-        """pid -> (name, user + system CPU seconds so far) of each live member."""
         out = {}
-        for pid in self._members(roots):
+        for pid in pids:
             try:
                 proc = psutil.Process(pid)
-                times = proc.cpu_times()
-                out[pid] = (proc.name(), times.user + times.system)
+                with proc.oneshot():
+                    times, io = proc.cpu_times(), proc.io_counters()
+                    out[pid] = _Sample(
+                        proc.name(), times.user + times.system, io.read_bytes, io.write_bytes, proc.memory_info().rss
+                    )
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         return out
-
-    def _io(self, roots: list[int]) -> tuple[int, int]:
-        """(read_bytes, write_bytes) summed over the group's live processes (/proc/PID/io)."""
-        read = written = 0
-        for pid in self._members(roots):
-            try:
-                io = psutil.Process(pid).io_counters()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            read, written = read + io.read_bytes, written + io.write_bytes
-        return read, written
 
     def _oom_kills(self) -> int:
         if self.path is None:
@@ -194,18 +193,20 @@ class MemoryGroup:
                 (self.path / "memory.peak").write_text("0")  # kernels from 6.12 reset it on a write
             except OSError:
                 pass
-        self._io_start = self._io(roots)
+        self._start = self._sample(roots)
         self._oom_start = self._oom_kills()
-        self._cpu_start = self._cpu(roots)
 
     def end_run(self, roots: list[int]) -> MemoryUse:
         """After a run: the peak, the page cache, the disk traffic since `begin_run`."""
-        read, written = (now - then for now, then in zip(self._io(roots), self._io_start, strict=True))
+        now = self._sample(roots)
+        zero = _Sample("", 0.0, 0, 0, 0)
+        read = sum(x.read_bytes - self._start.get(pid, zero).read_bytes for pid, x in now.items())
+        written = sum(x.write_bytes - self._start.get(pid, zero).write_bytes for pid, x in now.items())
+        cpu: dict[str, float] = {}
+        for pid, x in now.items():
+            cpu[x.name] = cpu.get(x.name, 0.0) + x.cpu_seconds - self._start.get(pid, zero).cpu_seconds
         on_disk = folder_bytes(self.disk_folders)
         oom = self._oom_kills() - self._oom_start
-        cpu: dict[str, float] = {}
-        for pid, (name, seconds) in self._cpu(roots).items():
-            cpu[name] = cpu.get(name, 0.0) + seconds - self._cpu_start.get(pid, (name, 0.0))[1]
         if self.method == "cgroup-v1" and self.path is not None:
             peak = _read_int(self.path / "memory.max_usage_in_bytes")
             cache = _stat(self.path / "memory.stat").get("total_cache", 0)
@@ -213,15 +214,8 @@ class MemoryGroup:
             peak = _read_int(self.path / "memory.peak", _read_int(self.path / "memory.current"))
             cache = _stat(self.path / "memory.stat").get("file", 0)
         else:
-            rss = 0
-            for root in roots:
-                try:
-                    proc = psutil.Process(root)
-                    rss += sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
-                except psutil.NoSuchProcess:
-                    continue
             cache = cached_bytes(self.disk_folders)
-            peak = rss + cache
+            peak = sum(x.rss_bytes for x in now.values()) + cache
         return MemoryUse(self.limit_bytes, peak, cache, read, written, on_disk, self.method, oom, cpu)
 
     def close(self, timeout_s: float = 30) -> None:

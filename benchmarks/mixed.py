@@ -40,10 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
+from benchmarks.launch import prometheus_totals
 from benchmarks.load import Call, HttpOptions, print_tables, run_http, sustainable_table
 from benchmarks.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
 from benchmarks.report import headline_row, print_headline, result_paths, write_records, write_report
-from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
+from benchmarks.servers import Served, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.stats import Record, Summary, abba, summarize
 from benchmarks.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
 from benchmarks.traces import BenchError, ordinary_token_ids

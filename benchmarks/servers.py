@@ -1,19 +1,17 @@
 """The servers the HTTP benchmarks drive (`bench visits`, `bench mixed`, `bench alone`): `tiered
 serve` with a config written per system, or `vllm serve`, each warmed up alike before it is
-yielded; a wait until no server computes;
-and the Prometheus counters of either, summed over their labels."""
+yielded, each in its memory group where the run names one; and a wait until no server computes."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
 from benchmarks.launch import start_server, stop_server
@@ -128,16 +126,3 @@ def wait_quiet(pids: Sequence[int], cpu_share: float = 0.1, settle_s: float = 1.
     if waited > 3 * settle_s:
         log.info("waited %.1f s for the servers to be idle before the next run", waited)
     return waited
-
-
-def prometheus_totals(url: str, keep: Callable[[str], bool]) -> dict[str, float]:
-    """The server's `/metrics` samples whose name `keep` accepts, each summed over its labels
-    (`_created` timestamps left out: they are not amounts)."""
-    totals: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if keep(name) and not name.endswith("_created"):
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals

@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -46,13 +45,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lmcache_peer import LMCacheServer, LMCacheTiers, run_faults
+from benchmarks.launch import prometheus_totals
+from benchmarks.lmcache_peer import LMCacheTiers, run_faults
 from benchmarks.load import SLO_FACTORS, Call, HttpOptions, print_tables, run_http, sustainable_table
 from benchmarks.memory_group import MemoryGroup, MemoryUse
 from benchmarks.mil import forward_flops, matmul_flops_per_s
 from benchmarks.report import headline_row, print_headline, result_paths, write_records, write_report
 from benchmarks.sampled import breakdown, sampled, table
-from benchmarks.servers import Served, prometheus_totals, serve_tiered, serve_vllm, wait_quiet
+from benchmarks.servers import Served, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.stats import Record, Summary, abba, median_summary, poisson_arrivals, summarize, tail_name
 from benchmarks.systems import LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check_vllm_sizing
 from benchmarks.systems import VISIT_SYSTEMS as SYSTEMS
@@ -334,23 +334,9 @@ class _Measured:
 
 def _host_counters(served: Served) -> dict[str, float]:
     """The host tier's counters now: ours, or the peer's LMCache server's ({} for a peer without one)."""
-    lmcache = served.vllm.lmcache if served.vllm is not None else None
     if served.vllm is None:
         return host_tier_counters(served.url)
-    return lmcache.counters() if lmcache is not None else {}
-
-
-def _settled(lmcache: LMCacheServer, timeout_s: float = 60) -> None:
-    """Wait until LMCache's server has finished the L2 stores submitted so far (or time is up)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        c = lmcache.counters()
-        if (
-            c["lmcache_mp_l2_store_completed_objects_chunks_total"]
-            >= c["lmcache_mp_l2_store_submitted_objects_chunks_total"]
-        ):
-            return
-        time.sleep(0.5)
+    return served.vllm.lmcache.counters() if served.vllm.lmcache is not None else {}
 
 
 def _measure(
@@ -366,10 +352,11 @@ def _measure(
     if served.group is not None:
         served.group.begin_run(served.pids)
     records, makespan = run_http(served.url, "model", calls, arrivals, HttpOptions(label, concurrency, salt))
-    if vllm is not None and vllm.lmcache is not None:
-        _settled(vllm.lmcache)
+    # the peer's counters once its L2 stores of the run have finished (a store still in flight is no fault)
+    host_after = vllm.lmcache.settled_counters() if vllm is not None and vllm.lmcache is not None else None
     memory = served.group.end_run(served.pids) if served.group is not None else None
-    host = {k: v - host_before.get(k, 0.0) for k, v in _host_counters(served).items()}
+    host_after = _host_counters(served) if host_after is None else host_after
+    host = {k: v - host_before.get(k, 0.0) for k, v in host_after.items()}
     faults = [f"{memory.oom_kills} processes killed at the memory limit"] if memory and memory.oom_kills else []
     ok = [r for r in records if r.error is None]
     if vllm is None:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import servers as bench_servers
+from benchmarks import launch as bench_launch
 from benchmarks.cli import main
 from benchmarks.traces import (
     QUESTION_TOKENS,
@@ -101,12 +101,12 @@ vllm:prefix_cache_hits_total{engine="1",model_name="model"} 34.0
 vllm:prefix_cache_queries_total{engine="0",model_name="model"} 5000.0
 vllm:prefix_cache_queries_created{engine="0",model_name="model"} 1.7e9
 """
-    monkeypatch.setattr(bench_servers.httpx, "get", lambda url, timeout: SimpleNamespace(text=text))
+    monkeypatch.setattr(bench_launch.httpx, "get", lambda url, timeout: SimpleNamespace(text=text))
     assert vllm_prefix_cache_tokens("http://x") == (5000, 1234, 0)  # no KV connector: nothing loaded through one
     loaded = text + 'vllm:external_prefix_cache_hits_total{engine="0",model_name="model"} 512.0\n'
-    monkeypatch.setattr(bench_servers.httpx, "get", lambda url, timeout: SimpleNamespace(text=loaded))
+    monkeypatch.setattr(bench_launch.httpx, "get", lambda url, timeout: SimpleNamespace(text=loaded))
     assert vllm_prefix_cache_tokens("http://x") == (5000, 1234, 512)
-    monkeypatch.setattr(bench_servers.httpx, "get", lambda url, timeout: SimpleNamespace(text="up 1\n"))
+    monkeypatch.setattr(bench_launch.httpx, "get", lambda url, timeout: SimpleNamespace(text="up 1\n"))
     with pytest.raises(BenchError, match="prefix_cache_queries_total"):
         vllm_prefix_cache_tokens("http://x")
 
