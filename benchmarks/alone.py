@@ -25,8 +25,8 @@ from benchmarks.systems import VISIT_TIERED_SYSTEMS, VISIT_VLLM_SYSTEMS, check_v
 from benchmarks.traces import BenchError, ordinary_token_ids
 from benchmarks.vllm import PeerOptions, VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import Config, with_overrides
+from tiered.config.options import resolve_device
 from tiered.embedded import resolve_model_path
-from tiered.hybrid.loader import resolve_device
 from tiered.hybrid.precision import config_precision
 
 log = logging.getLogger(__name__)

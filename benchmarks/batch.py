@@ -25,7 +25,7 @@ from benchmarks.mil import forward_flops, matmul_flops_per_s
 from benchmarks.report import write_report
 from tiered.config import AttentionConfig, AttentionKernel
 from tiered.hybrid import pointwise
-from tiered.hybrid.attention import KERNELS, Piece, native
+from tiered.hybrid.attention import KERNELS, Span, native
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
@@ -223,9 +223,9 @@ def _attention_of_one_layer(
     dt = layer_kv[0].dtype
     q = torch.randn(queries, a.num_heads, a.head_dim, generator=g).to(dt)
     own_k, own_v = (torch.randn(queries, a.num_kv_heads, a.head_dim, generator=g).to(dt) for _ in "kv")
-    pieces = [Piece(i * new_tokens, i * new_tokens, new_tokens) for i in range(num_requests)]
+    spans = [Span(i * new_tokens, i * new_tokens, new_tokens) for i in range(num_requests)]
     attend_ = KERNELS[model.attention].attend_
-    seconds = min(_best(lambda: attend_(q.clone(), own_k, own_v, pieces, *layer_kv), 1) for _ in range(opts.repeats))
+    seconds = min(_best(lambda: attend_(q.clone(), own_k, own_v, spans, *layer_kv), 1) for _ in range(opts.repeats))
     pairs = queries * prefix_tokens + num_requests * new_tokens * (new_tokens + 1) / 2
     attn_flops = 4 * a.num_heads * a.head_dim * pairs
     attn = AttentionResult(queries, prefix_tokens, seconds, attn_flops / seconds, attn_flops / seconds / rate)

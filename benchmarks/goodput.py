@@ -33,6 +33,11 @@ class ClassScore:
     p99_latency_seconds: float
     num_deadline_met_reported: int | None  # the server's own count (usage.tiered.deadline_met); None: not reported
     num_pieces: int | None  # pieces their prefills ran in (usage.tiered.num_pieces); None: not reported
+    mean_latency_seconds: float = float("nan")  # of the answered calls
+    # Calls the server refused as over capacity or unable to meet their objective (HTTP 429 / 503),
+    # and how long the client waited for that answer (P99; nan: none refused).
+    num_refused: int = 0
+    p99_refused_seconds: float = float("nan")
 
 
 @dataclass(slots=True)
@@ -79,6 +84,7 @@ def score_class(kind: str, calls: list[MixedCall], by_id: dict[str, Record], win
     latencies = [r.latency_seconds for r in records if r.error is None]
     good = sum(is_good(c, r) for c, r in zip(calls, records, strict=True))
     met = [None if r.deadline_met is None else int(r.deadline_met) for r in records]
+    refused = [r.latency_seconds for r in records if is_refused(r)]
     return ClassScore(
         kind,
         len(calls),
@@ -90,7 +96,17 @@ def score_class(kind: str, calls: list[MixedCall], by_id: dict[str, Record], win
         percentile(latencies, 0.99),
         _reported(met),
         _reported([r.num_pieces for r in records]),
+        statistics.fmean(latencies) if latencies else float("nan"),
+        len(refused),
+        percentile(refused, 0.99),
     )
+
+
+def is_refused(record: Record) -> bool:
+    """The server answered the call with a refusal (429: its objective cannot be met; 503 saying it is
+    over capacity), not a failure (a 503 of an engine that died is one)."""
+    error = record.error or ""
+    return error.startswith("429") or (error.startswith("503") and "over capacity" in error)
 
 
 def score_run(
@@ -133,7 +149,8 @@ def _pieces(s: RunScore) -> str:
 
 
 def print_goodput(scores: list[RunScore], p: MixedParams) -> None:
-    """One row per (system, load): goodput per class and in all, short P50 / P99, long slowdowns, pieces."""
+    """One row per (system, load): goodput per class and in all, short P50 / P99 (of the answered
+    calls), long slowdowns, pieces, calls refused (429 / 503) and other errors."""
     print(
         f"goodput: calls/s answered within their objective (short <= {p.short_slo_ms / 1e3:g} s, long <= "
         f"{p.long_slo_ms / 1e3:g} s) per second of arrivals; long slowdown: latency / a {p.long_tokens}-token "
@@ -142,14 +159,14 @@ def print_goodput(scores: list[RunScore], p: MixedParams) -> None:
     print(
         f"{'system':<24}{'short/s':>8}{'short good/s':>13}{'long good/s':>12}{'all good/s':>11}"
         f"{'short met':>10}{'long met':>9}{'P50 s':>7}{'P99 s':>7}{'alone s':>8}{'slowdown':>13}{'pieces':>7}"
-        f"{'errors':>7}"
+        f"{'refused':>8}{'errors':>7}"
     )
     for s in scores:
         print(
             f"{s.system:<24}{s.short.offered_per_s:>8.3f}{s.short.goodput_per_s:>13.3f}{s.long.goodput_per_s:>12.4f}"
             f"{s.total.goodput_per_s:>11.3f}{_share(s.short):>10}{_share(s.long):>9}"
             f"{s.short.p50_latency_seconds:>7.2f}{s.short.p99_latency_seconds:>7.2f}{s.alone_seconds:>8.2f}"
-            f"{_slowdowns(s):>13}{_pieces(s):>7}{s.num_errors:>7}"
+            f"{_slowdowns(s):>13}{_pieces(s):>7}{s.total.num_refused:>8}{s.num_errors - s.total.num_refused:>7}"
         )
     for s in scores:
         if s.metrics:

@@ -46,10 +46,10 @@ rm -rf /tmp/tiered-disk
 $B visits $V4K --users 32 --visits 240 --posts 2 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
   --json $R/visits-beyond-memory-feed-bench-m.json --plots benchmarks/out/visits-beyond-memory-feed
 $B plot-working-set benchmarks/out/visits-beyond-memory-4k-users12.json $R/visits-beyond-memory-4k-bench-m.json \
-  benchmarks/out/visits-beyond-memory-4k-users48.json --out benchmarks/visits-beyond-memory-4k.png
+  benchmarks/out/visits-beyond-memory-4k-users48.json --out benchmarks/plots/visits-beyond-memory-4k.png
 # The longest prompt each engine serves within a memory budget (weights + activations + KV).
 $B longest --config configs/bench-m.yaml --budgets 320MiB,448MiB --json $R/longest-bench-m.json \
-  --plot benchmarks/longest-bench-m.png
+  --plot benchmarks/plots/longest-bench-m.png
 # A prefix loaded from the host tier's memory and from its disk alone (page cache dropped) against recompute.
 rm -rf /tmp/tiers-disk
 $B tiers --model embedded:bench-m --lengths 1792,8192 --repeats 3 --disk /tmp/tiers-disk --users 2 --rounds 2 \
@@ -91,6 +91,12 @@ $B visits $V4K --users 32 --visits 80 --posts 8 \
   --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
   --systems tiered,vllm-lmcache,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
   --json $R/visits-beyond-memory-lmcache-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache
+# The 2-post feed beyond memory against both peers under the same 4 GiB limit: 32 users, 160 visits of 2 posts.
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 32 --visits 160 --posts 2 \
+  --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
+  --systems tiered,vllm-lmcache,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
+  --json $R/visits-beyond-memory-lmcache-feed2-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache-feed2
 # The same pair at a 6 GiB limit, one run each (data, not a table row: was 4 GiB too tight for the peer?).
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 32 --visits 80 --posts 8 \

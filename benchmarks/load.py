@@ -50,9 +50,9 @@ from benchmarks.systems import ENGINE_SYSTEMS, HTTP_SYSTEMS, SYSTEMS, VLLM_SYSTE
 from benchmarks.traces import BenchError, Trace
 from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
 from tiered.config import Config, with_overrides, write_config
+from tiered.config.options import resolve_device
 from tiered.embedded import resolve_model_path
 from tiered.engine import Engine, Result
-from tiered.hybrid.loader import resolve_device
 from tiered.hybrid.precision import config_precision
 
 log = logging.getLogger(__name__)

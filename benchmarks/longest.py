@@ -47,9 +47,10 @@ from benchmarks.servers import serve_tiered, serve_vllm
 from benchmarks.traces import BenchError, ordinary_token_ids
 from benchmarks.vllm import VLLM_CPU_BLOCK_TOKENS, PeerOptions, VLLMServer, peer_launch
 from tiered.config import Config, with_overrides
+from tiered.config.options import resolve_device
 from tiered.embedded import resolve_model_path
 from tiered.hybrid.attention import default_kernel
-from tiered.hybrid.loader import DTYPES, read_args, resolve_device
+from tiered.hybrid.loader import DTYPES, read_args
 from tiered.hybrid.memory import extended_reach, growth_floor, profile_lengths
 from tiered.hybrid.precision import config_precision
 from tiered.hybrid.spill import check_spill, spill_of

@@ -16,11 +16,13 @@ samples on pieces, yields and parked KV (`goodput.PIECE_METRICS`, after minus be
 absent: not shown). Then `python -m benchmarks load`'s per-load table of the short calls and their
 sustainable QPS at P99 / mean latency <= the short objective.
 
-Systems (`systems.mixed_system`): `tiered` (`scheduler.pieces=deadline`: SLOWeave), `tiered-in-order`
-(the same, with calls that can no longer be in time not deferred: `scheduler.defer_late=false`), `tiered-fixedN`
+Systems (`systems.mixed_system`): `tiered` (`scheduler.pieces=deadline`: SLOWeave; calls predicted to
+miss their objective refused at once, `scheduler.late: shed`), `tiered-serve-late` (the same, such calls
+served late: `scheduler.late=serve`), `tiered-in-order` (served late and not deferred:
+`scheduler.defer_late=false`), `tiered-fixedN`
 (pieces of N tokens whatever the deadlines), `tiered-never` (one pass); `vllm-chunkN` (chunked
 prefill, --max-num-batched-tokens N), `vllm-priority-chunkN` (the same with --scheduling-policy
-priority, short calls `priority` 0 and long ones 1), and either with `-capM`
+priority, each call's `priority` its deadline in ms: earliest deadline first), and either with `-capM`
 (--long-prefill-token-threshold M: a long prefill takes at most M tokens of a step while other
 requests wait; without it vLLM schedules its running prefill first, and a step's budget can go to
 it whole), and then `-adaptive` (--long-prefill-token-threshold-adaptive: the cap floored at a
@@ -50,8 +52,8 @@ from benchmarks.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizin
 from benchmarks.traces import BenchError, ordinary_token_ids
 from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
 from tiered.config import Config, with_overrides
+from tiered.config.options import resolve_device
 from tiered.embedded import resolve_model_path
-from tiered.hybrid.loader import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -239,19 +241,33 @@ def run_mixed_bench(cfg: Config, params: MixedParams, opts: MixedOptions) -> dic
 
 
 def _headline(reference: str, params: MixedParams, runs: _Runs) -> list[dict[str, Any]]:
-    """The rows a results table quotes: short and all calls in time per second, the reference against each other."""
-    return [
-        headline_row(
-            f"{'all' if kind == 'total' else kind} calls in time per second among {params.long_tokens}-token "
-            f"prompts, {qps:g} short/s",
-            "/s",
-            (reference, [getattr(r, kind).goodput_per_s for _, r in pair_scores]),
-            (other, [getattr(o, kind).goodput_per_s for o, _ in pair_scores]),
-            higher_is_better=True,
-        )
-        for (other, qps), pair_scores in runs.paired.items()
-        for kind in ("short", "total")
-    ]
+    """The rows a results table quotes, the reference against each other system: short and all calls
+    in time per second, then the short calls' mean and P99 latency (of the calls answered with a
+    score: a refused call is counted apart, in the scores)."""
+    rows = []
+    for (other, qps), pair_scores in runs.paired.items():
+        where = f"among {params.long_tokens}-token prompts, {qps:g} short/s"
+        for kind in ("short", "total"):
+            rows.append(
+                headline_row(
+                    f"{'all' if kind == 'total' else kind} calls in time per second {where}",
+                    "/s",
+                    (reference, [getattr(r, kind).goodput_per_s for _, r in pair_scores]),
+                    (other, [getattr(o, kind).goodput_per_s for o, _ in pair_scores]),
+                    higher_is_better=True,
+                )
+            )
+        for what, attr in (("mean", "mean_latency_seconds"), ("P99", "p99_latency_seconds")):
+            rows.append(
+                headline_row(
+                    f"{what} latency of the short calls answered {where}",
+                    "s",
+                    (reference, [getattr(r.short, attr) for _, r in pair_scores]),
+                    (other, [getattr(o.short, attr) for o, _ in pair_scores]),
+                    higher_is_better=False,
+                )
+            )
+    return rows
 
 
 def _report(

@@ -31,7 +31,12 @@ from benchmarks.traces import BenchError, VisitsTraceOptions, credit_verificatio
 from benchmarks.visits import split_visits
 
 SHORT, LONG = "short", "long"
-PRIORITY = {SHORT: 0, LONG: 1}  # vLLM's `priority` on its priority systems: lower runs first
+
+
+def deadline_priority(call: MixedCall) -> int:
+    """vLLM's `priority` on its priority systems (lower runs first): the call's deadline, ms from
+    the trace's start, so that vLLM runs the earliest deadline first, as ours plans by deadline."""
+    return round(1e3 * call.arrival_seconds + call.slo_ms)
 
 
 @dataclass(slots=True, frozen=True)
@@ -185,10 +190,13 @@ def build_trace(vocab: list[int], p: MixedParams, short_qps: float) -> MixedTrac
 
 def calls_for(trace: MixedTrace, system: MixedSystem) -> list[Call]:
     """The calls as `system` gets them: ours with their objective (`slo_ms`), vLLM's priority systems
-    with their class's `priority`; neither field to the others (vLLM refuses a priority it does not use)."""
+    with their deadline as `priority` (earliest deadline first); neither field to the others (vLLM
+    refuses a priority it does not use)."""
     return [
         replace(
-            c.call, slo_ms=None if system.is_vllm else c.slo_ms, priority=PRIORITY[c.kind] if system.priority else None
+            c.call,
+            slo_ms=None if system.is_vllm else c.slo_ms,
+            priority=deadline_priority(c) if system.priority else None,
         )
         for c in trace.calls
     ]

@@ -10,7 +10,7 @@ The model (benchmarks/RESULTS.md, "Pipeline-parallel prefill, simulated", says i
   micro-batch than its visit's first computes the profile too). Without reuse, every prompt
   computes everything.
 - A batch is `visits_per_batch` visits, cut into `microbatches` micro-batches: by count, in
-  arrival order (GPipe's cut), or by cost (`tiered.hybrid.pipeline.waves.form_waves`).
+  arrival order (GPipe's cut), or by cost (`tiered.engine.pipeline.waves.form_waves`).
 - A stage holds 1/S of the layers. A micro-batch costs a stage (c0 + sum over its prompts of
   c1·M + c2·pairs(M, T) + c4·C) / S seconds (M computed, C cached, T = M + C tokens; the JCT
   model's terms, fitted at the engine's start on this machine), times `scale` (a device's speed
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from benchmarks.traces import BenchError
 from tiered.config.options import parse_float_list, parse_int_list
-from tiered.hybrid.pipeline.waves import Job, form_by_count, form_waves
+from tiered.engine.pipeline.waves import Job, form_by_count, form_waves
 
 
 @dataclass(frozen=True)

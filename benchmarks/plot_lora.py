@@ -1,6 +1,7 @@
 """Saturated visits/s per system of a `python -m benchmarks visits` run with LoRA systems, as a bar chart.
 
-.venv/bin/python -m benchmarks.plot_lora benchmarks/out/visits-lora-bench-m.json benchmarks/visits-lora-bench-m.png
+.venv/bin/python -m benchmarks.plot_lora benchmarks/out/visits-lora-bench-m.json \
+    benchmarks/plots/visits-lora-bench-m.png
 """
 
 from __future__ import annotations

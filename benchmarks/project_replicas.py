@@ -51,7 +51,7 @@ def measure(a: argparse.Namespace) -> None:
     from tiered.config import load_config, with_overrides
     from tiered.embedded import resolve_model_path
     from tiered.engine import Engine
-    from tiered.engine.score import RequestOptions
+    from tiered.request.score import RequestOptions
 
     redis, url = start_redis(tempfile.mkdtemp(), maxmemory="8gb")
     cfg = with_overrides(load_config(a.config, a.set), [f"cache.host.lmcache.remote_url={url}"])

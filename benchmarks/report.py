@@ -201,14 +201,9 @@ HEADER = [
 ]
 
 
-def render_table(
-    results_dir: Path = RESULTS_DIR, link_prefix: str = "results/", newest_machine_only: bool = False
-) -> str:
-    """The generated table (markers included) of every headline row of every JSON in `results_dir`
-    that has at least MIN_TABLE_RUNS paired runs, and the command of each JSON.
-
-    Rows are grouped by the machine that measured them (figures from different machines are never
-    compared), the machine with the newest run first; `newest_machine_only` keeps that group alone."""
+def _table_docs(results_dir: Path) -> list[tuple[str, list[tuple[str, Path, dict[str, Any], list[dict[str, Any]]]]]]:
+    """(machine, [(date, path, document, table rows)]) of every JSON in `results_dir` with a row of at
+    least MIN_TABLE_RUNS paired runs, the machine with the newest run first, its documents newest first."""
     groups: dict[str, list[tuple[str, Path, dict[str, Any], list[dict[str, Any]]]]] = {}
     for path in sorted(results_dir.glob("*.json")):
         doc = json.loads(path.read_text())
@@ -217,13 +212,20 @@ def render_table(
             machine = _machine(doc.get("provenance") or {})
             groups.setdefault(machine, []).append((doc.get("date", "?"), path, doc, rows))
     ordered = sorted(groups.items(), key=lambda item: max(d for d, *_ in item[1]), reverse=True)
-    if newest_machine_only:
-        ordered = ordered[:1]
+    return [(machine, sorted(docs, key=lambda d: (d[0], d[1].name), reverse=True)) for machine, docs in ordered]
+
+
+def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/") -> str:
+    """The generated table (markers included) of every headline row of every JSON in `results_dir`
+    that has at least MIN_TABLE_RUNS paired runs, and the command of each JSON.
+
+    Rows are grouped by the machine that measured them (figures from different machines are never
+    compared), the machine with the newest run first."""
     lines = [START, ""]
     commands = []
-    for machine, docs in ordered:
+    for machine, docs in _table_docs(results_dir):
         lines += [f"**{machine}**", "", *HEADER]
-        for date, path, doc, rows in sorted(docs, key=lambda d: (d[0], d[1].name), reverse=True):
+        for date, path, doc, rows in docs:
             link = f"[{path.stem}]({link_prefix}{path.name})"
             for row in rows:
                 r = row["ratio"]
@@ -245,6 +247,38 @@ def render_table(
     return "\n".join(lines)
 
 
+# The README's summary: one row per result document of the newest machine, at most this many.
+SUMMARY_ROWS = 8
+
+
+def render_summary(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/") -> str:
+    """The README's short table (markers included): for each of the newest machine's result documents
+    (newest first, at most SUMMARY_ROWS), its first measure against the better peer (the row of that
+    measure with the smallest ratio), with a link to the document; the full table is RESULTS.md's."""
+    ordered = _table_docs(results_dir)
+    lines = [START, ""]
+    if ordered:
+        machine, docs = ordered[0]
+        prov = docs[0][2].get("provenance") or {}
+        name = f"{prov.get('cpu_model', '?')}, {prov.get('threads', '?')} threads"
+        lines += [
+            f"Measured on {name} ({prov['gpu']})" if prov.get("gpu") else f"Measured on {name}:",
+            "",
+            "| run | measure | ours | the better peer | ours ahead by | date |",
+            "|---|---|---|---|---|---|",
+        ]
+        for date, path, _, rows in docs[:SUMMARY_ROWS]:
+            first = rows[0]["measure"]
+            row = min((r for r in rows if r["measure"] == first), key=lambda r: r["ratio"]["median"])
+            r = row["ratio"]
+            lines.append(
+                f"| [{path.stem}]({link_prefix}{path.name}) | {first} | {_cell(row['ours'], row['unit'])} | "
+                f"{_cell(row['peer'], row['unit'])} | **{r['median']:.2f}x** ({r['min']:.2f}–{r['max']:.2f}) | {date} |"
+            )
+        lines.append("")
+    return "\n".join(lines + [END])
+
+
 def splice(text: str, table: str, where: str) -> str:
     """`text` with the part between the markers replaced by `table` (a ValueError naming `where` if absent)."""
     if START not in text or END not in text:
@@ -256,12 +290,14 @@ def splice(text: str, table: str, where: str) -> str:
 def write_tables(
     targets: list[tuple[Path, str, bool]], results_dir: Path = RESULTS_DIR, check: bool = False
 ) -> list[Path]:
-    """Write the table into each (file, link prefix to the results folder, newest machine only); with
-    `check`, write nothing and return the files whose table differs from what would be written."""
+    """Write the table into each (file, link prefix to the results folder, the short summary instead of
+    the full table); with `check`, write nothing and return the files whose table differs from what
+    would be written."""
     stale = []
-    for path, prefix, newest_only in targets:
+    for path, prefix, summary in targets:
         text = path.read_text()
-        new = splice(text, render_table(results_dir, prefix, newest_only), str(path))
+        table = render_summary(results_dir, prefix) if summary else render_table(results_dir, prefix)
+        new = splice(text, table, str(path))
         if new != text:
             stale.append(path)
             if not check:

@@ -86,11 +86,11 @@ done
 .venv/bin/python -m benchmarks.project_replicas measure --config configs/bench-m.yaml \
   --json benchmarks/out/costs-bench-m.json
 .venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json \
-  --json benchmarks/out/cluster-sim-z1.1.json --plot benchmarks/cluster-sim.png
+  --json benchmarks/out/cluster-sim-z1.1.json --plot benchmarks/plots/cluster-sim.png
 .venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json --zipf 0.8 \
   --json benchmarks/out/cluster-sim-z0.8.json
 .venv/bin/python -m benchmarks.project_replicas project --costs benchmarks/out/costs-bench-m.json --remote-gbps 1.25 \
-  --json benchmarks/out/cluster-sim-z1.1-link.json --plot benchmarks/cluster-sim-link.png
+  --json benchmarks/out/cluster-sim-z1.1-link.json --plot benchmarks/plots/cluster-sim-link.png
 for q in 10 100 1000; do
   .venv/bin/python -m benchmarks.project_replicas size --costs benchmarks/out/costs-bench-m.json --qps $q \
     --users 100000 --remote-gbps 1.25
@@ -155,8 +155,7 @@ $T bench mixed --config configs/bench-m.yaml --set scheduler.policy=srjf --short
 $T bench mixed --config configs/bench-m.yaml --short-qps 0.1,0.25 --minutes 4 --users 4 --long-tokens 512 \
   --long-per-minute 0 --alone-repeats 1 --systems tiered \
   --json benchmarks/out/mixed-bench-m-nolong-h.json --plots benchmarks/out/mixed-bench-m-nolong-h
-.venv/bin/python -m benchmarks.plot_mixed_16k
-$T bench pipeline-sim --json benchmarks/out/pipeline-sim.json --plots benchmarks  # WavePP, simulated (seconds)
+$T bench pipeline-sim --json benchmarks/out/pipeline-sim.json --plots benchmarks/plots  # WavePP, simulated (seconds)
 $T bench stages --config configs/bench-m.yaml --json benchmarks/out/stages-bench-m.json  # 2 stages x 1 core vs 1 x 2 (~12 min)
 $T bench stages --config configs/bench-m.yaml --users 2 --visits 16 --profile-tokens 1792 --exact-profiles \
   --json benchmarks/out/stages-bench-m-exact.json

@@ -59,8 +59,8 @@ def _config_path(args: argparse.Namespace) -> Any:
 def _run_system(args: argparse.Namespace, name: str, requests: list[Any]) -> dict[str, Any]:
     from tiered.config import load_config
     from tiered.engine import Engine
-    from tiered.engine.score import ScoreParams
-    from tiered.hybrid.pipeline.coordinator import PipelineRunner
+    from tiered.engine.pipeline.coordinator import PipelineRunner
+    from tiered.request.score import ScoreParams
 
     cfg = load_config(_config_path(args), [*args.overrides, *system_overrides(name)])
     params = ScoreParams(logprob_token_ids=tuple(args.token_ids))

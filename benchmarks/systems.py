@@ -92,10 +92,14 @@ def check_vllm_python(python: str | None) -> str:
 
 # `python -m benchmarks mixed`: `tiered serve` by how its prefills yield, and `vllm serve` by its chunk size.
 MIXED_TIERED_SYSTEMS: dict[str, list[str]] = {
-    "tiered": ["scheduler.pieces=deadline"],  # SLOWeave: pieces sized so urgent waiting requests meet their deadlines
+    # SLOWeave: pieces sized so urgent waiting requests meet their deadlines; calls predicted to
+    # miss theirs refused at once (429, scheduler.late: shed, the default)
+    "tiered": ["scheduler.pieces=deadline"],
     "tiered-never": ["scheduler.pieces=never"],  # every prefill in one pass
-    # deadline pieces, and calls that can no longer be in time keep their place in the policy's order
-    "tiered-in-order": ["scheduler.pieces=deadline", "scheduler.defer_late=false"],
+    # deadline pieces, calls predicted to miss served late, behind those that can be in time
+    "tiered-serve-late": ["scheduler.pieces=deadline", "scheduler.late=serve"],
+    # ... and keeping their place in the policy's order
+    "tiered-in-order": ["scheduler.pieces=deadline", "scheduler.late=serve", "scheduler.defer_late=false"],
 }
 MIXED_FIXED_SYSTEM = re.compile(r"^tiered-fixed([1-9][0-9]*)$")  # pieces of N tokens, always (chunked prefill's way)
 # chunked prefill, N tokens a step; -capM: a long prefill takes at most M of them while others wait

@@ -29,10 +29,10 @@ from benchmarks.report import headline_row, new_json_path, print_headline, write
 from benchmarks.stats import abba
 from tiered.config import CacheConfig, Config, HostTierConfig, SuffixPolicy
 from tiered.engine import Engine
-from tiered.engine.score import Result
 from tiered.hybrid.loader import read_args
 from tiered.hybrid.precision import config_precision
 from tiered.offload.host_base import HostTierStats
+from tiered.request.score import Result
 from tiered.scheduler.jct import JCTModel
 
 log = logging.getLogger(__name__)

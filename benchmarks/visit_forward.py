@@ -17,7 +17,7 @@ import torch
 
 import tiered
 from tiered.embedded import resolve_model_path
-from tiered.hybrid.attention import Piece
+from tiered.hybrid.attention import Span
 from tiered.hybrid.attention.native import attend_
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import load_model
@@ -45,8 +45,8 @@ def attention_seconds() -> tuple[float, float]:
     rows = REQUESTS * NEW_TOKENS
     q, k, v = (torch.randn(rows, h, dh, generator=g).to(dt) for h in (heads, kv_heads, kv_heads))
     pk, pv = (torch.randn(PREFIX_TOKENS, kv_heads, dh, generator=g).to(dt) for _ in "kv")
-    pieces = [Piece(i * NEW_TOKENS, i * NEW_TOKENS, NEW_TOKENS) for i in range(REQUESTS)]
-    seconds = best_of(25, lambda: attend_(q.clone(), k, v, pieces, pk, pv))
+    spans = [Span(i * NEW_TOKENS, i * NEW_TOKENS, NEW_TOKENS) for i in range(REQUESTS)]
+    seconds = best_of(25, lambda: attend_(q.clone(), k, v, spans, pk, pv))
     flops = 4 * heads * dh * rows * (PREFIX_TOKENS + (NEW_TOKENS + 1) / 2)
     return seconds, flops / seconds / 1e9
 

@@ -60,9 +60,10 @@ from benchmarks.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from benchmarks.traces import BenchError, Trace, TraceRequest
 from benchmarks.vllm import PeerOptions, VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import Config, with_overrides
+from tiered.config.options import resolve_device
 from tiered.embedded import make_adapter, resolve_model_path
 from tiered.hybrid.args import ModelArgs
-from tiered.hybrid.loader import DTYPES, read_args, resolve_device
+from tiered.hybrid.loader import DTYPES, read_args
 from tiered.hybrid.precision import config_precision
 
 log = logging.getLogger(__name__)

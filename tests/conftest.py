@@ -20,7 +20,10 @@ ADAPTERS = {
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {name: make_model(name, root / name) for name in ("tiny", "tiny-qwen2", "tiny-mistral", "tiny-llama3")}
+    return {
+        name: make_model(name, root / name)
+        for name in ("tiny", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma3", "tiny-mistral", "tiny-llama3")
+    }
 
 
 @pytest.fixture(scope="session")
@@ -30,12 +33,12 @@ def tiny_dir(model_dirs: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def adapter_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    """(model, adapter) -> folder, in PEFT's format, for the tiny Llama and the tiny Qwen2 (q/k/v
-    biases, tied embeddings)."""
+    """(model, adapter) -> folder, in PEFT's format, for the tiny Llama, the tiny Qwen2 (q/k/v
+    biases, tied embeddings) and the tiny Qwen3 (q/k norms after the adapted projections)."""
     root = tmp_path_factory.mktemp("adapters")
     return {
         (model, name): make_adapter(model_dirs[model], root / f"{model}-{name}", **spec)  # type: ignore[arg-type]
-        for model in ("tiny", "tiny-qwen2")
+        for model in ("tiny", "tiny-qwen2", "tiny-qwen3")
         for name, spec in ADAPTERS.items()
     }
 

@@ -14,9 +14,9 @@ from tiered.config import load_config
 from tiered.embedded import make_adapter
 from tiered.engine import Engine, Result, ScoreParams
 from tiered.engine.adapters import UnknownAdapterError
-from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import forward
 from tiered.hybrid.lora import AdapterError, load_adapter, read_adapter
+from tiered.request.score import RequestOptions
 
 BT = 16
 YES_NO = ScoreParams(logprob_token_ids=(11, 12))

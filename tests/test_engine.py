@@ -14,7 +14,6 @@ import tiered.hybrid.memory as memory
 from benchmarks.mil import ForwardSetup, probe_peak
 from tiered.config import load_config
 from tiered.engine import Engine, EngineStartError, ScoreParams
-from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import ForwardInputError, forward
 from tiered.hybrid.loader import read_args
 from tiered.hybrid.memory import (
@@ -26,6 +25,7 @@ from tiered.hybrid.memory import (
     profile_lengths,
 )
 from tiered.hybrid.spill import Spill
+from tiered.request.score import RequestOptions
 
 
 def _cfg(tiny_dir: Path, tmp_path: Path, *overrides: str):

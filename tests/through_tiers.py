@@ -11,10 +11,11 @@ from collections.abc import Collection
 from torch import Tensor
 
 from tiered.config import ForwardMode
-from tiered.engine.request import Prepared, TierRequest
 from tiered.hybrid.forward import forward
 from tiered.hybrid.model import CausalLM
 from tiered.offload.tiers import KVTiers
+from tiered.request.plan import Prepared
+from tiered.request.tokens import TierRequest
 
 
 def forward_with_tiers(

@@ -9,7 +9,7 @@ __all__ = ["Engine", "Result", "ScoreParams", "__version__"]
 
 if TYPE_CHECKING:  # what type checkers see; at run time `import tiered` stays free of torch
     from tiered.engine import Engine
-    from tiered.engine.score import Result, ScoreParams
+    from tiered.request.score import Result, ScoreParams
 
 
 def __getattr__(name: str) -> object:

@@ -29,7 +29,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from tiered.embedded import resolve_model_path
     from tiered.engine import Engine
-    from tiered.engine.score import ScoreParams
+    from tiered.request.score import ScoreParams
 
     cfg = config_from_args(args)
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)

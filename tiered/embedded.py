@@ -50,6 +50,11 @@ class Shape:
     seed: int = 0
     # The dtype the checkpoint stores (config.json's torch_dtype): real checkpoints ship in bf16.
     dtype: str = "float32"
+    head_dim: int | None = None  # None: hidden_size // num_heads (Qwen3's is its own)
+    rope_theta: float = 500000.0
+    # No weight file: the loader makes the seeded weights where the model runs, in its dtype
+    # (a realistic size checked on a GPU without moving gigabytes of weights there).
+    generated: bool = False
 
 
 SHAPES: dict[str, Shape] = {
@@ -64,6 +69,49 @@ SHAPES: dict[str, Shape] = {
     # Architecture variants the loader must handle, at tiny size.
     "tiny-qwen2": Shape("Qwen2ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=2),
     "tiny-mistral": Shape("MistralForCausalLM", 64, 2, 4, 1, 160, seed=3),
+    # Gemma 3's text decoder: a sliding layer (a 48-token window, its own RoPE base) then a global
+    # one, sandwich norms, GeGLU, query_pre_attn_scalar != head_dim, logits soft-capped
+    "tiny-gemma3": Shape("Gemma3ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=11, head_dim=32),
+    # q/k/v and gate/up stored fused, as Phi-3 checkpoints are
+    "tiny-phi3": Shape("Phi3ForCausalLM", 64, 2, 4, 2, 176, seed=7),
+    # q/k normed per head; heads of 32 over a 64-wide stream (q is 128 wide), as Qwen3's are wider too
+    "tiny-qwen3": Shape("Qwen3ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=6, head_dim=32),
+    # Weights made at load (no file): the loader's generated path at test size, and two real shapes.
+    "tiny-generated": Shape("LlamaForCausalLM", 64, 2, 2, 1, 176, seed=8, generated=True),
+    "llama-8b-shape": Shape(  # Llama-3.1-8B's config
+        "LlamaForCausalLM",
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        vocab_size=128256,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        seed=9,
+        dtype="bfloat16",
+        generated=True,
+    ),
+    "qwen3-8b-shape": Shape(  # Qwen3-8B's config
+        "Qwen3ForCausalLM",
+        4096,
+        36,
+        32,
+        8,
+        12288,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        head_dim=128,
+        rope_theta=1000000.0,
+        seed=10,
+        dtype="bfloat16",
+        generated=True,
+    ),
     "tiny-llama3": Shape(
         "LlamaForCausalLM",
         64,
@@ -84,8 +132,15 @@ SHAPES: dict[str, Shape] = {
 
 
 def _hf_config(shape: Shape) -> dict[str, object]:
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
-    head_dim = shape.hidden_size // shape.num_heads
+    model_type = {
+        "LlamaForCausalLM": "llama",
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "MistralForCausalLM": "mistral",
+        "Phi3ForCausalLM": "phi3",
+        "Gemma3ForCausalLM": "gemma3_text",
+    }
+    head_dim = _head_dim(shape)
     cfg: dict[str, object] = {
         "architectures": [shape.architecture],
         "model_type": model_type[shape.architecture],
@@ -99,7 +154,7 @@ def _hf_config(shape: Shape) -> dict[str, object]:
         "hidden_act": "silu",
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
+        "rope_theta": shape.rope_theta,
         "rope_scaling": shape.rope_scaling,
         "tie_word_embeddings": shape.tie_word_embeddings,
         "bos_token_id": 0,
@@ -107,12 +162,31 @@ def _hf_config(shape: Shape) -> dict[str, object]:
         "pad_token_id": 2,
         "torch_dtype": shape.dtype,
     }
-    if shape.architecture == "Qwen2ForCausalLM":
+    if shape.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         cfg["use_sliding_window"] = False
         cfg["sliding_window"] = None
+    if shape.architecture == "Qwen3ForCausalLM":
+        cfg["attention_bias"] = False
     if shape.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = None
+    if shape.architecture == "Gemma3ForCausalLM":
+        del cfg["hidden_act"]
+        cfg.update(
+            hidden_activation="gelu_pytorch_tanh",
+            rms_norm_eps=1e-6,
+            query_pre_attn_scalar=24,
+            sliding_window=48,
+            layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(shape.num_layers)],
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=None,
+        )
     return cfg
+
+
+def _head_dim(shape: Shape) -> int:
+    return shape.head_dim or shape.hidden_size // shape.num_heads
 
 
 def _weights(shape: Shape) -> dict[str, torch.Tensor]:
@@ -120,14 +194,16 @@ def _weights(shape: Shape) -> dict[str, torch.Tensor]:
     import torch
 
     g = torch.Generator().manual_seed(shape.seed)
-    head_dim = shape.hidden_size // shape.num_heads
+    head_dim = _head_dim(shape)
     d, f = shape.hidden_size, shape.intermediate_size
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return torch.randn(out_features, in_features, generator=g) / math.sqrt(in_features)
 
-    def norm(dim: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(dim, generator=g)
+    gemma = shape.architecture == "Gemma3ForCausalLM"
+
+    def norm(dim: int) -> torch.Tensor:  # Gemma stores w of a scale 1 + w
+        return (0.0 if gemma else 1.0) + 0.1 * torch.randn(dim, generator=g)
 
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(shape.vocab_size, d, generator=g)}
     qkv_bias = shape.architecture == "Qwen2ForCausalLM"
@@ -141,10 +217,23 @@ def _weights(shape: Shape) -> dict[str, torch.Tensor]:
             for name, size in (("q", shape.num_heads), ("k", shape.num_kv_heads), ("v", shape.num_kv_heads)):
                 w[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(size * head_dim, generator=g)
         w[p + "self_attn.o_proj.weight"] = linear(d, shape.num_heads * head_dim)
+        if shape.architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+            w[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = norm(d)
+            w[p + "post_feedforward_layernorm.weight"] = norm(d)
         w[p + "post_attention_layernorm.weight"] = norm(d)
         w[p + "mlp.gate_proj.weight"] = linear(f, d)
         w[p + "mlp.up_proj.weight"] = linear(f, d)
         w[p + "mlp.down_proj.weight"] = linear(d, f)
+    if shape.architecture == "Phi3ForCausalLM":  # Phi-3's files store them fused
+        for i in range(shape.num_layers):
+            p = f"model.layers.{i}."
+            parts = [w.pop(p + f"self_attn.{x}_proj.weight") for x in ("q", "k", "v")]
+            w[p + "self_attn.qkv_proj.weight"] = torch.cat(parts)
+            gate, up = w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")
+            w[p + "mlp.gate_up_proj.weight"] = torch.cat([gate, up])
     w["model.norm.weight"] = norm(d)
     if not shape.tie_word_embeddings:
         w["lm_head.weight"] = linear(shape.vocab_size, d)
@@ -189,7 +278,12 @@ def make_model(name: str, out: str | Path) -> Path:
     _save_tokenizer(out)
     from safetensors.torch import save_file
 
-    save_file(_weights(shape), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if shape.generated:
+        from tiered.hybrid.loader import GENERATED_WEIGHTS
+
+        (out / GENERATED_WEIGHTS).write_text(json.dumps({"seed": shape.seed}) + "\n")
+    else:
+        save_file(_weights(shape), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / STAMP).write_text(json.dumps({"name": name, "shape": asdict(shape)}, indent=2) + "\n")
     # config.json last: its presence marks a complete folder.
     (out / "config.json").write_text(json.dumps(_hf_config(shape), indent=2) + "\n")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tiered.api.engine_process import _response
 from tiered.api.protocol import EngineStats, HostCounters, PieceCounters, ScoreRequest, ScoreResponse, decode, encode
-from tiered.engine.request import HitSplit
-from tiered.engine.score import Result
+from tiered.request.score import Result
+from tiered.request.tokens import HitSplit
 
 
 def test_requests_responses_and_stats_round_trip() -> None:

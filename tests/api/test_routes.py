@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
 
 from tiered.api.app import build_app
 from tiered.api.metrics import parse
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse
 from tiered.config import load_config
-from tiered.engine.validation import InputError, check_prompt
+from tiered.request.validation import InputError, check_prompt
 
 MAX_LEN = 64
 
@@ -34,6 +35,8 @@ class FakeEngine:
         self.alive_ = True
         self.is_full = False
         self.error: tuple[str, int] | None = None  # (message, status) to answer every request with
+        self.retry_after: float | None = None  # ... and its Retry-After (a refused request)
+        self.logprob: Any = lambda ids, t: -t / 100  # (prompt ids, token id) -> its logprob
 
     @property
     def alive(self) -> bool:
@@ -51,12 +54,17 @@ class FakeEngine:
     async def run(self, reqs: list[ScoreRequest], disconnected: Any = None) -> list[ScoreResponse]:
         self.received += reqs
         if self.error is not None:
-            return [ScoreResponse(r.request_id, error=self.error[0], error_status=self.error[1]) for r in reqs]
+            return [
+                ScoreResponse(
+                    r.request_id, error=self.error[0], error_status=self.error[1], retry_after_s=self.retry_after
+                )
+                for r in reqs
+            ]
         return [
             ScoreResponse(
                 r.request_id,
                 token_id=r.token_ids[-1],
-                logprobs=[(t, -t / 100) for t in r.logprob_token_ids],
+                logprobs=[(t, self.logprob(r.token_ids, t)) for t in r.logprob_token_ids],
                 top_logprobs=[(r.token_ids[-1] + k, -(k + 1) / 100) for k in range(r.top_logprobs)],
                 num_tokens=len(r.token_ids),
                 num_device_hit_tokens=len(r.token_ids) // 2,
@@ -150,9 +158,11 @@ def test_engine_failures_and_limits_use_the_envelope(api) -> None:
     fake.error = ("out of memory computing 3 tokens", 500)
     r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
     assert r.status_code == 500 and _error(r)["type"] == "server_error" and _error(r)["param"] is None
-    fake.error, fake.is_full = None, True
+    fake.error, fake.is_full, fake.stats = None, True, EngineStats(predicted_wait_s=12.2)
     r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
-    assert r.status_code == 429 and _error(r)["type"] == "rate_limit_exceeded"
+    assert r.status_code == 503 and _error(r)["type"] == "service_unavailable" and r.headers["Retry-After"] == "13"
+    assert "scheduler.max_waiting" in _error(r)["message"]
+    assert parse(client.get("/metrics").text)["tiered:requests_refused_total{model_name=base,reason=queue_full}"] == 1
     fake.is_full, fake.alive_ = False, False
     assert client.post("/v1/completions", json={"prompt": [1]}).status_code == 503
     assert client.get("/health").status_code == 503
@@ -320,5 +330,77 @@ def test_a_request_past_its_deadline_is_a_429_naming_the_reason(api) -> None:
     r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "slo_ms": 10})
     assert r.status_code == 429 and _error(r)["type"] == "deadline_exceeded"
     assert "deadline exceeded" in _error(r)["message"]
+    assert "Retry-After" not in r.headers
     m = parse(client.get("/metrics").text)
     assert m["tiered:deadline_total{model_name=base,outcome=expired,route=/v1/completions}"] == 1
+
+
+def test_a_call_shed_or_over_the_wait_cap_says_when_to_retry(api) -> None:
+    """A call the engine refused at once carries its Retry-After (whole seconds, at least 1), its
+    own error type, and is counted by reason."""
+    client, fake = api
+    fake.error = ("deadline unreachable: ... (scheduler.late: shed)", 429)
+    fake.retry_after = 0.2
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "slo_ms": 10})
+    assert r.status_code == 429 and _error(r)["type"] == "deadline_unreachable" and r.headers["Retry-After"] == "1"
+    fake.error, fake.retry_after = ("the server is over capacity: ...", 503), 30.5
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+    assert r.status_code == 503 and _error(r)["type"] == "service_unavailable" and r.headers["Retry-After"] == "31"
+    m = parse(client.get("/metrics").text)
+    assert m["tiered:deadline_total{model_name=base,outcome=shed,route=/v1/completions}"] == 1
+    assert m["tiered:requests_refused_total{model_name=base,reason=deadline}"] == 1
+    assert m["tiered:requests_refused_total{model_name=base,reason=wait_cap}"] == 1
+
+
+def test_rerank_and_vllms_pair_scores_rank_by_the_positive_tokens_probability(tiny_dir: Path) -> None:
+    """/rerank, /v1/rerank, /v2/rerank (Jina/Cohere shape) and /v1/score in vLLM's shape: one prompt
+    per pair (query, then document), scored P(positive) / (P(negative) + P(positive)) of
+    `server.score_tokens`; rerank sorts by it and keeps `top_n`. The fake makes a longer prompt
+    less likely to say the positive token."""
+    client, fake = _app(tiny_dir, 'server.score_tokens=["No", "Yes"]', served_model_names=["base"])
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    no, yes = (tok.encode(w, add_special_tokens=False)[0] for w in ("No", "Yes"))
+    fake.logprob = lambda ids, t: -len(ids) / 100 if t == yes else -0.3
+    docs = ["a much longer document about bread", "short", "a medium document"]
+
+    def expected(doc: str, query: str = "which?") -> float:
+        n = len(tok.encode(query)) + len(tok.encode(doc, add_special_tokens=False))
+        p_yes, p_no = math.exp(-n / 100), math.exp(-0.3)
+        return p_yes / (p_yes + p_no)
+
+    with client:
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r = client.post(path, json={"query": "which?", "documents": docs, "top_n": 2})
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            assert [x["index"] for x in results] == [1, 2] and results[0]["document"] == {"text": "short"}
+            assert results[0]["relevance_score"] == pytest.approx(expected("short"))
+        received = fake.received[-3:]
+        assert received[0].token_ids == tok.encode("which?") + tok.encode(docs[0], add_special_tokens=False)
+        assert sorted(received[0].logprob_token_ids) == sorted([no, yes])
+        r = client.post(
+            "/v1/rerank", json={"query": "which?", "documents": [{"text": "short"}], "return_documents": False}
+        )
+        assert r.json()["results"] == [{"index": 0, "relevance_score": pytest.approx(expected("short"))}]
+        r = client.post("/v1/score", json={"text_1": "which?", "text_2": docs})
+        data = r.json()["data"]
+        assert r.status_code == 200 and r.json()["object"] == "list" and [d["index"] for d in data] == [0, 1, 2]
+        assert [d["score"] for d in data] == pytest.approx([expected(d) for d in docs])
+        r = client.post("/score", json={"text_1": ["which?", "what?"], "text_2": ["short", "short"]})
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx([expected("short"), expected("short", "what?")])
+        for body, param in (
+            ({"query": "q", "documents": []}, "documents"),
+            ({"query": "q", "documents": [{"title": "no text"}]}, "documents"),
+            ({"query": "q", "documents": ["d"], "top_n": -1}, "top_n"),
+        ):
+            r = client.post("/rerank", json=body)
+            assert r.status_code == 400 and _error(r)["param"] == param, r.text
+        r = client.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+        assert r.status_code == 400 and "must be as long" in _error(r)["message"]
+
+
+def test_pair_scores_name_the_setting_when_the_score_tokens_are_not_single_tokens(tiny_dir: Path) -> None:
+    client, _ = _app(tiny_dir, served_model_names=["base"])  # "yes" is two tokens of the embedded tokenizer
+    with client:
+        r = client.post("/v1/rerank", json={"query": "q", "documents": ["d"]})
+    assert r.status_code == 400 and "server.score_tokens" in _error(r)["message"] and "'yes' is 2 tokens" in r.text

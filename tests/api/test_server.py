@@ -353,6 +353,33 @@ def test_fuzzing_from_the_openapi_schema_finds_no_server_error(server: str, tmp_
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
 
 
+def test_a_call_that_cannot_meet_its_objective_is_refused_at_once(server: str) -> None:
+    """`scheduler.late: shed` (the default): a call whose objective is shorter than its own predicted
+    time gets a 429 with OpenAI's error body and a Retry-After while another call is served; it is
+    answered once, counted, and the engine goes on."""
+    import concurrent.futures
+
+    fresh = [(t * 7) % 1290 + 3 for t in range(1000)]
+    headers = {"Authorization": "Bearer sekret"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        served = pool.submit(httpx.post, f"{server}/v1/completions", json={"prompt": fresh}, headers=headers)
+        shed = httpx.post(f"{server}/v1/completions", json={"prompt": fresh[::-1], "slo_ms": 0.01}, headers=headers)
+        assert served.result().status_code == 200
+    error = shed.json()["error"]
+    assert shed.status_code == 429 and error["type"] == "deadline_unreachable" and error["code"] == 429
+    assert error["message"].startswith("deadline unreachable") and int(shed.headers["Retry-After"]) >= 1
+    m = _metrics(server)
+    assert m["tiered:requests_refused_total{model_name=" + m_name(server) + ",reason=deadline}"] == 1
+    assert m["tiered:deadline_total"] == 1 and m["tiered:predicted_wait_seconds"] >= 0
+    assert httpx.post(f"{server}/v1/completions", json={"prompt": [1, 2]}, headers=headers).status_code == 200
+
+
+def m_name(server: str) -> str:
+    """The served model's name (the metrics' model_name label)."""
+    models = httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=5).json()
+    return str(models["data"][0]["id"])
+
+
 def _engine_pid(server_pid: int) -> int:
     import psutil
 

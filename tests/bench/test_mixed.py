@@ -76,14 +76,23 @@ def test_calls_cap_the_trace_and_each_system_gets_its_fields() -> None:
     kinds = [c.kind for c in t.calls]
     assert [c.slo_ms for c in ours] == [1500 if k == SHORT else 12000 for k in kinds]
     assert {c.priority for c in ours} == {None} and {(c.slo_ms, c.priority) for c in chunked} == {(None, None)}
-    assert [c.priority for c in prio] == [0 if k == SHORT else 1 for k in kinds] and {c.slo_ms for c in prio} == {None}
+    deadlines = [round(1e3 * c.arrival_seconds + c.slo_ms) for c in t.calls]
+    assert [c.priority for c in prio] == deadlines and {c.slo_ms for c in prio} == {None}
+    # earliest deadline first: a long call sent before a short one may still run after it
+    assert any(
+        a.kind == LONG and b.kind == SHORT and pa > pb
+        for a, b, pa, pb in zip(t.calls, t.calls[1:], deadlines, deadlines[1:], strict=False)
+    )
 
 
 def test_system_names() -> None:
     assert mixed_system("tiered") == MixedSystem("tiered", ("scheduler.pieces=deadline",))
     assert mixed_system("tiered-never") == MixedSystem("tiered-never", ("scheduler.pieces=never",))
     assert mixed_system("tiered-in-order") == MixedSystem(
-        "tiered-in-order", ("scheduler.pieces=deadline", "scheduler.defer_late=false")
+        "tiered-in-order", ("scheduler.pieces=deadline", "scheduler.late=serve", "scheduler.defer_late=false")
+    )
+    assert mixed_system("tiered-serve-late") == MixedSystem(
+        "tiered-serve-late", ("scheduler.pieces=deadline", "scheduler.late=serve")
     )
     assert mixed_system("tiered-fixed1024") == MixedSystem(
         "tiered-fixed1024", ("scheduler.pieces=fixed", "scheduler.piece_tokens=1024")
@@ -170,6 +179,7 @@ def test_goodput_and_percentiles_are_exact_on_hand_made_records(capsys: pytest.C
         "/",
         "3.00",
         "2.0",
+        "0",  # refused: none (an engine that died is a failure, not a refusal)
         "1",
     ]
     assert "tiered:pieces_total +2" in out
@@ -261,7 +271,13 @@ def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
     assert set(saved["launch"]) == {"tiered-fixed32", "tiered-never"} and "runs" not in saved
     assert [
         (r["measure"].split()[0], r["ours"]["system"], r["peer"]["system"], r["ratio"]["n"]) for r in saved["headline"]
-    ] == [("short", "tiered-fixed32", "tiered-never", 2), ("all", "tiered-fixed32", "tiered-never", 2)]
+    ] == [
+        ("short", "tiered-fixed32", "tiered-never", 2),
+        ("all", "tiered-fixed32", "tiered-never", 2),
+        ("mean", "tiered-fixed32", "tiered-never", 2),
+        ("P99", "tiered-fixed32", "tiered-never", 2),
+    ]
+    assert saved["headline"][3]["ratio_is"] == "peer / ours"  # a latency: lower is better
     score = saved["scores"][0]
     assert score["system"] == "tiered-fixed32" and score["alone_seconds"] > 0
     assert score["total"]["num_calls"] == len(trace.calls) == score["total"]["num_answered"]  # all answered

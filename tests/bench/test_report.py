@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.report import END, START, headline_row, render_table, splice, write_report, write_tables
+from benchmarks.report import (
+    END,
+    START,
+    headline_row,
+    render_summary,
+    render_table,
+    splice,
+    write_report,
+    write_tables,
+)
 from benchmarks.servers import wait_quiet
 from benchmarks.vllm import PeerOptions, VLLMServer, kv_memory_bytes, peer_launch
 from tiered.config import load_config
@@ -143,8 +152,26 @@ def test_rows_are_grouped_by_machine_newest_first_and_the_readme_keeps_the_newes
     amd_rows = table[amd:xeon]
     assert amd_rows.index("[amd](results/amd.json)") < amd_rows.index("[old-amd](results/old-amd.json)")
     assert "[xeon]" not in amd_rows
-    newest = render_table(tmp_path, "results/", newest_machine_only=True)
-    assert "**AMD (avx2); 2 threads**" in newest and "Xeon" not in newest and "[old-amd]" in newest
+    summary = render_summary(tmp_path, "results/")
+    assert "Measured on AMD, 2 threads" in summary and "Xeon" not in summary and "avx2" not in summary
+    assert summary.index("[amd](results/amd.json)") < summary.index("[old-amd](results/old-amd.json)")
+
+
+def test_the_readme_summary_keeps_one_row_a_run_against_the_better_peer(tmp_path: Path) -> None:
+    for i in range(10):
+        rows = [
+            headline_row("visits/s", "visits/s", ("tiered", [3.0] * 3), ("vllm-lmcache", [1.0] * 3), True),
+            headline_row("tokens/s", "tokens/s", ("tiered", [3.0] * 3), ("vllm", [2.9] * 3), True),
+            headline_row("visits/s", "visits/s", ("tiered", [3.0] * 3), ("vllm", [1.5] * 3), True),
+        ]
+        doc = write_report(None, "visits", "cpu", {"headline": rows})
+        doc["date"] = f"2026-12-{i + 10}"
+        (tmp_path / f"run{i}.json").write_text(json.dumps(doc))
+    summary = render_summary(tmp_path, "results/")
+    body = [line for line in summary.splitlines() if line.startswith("| [run")]
+    assert len(body) == 8 and body[0].startswith("| [run9]") and "[run1]" not in summary
+    # the first measure, against the peer it leads by least
+    assert all("`vllm` 1.5 visits/s" in line and "**2.00x**" in line and "tokens/s" not in line for line in body)
 
 
 def test_headline_sh_holds_the_command_of_every_json_in_the_table() -> None:

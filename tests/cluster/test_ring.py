@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 from tiered.cluster.ring import Ring, bounded_choice, route_key
-from tiered.offload.device_tier import block_keys
+from tiered.request.tokens import block_keys
 
 
 def test_each_key_has_one_owner_and_keys_spread_evenly() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiered.config import AttentionConfig, ConfigError
-from tiered.hybrid.attention import KERNELS, Piece, reference_
+from tiered.hybrid.attention import KERNELS, Span, reference_
 from tiered.hybrid.attention import native as native_module
 from tiered.hybrid.attention import select as select_module
 from tiered.hybrid.attention.select import KernelShape, KernelTiming, ShapeClass, choose_kernel, fastest
@@ -30,10 +30,10 @@ def cpu_kernel(request: pytest.FixtureRequest, vllm_loaded: str | None) -> str:
 
 
 def _case(
-    pieces: list[Piece], num_keys: int, prefix: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    spans: list[Span], num_keys: int, prefix: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(heads * 1000 + prefix + head_dim)
-    num_q = max(p.q_start + p.num for p in pieces)
+    num_q = max(p.q_start + p.num for p in spans)
 
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=g).to(dtype)
@@ -46,20 +46,20 @@ def _case(
 
 SHAPES = {
     # many requests on one shared prefix (the visit shape, small)
-    "shared prefix": ([Piece(i * 24, i * 24, 24) for i in range(6)], 144, 200),
+    "shared prefix": ([Span(i * 24, i * 24, 24) for i in range(6)], 144, 200),
     # one long suffix on a long prefix
-    "long suffix": ([Piece(0, 0, 300)], 300, 500),
+    "long suffix": ([Span(0, 0, 300)], 300, 500),
     # no prefix, causal only
-    "no prefix": ([Piece(0, 0, 333)], 333, 0),
+    "no prefix": ([Span(0, 0, 333)], 333, 0),
     # a chunk in a request's middle (earlier tokens visible) and a follower (a lead's tokens visible)
-    "visible ranges": ([Piece(0, 40, 30, ((0, 40),)), Piece(30, 90, 20, ((70, 80), (0, 10)))], 110, 64),
+    "visible ranges": ([Span(0, 40, 30, ((0, 40),)), Span(30, 90, 20, ((70, 80), (0, 10)))], 110, 64),
     # a lead and three followers that see its first 10 tokens (one visible call for the three)
-    "followers": ([Piece(0, 0, 25), *(Piece(25 + 15 * i, 25 + 15 * i, 15, ((0, 10),)) for i in range(3))], 70, 64),
-    # one short piece on a prefix: one task per KV head in the native kernel (its prefix read per task)
-    "short piece": ([Piece(0, 0, 10)], 10, 150),
+    "followers": ([Span(0, 0, 25), *(Span(25 + 15 * i, 25 + 15 * i, 15, ((0, 10),)) for i in range(3))], 70, 64),
+    # one short span on a prefix: one task per KV head in the native kernel (its prefix read per task)
+    "short span": ([Span(0, 0, 10)], 10, 150),
     # the last layer's rows: one query per request, a group's not adjacent to its keys (followers, visible ranges)
     "last rows": (
-        [Piece(0, 39, 1, ((0, 39),)), Piece(1, 99, 1, ((70, 80), (40, 99))), Piece(2, 109, 1, ((100, 109),))],
+        [Span(0, 39, 1, ((0, 39),)), Span(1, 99, 1, ((70, 80), (40, 99))), Span(2, 109, 1, ((100, 109),))],
         110,
         64,
     ),
@@ -74,23 +74,23 @@ def test_every_kernel_equals_the_fp32_reference(
     cpu_kernel: str, shape: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
     kernel = cpu_kernel
-    pieces, num_keys, prefix = SHAPES[shape]
-    q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
+    spans, num_keys, prefix = SHAPES[shape]
+    q, k, v, pk, pv = _case(spans, num_keys, prefix, heads, kv_heads, head_dim, dtype)
     expected = q.clone().float()
-    reference_(expected, k, v, pieces, pk, pv)
+    reference_(expected, k, v, spans, pk, pv)
     got = q.clone()
-    KERNELS[kernel].attend_(got, k, v, pieces, pk, pv)
+    KERNELS[kernel].attend_(got, k, v, spans, pk, pv)
     assert got.dtype == dtype
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
 def test_the_reference_is_softmax_attention_written_out() -> None:
     """The reference itself, against attention spelled out for one query of a follower."""
-    pieces, num_keys, prefix = SHAPES["visible ranges"]
-    q, k, v, pk, pv = _case(pieces, num_keys, prefix, 4, 2, 64, torch.float32)
+    spans, num_keys, prefix = SHAPES["visible ranges"]
+    q, k, v, pk, pv = _case(spans, num_keys, prefix, 4, 2, 64, torch.float32)
     out = q.clone()
-    reference_(out, k, v, pieces, pk, pv)
-    p = pieces[1]
+    reference_(out, k, v, spans, pk, pv)
+    p = spans[1]
     i = 5  # its 6th own query sees: the prefix, rows 70..80 and 0..10, and its own first 6 keys
     rows = [*range(70, 80), *range(0, 10), *range(p.k_start, p.k_start + i + 1)]
     keys = torch.cat([pk, k[rows]])  # type: ignore[list-item]
@@ -181,12 +181,12 @@ def test_varlen_packs_each_piece_as_one_sequence(shape: str, monkeypatch: pytest
     from tiered.hybrid.attention import kernels
 
     monkeypatch.setattr(kernels, "_varlen_attn", _varlen_on_cpu)
-    pieces, num_keys, prefix = SHAPES[shape]
-    q, k, v, pk, pv = _case(pieces, num_keys, prefix, 16, 4, 64, torch.bfloat16)
+    spans, num_keys, prefix = SHAPES[shape]
+    q, k, v, pk, pv = _case(spans, num_keys, prefix, 16, 4, 64, torch.bfloat16)
     expected = q.clone().float()
-    reference_(expected, k, v, pieces, pk, pv)
+    reference_(expected, k, v, spans, pk, pv)
     got = q.clone()
-    kernels.varlen_(got, k, v, pieces, pk, pv)
+    kernels.varlen_(got, k, v, spans, pk, pv)
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[torch.bfloat16]
 
 
@@ -211,12 +211,12 @@ def test_varlen_calls_either_signature_of_torchs_varlen_attn(api, monkeypatch: p
     from tiered.hybrid.attention import kernels
 
     monkeypatch.setattr(torch_varlen, "varlen_attn", api)
-    pieces, num_keys, prefix = SHAPES["followers"]
-    q, k, v, pk, pv = _case(pieces, num_keys, prefix, 16, 4, 64, torch.bfloat16)
+    spans, num_keys, prefix = SHAPES["followers"]
+    q, k, v, pk, pv = _case(spans, num_keys, prefix, 16, 4, 64, torch.bfloat16)
     expected = q.clone().float()
-    reference_(expected, k, v, pieces, pk, pv)
+    reference_(expected, k, v, spans, pk, pv)
     got = q.clone()
-    kernels.varlen_(got, k, v, pieces, pk, pv)
+    kernels.varlen_(got, k, v, spans, pk, pv)
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[torch.bfloat16]
 
 
@@ -228,12 +228,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernel", [name for name, k in KERNELS.items() if k.runs_on("cuda", torch.bfloat16)])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cuda_kernels_equal_the_fp32_reference(kernel: str, shape: str) -> None:
-    pieces, num_keys, prefix = SHAPES[shape]
+    spans, num_keys, prefix = SHAPES[shape]
     q, k, v, pk, pv = (
-        None if t is None else t.cuda() for t in _case(pieces, num_keys, prefix, 16, 4, 128, torch.bfloat16)
+        None if t is None else t.cuda() for t in _case(spans, num_keys, prefix, 16, 4, 128, torch.bfloat16)
     )
     expected = q.clone().float()  # type: ignore[union-attr]
-    reference_(expected, k, v, pieces, pk, pv)  # type: ignore[arg-type]
+    reference_(expected, k, v, spans, pk, pv)  # type: ignore[arg-type]
     got = q.clone()  # type: ignore[union-attr]
-    KERNELS[kernel].attend_(got, k, v, pieces, pk, pv)  # type: ignore[arg-type]
+    KERNELS[kernel].attend_(got, k, v, spans, pk, pv)  # type: ignore[arg-type]
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[torch.bfloat16]

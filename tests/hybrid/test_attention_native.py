@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_attention import SHAPES, TOLERANCE, _case
 
-from tiered.hybrid.attention import KERNELS, Piece, native, reference_
+from tiered.hybrid.attention import KERNELS, Span, native, reference_
 from tiered.hybrid.attention.build import build, library_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def _isa_or_skip(isa: str) -> str:
 
 def _error_against_reference(
     isa: str,
-    case: tuple[list[Piece], int, int],
+    case: tuple[list[Span], int, int],
     heads: int,
     kv_heads: int,
     head_dim: int,
@@ -40,14 +40,14 @@ def _error_against_reference(
 ) -> float:
     """The native kernel's path `isa` on a case of SHAPES' form (the prefix as one pool block): the
     largest difference from the fp32 reference. Checks the path ran and kept q's dtype."""
-    pieces, num_keys, prefix = case
-    q, k, v, pk, pv = _case(pieces, num_keys, prefix, heads, kv_heads, head_dim, dtype)
+    spans, num_keys, prefix = case
+    q, k, v, pk, pv = _case(spans, num_keys, prefix, heads, kv_heads, head_dim, dtype)
     expected = q.clone().float()
-    reference_(expected, k, v, pieces, pk, pv)
+    reference_(expected, k, v, spans, pk, pv)
     got = q.clone()
     one_block = torch.zeros(1, dtype=torch.int64)
     paged = native.PagedPrefix(pk[None], pv[None], one_block, prefix) if pk is not None and pv is not None else None
-    assert native.attend_paged_(got, k, v, pieces, paged, isa=isa) == isa
+    assert native.attend_paged_(got, k, v, spans, paged, isa=isa) == isa
     assert got.dtype == dtype
     return (got.float() - expected).abs().max().item()
 
@@ -77,29 +77,29 @@ def test_the_prefix_is_read_through_a_block_table(isa: str, dtype: torch.dtype) 
     """Blocks scattered in a pool among others' blocks, out of order, the last one partly used:
     the same answer as the prefix gathered into one contiguous tensor."""
     _isa_or_skip(isa)
-    pieces = [Piece(0, 0, 40), Piece(40, 40, 25, ((0, 12),))]
-    q, k, v, _, _ = _case(pieces, 65, 0, 16, 4, 64, dtype)
+    spans = [Span(0, 0, 40), Span(40, 40, 25, ((0, 12),))]
+    q, k, v, _, _ = _case(spans, 65, 0, 16, 4, 64, dtype)
     g = torch.Generator().manual_seed(7)
     pool_k, pool_v = (torch.randn(9, 16, 4, 64, generator=g).to(dtype) for _ in range(2))
     block_ids = torch.tensor([5, 0, 7, 2])
     prefix_tokens = 3 * 16 + 5
     prefix_k, prefix_v = (pool[block_ids].flatten(0, 1)[:prefix_tokens] for pool in (pool_k, pool_v))
     expected = q.clone().float()
-    reference_(expected, k, v, pieces, prefix_k, prefix_v)
+    reference_(expected, k, v, spans, prefix_k, prefix_v)
     got = q.clone()
-    native.attend_paged_(got, k, v, pieces, native.PagedPrefix(pool_k, pool_v, block_ids, prefix_tokens), isa=isa)
+    native.attend_paged_(got, k, v, spans, native.PagedPrefix(pool_k, pool_v, block_ids, prefix_tokens), isa=isa)
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
-# Pieces with many query blocks: a task then runs several consecutive blocks over each key tile (the tile made
+# Spans with many query blocks: a task then runs several consecutive blocks over each key tile (the tile made
 # ready once for all of them), the causal tiles skipping the blocks before their first key.
 GROUPED = {
-    # a long chunk whose earlier tokens are visible, and a piece after it on the same keys
-    "chunk after chunk": ([Piece(0, 300, 700, ((0, 300),)), Piece(700, 1000, 90, ((0, 1000),))], 1090, 0),
-    # a suffix longer than its (made ready) prefix, and a short piece on the same prefix
-    "suffix past the prefix": ([Piece(0, 0, 900), Piece(900, 900, 40)], 940, 320),
+    # a long chunk whose earlier tokens are visible, and a span after it on the same keys
+    "chunk after chunk": ([Span(0, 300, 700, ((0, 300),)), Span(700, 1000, 90, ((0, 1000),))], 1090, 0),
+    # a suffix longer than its (made ready) prefix, and a short span on the same prefix
+    "suffix past the prefix": ([Span(0, 0, 900), Span(900, 900, 40)], 940, 320),
     # a chunk on a history of more K,V per KV head than a core's cache: its blocks in the fewest tasks
-    "chunk on a long history": ([Piece(0, 5000, 200, ((0, 5000),))], 5200, 0),
+    "chunk on a long history": ([Span(0, 5000, 200, ((0, 5000),))], 5200, 0),
 }
 
 
@@ -125,18 +125,18 @@ def test_tasks_of_many_query_blocks_equal_the_fp32_reference(
 
 @needs_native
 def test_auto_takes_the_best_path_here_and_strided_views_are_read_in_place() -> None:
-    pieces, num_keys, prefix = SHAPES["shared prefix"]
-    q, k, v, pk, pv = _case(pieces, num_keys, prefix, 16, 4, 64, torch.float32)
+    spans, num_keys, prefix = SHAPES["shared prefix"]
+    q, k, v, pk, pv = _case(spans, num_keys, prefix, 16, 4, 64, torch.float32)
     kv = torch.stack([k, v], 1)  # [N, 2, Hkv, Dh]: k and v as strided views of one tensor
     expected = q.clone()
-    reference_(expected, k, v, pieces, pk, pv)
+    reference_(expected, k, v, spans, pk, pv)
     got = q.clone()
     assert (
         native.attend_paged_(
             got,
             kv[:, 0],
             kv[:, 1],
-            pieces,
+            spans,
             native.PagedPrefix(pk[None], pv[None], torch.zeros(1, dtype=torch.int64), prefix),  # type: ignore[index]
         )
         == native.cpu_isas()[0]
@@ -146,30 +146,30 @@ def test_auto_takes_the_best_path_here_and_strided_views_are_read_in_place() -> 
 
 @needs_native
 def test_bad_inputs_are_errors_that_say_what_is_wrong() -> None:
-    q, k, v, _, _ = _case([Piece(0, 0, 8)], 8, 0, 4, 2, 64, torch.float32)
+    q, k, v, _, _ = _case([Span(0, 0, 8)], 8, 0, 4, 2, 64, torch.float32)
     pool = torch.zeros(2, 16, 2, 64)
     with pytest.raises(RuntimeError, match="block id 3 is not in the pool"):
-        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], native.PagedPrefix(pool, pool, torch.tensor([3]), 10))
+        native.attend_paged_(q, k, v, [Span(0, 0, 8)], native.PagedPrefix(pool, pool, torch.tensor([3]), 10))
     with pytest.raises(RuntimeError, match="do not fit"):
-        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], native.PagedPrefix(pool, pool, torch.tensor([0]), 17))
+        native.attend_paged_(q, k, v, [Span(0, 0, 8)], native.PagedPrefix(pool, pool, torch.tensor([0]), 17))
     with pytest.raises(RuntimeError, match="reaches past"):
-        native.attend_paged_(q, k, v, [Piece(0, 4, 8)], None)
+        native.attend_paged_(q, k, v, [Span(0, 4, 8)], None)
     if "avx512bf16" in native.cpu_isas():
-        odd = _case([Piece(0, 0, 8)], 8, 0, 4, 2, 33, torch.bfloat16)
+        odd = _case([Span(0, 0, 8)], 8, 0, 4, 2, 33, torch.bfloat16)
         with pytest.raises(RuntimeError, match="takes head dims that are multiples of 2, got 33"):
-            native.attend_paged_(odd[0], odd[1], odd[2], [Piece(0, 0, 8)], None, isa="avx512bf16")
-        assert native.attend_paged_(odd[0], odd[1], odd[2], [Piece(0, 0, 8)], None) == "avx512"
+            native.attend_paged_(odd[0], odd[1], odd[2], [Span(0, 0, 8)], None, isa="avx512bf16")
+        assert native.attend_paged_(odd[0], odd[1], odd[2], [Span(0, 0, 8)], None) == "avx512"
     if "amx" in native.cpu_isas():
-        q80, k80, v80, _, _ = _case([Piece(0, 0, 8)], 8, 0, 4, 2, 80, torch.bfloat16)
+        q80, k80, v80, _, _ = _case([Span(0, 0, 8)], 8, 0, 4, 2, 80, torch.bfloat16)
         with pytest.raises(RuntimeError, match="takes head dims that are multiples of 32 up to 256, got 80"):
-            native.attend_paged_(q80, k80, v80, [Piece(0, 0, 8)], None, isa="amx")
-        assert native.attend_paged_(q80, k80, v80, [Piece(0, 0, 8)], None) == "avx512bf16"
+            native.attend_paged_(q80, k80, v80, [Span(0, 0, 8)], None, isa="amx")
+        assert native.attend_paged_(q80, k80, v80, [Span(0, 0, 8)], None) == "avx512bf16"
     with pytest.raises(RuntimeError, match="unknown isa"):
-        native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, isa="neon")
+        native.attend_paged_(q, k, v, [Span(0, 0, 8)], None, isa="neon")
     missing = [isa for isa in native.ISAS if isa not in native.cpu_isas()]
     if missing:
         with pytest.raises(RuntimeError, match=f"cannot run the {missing[0]} path"):
-            native.attend_paged_(q, k, v, [Piece(0, 0, 8)], None, isa=missing[0])
+            native.attend_paged_(q, k, v, [Span(0, 0, 8)], None, isa=missing[0])
 
 
 @needs_native

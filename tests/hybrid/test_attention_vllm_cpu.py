@@ -15,19 +15,19 @@ from torch.nn.attention.bias import causal_lower_right
 from tiered.config import ConfigError, load_config
 from tiered.config.tree import AttentionConfig
 from tiered.engine import Engine, ScoreParams
-from tiered.hybrid.attention import KERNELS, Piece, reference_, vllm_cpu
+from tiered.hybrid.attention import KERNELS, Span, reference_, vllm_cpu
 from tiered.hybrid.attention.select import KernelShape, available, choose_kernel
 from tiered.hybrid.attention.vllm_cpu import LibraryError, PagedPlan, Write, find_library, library_file, plan_pages
 
 
 def test_a_prefix_off_the_block_size_shares_its_full_blocks_and_copies_its_tail_per_piece() -> None:
-    # prefix 70 = 2 full blocks of 32 (0, 1), shared, + 6 rows copied into each piece's first block
-    pieces = [
-        Piece(0, 0, 20),  # 6 + 20 = 26 rows: block 2
-        Piece(20, 30, 30, ((20, 30),)),  # 6 + 10 visible + 30 own (contiguous with them: one write) = 46: blocks 3, 4
-        Piece(50, 60, 5, ((0, 20), (100, 101))),  # 6 + 20 + 1 + 5 = 32: block 5, exactly full
+    # prefix 70 = 2 full blocks of 32 (0, 1), shared, + 6 rows copied into each span's first block
+    spans = [
+        Span(0, 0, 20),  # 6 + 20 = 26 rows: block 2
+        Span(20, 30, 30, ((20, 30),)),  # 6 + 10 visible + 30 own (contiguous with them: one write) = 46: blocks 3, 4
+        Span(50, 60, 5, ((0, 20), (100, 101))),  # 6 + 20 + 1 + 5 = 32: block 5, exactly full
     ]
-    plan = plan_pages(pieces, 70, 32)
+    plan = plan_pages(spans, 70, 32)
     assert plan == PagedPlan(
         block_tokens=32,
         num_blocks=6,
@@ -49,28 +49,28 @@ def test_a_prefix_off_the_block_size_shares_its_full_blocks_and_copies_its_tail_
 
 
 def test_a_prefix_of_whole_blocks_is_only_referenced_and_no_prefix_starts_each_piece_at_a_block() -> None:
-    plan = plan_pages([Piece(0, 0, 40), Piece(40, 40, 8)], 64, 32)
+    plan = plan_pages([Span(0, 0, 40), Span(40, 40, 8)], 64, 32)
     assert plan.writes == [Write("prefix", 0, 64, 0), Write("keys", 0, 40, 64), Write("keys", 40, 48, 128)]
     assert plan.block_table == [[0, 1, 2, 3], [0, 1, 4]] and plan.seq_lens == [104, 72]
-    plan = plan_pages([Piece(0, 0, 40), Piece(40, 40, 8)], 0, 32)
+    plan = plan_pages([Span(0, 0, 40), Span(40, 40, 8)], 0, 32)
     assert plan.writes == [Write("keys", 0, 40, 0), Write("keys", 40, 48, 64)]
     assert plan.block_table == [[0, 1], [2]] and plan.num_blocks == 3
     with pytest.raises(ValueError, match="back to back"):
-        plan_pages([Piece(0, 0, 4), Piece(8, 4, 4)], 0, 32)
+        plan_pages([Span(0, 0, 4), Span(8, 4, 4)], 0, 32)
 
 
 def _attend_through_pages(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    pieces: list[Piece],
+    spans: list[Span],
     pk: torch.Tensor | None,
     pv: torch.Tensor | None,
     block_tokens: int,
 ) -> torch.Tensor:
     """What vLLM's op computes from a plan, spelled out: rows written to slots, each sequence read
     back through its block table, causal bottom-right. Checks the plan carries every key."""
-    plan = plan_pages(pieces, 0 if pk is None else pk.shape[0], block_tokens)
+    plan = plan_pages(spans, 0 if pk is None else pk.shape[0], block_tokens)
     shape = (plan.num_blocks * block_tokens, *k.shape[1:])
     keys, values = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
     for w in plan.writes:
@@ -92,12 +92,12 @@ def _attend_through_pages(
 @pytest.mark.parametrize("prefix", [0, 64, 70, 200])
 def test_attention_read_through_the_plan_equals_the_reference(prefix: int) -> None:
     g = torch.Generator().manual_seed(prefix)
-    pieces = [Piece(0, 40, 30, ((0, 40),)), Piece(30, 90, 20, ((70, 80), (0, 10))), Piece(50, 110, 33)]
+    spans = [Span(0, 40, 30, ((0, 40),)), Span(30, 90, 20, ((70, 80), (0, 10))), Span(50, 110, 33)]
     q, k, v = (torch.randn(n, heads, 32, generator=g) for n, heads in ((83, 8), (143, 2), (143, 2)))
     pk, pv = (torch.randn(prefix, 2, 32, generator=g) for _ in range(2)) if prefix else (None, None)
     expected = q.clone()
-    reference_(expected, k, v, pieces, pk, pv)
-    got = _attend_through_pages(q, k, v, pieces, pk, pv, 32)
+    reference_(expected, k, v, spans, pk, pv)
+    got = _attend_through_pages(q, k, v, spans, pk, pv, 32)
     assert (got - expected).abs().max().item() <= 2e-5  # no NaN read: every slot a sequence reads was written
 
 
@@ -157,7 +157,7 @@ def test_an_unloadable_library_leaves_the_kernel_unavailable_with_its_reason(tmp
         assert not KERNELS["vllm-cpu"].runs_on("cpu", torch.float32) and "vllm-cpu" not in available("cpu")
         with pytest.raises(RuntimeError, match="vllm-cpu is unavailable"):
             KERNELS["vllm-cpu"].attend_(
-                torch.zeros(4, 2, 32), torch.zeros(4, 1, 32), torch.zeros(4, 1, 32), [Piece(0, 0, 4)], None, None
+                torch.zeros(4, 2, 32), torch.zeros(4, 1, 32), torch.zeros(4, 1, 32), [Span(0, 0, 4)], None, None
             )
 
 

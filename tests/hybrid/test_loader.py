@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tiered.hybrid.forward import ForwardInputError, forward
+from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import ModelLoadError, load_model
 
 
@@ -73,17 +73,6 @@ def test_mismatched_weights_are_reported(tiny_dir: Path, tmp_path: Path) -> None
         load_model(folder)
 
 
-def test_sliding_window_longer_input_is_refused(model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    folder = _copy(model_dirs["tiny-mistral"], tmp_path / "window")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["sliding_window"] = 128
-    (folder / "config.json").write_text(json.dumps(cfg))
-    model = load_model(folder)
-    forward(model, torch.arange(1, 129))
-    with pytest.raises(ForwardInputError, match="sliding window of 128"):
-        forward(model, torch.arange(1, 130))
-
-
 def test_unsupported_rope_scaling_is_named(tiny_dir: Path, tmp_path: Path) -> None:
     folder = _copy(tiny_dir, tmp_path / "yarn")
     cfg = json.loads((folder / "config.json").read_text())
@@ -91,3 +80,53 @@ def test_unsupported_rope_scaling_is_named(tiny_dir: Path, tmp_path: Path) -> No
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
         load_model(folder)
+
+
+def test_fused_phi3_projections_are_split_row_for_row(model_dirs: dict[str, Path]) -> None:
+    """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: the loaded model's
+    separate projections are those rows, in that order."""
+    model = load_model(model_dirs["tiny-phi3"])
+    fused = load_file(str(model_dirs["tiny-phi3"] / "model.safetensors"))
+    a, layer = model.args, model.model.layers[1]
+    qkv = fused["model.layers.1.self_attn.qkv_proj.weight"]
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    assert torch.equal(layer.self_attn.k_proj.weight, qkv[q : q + kv])
+    assert torch.equal(layer.mlp.up_proj.weight, fused["model.layers.1.mlp.gate_up_proj.weight"][a.intermediate_size :])
+
+
+def test_qwen3_norms_each_heads_queries_and_keys(model_dirs: dict[str, Path]) -> None:
+    model = load_model(model_dirs["tiny-qwen3"])
+    attn = model.model.layers[0].self_attn
+    assert model.args.qk_norm and not model.args.qkv_bias and model.args.head_dim == 32
+    assert attn.q_norm is not None and attn.k_norm is not None and attn.k_norm.weight.shape == (32,)
+    assert load_model(model_dirs["tiny"]).model.layers[0].self_attn.q_norm is None
+
+
+def _refused(src: Path, dst: Path, match: str, **config: object) -> None:
+    """A copy of `src` with `config` changed in its config.json fails to load with `match`."""
+    folder = _copy(src, dst)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(config)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(folder)
+
+
+def test_partial_rotary_embeddings_are_refused(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    match = "partial_rotary_factor 0.5 is not supported"
+    _refused(model_dirs["tiny-phi3"], tmp_path / "partial-rope", match, partial_rotary_factor=0.5)
+
+
+def test_gemma3_reads_its_own_config_names(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Gemma 3's config: the sliding layers from `layer_types`, their RoPE base, the query scale
+    from `query_pre_attn_scalar`; norms stored as w load as 1 + w. Attention-logit soft-capping
+    (Gemma 2's) is refused by name."""
+    model = load_model(model_dirs["tiny-gemma3"])
+    a = model.args
+    assert a.window_layers == (0,) and a.sliding_window == 48 and a.local_rope_theta == 10_000.0
+    assert a.query_scale == pytest.approx((32 / 24) ** 0.5) and a.embed_scale == pytest.approx(8.0)
+    stored = load_file(str(model_dirs["tiny-gemma3"] / "model.safetensors"))["model.norm.weight"]
+    assert torch.allclose(model.model.norm.weight, stored + 1.0)
+    assert not torch.equal(model.layer_inv_freq(0), model.layer_inv_freq(1))
+    match = "attn_logit_softcapping is not supported"
+    _refused(model_dirs["tiny-gemma3"], tmp_path / "softcap", match, attn_logit_softcapping=50.0)

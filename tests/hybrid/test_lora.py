@@ -36,7 +36,7 @@ def _error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got - ref).abs().max().item() / ref.abs().max().item()
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "tiny-qwen2"])
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 @pytest.mark.parametrize("adapter", ["small", "wide"])
 def test_adapter_logits_equal_peft_merged(
     model_dirs: dict[str, Path], adapter_dirs: dict[tuple[str, str], Path], model_name: str, adapter: str

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from tiered.hybrid.args import ModelArgs
-from tiered.offload.device_tier import DeviceTier, block_keys
+from tiered.offload.device_tier import DeviceTier
+from tiered.request.tokens import block_keys
 
 BT = 4
 

@@ -13,12 +13,12 @@ import torch
 from through_tiers import forward_with_tiers
 
 from tiered.config import HostTierConfig
-from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import model_identity
 from tiered.hybrid.model import CausalLM
-from tiered.offload.device_tier import block_keys
 from tiered.offload.tiers import KVTiers
+from tiered.request.score import RequestOptions
+from tiered.request.tokens import block_keys
 
 BT = 16  # the block size of conftest's make_tiers
 TOL = 1e-5  # fp32 logits, relative to the largest |logit|
@@ -97,7 +97,7 @@ def test_redis_down_degrades_to_recomputation(model: CausalLM, make_tiers) -> No
 def test_block_keys_do_not_depend_on_pythonhashseed() -> None:
     """Engines in different processes must agree on keys, salted and adapter ones included."""
     code = (
-        "from tiered.offload.device_tier import block_keys;"
+        "from tiered.request.tokens import block_keys;"
         "print(block_keys(list(range(64)), 16, 'salt', 'adapter-identity'))"
     )
     outs = {

@@ -257,3 +257,17 @@ def test_bounded_keys_forget_the_oldest_past_the_cap() -> None:
     assert keys.update([1, 2, 3]) == [] and keys.update([4]) == [1]
     assert keys.update([2, 5]) == [3]  # 2 was refreshed, so 3 is now the oldest
     assert list(keys) == [4, 2, 5] and 4 in keys and 1 not in keys
+
+
+def test_the_tiers_hand_their_changed_keys_to_whoever_asks(model: CausalLM, make_tiers) -> None:
+    """The store thread never calls up into the scheduler: the tiers collect the keys whose tier
+    changed (from any thread) once asked to, and hand them over once."""
+    tiers = make_tiers(retention="none")
+    ids = _tokens(100, 4)
+    _run(model, tiers, ids)
+    assert tiers.take_changed() == set()  # nobody asked: nothing kept
+    tiers.track_changes()
+    other = tiers.new_request("d", _tokens(100, 5))
+    forward_with_tiers(model, tiers, other)
+    tiers.flush()  # the store thread put d's chunks in the host tier
+    assert set(other.keys) <= tiers.take_changed() and tiers.take_changed() == set()

@@ -1,4 +1,4 @@
-"""The pipeline's JCT model per stage and micro-batch (tiered/hybrid/pipeline/costs.py): its prior is the
+"""The pipeline's JCT model per stage and micro-batch (tiered/engine/pipeline/costs.py): its prior is the
 engine's profile scaled by each stage's share of the layers, it learns each stage's measured
 micro-batches, and the micro-batch cut balances what it predicts rather than computed tokens alone."""
 
@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from tiered.engine.request import HitSplit
+from tiered.engine.pipeline.costs import StageModels
+from tiered.engine.pipeline.split import cut_microbatches
 from tiered.engine.runner import ItemPlan
-from tiered.hybrid.pipeline.costs import StageModels
-from tiered.hybrid.pipeline.split import cut_microbatches
+from tiered.request.tokens import HitSplit
 from tiered.scheduler.jct import JCTModel, JCTSample
 
 TRUE = [0.01, 2e-4, 3e-8, 0.0, 1e-5, 0.0]  # c0..c5 of a made-up machine

@@ -16,7 +16,7 @@ from test_stages import PARAMS, _assert_equal, _cfg, _prompts, _run
 
 from tiered.api.engine_process import _response
 from tiered.engine import Engine
-from tiered.hybrid.pipeline import PipelineRunner
+from tiered.engine.pipeline import PipelineRunner
 
 SMALL_BATCHES = "scheduler.max_batch_tokens=64"  # a 300-token prefix's posts go in batches of 1-2
 

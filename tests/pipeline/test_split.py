@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiered.engine.pipeline import cut_microbatches, stage_layers
+from tiered.engine.pipeline.split import microbatch_plans
 from tiered.engine.runner import ItemPlan
 from tiered.hybrid.forward import BatchItem, forward_batch
 from tiered.hybrid.loader import load_model
-from tiered.hybrid.pipeline import cut_microbatches, stage_layers
-from tiered.hybrid.pipeline.split import microbatch_plans
 
 
 def test_layers_split_into_contiguous_even_ranges() -> None:

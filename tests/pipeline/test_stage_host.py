@@ -1,4 +1,4 @@
-"""The host tier with pipeline stages (tiered/hybrid/pipeline/host.py): each stage keeps its layers' chunks
+"""The host tier with pipeline stages (tiered/engine/pipeline/host.py): each stage keeps its layers' chunks
 in its own LMCache, the coordinator keeps the one index. On the tiny model in fp32, against the
 one-process engine with its own host tier: prefixes evicted from the device come back from every
 stage's host tier with equal answers (write-through and on-evict, batches in the pipe); the
@@ -16,9 +16,9 @@ import torch
 from test_stages import TOL, _cfg, _prompts, _run
 
 from tiered.engine import Engine
-from tiered.engine.score import Result
-from tiered.hybrid.pipeline import PipelineRunner
-from tiered.hybrid.pipeline.host import StagedHost
+from tiered.engine.pipeline import PipelineRunner
+from tiered.engine.pipeline.host import StagedHost
+from tiered.request.score import Result
 
 HOST = ["cache.suffix=offload", "cache.device_tier_bytes=1048576", "cache.host.lmcache={max_local_cpu_size: 0.001}"]
 STAGES = ["engine.pipeline_stages=2", "engine.threads_per_stage=1"]

@@ -18,12 +18,12 @@ import torch
 from tiered.api.engine_process import _response
 from tiered.config import ConfigError, load_config
 from tiered.engine import Engine, EngineStartError, ScoreParams
-from tiered.engine.score import RequestOptions, Result
+from tiered.engine.pipeline import PipelineRunner, PipelineStartError
+from tiered.engine.pipeline.coordinator import pool_blocks
+from tiered.engine.pipeline.split import stage_layers
+from tiered.engine.pipeline.stage import StageLoaded, StageSpec
 from tiered.hybrid.memory import weights_bytes
-from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError
-from tiered.hybrid.pipeline.coordinator import pool_blocks
-from tiered.hybrid.pipeline.split import stage_layers
-from tiered.hybrid.pipeline.stage import StageLoaded, StageSpec
+from tiered.request.score import RequestOptions, Result
 
 TOL = 1e-4
 PARAMS = ScoreParams(logprob_token_ids=tuple(range(0, 2048, 37)), top_logprobs=5)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tiered.engine.request import HitSplit
+from tiered.request.tokens import HitSplit
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.pieces import Urgent, choose_piece, fits, fixed_piece, largest_feasible
 

@@ -10,11 +10,11 @@ import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine
-from tiered.engine.request import TierRequest
-from tiered.engine.score import ScoreParams
+from tiered.request.score import ScoreParams
+from tiered.request.tokens import TierRequest
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Scheduler
-from tiered.scheduler.step import StepLimits
+from tiered.scheduler.step import Refused, StepLimits
 
 BT = 16
 MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0, 0.0])  # a job costs 1 ms per computed token
@@ -205,3 +205,84 @@ def test_a_hopeless_request_rides_along_only_where_deferral_is_off(tiny_dir: Pat
     batch = [d.waiting.request_id for d in sched.pick_batch(2048, 1 << 30)]
     engine.close()
     assert sorted(batch) == (["head", "hopeful"] if defer else ["head", "hopeful", "late"])
+
+
+def _shedding(tiny_dir: Path, tmp_path: Path, policy: str, limits: StepLimits) -> tuple[Engine, Scheduler, FakeClock]:
+    engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard", "cache.device_tier_bytes=0")
+    clock = FakeClock()
+    return engine, Scheduler(policy, 0.0, engine.tiers, engine.jct, clock=clock, limits=limits), clock
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 1300, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "calibrated"])
+def test_a_call_that_cannot_make_its_objective_is_refused_when_it_arrives(
+    tiny_dir: Path, tmp_path: Path, policy: str
+) -> None:
+    """With late calls shed, a call whose predicted wait (the work the policy runs before it) plus
+    its own time ends past its deadline is refused with a 429 and that wait as Retry-After; the
+    wait follows the policy (fcfs: everything queued; calibrated: only what it ranks ahead). A call
+    without an objective, or with late calls served, is admitted. 1 ms per computed token."""
+    engine, sched, _ = _shedding(tiny_dir, tmp_path, policy, StepLimits(shed_late=True))
+    new = engine.tiers.new_request
+    sched.add(new("first", _tokens(300, 1)))  # 0.3 s, no objective
+    tight = new("tight", _tokens(100, 2))  # 0.1 s of its own within 0.35 s
+    if policy == "fcfs":
+        assert sched.predicted_wait(sched.add(new("probe", _tokens(50, 3)))) == pytest.approx(0.3)
+        sched.remove("probe")
+        with pytest.raises(Refused) as refused:
+            sched.add(tight, slo_seconds=0.35)
+        assert refused.value.status == 429 and refused.value.retry_after == pytest.approx(0.3)
+        assert "deadline unreachable" in str(refused.value) and "scheduler.late: shed" in str(refused.value)
+        assert "tight" not in sched
+    else:  # the shorter call runs first: nothing waits ahead of it
+        sched.add(tight, slo_seconds=0.35)
+        assert "tight" in sched
+    sched.add(new("roomy", _tokens(100, 4)), slo_seconds=0.45)  # 0.3 + 0.1 fits even behind "first"
+    sched.add(new("plain", _tokens(900, 5)))  # no objective: never shed
+    assert {"roomy", "plain"} <= set(sched._waiting)
+    with pytest.raises(Refused, match="ms past its latency objective"):
+        sched.add(new("hopeless", _tokens(100, 6)), slo_seconds=0.05)  # its own 0.1 s is over 0.05 s
+    serve = _shedding(tiny_dir, tmp_path, policy, StepLimits())[1]
+    serve.add(serve.tiers.new_request("first", _tokens(300, 1)))
+    serve.add(serve.tiers.new_request("hopeless", _tokens(100, 6)), slo_seconds=0.05)
+    assert "hopeless" in serve
+    engine.close()
+
+
+def test_admission_control_refuses_any_call_over_the_predicted_wait_cap(tiny_dir: Path, tmp_path: Path) -> None:
+    """`max_predicted_wait`: a call whose predicted wait is over the cap is refused with a 503,
+    objective or not; one the policy runs ahead of the queued work is not."""
+    engine, sched, _ = _shedding(tiny_dir, tmp_path, "calibrated", StepLimits(max_predicted_wait=0.25))
+    new = engine.tiers.new_request
+    sched.add(new("long", _tokens(300, 1)))
+    with pytest.raises(Refused) as refused:
+        sched.add(new("longer", _tokens(400, 2)))  # 0.3 s of shorter work ranks ahead of it
+    assert refused.value.status == 503 and refused.value.retry_after == pytest.approx(0.3)
+    assert "scheduler.max_predicted_wait_s" in str(refused.value)
+    sched.add(new("short", _tokens(50, 3)))  # ranks first: no wait
+    assert "short" in sched and "longer" not in sched and sched.backlog() == pytest.approx(0.35)
+    engine.close()
+
+
+def test_a_waiting_call_is_shed_before_the_step_that_would_make_it_late(tiny_dir: Path, tmp_path: Path) -> None:
+    """At each step, before its forward: the waiting calls that cannot start once the step's
+    predicted time has passed and still meet their deadline are taken out (`Step.shed`, with the
+    queue's predicted work as Retry-After); the others, and calls without an objective, wait on."""
+    engine, sched, clock = _shedding(tiny_dir, tmp_path, "calibrated", StepLimits(shed_late=True))
+    new = engine.tiers.new_request
+    sched.add(new("tight", _tokens(100, 2)), slo_seconds=0.5)  # admitted: nothing waits ahead of it
+    sched.add(new("roomy", _tokens(100, 3)), slo_seconds=2.0)
+    sched.add(new("plain", _tokens(200, 4)))
+    sched.add(new("urgent-long", _tokens(800, 1)), priority=-1)  # then 0.8 s that runs first (priority)
+    step = sched.schedule()
+    assert [d.waiting.request_id for d in step.batch] == ["urgent-long"]
+    assert [w.request_id for w in step.shed] == ["tight"]  # 0.8 s + 0.1 s > 0.5 s
+    assert step.retry_after == pytest.approx(0.8 + 0.1 + 0.2)  # the step, then what still waits
+    assert {"roomy", "plain"} == set(sched._waiting)
+    clock.now = 1.95  # "roomy" can no longer start and end by 2.0 s: shed before anything runs
+    step = sched.schedule()
+    assert [w.request_id for w in step.shed] == ["roomy"] and [d.waiting.request_id for d in step.batch] == ["plain"]
+    engine.close()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tiered.hybrid.pipeline.waves import Job, form_by_count, form_waves
+from tiered.engine.pipeline.waves import Job, form_by_count, form_waves
 
 
 def _cost(job: Job) -> float:

@@ -35,10 +35,11 @@ from tiered.api.protocol import (
 )
 from tiered.config import Config
 from tiered.engine import Engine, Result, ScoreParams
-from tiered.engine.score import RequestOptions
 from tiered.hybrid.forward import ForwardInputError
 from tiered.hybrid.lora import AdapterError
 from tiered.logs import setup as setup_logging
+from tiered.request.score import RequestOptions
+from tiered.scheduler.step import Refused
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.5
@@ -66,6 +67,11 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
     try:
         with Engine(config) as engine:
             responses.send(encode(Ready(engine.max_model_len, engine.model.args.vocab_size, asdict(engine.precision))))
+
+            def answer_refused(refused: list[Result]) -> None:  # at once, before the step's forward
+                for result in refused:
+                    responses.send(encode(_response(result)))
+
             poller = zmq.Poller()
             poller.register(requests, zmq.POLLIN)
             reported = 0.0  # when EngineStats were last sent
@@ -81,7 +87,7 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
                 elif not busy and os.getppid() != parent:
                     log.warning("the API process is gone; stopping")
                     break
-                results = engine.step()
+                results = engine.step(answer_refused)
                 now = time.monotonic()
                 # Statistics a few times a second while busy, and once when the queue empties; before
                 # the answers, so a client that reads /metrics after its answer sees them.
@@ -127,6 +133,7 @@ def _stats(engine: Engine) -> EngineStats:
         pinned_blocks=engine.tiers.device_tier.stats().num_pinned_blocks,
         engine_cancelled=engine.num_cancelled,
         num_waiting=engine.num_waiting,
+        predicted_wait_s=engine.scheduler.backlog(),
         adapters=(adapters.num_resident, adapters.num_loads) if adapters is not None else None,
         lmcache_metrics=lmcache_metrics() if host is not None else "",
         pieces=PieceCounters(
@@ -139,9 +146,11 @@ def _stats(engine: Engine) -> EngineStats:
 
 
 def _response(result: Result) -> ScoreResponse:
-    if result.error is not None:  # past its deadline (drop_expired): 429, the load was too high for it;
+    if result.error is not None:  # shed or past its deadline: 429, the load was too high for it;
         status = 429 if result.expired else 503 if result.unavailable else 500  # a pipeline stage died: 503
-        return ScoreResponse(request_id=result.request_id, error=result.error, error_status=status)
+        return ScoreResponse(
+            request_id=result.request_id, error=result.error, error_status=status, retry_after_s=result.retry_after
+        )
     return ScoreResponse(
         request_id=result.request_id,
         token_id=result.token_id,
@@ -197,3 +206,6 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel | AdapterCommand, res
     except ForwardInputError as exc:
         status = getattr(exc, "status", 400)  # 404: an unknown adapter
         responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc), error_status=status)))
+    except Refused as exc:  # admission control: 429 (its objective cannot be met) or 503 (over capacity)
+        refused = ScoreResponse(req.request_id, error=str(exc), error_status=exc.status, retry_after_s=exc.retry_after)
+        responses.send(encode(refused))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,9 +19,18 @@ log = logging.getLogger(__name__)
 class APIError(Exception):
     """An error for the client: its HTTP status, message, the field at fault (`param`) and OpenAI's type."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type_
+        # seconds, sent as a Retry-After header (whole seconds, at least 1)
+        self.headers = None if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
 
 
 class ClientGone(Exception):
@@ -46,7 +56,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.status, exc.message, exc.type, exc.param), status_code=exc.status)
+        body = error_body(exc.status, exc.message, exc.type, exc.param)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

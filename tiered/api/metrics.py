@@ -104,9 +104,18 @@ class Metrics:
         self.deadline = Counter(
             "tiered:deadline",
             "Requests with a latency objective, by route and outcome: met, "
-            "missed (answered late), expired (refused late, scheduler.drop_expired); goodput is "
+            "missed (answered late), shed (refused at once, predicted to miss: scheduler.late: shed), "
+            "expired (refused late, scheduler.drop_expired); goodput is "
             'rate(tiered:deadline_total{outcome="met"}).',
             [*m, "route", "outcome"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "tiered:requests_refused",
+            "Requests refused before running, by reason: deadline (429: predicted to miss its objective, "
+            "or past it), wait_cap (503: predicted wait over scheduler.max_predicted_wait_s), queue_full "
+            "(503: scheduler.max_waiting unanswered requests).",
+            [*m, "reason"],
             registry=r,
         )
         self.pieces = Counter(
@@ -201,6 +210,12 @@ class _Reported:
         )
         yield _gauge(
             "tiered:engine_waiting_requests", "Requests in the engine's queue when it last reported.", e.num_waiting
+        )
+        yield _gauge(
+            "tiered:predicted_wait_seconds",
+            "The JCT model's predicted seconds of the work in the engine's queue when it last reported "
+            "(what admission control compares with scheduler.max_predicted_wait_s).",
+            e.predicted_wait_s,
         )
         if e.host is not None:  # bandwidth = rate(..._bytes_total) / rate(..._seconds_total)
             h = e.host

@@ -89,6 +89,7 @@ class ScoreResponse:
     compute_seconds: float = 0.0
     num_pieces: int = 1  # forwards its new tokens took (more than one: it yielded to urgent requests)
     deadline_met: bool | None = None  # answered by its deadline (None: no latency objective)
+    retry_after_s: float | None = None  # a refused request (429, 503): predicted seconds until the queue clears
 
 
 def cached_tokens(out: ScoreResponse) -> int:
@@ -107,6 +108,7 @@ class EngineStats:
     pinned_blocks: int = 0  # device-tier blocks pinned now (0 when nothing runs)
     engine_cancelled: int = 0  # requests the engine dropped from its queue on a Cancel, so far
     num_waiting: int = 0  # requests in the engine's queue now
+    predicted_wait_s: float = 0.0  # the JCT model's predicted seconds of the work in the engine's queue now
     adapters: tuple[int, int] | None = None  # LoRA: (resident, weight loads so far); None: LoRA off
     lmcache_metrics: str = ""  # LMCache's own Prometheus metrics in the engine process, rendered
     pieces: PieceCounters | None = None  # prefills that yielded, so far

@@ -18,8 +18,8 @@ class EngineFields(BaseModel):
     priority: int = 0  # vLLM's: lower runs first (always honoured here)
     cache_salt: str | None = None  # vLLM's: cached KV is shared only with the same salt
     # Ours: latency objective, ms from arrival (default scheduler.default_slo_ms): a deadline the
-    # scheduler plans for (a long prefill may yield to meet it); past it the request is still
-    # answered, or refused with a 429 where scheduler.drop_expired is set.
+    # scheduler plans for (a long prefill may yield to meet it); a call predicted to miss it is
+    # refused at once with a 429 (scheduler.late: shed), or answered late (late: serve).
     slo_ms: float | None = None
 
 
@@ -73,6 +73,23 @@ class ScoreBody(EngineFields):
     label_token_ids: list[int]
     apply_softmax: bool = True
     item_first: bool = False
+
+
+class PairScoreBody(EngineFields):
+    """vLLM's /v1/score (and /score): `text_1` against `text_2`, one string or a list each (one
+    against many, or pairs in order); each pair is scored as a rerank document is."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankBody(EngineFields):
+    """Jina's and Cohere's rerank body, as vLLM serves it on /rerank, /v1/rerank, /v2/rerank."""
+
+    query: str
+    documents: list[str] | list[dict[str, Any]]
+    top_n: int | None = None  # the best `top_n` (None or 0: every document)
+    return_documents: bool = True
 
 
 class LoadLoraRequest(BaseModel):

@@ -1,7 +1,7 @@
 """The serving layer of the API (vLLM's `OpenAIServing`): tokenize, validate once, send to the
 engine, read its answers back. The routes (`routes/`) only parse bodies and shape responses.
 
-Validation uses `tiered.engine.validation`, the rules the engine itself applies: nothing too long,
+Validation uses `tiered.request.validation`, the rules the engine itself applies: nothing too long,
 empty or out of vocabulary reaches the engine, and the 400 names the field.
 """
 
@@ -21,7 +21,7 @@ from tiered.api.metrics import Metrics
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse, cached_tokens
 from tiered.api.schemas import ChoiceFields, EngineFields, ScoreBody
 from tiered.config import Config
-from tiered.engine.validation import InputError, check_prompt, check_slo_ms, check_token_ids
+from tiered.request.validation import InputError, check_prompt, check_slo_ms, check_token_ids
 
 
 class Client(Protocol):
@@ -236,25 +236,41 @@ class Serving:
 
     async def run(self, reqs: list[ScoreRequest], request: Request, param: str) -> list[ScoreResponse]:
         """Send requests together (the scheduler sees them all); refuse them all if the queue is full."""
+        label = reqs[0].lora_name or self.model_name  # the base model or the adapter (metrics' model_name)
         if self.client.full(len(reqs)):
             limit = self.config.scheduler.max_waiting * self.config.cluster.replicas  # per engine, summed
-            raise APIError(429, f"the queue is full ({limit} requests); retry later", type_="rate_limit_exceeded")
+            self.metrics.refused.labels(label, "queue_full").inc(len(reqs))
+            stats = self.client.stats
+            raise APIError(
+                503,
+                f"the server is over capacity: its queue is full ({limit} requests: scheduler.max_waiting); "
+                "retry later",
+                type_="service_unavailable",
+                retry_after=stats.predicted_wait_s if stats is not None else 1.0,
+            )
         start = time.monotonic()
         outs = await self.client.run(reqs, request.is_disconnected)
-        label = reqs[0].lora_name or self.model_name  # the base model or the adapter (metrics' model_name)
         route = request.url.path
         for out in outs:
             if out.error is None:
                 self.metrics.observe(label, out, time.monotonic() - start, route)
-            elif out.error_status == 429:  # past its deadline (scheduler.drop_expired)
-                self.metrics.deadline.labels(label, route, "expired").inc()
+            elif out.error_status == 429:  # predicted to miss its deadline (shed), or past it (expired)
+                shed = out.retry_after_s is not None
+                self.metrics.deadline.labels(label, route, "shed" if shed else "expired").inc()
+                self.metrics.refused.labels(label, "deadline").inc()
+            elif out.error_status == 503 and out.retry_after_s is not None:  # admission control's wait cap
+                self.metrics.refused.labels(label, "wait_cap").inc()
             elif out.error_status >= 500:
                 self.metrics.failed.labels(label).inc()
         for out in outs:
             if out.error:
-                type_ = {429: "deadline_exceeded", 503: "service_unavailable"}.get(out.error_status)
-                type_ = type_ or ("server_error" if out.error_status >= 500 else "invalid_request_error")
-                raise APIError(out.error_status, out.error, param if out.error_status < 500 else None, type_)
+                raise APIError(
+                    out.error_status,
+                    out.error,
+                    param if out.error_status < 500 else None,
+                    _error_type(out),
+                    out.retry_after_s,
+                )
         return outs
 
     async def score_items(self, body: ScoreBody, request: Request) -> tuple[list[list[float]], list[ScoreResponse]]:
@@ -272,16 +288,66 @@ class Serving:
             ids(item, True) + ids(body.query, False) if body.item_first else ids(body.query, True) + ids(item, False)
             for item in body.items
         ]
-        outs = await self.run(self.requests(prompts, body, "items", list(body.label_token_ids)), request, "items")
+        return await self.label_probs(prompts, body, request, "items", list(body.label_token_ids), body.apply_softmax)
+
+    async def label_probs(
+        self,
+        prompts: list[list[int]],
+        body: EngineFields,
+        request: Request,
+        param: str,
+        labels: list[int],
+        softmax: bool,
+    ) -> tuple[list[list[float]], list[ScoreResponse]]:
+        """Each prompt's probabilities of the `labels` tokens at its last position (with `softmax`,
+        normalized over the labels alone), all prompts sent together."""
+        outs = await self.run(self.requests(prompts, body, param, labels), request, param)
         scores = []
         for out in outs:
             lps = dict(out.logprobs)
-            values = [math.exp(lps[t]) for t in body.label_token_ids]
-            if body.apply_softmax:  # over the label tokens only
+            values = [math.exp(lps[t]) for t in labels]
+            if softmax:  # over the label tokens only
                 total = sum(values)
                 values = [v / total for v in values]
             scores.append(values)
         return scores, list(outs)
+
+    def score_token_ids(self) -> list[int]:
+        """`server.score_tokens` as token ids [negative, positive]; 400 naming the setting where one
+        is not a single token of this tokenizer."""
+        words = self.config.server.score_tokens
+        ids = [self.tokenizer.encode(w, add_special_tokens=False) for w in words]
+        bad = [f"{w!r} is {len(i)} tokens" for w, i in zip(words, ids, strict=True) if len(i) != 1]
+        if bad:
+            raise APIError(
+                400,
+                f"this model cannot score pairs with server.score_tokens {words}: {', '.join(bad)} (each must be "
+                "one token of its tokenizer; set server.score_tokens)",
+                "model",
+            )
+        return [i[0] for i in ids]
+
+    async def score_pairs(
+        self, pairs: list[tuple[str, str]], body: EngineFields, request: Request, param: str
+    ) -> tuple[list[float], list[ScoreResponse]]:
+        """One prompt per (query, document) pair: the query's tokens (with the tokenizer's BOS),
+        then the document's; its score, the positive score token's probability against the
+        negative one's (`server.score_tokens`), as vLLM scores a generative reranker."""
+        self.check_serving()
+        labels = self.score_token_ids()
+        encode = self.tokenizer.encode
+        prompts = [encode(q, add_special_tokens=True) + encode(d, add_special_tokens=False) for q, d in pairs]
+        probs, outs = await self.label_probs(prompts, body, request, param, labels, softmax=True)
+        return [row[1] for row in probs], outs
+
+
+def _error_type(out: ScoreResponse) -> str:
+    """OpenAI's error `type` for an engine's failure."""
+    if out.error_status == 429:  # refused at once (predicted to miss), or after its deadline passed
+        return "deadline_unreachable" if out.retry_after_s is not None else "deadline_exceeded"
+    if out.error_status == 503:
+        return "service_unavailable"
+    return "server_error" if out.error_status >= 500 else "invalid_request_error"
 
 
 def usage(outs: list[ScoreResponse]) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def route_key(
     key of the prompt's first whole blocks (up to `affinity_tokens`), which is the device tier's
     key of that block: requests that share those blocks share a replica. A prompt shorter than a
     block is keyed by all of it."""
-    from tiered.offload.device_tier import block_keys
+    from tiered.request.tokens import block_keys
 
     if user:
         return user_key(user)

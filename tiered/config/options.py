@@ -7,7 +7,7 @@ import argparse
 import re
 from pathlib import Path
 
-from tiered.config import Config, load_config
+from tiered.config import Config, ConfigError, load_config
 
 # In the package (the top-level configs/ links it).
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -96,7 +96,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def resolve_device(device: str) -> str:
-    """'auto' -> cuda where available, else cpu; a device that is not there raises naming it."""
-    from tiered.hybrid.loader import resolve_device as resolve
+    """'auto' -> cuda where available, else cpu; a cuda device on a machine without one raises
+    ConfigError naming it. torch is imported here, not at the top: `--help` stays free of it."""
+    import torch
 
-    return resolve(device)
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'device': '{device}' requested but CUDA is not available here")
+    return device

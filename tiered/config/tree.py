@@ -168,14 +168,26 @@ class SchedulerConfig:
     profile_miss_fractions: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.125])
     # Where profiled JCT fits are cached (keyed by model, device and config).
     profile_cache_dir: str = ".cache/jct"
-    # Most requests waiting or running at once; the server answers 429 beyond it.
+    # Most requests waiting or running at once; the server answers 503 (with Retry-After) beyond it.
     max_waiting: int = 4096
+    # Admission control: a call whose predicted wait (the JCT model's predicted time of the waiting
+    # requests the policy runs before it) exceeds this many seconds is answered 503 with Retry-After
+    # at once, objective or not. 0: no cap (only `max_waiting` bounds the queue).
+    max_predicted_wait_s: float = 0.0
     # Computed (uncached) tokens of one batched forward: requests sharing a prefix run together
     # up to this budget, reading one copy of it. 0: one request per forward (PrefillOnly's way).
     max_batch_tokens: int = 2048
     # Latency objective of a request that names none (`slo_ms`), ms from arrival; None: none.
     default_slo_ms: float | None = None
-    # A request past its deadline fails with a clear error instead of running late.
+    # A call whose objective the JCT model predicts it will miss: `shed` answers it at once with a
+    # 429 (Retry-After: the predicted wait), when it arrives (its predicted wait plus its own time
+    # ends past its deadline) or while it waits (it cannot start before the running step ends and
+    # still make it); `serve` runs it late, behind every call that can still be in time
+    # (`defer_late`), its wait bounded only by `max_predicted_wait_s` and `max_waiting`. Calls
+    # without an objective are never shed.
+    late: Literal["shed", "serve"] = "shed"
+    # A request past its deadline fails with a clear error instead of running late (`late: serve`;
+    # `shed` refuses it earlier).
     drop_expired: bool = False
     # A request whose predicted time from now ends past its deadline waits behind every request
     # that can still meet its own (and those without one); it still runs, late. Under overload the
@@ -201,6 +213,12 @@ class SchedulerConfig:
             "piece_tokens must be >= 1 and max_yield_delay >= 0",
         )
         require(self.max_waiting >= 1, "scheduler.max_waiting", f"must be >= 1, got {self.max_waiting}")
+        require(self.late in ("shed", "serve"), "scheduler.late", f"must be 'shed' or 'serve', got {self.late!r}")
+        require(
+            0 <= self.max_predicted_wait_s <= 1e6,
+            "scheduler.max_predicted_wait_s",
+            f"must be in [0, 1e6] s (0: no cap), got {self.max_predicted_wait_s}",
+        )
         require(self.max_batch_tokens >= 0, "scheduler.max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
         require(
             bool(self.profile_tokens) and min(self.profile_tokens) >= 2,
@@ -267,7 +285,7 @@ class EngineConfig:
     # torch threads of each stage process. 0: the machine's cores // pipeline_stages (at least 1).
     threads_per_stage: int = 0
     # How a batch goes through the stages: `waves` (cut into micro-batches of even predicted seconds
-    # on the slowest stage, tiered/hybrid/pipeline/costs.py, that follow one another, stage s on micro-batch
+    # on the slowest stage, tiered/engine/pipeline/costs.py, that follow one another, stage s on micro-batch
     # i while stage s + 1 is on i - 1) or `fill-drain` (the whole batch through every stage in turn:
     # GPipe's baseline with one micro-batch).
     pipeline_schedule: Literal["waves", "fill-drain"] = "waves"
@@ -322,9 +340,19 @@ class ServerConfig:
     restart_engine: bool = True
     # GET /metrics is open, as in vLLM; true puts it behind the API key, as the /v1 routes are.
     metrics_require_key: bool = False
+    # The rerank routes and vLLM's /v1/score shape: a pair (query, document) is one prompt, the
+    # query's tokens then the document's, and its score the probability of the second token
+    # against the first at the last position (softmax over the two: vLLM's `classifier_from_token`
+    # for a generative reranker such as Qwen3-Reranker: ["no", "yes"]). Each must be one token.
+    score_tokens: list[str] = field(default_factory=lambda: ["no", "yes"])
 
     def __post_init__(self) -> None:
         require(self.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0")
+        require(
+            len(self.score_tokens) == 2 and all(isinstance(t, str) and t for t in self.score_tokens),
+            "server.score_tokens",
+            f"must name two tokens [negative, positive], got {self.score_tokens!r}",
+        )
         require(self.max_body_bytes >= 1024, "server.max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
 
 

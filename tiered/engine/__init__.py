@@ -1,7 +1,7 @@
 """The engine: requests in, one step at a time (schedule, execute, apply), results out.
 
 `core.py` holds `Engine` (submit, cancel, step, run); `startup.py` builds what it runs with;
-`executor.py` runs a step; `request.py` and `score.py` hold the types a request goes through."""
+`executor.py` runs a step. The types a request goes through live below, in `tiered.request`."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ __all__ = ["Engine", "EngineStartError", "Result", "ScoreParams"]
 
 if TYPE_CHECKING:
     from tiered.engine.core import Engine, EngineStartError
-    from tiered.engine.score import Result, ScoreParams
+    from tiered.request.score import Result, ScoreParams
 
 
 def __getattr__(name: str) -> object:
-    # Lazy, so that `tiered.engine.request` (imported by the tiers) does not import the engine.
+    # Lazy, so that importing `tiered.request.validation` (the API process) does not load the model code.
     if name in ("Engine", "EngineStartError"):
         from tiered.engine import core
 
         return getattr(core, name)
     if name in ("Result", "ScoreParams"):
-        from tiered.engine import score
+        from tiered.request import score
 
         return getattr(score, name)
     raise AttributeError(name)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -21,10 +21,10 @@ from tiered.config import Config
 from tiered.engine.adapters import UnknownAdapterError
 from tiered.engine.executor import Executor
 from tiered.engine.profile import jct_for
-from tiered.engine.score import DEFAULT_OPTIONS, DEFAULT_PARAMS, RequestOptions, Result, ScoreParams
 from tiered.engine.startup import EngineStartError, start
-from tiered.engine.validation import InputError, check_prompt, check_slo_ms, check_token_ids
 from tiered.hybrid.forward import ForwardInputError
+from tiered.request.score import DEFAULT_OPTIONS, DEFAULT_PARAMS, RequestOptions, Result, ScoreParams
+from tiered.request.validation import InputError, check_prompt, check_slo_ms, check_token_ids
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.pieces import PiecePolicy
 from tiered.scheduler.scheduler import Scheduler
@@ -47,7 +47,14 @@ class Engine:
         self.model_identity, self.runner = parts.model_identity, parts.runner
         sc = config.scheduler
         limits = StepLimits(
-            sc.max_batch_tokens, self.max_model_len, config.lora.max_loras, sc.prefetch, sc.drop_expired, sc.defer_late
+            sc.max_batch_tokens,
+            self.max_model_len,
+            config.lora.max_loras,
+            sc.prefetch,
+            sc.drop_expired,
+            sc.defer_late,
+            sc.late == "shed",
+            sc.max_predicted_wait_s,
         )
         self.pieces = PieceStats()
         policy = PiecePolicy(sc, self.tiers.block_tokens, self.jct, self.pieces)
@@ -76,9 +83,10 @@ class Engine:
         request_id: str | None = None,
         options: RequestOptions = DEFAULT_OPTIONS,
     ) -> str:
-        """Queue a request; returns its id. Bad input raises ForwardInputError naming the value.
-        `params`: what to answer; `options`: how to serve it (priority, cache salt, adapter,
-        latency objective, arrival: `RequestOptions`)."""
+        """Queue a request; returns its id. Bad input raises ForwardInputError naming the value;
+        admission control raises Refused (its status 429 or 503, and a Retry-After). `params`: what
+        to answer; `options`: how to serve it (priority, cache salt, adapter, latency objective,
+        arrival: `RequestOptions`)."""
         adapter, slo_ms = options.adapter, options.slo_ms
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         vocab = self.model.args.vocab_size
@@ -122,14 +130,20 @@ class Engine:
         `engine.pipeline_batches_in_flight`); `step()` until it is 0 answers them all."""
         return len(self.scheduler) + self.executor.num_in_flight
 
-    def step(self) -> list[Result]:
+    def step(self, answer_refused: Callable[[list[Result]], None] | None = None) -> list[Result]:
         """Run the next step (one forward); the results it produced: those of the batch, or, with
         batches in flight (a pipeline), of the oldest one; [] when nothing waits or the step computed
-        a piece of a request that yields (it waits again, its finished KV parked)."""
-        output = self.executor.execute(self.scheduler.schedule())
-        for w in output.requeue:
-            self.scheduler.requeue(w)
-        return output.results
+        a piece of a request that yields (it waits again, its finished KV parked). The requests the
+        step refused unrun (shed, expired) are among them, or, with `answer_refused`, handed to it
+        before the forward starts (a server answers them at once)."""
+        step = self.scheduler.schedule()
+        refused = self.executor.refuse(step)
+        if answer_refused is not None and refused:
+            answer_refused(refused)
+            refused = []
+        output = self.executor.execute(step)
+        self.scheduler.update_from_output(output)
+        return refused + output.results
 
     # ---- adapters --------------------------------------------------------------------------
 

@@ -14,23 +14,24 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from tiered.engine.request import Prepared, TierRequest
 from tiered.engine.results import (
     Launched,
     batch_results,
-    expired_results,
     load_adapters,
+    refused_results,
     unavailable_results,
 )
 from tiered.engine.runner import ForwardRetry, ForwardUnavailable, plan_batch
-from tiered.engine.score import Result
 from tiered.engine.startup import Parts
+from tiered.request.plan import Prepared
+from tiered.request.score import Result
+from tiered.request.tokens import TierRequest
 from tiered.scheduler.jct import JCTModel
-from tiered.scheduler.step import Decision, PieceStats, Step, Waiting
+from tiered.scheduler.step import Decision, PieceStats, Step, StepOutput, Waiting
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,6 @@ PARK_DEVICE_SHARE = 0.5
 def out_of_memory(exc: BaseException) -> bool:
     """cuda raises torch.OutOfMemoryError; the CPU allocator a RuntimeError saying so."""
     return isinstance(exc, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(exc)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What a step produced: answers (and failures), and requests to wait again (a piece's head,
-    or the batches a runner gave back to retry)."""
-
-    results: list[Result] = field(default_factory=list)
-    requeue: list[Waiting] = field(default_factory=list)
 
 
 class Executor:
@@ -77,12 +69,16 @@ class Executor:
         self.tiers.device_tier.unpin(w.parked)
         self.tiers.drop_prefetch(w.request_id)
 
-    def execute(self, step: Step) -> StepOutput:
-        """Run one step; its answers, and the requests that wait again."""
-        out = StepOutput()
-        for w in step.expired:
+    def refuse(self, step: Step) -> list[Result]:
+        """The failures of the requests the step took out unrun (expired, shed), their holds released."""
+        for w in step.expired + step.shed:
             self.release(w)
-        out.results += expired_results(step.expired)
+        return refused_results(step)
+
+    def execute(self, step: Step) -> StepOutput:
+        """Run one step (its refused requests answered already: `refuse`); its answers, and the
+        requests that wait again."""
+        out = StepOutput()
         self._prefetch = step.prefetch
         started = time.monotonic()
         out.results += (failed := load_adapters(self.parts.adapters, step.batch, started))
@@ -221,14 +217,7 @@ class Executor:
             self.tiers.device_tier.unpin(d.waiting.parked)
             d.waiting.parked = []
         # For the cost model, tokens computed by another request cost what a cached prefix does.
-        splits = [
-            replace(
-                p.split,
-                num_device_hit_tokens=p.split.num_device_hit_tokens + m,
-                num_miss_tokens=p.split.num_miss_tokens - m,
-            )
-            for p, m in zip(prepared, shared, strict=True)
-        ]
+        splits = [p.split.shared_as_hits(m) for p, m in zip(prepared, shared, strict=True)]
         load = sum(p.load_seconds for p in prepared)
         predicted = self.jct.observe(splits, load + added)
         return batch_results(launched, logits, load, done - launched.sent, predicted)

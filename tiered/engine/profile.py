@@ -16,11 +16,11 @@ from dataclasses import asdict
 import torch
 from torch import Tensor
 
-from tiered.engine.measured import cache_key, load_cached, save_cached
-from tiered.engine.request import Prepared
 from tiered.engine.startup import Parts
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES
+from tiered.hybrid.measured import cache_key, load_cached, save_cached
+from tiered.request.plan import Prepared
 from tiered.scheduler.jct import JCTModel, JCTSample
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from tiered.engine.adapters import Adapters
-from tiered.engine.request import Prepared
-from tiered.engine.score import Result
 from tiered.offload.device_tier import DeviceTier
-from tiered.scheduler.step import Decision, Waiting
+from tiered.request.plan import Prepared
+from tiered.request.score import Result
+from tiered.scheduler.step import Decision, Step
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,12 @@ def batch_results(launched: Launched, logits: Tensor, load: float, compute: floa
     return results
 
 
-def expired_results(expired: list[Waiting]) -> list[Result]:
-    """`scheduler.drop_expired`: the failures of the requests taken out past their deadline."""
+def refused_results(step: Step) -> list[Result]:
+    """The failures of the requests a step took out of the queue: past their deadline
+    (`scheduler.drop_expired`) or predicted to miss it (`scheduler.late: shed`, with the step's
+    Retry-After)."""
     now = time.monotonic()
-    return [
+    expired = [
         Result.failed(
             w.request_id,
             w.request.token_ids.numel(),
@@ -87,8 +89,21 @@ def expired_results(expired: list[Waiting]) -> list[Result]:
             now - w.arrival,
             expired=True,
         )
-        for w in expired
+        for w in step.expired
     ]
+    shed = [
+        Result.failed(
+            w.request_id,
+            w.request.token_ids.numel(),
+            f"deadline unreachable: its predicted {w.jct:.2f} s cannot start in time to end within its latency "
+            f"objective ({max(0.0, (w.deadline or now) - now):.2f} s left; scheduler.late: shed)",
+            now - w.arrival,
+            expired=True,
+            retry_after=step.retry_after,
+        )
+        for w in step.shed
+    ]
+    return expired + shed
 
 
 def load_adapters(adapters: Adapters | None, batch: list[Decision], started: float) -> list[Result]:

@@ -1,5 +1,5 @@
 """What runs a batch's forward for the engine: the model in this process (`LocalRunner`), or a
-pipeline of stage processes (`tiered.hybrid.pipeline.PipelineRunner`). The engine plans the batch the
+pipeline of stage processes (`tiered.engine.pipeline.PipelineRunner`). The engine plans the batch the
 same way for both (`plan_batch`: each request's tokens to compute, its prefix and retained blocks
 by id, the lead whose tokens it shares), so the two compute the same forward.
 """
@@ -14,11 +14,13 @@ from torch import Tensor
 
 from tiered.config import ForwardConfig
 from tiered.engine.adapters import Adapters
-from tiered.engine.request import PrefixKV, Prepared, common_prefix_len
 from tiered.hybrid.forward import BatchItem, forward_batch
 from tiered.hybrid.model import CausalLM
 from tiered.hybrid.spill import spill_of
+from tiered.offload.device_tier import PrefixKV
 from tiered.offload.tiers import KVTiers
+from tiered.request.plan import Prepared
+from tiered.request.tokens import common_prefix_len
 
 
 class ForwardUnavailable(RuntimeError):
@@ -28,7 +30,7 @@ class ForwardUnavailable(RuntimeError):
 
 class ForwardRetry(ForwardUnavailable):
     """Every batch in the runner was computed from a host chunk one stage turned out not to hold
-    (tiered/hybrid/pipeline/host.py): their answers are dropped and their requests wait again; the chunk
+    (tiered/engine/pipeline/host.py): their answers are dropped and their requests wait again; the chunk
     is forgotten everywhere, so they recompute it."""
 
 
@@ -41,7 +43,7 @@ class ItemPlan:
     of the batch, same prefix and adapter) computes for both. Its computed blocks kept on the
     device go to `retained_blocks`, from row `first_retained_row` of its K,V after the prefix.
 
-    A pipeline may put a follower in a later micro-batch than its lead (tiered/hybrid/pipeline/split.py):
+    A pipeline may put a follower in a later micro-batch than its lead (tiered/engine/pipeline/split.py):
     the lead then keeps the K,V of its first `stash_rows` computed tokens under `stash_key` (each
     stage, until the batch ends), and the follower (`reads_stash`: that key, `lead` None) reads
     its `num_shared` tokens from there, as the end of its prefix."""

@@ -14,18 +14,19 @@ import torch
 from torch import Tensor
 
 from tiered.config import Config
+from tiered.config.options import resolve_device
 from tiered.embedded import resolve_model_path
 from tiered.engine.adapters import Adapters
-from tiered.engine.request import Prepared
+from tiered.engine.pipeline import PipelineRunner, PipelineStartError, start_pipeline
 from tiered.engine.runner import LocalRunner, Runner, plan_batch
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
-from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, read_args, resolve_device
+from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, read_args
 from tiered.hybrid.memory import bound_gemm_caches, profile_peak, use_block_cache
 from tiered.hybrid.model import CausalLM, use_attention
-from tiered.hybrid.pipeline import PipelineRunner, PipelineStartError, start_pipeline
 from tiered.hybrid.precision import Precision, precision_for
 from tiered.hybrid.spill import check_spill, spill_of
 from tiered.offload.tiers import KVTiers, TierSetup
+from tiered.request.plan import Prepared
 
 log = logging.getLogger(__name__)
 

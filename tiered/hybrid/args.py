@@ -7,7 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+# Checkpoints that store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (split on load).
+FUSED_PROJECTIONS = ("Phi3ForCausalLM",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +49,27 @@ class ModelArgs:
     mlp_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
-    # Mistral/Qwen2 sliding-window attention; inputs longer than this are refused.
+    # Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, Phi-3): a query sees
+    # only the last `sliding_window` keys up to its own, on the layers in `window_layers`.
     sliding_window: int | None
+    # Qwen3: an RMSNorm over each head's queries and keys (its own weight, [head_dim]) before RoPE.
+    qk_norm: bool = False
+    window_layers: tuple[int, ...] = ()
+    # Gemma 3: RMSNorm scales stored as w (applied as 1 + w), a norm after attention and around the
+    # MLP, GeGLU (tanh GELU), embeddings times sqrt(hidden), queries scaled by
+    # query_pre_attn_scalar^-0.5, the sliding layers' own RoPE base, logits soft-capped.
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    mlp_act: str = "silu"
+    embed_scale: float | None = None
+    query_scale: float = 1.0  # times the kernels' head_dim^-0.5
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    rope_linear_factor: float = 1.0  # linear RoPE scaling of the other layers' positions
+    final_logit_softcap: float | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer `layer` attends within (None: every earlier key)."""
+        return self.sliding_window if layer in self.window_layers else None
 
     @property
     def kv_elems_per_token_per_layer(self) -> int:

@@ -12,10 +12,9 @@ import torch
 from torch import Tensor
 
 from tiered.config import ForwardMode
-from tiered.engine.validation import InputError
-from tiered.engine.validation import check_token_ids as check_token_list
 from tiered.hybrid import blocks
-from tiered.hybrid.attention import KERNELS, Piece
+from tiered.hybrid.attention import KERNELS, AttendFn, Span
+from tiered.hybrid.attention.kernels import windowed
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
     CausalLM,
@@ -27,6 +26,8 @@ from tiered.hybrid.model import (
     rope_cos_sin,
 )
 from tiered.hybrid.spill import ResidualFile, Spill
+from tiered.request.validation import InputError
+from tiered.request.validation import check_token_ids as check_token_list
 
 LayerKV = tuple[Tensor, Tensor]
 """K and V of one layer, each [tokens, kv_heads, head_dim]."""
@@ -100,13 +101,16 @@ def _num_prefix_tokens(model: CausalLM, item: BatchItem) -> int:
         # A lazy prefix (the tiers' PrefixKV) states its length; gathering a layer to read it costs a copy.
         num_prefix = getattr(item.prefix_kv, "num_tokens", None) or item.prefix_kv[0][0].shape[0]
     num_prefix += item.num_shared if item.lead is not None else 0
-    total = num_prefix + item.token_ids.numel()
-    if a.sliding_window is not None and total > a.sliding_window:
-        raise ForwardInputError(
-            f"{total} tokens exceed the model's sliding window of {a.sliding_window}; "
-            "sliding-window attention is not supported"
-        )
     return num_prefix
+
+
+def _attention(model: CausalLM, layer: int, reach: int) -> AttendFn:
+    """Layer `layer`'s attention call in a forward whose last position is `reach` - 1: the model's
+    kernel, or, on a sliding-window layer that this forward reaches past, the windowed call."""
+    window = model.args.layer_window(layer)
+    if window is not None and reach > window:
+        return windowed(window)
+    return KERNELS[model.attention].attend_
 
 
 def forward(
@@ -256,9 +260,9 @@ def _layer_by_layer(
         dtype = model.model.embed_tokens.weight.dtype
         stream = ResidualFile(spill.directory, N, a.hidden_size, dtype, chunk, device)
         for s, e in bounds:
-            stream.write(s, model.model.embed_tokens(token_ids[s:e]))
+            stream.write(s, model.embed(token_ids[s:e]))
     else:
-        stream = _InMemory(model.model.embed_tokens(token_ids) if hidden is None else hidden)  # updated in place
+        stream = _InMemory(model.embed(token_ids) if hidden is None else hidden)  # updated in place
     try:
         return _layers(model, items, (order, groups), positions, stream, bounds, hold_kv, last_rows_only)
     finally:
@@ -307,19 +311,20 @@ def _layers(
     q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=dtype, device=device)  # one chunk's queries
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
-    chunk_pieces = [_pieces(groups, s, e) for s, e in bounds]  # the same for every layer
+    chunk_spans = [_spans(groups, s, e) for s, e in bounds]  # the same for every layer
     rows = [seg for g in groups for seg in g.segments]  # packed rows, in packing order
     runs = [_lora_runs(items, order, rows, s, e) for s, e in bounds]
     shared = [sh for g in groups for sh in g.shared]
     held: list[LayerKV] = []
-    attend_ = KERNELS[model.attention].attend_
+    reach = int(positions.max()) + 1 if N else 0
     num_layers = len(model.layers)
     for i, layer in enumerate(model.layers):
+        attend_ = _attention(model, i, reach)
         k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=dtype, device=device)
         v = torch.empty_like(k)
         lora = [LoraSlice(i, r) if r else None for r in runs]
         for (s, e), lo in zip(bounds, lora, strict=True):
-            cos_sin = rope_cos_sin(model.inv_freq, positions[s:e], dtype)
+            cos_sin = rope_cos_sin(model.layer_inv_freq(i), positions[s:e], dtype)
             kv_step(layer, stream.read(s, e), cos_sin, (k[s:e], v[s:e]), lo)
         if hold_kv:
             held.append((k, v))
@@ -327,13 +332,14 @@ def _layers(
             _to_sinks(items, order, rows, shared, i, (k, v))
         prefixes = _LayerPrefixes(groups, i, dtype)
         if last_rows_only and i == num_layers - 1:
-            return _last_layer_rows(model, layer, stream, (k, v), prefixes, _RowsOut(items, order, groups, positions))
-        for (s, e), pieces_of_chunk, lo in zip(bounds, chunk_pieces, lora, strict=True):
+            out = _RowsOut(items, order, groups, positions)
+            return _last_layer_rows(model, layer, stream, (k, v), prefixes, out, attend_)
+        for (s, e), spans_of_chunk, lo in zip(bounds, chunk_spans, lora, strict=True):
             n = e - s
             xs = stream.read(s, e)
-            q_step(layer, xs, *rope_cos_sin(model.inv_freq, positions[s:e], dtype), q[:n], lo)
-            for g, pieces in pieces_of_chunk:
-                attend_(q, k, v, pieces, *prefixes.get(g))  # q[:n] now holds the attention output
+            q_step(layer, xs, *rope_cos_sin(model.layer_inv_freq(i), positions[s:e], dtype), q[:n], lo)
+            for g, spans in spans_of_chunk:
+                attend_(q, k, v, spans, *prefixes.get(g))  # q[:n] now holds the attention output
                 prefixes.release_before(e)  # one group's prefix alive at a time
             o_proj_step_(layer, xs, q[:n].view(n, -1), lo)
             mlp_step_(layer, xs, gate_buf, up_buf, lo)
@@ -356,7 +362,13 @@ class _RowsOut:
 
 
 def _last_layer_rows(
-    model: CausalLM, layer: DecoderLayer, stream: _Stream, kv: LayerKV, prefixes: _LayerPrefixes, out: _RowsOut
+    model: CausalLM,
+    layer: DecoderLayer,
+    stream: _Stream,
+    kv: LayerKV,
+    prefixes: _LayerPrefixes,
+    out: _RowsOut,
+    attend_: AttendFn,
 ) -> Tensor:
     """The last layer for each request's last token: its query attends to everything the request
     sees (prefix, shared tokens, its own earlier tokens), then o_proj and the MLP. Rows are taken in
@@ -369,16 +381,16 @@ def _last_layer_rows(
     q = torch.empty((num_rows, a.num_heads, a.head_dim), dtype=xr.dtype, device=xr.device)
     lora_runs = _lora_runs(out.items, out.order, [(j, j + 1) for j in range(num_rows)], 0, num_rows)
     lo = LoraSlice(len(model.layers) - 1, lora_runs) if lora_runs else None
-    q_step(layer, xr, *rope_cos_sin(model.inv_freq, out.positions[last], xr.dtype), q, lo)
-    attend_ = KERNELS[model.attention].attend_
+    inv_freq = model.layer_inv_freq(len(model.layers) - 1)
+    q_step(layer, xr, *rope_cos_sin(inv_freq, out.positions[last], xr.dtype), q, lo)
     row = 0
     for gi, g in enumerate(out.groups):
-        pieces = []
+        spans = []
         for (s, e), shared in zip(g.segments, g.shared, strict=True):
             visible = tuple(r for r in (shared, (s, e - 1)) if r is not None and r[0] < r[1])
-            pieces.append(Piece(row, e - 1, 1, visible))
+            spans.append(Span(row, e - 1, 1, visible))
             row += 1
-        attend_(q, kv[0], kv[1], pieces, *prefixes.get(gi))  # q now holds the attention output
+        attend_(q, kv[0], kv[1], spans, *prefixes.get(gi))  # q now holds the attention output
     o_proj_step_(layer, xr, q.view(num_rows, -1), lo)
     scratch = torch.empty((num_rows, a.intermediate_size), dtype=xr.dtype, device=xr.device)
     mlp_step_(layer, xr, scratch, torch.empty_like(scratch), lo)
@@ -403,19 +415,19 @@ def _lora_runs(
     return runs
 
 
-def _pieces(groups: list[_Group], start: int, end: int) -> list[tuple[int, list[Piece]]]:
-    """Per group, the parts of its requests inside packed rows [start, end), as attention pieces
+def _spans(groups: list[_Group], start: int, end: int) -> list[tuple[int, list[Span]]]:
+    """Per group, the parts of its requests inside packed rows [start, end), as attention spans
     (query rows relative to `start`; key rows absolute)."""
     out = []
     for gi, g in enumerate(groups):
-        pieces = []
+        spans = []
         for (s, e), shared in zip(g.segments, g.shared, strict=True):
             lo, hi = max(s, start), min(e, end)
             if lo < hi:
                 visible = tuple(r for r in (shared, (s, lo)) if r is not None and r[0] < r[1])
-                pieces.append(Piece(lo - start, lo, hi - lo, visible))
-        if pieces:
-            out.append((gi, pieces))
+                spans.append(Span(lo - start, lo, hi - lo, visible))
+        if spans:
+            out.append((gi, spans))
     return out
 
 
@@ -485,18 +497,21 @@ def _chunked(model: CausalLM, item: BatchItem, token_ids: Tensor, chunk: int, nu
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
     hidden_last = q.new_empty(0)
-    attend_ = KERNELS[model.attention].attend_
+    attends = [_attention(model, i, P + T) for i in range(a.num_layers)]
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         n = e - s
-        x = model.model.embed_tokens(token_ids[s:e])  # [n, D]
-        cos, sin = rope_cos_sin(model.inv_freq, torch.arange(P + s, P + e), dtype)
+        x = model.embed(token_ids[s:e])  # [n, D]
+        positions = torch.arange(P + s, P + e)
+        freqs = {id(f): f for f in map(model.layer_inv_freq, range(a.num_layers))}  # one, or Gemma's two
+        rope = {key: rope_cos_sin(f, positions, dtype) for key, f in freqs.items()}
         for i, layer in enumerate(model.layers):
+            cos, sin = rope[id(model.layer_inv_freq(i))]
             k, v = kv[i]
             lo = LoraSlice(i, [LoraRun(0, n, adapter)]) if adapter is not None else None
             kv_step(layer, x, (cos, sin), (k[P + s : P + e], v[P + s : P + e]), lo)
             q_step(layer, x, cos, sin, q[:n], lo)
-            attend_(q, k, v, [Piece(0, P + s, n, ((0, P + s),) if P + s else ())], None, None)  # earlier: visible
+            attends[i](q, k, v, [Span(0, P + s, n, ((0, P + s),) if P + s else ())], None, None)  # earlier: visible
             o_proj_step_(layer, x, q[:n].view(n, -1), lo)
             mlp_step_(layer, x, gate_buf, up_buf, lo)
         hidden_last = x[-1]

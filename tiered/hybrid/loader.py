@@ -1,4 +1,4 @@
-"""Load a Llama-family HF checkpoint folder (config.json + safetensors, sharded or not)."""
+"""Load a Llama-family HF checkpoint folder (Llama, Mistral, Phi-3, Qwen2, Qwen3): config.json + safetensors."""
 
 from __future__ import annotations
 
@@ -10,20 +10,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tiered.config import ConfigError
-from tiered.hybrid.args import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelArgs
+from tiered.hybrid.args import FUSED_PROJECTIONS, SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelArgs
 from tiered.hybrid.model import CausalLM, rope_inv_freq, use_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> str:
-    """`auto` -> cuda when available, else cpu; a cuda device on a machine without one is an error."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"config key 'device': '{device}' requested but CUDA is not available here")
-    return device
+# A folder with this file instead of weight files: its weights are made at load, seeded
+# (`tiered make-model llama-8b-shape`), directly on the device in the dtype the model runs in.
+GENERATED_WEIGHTS = "tiered-generated-weights.json"
 
 
 class ModelLoadError(RuntimeError):
@@ -36,6 +29,9 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     scaling = cfg.get("rope_scaling") or params
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
     if kind == "default":
         return theta, None
     if kind == "llama3":
@@ -54,17 +50,31 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch == "Gemma3ForCausalLM":
+        return _gemma3_args(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act '{cfg['hidden_act']}' is not supported (only silu)")
     heads = int(cfg["num_attention_heads"])
     theta, scaling = _rope(cfg)
     is_qwen2 = arch == "Qwen2ForCausalLM"
-    uses_window = cfg.get("use_sliding_window", not is_qwen2)
+    is_qwen3 = arch == "Qwen3ForCausalLM"
+    uses_window = cfg.get("use_sliding_window", not (is_qwen2 or is_qwen3))
+    window = int(cfg["sliding_window"]) if uses_window and cfg.get("sliding_window") else None
+    num_layers = int(cfg["num_hidden_layers"])
+    window_layers: tuple[int, ...] = ()
+    if window is not None:
+        types = cfg.get("layer_types")
+        if types:  # transformers' own list, where the config has one
+            window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        elif is_qwen2 or is_qwen3:  # Qwen's rule: the layers from max_window_layers on
+            window_layers = tuple(range(int(cfg.get("max_window_layers", num_layers)), num_layers))
+        else:  # Mistral, Phi-3: every layer
+            window_layers = tuple(range(num_layers))
     return ModelArgs(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
@@ -77,7 +87,67 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        sliding_window=int(cfg["sliding_window"]) if uses_window and cfg.get("sliding_window") else None,
+        sliding_window=window if window_layers else None,
+        qk_norm=is_qwen3,
+        window_layers=window_layers,
+    )
+
+
+def generated_seed(folder: str | Path) -> int | None:
+    """The seed of a folder whose weights are made at load (GENERATED_WEIGHTS); None: it has files."""
+    path = Path(folder) / GENERATED_WEIGHTS
+    return int(json.loads(path.read_text())["seed"]) if path.exists() else None
+
+
+def _gemma3_args(cfg: dict[str, Any]) -> ModelArgs:
+    """Gemma 3's text decoder (`Gemma3ForCausalLM`): its config's names and defaults (transformers')."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError("attn_logit_softcapping is not supported (attention logits are not soft-capped here)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"hidden_activation '{act}' is not supported for Gemma 3 (only gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("use_bidirectional_attention is not supported (a causal decoder only)")
+    n, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    heads, head_dim = int(cfg["num_attention_heads"]), int(cfg.get("head_dim") or 256)
+    pattern = int(cfg.get("sliding_window_pattern") or 6)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    params = cfg.get("rope_parameters") or {}
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    scaling = {**full, **(cfg.get("rope_scaling") or {})}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ModelLoadError(f"RoPE scaling type '{kind}' is not supported for Gemma 3 (supported: default, linear)")
+    window = cfg.get("sliding_window", 4096)
+    window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    return ModelArgs(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        intermediate_size=int(cfg["intermediate_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+        rope_scaling=None,
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=False,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+        sliding_window=int(window) if window_layers else None,
+        qk_norm=True,
+        window_layers=window_layers,
+        norm_offset=True,
+        sandwich_norms=True,
+        mlp_act="gelu_tanh",
+        embed_scale=hidden**0.5,
+        query_scale=(head_dim / float(cfg.get("query_pre_attn_scalar", 256))) ** 0.5,
+        local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+        rope_linear_factor=float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0,
+        final_logit_softcap=cfg.get("final_logit_softcapping"),
     )
 
 
@@ -122,6 +192,9 @@ def model_identity(folder: str | Path, dtype: str, block_tokens: int) -> str:
     folder = Path(folder)
     h = hashlib.sha256(f"tiered-kv/1 {dtype} {block_tokens}\n".encode())
     h.update((folder / "config.json").read_bytes())
+    if generated_seed(folder) is not None:  # its weights follow from the seed
+        h.update((folder / GENERATED_WEIGHTS).read_bytes())
+        return f"tiered-{h.hexdigest()[:20]}"
     for path in _weight_files(folder):
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -150,15 +223,28 @@ def load_model(
     first, last = layers.start == 0, layers.stop == args.num_layers
     if not (0 <= layers.start < layers.stop <= args.num_layers and layers.step == 1):
         raise ModelLoadError(f"layers {layers} are not a range of the model's {args.num_layers} layers")
-    args = replace(args, num_layers=len(layers))
+    args = replace(
+        args,
+        num_layers=len(layers),
+        window_layers=tuple(i - layers.start for i in args.window_layers if i in layers),
+    )
     with torch.device("meta"):
         model = CausalLM(args)
     tied = args.tie_word_embeddings
-    state = _read_state(folder, device, layers, first, last, tied)
-    if tied:
-        state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
     expected = {k for k in expected if _local_name(k, range(len(layers)), first, last, tied) is not None}
+    seed = generated_seed(folder)
+    if seed is not None:
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in expected}
+        state = _generate_state(shapes, seed, layers.start, DTYPES[dtype], device)
+    else:
+        state = _read_state(folder, device, layers, first, last, tied)
+    if args.architecture in FUSED_PROJECTIONS and seed is None:
+        state = _split_fused(state, args)
+    if args.norm_offset:  # Gemma stores each norm's scale as w and applies 1 + w
+        state = {k: (v.float() + 1.0 if k.endswith("norm.weight") else v) for k, v in state.items()}
+    if tied:
+        state.pop("lm_head.weight", None)
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
         raise ModelLoadError(
@@ -172,6 +258,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     # The module was built on the meta device: the RoPE buffer is computed again for real.
     model.register_buffer("inv_freq", rope_inv_freq(args).to(device), persistent=False)
+    model.register_buffer("inv_freq_local", rope_inv_freq(args, local=True).to(device), persistent=False)
     use_attention(model)
     return model.eval()
 
@@ -196,6 +283,54 @@ def _read_state(
                 if local is not None:
                     state[local] = f.get_tensor(name)
     return state
+
+
+def _generate_state(
+    shapes: dict[str, tuple[int, ...]], seed: int, first_layer: int, dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    """Seeded weights for a generated folder, made on `device` in `dtype`: a matrix ~ N(0, 1/fan_in)
+    (each layer visibly changes the output), a norm's scale 1 + N(0, 0.01), a bias N(0, 0.01), the
+    embedding N(0, 1). Each tensor has its own seed from its name in the whole model, so a
+    pipeline stage's layers equal the same layers of the whole model."""
+    import zlib
+
+    state = {}
+    for name, shape in shapes.items():
+        global_name = name
+        if name.startswith("model.layers."):
+            index, _, rest = name[len("model.layers.") :].partition(".")
+            global_name = f"model.layers.{int(index) + first_layer}.{rest}"
+        g = torch.Generator(device=device).manual_seed(seed * 2**32 + zlib.crc32(global_name.encode()))
+        t = torch.empty(shape, dtype=dtype, device=device).normal_(generator=g)
+        if name.endswith("embed_tokens.weight"):
+            pass
+        elif len(shape) == 2:
+            t.mul_(1.0 / shape[1] ** 0.5)
+        elif name.endswith("norm.weight"):
+            t.mul_(0.1).add_(1.0)
+        else:
+            t.mul_(0.1)
+        state[name] = t
+    return state
+
+
+def _split_fused(state: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
+    """Phi-3's fused projections as the separate ones the model holds: `qkv_proj` rows are q's, then
+    k's, then v's; `gate_up_proj` rows are gate's, then up's (views: no copy)."""
+    out = {}
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    for name, tensor in state.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            stem = name[: -len("qkv_proj.weight")]
+            for part, rows in zip(("q", "k", "v"), tensor.split([q, kv, kv]), strict=True):
+                out[f"{stem}{part}_proj.weight"] = rows
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            stem = name[: -len("gate_up_proj.weight")]
+            gate, up = tensor.split([a.intermediate_size, a.intermediate_size])
+            out[f"{stem}gate_proj.weight"], out[f"{stem}up_proj.weight"] = gate, up
+        else:
+            out[name] = tensor
+    return out
 
 
 def _local_name(name: str, layers: range, first: bool, last: bool, tied: bool) -> str | None:

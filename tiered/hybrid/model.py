@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Qwen2, Mistral), top to bottom.
+"""The Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3), top to bottom.
 
 The module tree (named as in HF checkpoints so a state dict loads as is; its shape is `args.py`'s
 `ModelArgs`), then the per-chunk steps a decoder layer is made of: norm, RoPE, the q/k/v projection, the MLP. Every
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tiered.hybrid.args import ModelArgs
@@ -34,7 +35,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """A layer's q/k/v/o projections (attention itself runs in `forward.py`'s kernels)."""
+    """A layer's q/k/v/o projections, and Qwen3's per-head q/k norms (attention itself runs in
+    `forward.py`'s kernels)."""
 
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
@@ -42,6 +44,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
 
 
 class MLP(nn.Module):
@@ -63,6 +67,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
+        # Gemma 3: post_attention_layernorm normalizes attention's output; these the MLP's in and out
+        self.pre_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps) if a.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps) if a.sandwich_norms else None
+        self.query_scale, self.mlp_act = a.query_scale, a.mlp_act
 
 
 class Decoder(nn.Module):
@@ -86,26 +94,48 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("inv_freq_local", rope_inv_freq(args, local=True), persistent=False)
         self.attention = "masked"  # the attention kernel's name (`use_attention`); the loader sets the device's default
 
     inv_freq: Tensor
+    inv_freq_local: Tensor
 
     @property
     def layers(self) -> list[DecoderLayer]:
         """The decoder layers, in order."""
         return list(self.model.layers)  # type: ignore[arg-type]
 
+    def layer_inv_freq(self, layer: int) -> Tensor:
+        """RoPE's inverse frequencies of layer `layer` (Gemma 3's sliding layers have their own base)."""
+        local = self.args.local_rope_theta is not None and layer in self.args.window_layers
+        return self.inv_freq_local if local else self.inv_freq
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        """Token ids [n] -> the residual stream's rows [n, D] (Gemma: times sqrt(hidden), in the weights' dtype)."""
+        x = self.model.embed_tokens(token_ids)
+        if self.args.embed_scale is not None:
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        return x
+
     def last_token_logits(self, hidden_last: Tensor) -> Tensor:
-        """[B, D] hidden states of each request's last token -> [B, V] fp32 logits."""
-        return self.lm_head(self.model.norm(hidden_last)).float()
+        """[B, D] hidden states of each request's last token -> [B, V] fp32 logits (soft-capped
+        where the config says so)."""
+        logits = self.lm_head(self.model.norm(hidden_last)).float()
+        cap = self.args.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 # ---- RoPE ----------------------------------------------------------------------------------
 
 
-def rope_inv_freq(a: ModelArgs) -> Tensor:
-    """Inverse frequencies [head_dim/2], with Llama-3 frequency-dependent scaling when set."""
+def rope_inv_freq(a: ModelArgs, local: bool = False) -> Tensor:
+    """Inverse frequencies [head_dim/2], with Llama-3 frequency-dependent or linear scaling when
+    set; `local`: those of the sliding layers where they have their own base (Gemma 3), unscaled."""
+    if local and a.local_rope_theta is not None:
+        return 1.0 / (a.local_rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64).float() / a.head_dim))
     inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64).float() / a.head_dim))
+    if a.rope_linear_factor != 1.0:
+        return inv_freq / a.rope_linear_factor
     s = a.rope_scaling
     if s is None:
         return inv_freq
@@ -152,6 +182,12 @@ def _linear_accumulate_(acc: Tensor, x: Tensor, proj: nn.Linear) -> None:
         acc.add_(proj.bias)
 
 
+def _norm_heads_(x: Tensor, norm: RMSNorm) -> None:
+    """x [n, heads, Dh] = norm(x) over each head's Dh values, in place."""
+    rows = x.view(-1, x.shape[-1])
+    rows.copy_(norm(rows))
+
+
 def kv_step(
     layer: DecoderLayer,
     x: Tensor,
@@ -169,6 +205,8 @@ def kv_step(
     if lora is not None:
         lora.add_(k, h, "k_proj")
         lora.add_(v, h, "v_proj")
+    if attn.k_norm is not None:  # per head: rows of head_dim
+        _norm_heads_(k_out, attn.k_norm)
     apply_rope_(k_out, cos, sin)
 
 
@@ -180,30 +218,52 @@ def q_step(
     Separate from `kv_step` so the queries of a chunk are made only when its attention runs:
     queries of all tokens never exist at once (the norm runs twice; it is cheap)."""
     h = layer.input_layernorm(x)
-    q = _linear_into(q_out.view(x.shape[0], -1), h, layer.self_attn.q_proj)
+    attn = layer.self_attn
+    q = _linear_into(q_out.view(x.shape[0], -1), h, attn.q_proj)
     if lora is not None:
         lora.add_(q, h, "q_proj")
+    if attn.q_norm is not None:
+        _norm_heads_(q_out, attn.q_norm)
     apply_rope_(q_out, cos, sin)
+    if layer.query_scale != 1.0:  # Gemma's query_pre_attn_scalar, folded into the queries
+        q_out.mul_(layer.query_scale)
 
 
 def o_proj_step_(layer: DecoderLayer, x: Tensor, attn_out: Tensor, lora: LoraSlice | None = None) -> None:
-    """x[n, D] += o_proj(attention output [n, H*Dh])."""
+    """x[n, D] += o_proj(attention output [n, H*Dh]) (Gemma: its post-attention norm of that)."""
+    if layer.pre_feedforward_layernorm is not None:
+        out = _linear_into(x.new_empty(x.shape), attn_out, layer.self_attn.o_proj)
+        if lora is not None:
+            lora.add_(out, attn_out, "o_proj")
+        x.add_(layer.post_attention_layernorm(out))
+        return
     _linear_accumulate_(x, attn_out, layer.self_attn.o_proj)
     if lora is not None:
         lora.add_(x, attn_out, "o_proj")
 
 
 def mlp_step_(layer: DecoderLayer, x: Tensor, gate_buf: Tensor, up_buf: Tensor, lora: LoraSlice | None = None) -> None:
-    """x[n, D] += down(silu(gate(norm x)) * up(norm x)); gate/up buffers are [>= n, F] scratch."""
+    """x[n, D] += down(silu(gate(norm x)) * up(norm x)); gate/up buffers are [>= n, F] scratch.
+    Gemma: GeGLU (tanh GELU), its own input norm, and the output normed before the add."""
     mlp = layer.mlp
     n = x.shape[0]
-    h = layer.post_attention_layernorm(x)
+    sandwich = layer.pre_feedforward_layernorm is not None
+    h = (layer.pre_feedforward_layernorm or layer.post_attention_layernorm)(x)
     gate = _linear_into(gate_buf[:n], h, mlp.gate_proj)
     up = _linear_into(up_buf[:n], h, mlp.up_proj)
     if lora is not None:
         lora.add_(gate, h, "gate_proj")
         lora.add_(up, h, "up_proj")
-    silu_mul_(gate, up)
+    if layer.mlp_act == "silu":
+        silu_mul_(gate, up)
+    else:
+        gate.copy_(F.gelu(gate, approximate="tanh").mul_(up))
+    if sandwich:
+        out = _linear_into(x.new_empty(x.shape), gate, mlp.down_proj)
+        if lora is not None:
+            lora.add_(out, gate, "down_proj")
+        x.add_(layer.post_feedforward_layernorm(out))  # type: ignore[misc]
+        return
     _linear_accumulate_(x, gate, mlp.down_proj)
     if lora is not None:
         lora.add_(x, gate, "down_proj")

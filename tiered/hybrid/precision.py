@@ -137,8 +137,8 @@ def precision_for(model_dtype: str, kv_dtype: str, folder: str | Path, device: s
 
 def config_precision(cfg: Config) -> Precision:
     """What an engine built from `cfg` would resolve (benchmarks size and label their runs with it)."""
+    from tiered.config.options import resolve_device
     from tiered.embedded import resolve_model_path
-    from tiered.hybrid.loader import resolve_device
 
     folder = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     return precision_for(cfg.model.dtype, cfg.cache.kv_dtype, folder, resolve_device(cfg.device))

@@ -8,7 +8,6 @@ also compares the stored token ids to rule those out. Blocks in use by a request
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -18,34 +17,6 @@ import torch
 from torch import Tensor
 
 from tiered.hybrid.args import ModelArgs
-
-ROOT_KEY = 0
-
-
-def _stable(kind: str, text: str) -> int:
-    """A string as a 64-bit int, the same in every process (Python's str hash is salted per process)."""
-    digest = hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
-
-
-def block_keys(
-    token_ids: Sequence[int], block_tokens: int, salt: str | None = None, adapter: str | None = None
-) -> list[int]:
-    """Chained keys of the full blocks of `token_ids` (a trailing partial block has none).
-
-    A salt (vLLM's `cache_salt`) and a LoRA adapter's identity change every key: requests share
-    cached blocks only with requests of the same salt and the same adapter (an adapter changes
-    the KV of every token). Keys are equal in every process of the same Python (a remote tier
-    shares chunks across engines by them): they hash only ints and tuples of ints, whose hashes
-    PYTHONHASHSEED does not change; strings enter through `_stable`."""
-    keys = []
-    parent = ROOT_KEY if salt is None else hash((_stable("cache_salt", salt),))
-    if adapter is not None:
-        parent = hash((_stable("lora", adapter), parent))
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        parent = hash((parent, tuple(token_ids[start : start + block_tokens])))
-        keys.append(parent)
-    return keys
 
 
 @dataclass(slots=True)
@@ -287,3 +258,21 @@ class DeviceTier:
                 num_queried_tokens=self.num_queried_tokens,
                 num_evictions=self.num_evictions,
             )
+
+
+class PrefixKV(Sequence[tuple[Tensor, Tensor]]):
+    """The prefix as the forward wants it, gathered from the pool one layer at a time."""
+
+    def __init__(self, tier: DeviceTier, block_ids: list[int], num_layers: int) -> None:
+        self._tier, self._blocks, self._num_layers = tier, block_ids, num_layers
+
+    def __len__(self) -> int:
+        return self._num_layers
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the prefix holds: its blocks times the tier's block size."""
+        return len(self._blocks) * self._tier.block_tokens
+
+    def __getitem__(self, layer: int) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return self._tier.layer_kv(layer, self._blocks)

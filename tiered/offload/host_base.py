@@ -1,6 +1,6 @@
 """What every host tier offers the KV tiers: its counters and its calls. Two kinds: LMCache in this
 process (`host_tier.HostTier`), or a pipeline's index of the LMCache tiers its stage processes
-hold (`tiered.hybrid.pipeline.host.StagedHost`)."""
+hold (`tiered.engine.pipeline.host.StagedHost`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from tiered.config import HostTierConfig
-from tiered.engine.request import StoreBatch
+from tiered.request.plan import StoreBatch
 
 
 @dataclass(slots=True)

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from tiered.config import HostTierConfig
-from tiered.engine.request import StoreBatch
 from tiered.hybrid.args import ModelArgs
 from tiered.offload import lmcache_setup as lm
 from tiered.offload.host_base import HostTierStats
+from tiered.request.plan import StoreBatch
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class HostTier:
         the instance id) is LMCache's model name, part of every chunk key: engines that share a
         remote store (`remote_url`) share chunks when they give the same name (the model's identity).
         `evict=False`: a store finds no memory rather than evict (a pipeline stage's:
-        tiered/hybrid/pipeline/host.py)."""
+        tiered/engine/pipeline/host.py)."""
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.memory_management import MemoryFormat
 
@@ -395,7 +395,7 @@ class HostTier:
         return False
 
     def remove(self, keys: list[int]) -> None:
-        """Take `keys` out of LMCache after every store queued before (tiered/hybrid/pipeline/host.py)."""
+        """Take `keys` out of LMCache after every store queued before (tiered/engine/pipeline/host.py)."""
         with self._lock:
             if keys and not self._closed:
                 for k in keys:  # a store of it not yet put is no longer readable (a later one will be)

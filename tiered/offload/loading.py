@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-from tiered.engine.request import TierRequest
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.host_base import Host
 from tiered.offload.host_keys import HostKeys
+from tiered.request.tokens import TierRequest
 
 
 class Loaded(NamedTuple):

@@ -14,8 +14,9 @@ and queues the chunks for the host tier's store thread: the forward never waits 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,14 +24,15 @@ import torch
 from torch import Tensor
 
 from tiered.config import CacheConfig
-from tiered.engine.request import HitSplit, PrefixKV, Prepared, StoreBatch, TierRequest
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import KVSink
-from tiered.offload.device_tier import DeviceTier, DeviceTierStats
+from tiered.offload.device_tier import DeviceTier, DeviceTierStats, PrefixKV
 from tiered.offload.host_base import Host, HostTierStats
 from tiered.offload.host_keys import HostKeys
 from tiered.offload.host_tier import HostTier
 from tiered.offload.loading import PrefixLoader, max_prefix_blocks
+from tiered.request.plan import Prepared, StoreBatch
+from tiered.request.tokens import HitSplit, TierRequest
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ class KVTiers:
     ) -> None:
         """`device_tier`: a pipeline's index (`DeviceTier(hold_kv=False)`: its stages hold the KV and
         it sized their pools); default: a pool of `cfg.device_tier_bytes` in this process.
-        `host_tier`: a pipeline's index of its stages' LMCache tiers (`tiered.hybrid.pipeline.host`);
+        `host_tier`: a pipeline's index of its stages' LMCache tiers (`tiered.engine.pipeline.host`);
         default, with `cfg.suffix: offload`: LMCache in this process."""
         args, dtype, device = setup.args, setup.dtype, setup.device
         self.cfg = cfg
@@ -109,7 +111,10 @@ class KVTiers:
         self.host_keys = HostKeys(2 * self.host_tier.capacity_chunks + 1024 if self.host_tier else 0)
         if self.host_tier is not None:
             self.host_tier.on_forgotten = lambda keys: self._changed(self.host_keys.forget(keys))
-        self.on_change: Callable[[Iterable[int]], None] | None = None
+        # Keys whose tier changed (stored, loaded, evicted, forgotten), from any thread, until the
+        # scheduler takes them (`take_changed`); collected only once it asked (`track_changes`).
+        self._changes: set[int] | None = None
+        self._changes_lock = threading.Lock()
         self.device_tier.on_change = lambda key: self._changed((key,))
         self.loader = PrefixLoader(self.device_tier, self.host_tier, self.host_keys, self._changed)
         log.debug("%s", self.describe())
@@ -167,9 +172,22 @@ class KVTiers:
         num_miss = n - (num_device + num_host + num_disk) * bt
         return HitSplit(num_device * bt, num_host * bt, num_miss, num_disk_hit_tokens=num_disk * bt)
 
+    def track_changes(self) -> None:
+        """From now on, collect the keys whose tier changes, for `take_changed`."""
+        with self._changes_lock:
+            if self._changes is None:
+                self._changes = set()
+
+    def take_changed(self) -> set[int]:
+        """The keys whose tier changed since the last call (hit splits that name them are stale)."""
+        with self._changes_lock:
+            changed, self._changes = self._changes or set(), set() if self._changes is not None else None
+        return changed
+
     def _changed(self, keys: Iterable[int]) -> None:
-        if self.on_change is not None:
-            self.on_change(keys)
+        with self._changes_lock:
+            if self._changes is not None:
+                self._changes.update(keys)
 
     # ---- loading ---------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiered.engine.request import HitSplit
+from tiered.request.tokens import HitSplit
 
 log = logging.getLogger(__name__)
 NUM_FEATURES = 7

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiered.config import SchedulerConfig
-from tiered.engine.request import HitSplit
+from tiered.request.tokens import HitSplit
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.step import Decision, PieceStats, Waiting
 

@@ -7,22 +7,21 @@ from __future__ import annotations
 
 import heapq
 import math
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from torch import Tensor
 
 from tiered.config import SchedulerPolicy
-from tiered.engine.request import TierRequest, common_prefix_len
-from tiered.engine.score import DEFAULT_PARAMS, ScoreParams
 from tiered.offload.tiers import KVTiers
+from tiered.request.score import DEFAULT_PARAMS, ScoreParams
+from tiered.request.tokens import TierRequest, common_prefix_len
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.pieces import PiecePolicy
-from tiered.scheduler.step import Decision, Step, StepLimits, Waiting
+from tiered.scheduler.step import Decision, Refused, Step, StepLimits, StepOutput, Waiting
 
-__all__ = ["Decision", "Scheduler", "Waiting"]
+__all__ = ["Decision", "Refused", "Scheduler", "Waiting"]
 
 
 class Scheduler:
@@ -54,11 +53,9 @@ class Scheduler:
             tuple[int, float, int, str, int]
         ] = []  # entries moved out of _heap: past hope of their deadline
         self._by_key: dict[int, set[str]] = defaultdict(set)  # block key -> ids of the requests that hold it
-        self._dirty: set[str] = set()
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, request id), stale entries skipped
-        self._lock = threading.Lock()
         self._seq = 0
-        tiers.on_change = self._keys_changed
+        tiers.track_changes()  # the tiers collect the keys that move; `_rescore_changed` takes them
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -77,7 +74,9 @@ class Scheduler:
         slo_seconds: float | None = None,
     ) -> Waiting:
         """Queue a request (its id must not be waiting already: ValueError); with `slo_seconds`,
-        its deadline is its arrival plus that."""
+        its deadline is its arrival plus that. Admission control raises Refused: 503 when its
+        predicted wait is over `limits.max_predicted_wait`, 429 when (`limits.shed_late`) its
+        predicted wait and time end past its deadline."""
         if request.request_id in self._waiting:
             raise ValueError(f"request id {request.request_id!r} is already waiting")
         split = self.tiers.estimate(request)
@@ -86,11 +85,52 @@ class Scheduler:
         w = Waiting(
             request, self._seq, now, split, self.jct.predict(split), priority=priority, params=params, deadline=deadline
         )
+        self._admit(w)
         self._seq += 1
         self._enqueue(w)
         if slo_seconds is not None and self.pieces is not None:
             self.pieces.saw(w.arrival, slo_seconds, w.jct)
         return w
+
+    def _admit(self, w: Waiting) -> None:
+        """Refuse `w` (Refused) where admission control says so; computes its predicted wait only
+        where a rule needs it (a cap is set, or it has an objective and late calls are shed)."""
+        lim = self.limits
+        shed = lim.shed_late and w.deadline is not None
+        if not (shed or lim.max_predicted_wait > 0):
+            return
+        wait = self.predicted_wait(w)
+        if 0 < lim.max_predicted_wait < wait:
+            raise Refused(
+                503,
+                f"the server is over capacity: a predicted wait of {wait:.1f} s exceeds "
+                f"scheduler.max_predicted_wait_s ({lim.max_predicted_wait:g} s); retry later",
+                wait,
+            )
+        now = self.clock()
+        if shed and w.deadline is not None and now + wait + w.jct > w.deadline:
+            raise Refused(
+                429,
+                f"deadline unreachable: a predicted wait of {wait:.2f} s and {w.jct:.2f} s of its own end "
+                f"{1e3 * (now + wait + w.jct - w.deadline):.0f} ms past its latency objective (scheduler.late: shed)",
+                wait,
+            )
+
+    def predicted_wait(self, w: Waiting) -> float:
+        """Seconds of predicted work the policy runs before `w` (not yet queued): the waiting
+        requests of a higher priority, or of its own and ahead in the policy's order; with late
+        calls shed, those that will be shed are not counted. O(waiting)."""
+        now, shed = self.clock(), self.limits.shed_late
+        key = (w.priority, self._order(w), w.seq)
+        return sum(
+            x.jct
+            for x in self._waiting.values()
+            if (x.priority, self._order(x), x.seq) < key and not (shed and self._hopeless(x, now))
+        )
+
+    def backlog(self) -> float:
+        """Seconds of predicted work waiting (each request's JCT, summed). O(waiting)."""
+        return sum(w.jct for w in self._waiting.values())
 
     def requeue(self, w: Waiting) -> None:
         """Put a picked request back, as it was (arrival, order, deadline): a request that yielded
@@ -102,9 +142,8 @@ class Scheduler:
 
     def _enqueue(self, w: Waiting) -> None:
         self._waiting[w.request_id] = w
-        with self._lock:  # the host tier's store thread reads the index (`_keys_changed`)
-            for key in w.request.keys:
-                self._by_key[key].add(w.request_id)
+        for key in w.request.keys:
+            self._by_key[key].add(w.request_id)
         if self.policy != "hrrn":
             self._push(w)
         if w.deadline is not None:
@@ -153,13 +192,12 @@ class Scheduler:
         return w
 
     def _unindex(self, w: Waiting) -> None:
-        with self._lock:
-            for key in w.request.keys:
-                ids = self._by_key.get(key)
-                if ids is not None:
-                    ids.discard(w.request_id)
-                    if not ids:
-                        del self._by_key[key]
+        for key in w.request.keys:
+            ids = self._by_key.get(key)
+            if ids is not None:
+                ids.discard(w.request_id)
+                if not ids:
+                    del self._by_key[key]
 
     def waiting_keys(self) -> set[int]:
         """Block keys of every waiting request (what the `prefix` retention policy keeps)."""
@@ -170,13 +208,6 @@ class Scheduler:
         return sum(len(w.parked) for w in self._waiting.values())
 
     # ---- scoring ---------------------------------------------------------------------------
-
-    def _keys_changed(self, keys: Iterable[int]) -> None:
-        with self._lock:
-            for key in keys:
-                ids = self._by_key.get(key)
-                if ids:
-                    self._dirty.update(ids)
 
     def _score(self, w: Waiting) -> float:
         p = self.policy
@@ -190,11 +221,13 @@ class Scheduler:
             return float(w.split.num_miss_tokens)
         raise ValueError(f"policy {p} has no static score")
 
-    def _rescore_dirty(self) -> int:
-        with self._lock:
-            dirty, self._dirty = self._dirty, set()
+    def _rescore_changed(self) -> int:
+        """Re-estimate the waiting requests whose blocks moved between tiers since the last pick
+        (the tiers collect the keys, from the engine's thread and the host tier's store thread)."""
+        changed = self.tiers.take_changed()
         if self.policy in ("fcfs", "srjf"):
             return 0  # scored once
+        dirty = {rid for key in changed for rid in self._by_key.get(key, ())}
         n = 0
         for request_id in dirty:
             w = self._waiting.get(request_id)
@@ -248,7 +281,7 @@ class Scheduler:
         """Take the request to run next out of the queue (after re-scoring what changed)."""
         start = time.perf_counter()
         depth = len(self._waiting)
-        rescored = self._rescore_dirty()
+        rescored = self._rescore_changed()
         w = self._best()
         if w is None:
             return None
@@ -317,7 +350,9 @@ class Scheduler:
             cached = its_prefix
             del self._waiting[w.request_id]
             self._unindex(w)
-            batch.append(Decision(w, w.jct, 0.0, 0, head.queue_depth))
+            # its share of the batch's time: what another member computes for it counts as cached
+            alone = w.jct if not num_shared else self.jct.predict(w.split.shared_as_hits(num_shared))
+            batch.append(Decision(w, alone, 0.0, 0, head.queue_depth))
             ends += w.jct
             if w.deadline is not None and ends <= w.deadline:
                 met = min(met, w.deadline)
@@ -384,8 +419,11 @@ class Scheduler:
 
     def schedule(self) -> Step:
         """The next step: the batch (`pick_batch`), whether its head runs in a piece or waits for
-        an urgent request (`pieces`), the prefix to prefetch, and the requests that expired."""
+        an urgent request (`pieces`), the prefix to prefetch, the requests that expired, and (late
+        calls shed) those that can no longer meet their deadline: before the pick, those that
+        cannot even if they start now; after it, those that cannot once this step has run."""
         lim = self.limits
+        shed = self.take_unreachable(0.0) if lim.shed_late else []
         expired = self.take_expired() if lim.drop_expired else []
         batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters)
         piece = self.pieces.decide(batch[0], self.by_deadline) if self.pieces and len(batch) == 1 else None
@@ -393,14 +431,38 @@ class Scheduler:
             self.requeue(batch[0].waiting)  # with the requests that fit beside it (as a head's batch fills)
             batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters, self.take(piece.take))
             piece = None
+        piece_tokens = None if piece is None else piece.num_tokens
+        busy = 0.0
+        if lim.shed_late and batch:  # nothing waiting starts before this step ends
+            head = batch[0].waiting
+            if piece_tokens is None:
+                busy = sum(d.predicted_jct for d in batch)
+            else:
+                busy = self.jct.piece_seconds(head.split, piece_tokens)
+            shed += self.take_unreachable(busy)
+        retry_after = busy + self.backlog() if shed else 0.0
         prefetch = None
         if batch and lim.prefetch:
             nxt = self.peek()
             if nxt is not None and nxt.split.num_loaded_tokens > 0 and not self._batch_makes(batch, nxt):
                 prefetch = nxt.request
-        piece_tokens = None if piece is None else piece.num_tokens
         parked = self.num_parked_blocks() if piece_tokens is not None else 0
-        return Step(batch, piece_tokens, prefetch, expired, self.waiting_keys() if batch else set(), parked)
+        keys = self.waiting_keys() if batch else set()
+        return Step(batch, piece_tokens, prefetch, expired, keys, parked, shed, retry_after)
+
+    def update_from_output(self, output: StepOutput) -> None:
+        """Apply a step's output to the queue: the requests it gives back wait again, in their place."""
+        for w in output.requeue:
+            self.requeue(w)
+
+    def take_unreachable(self, busy: float) -> list[Waiting]:
+        """Take out the waiting requests that cannot meet their deadline even if they start once
+        `busy` more seconds (the step about to run) have passed (`scheduler.late: shed`). O(waiting)."""
+        now = self.clock()
+        out = [w for w in self._waiting.values() if w.deadline is not None and now + busy + w.jct > w.deadline]
+        for w in out:
+            self.remove(w.request_id)
+        return out
 
     def take_expired(self) -> list[Waiting]:
         """Take out the waiting requests whose deadline has passed (`scheduler.drop_expired`)."""
@@ -420,5 +482,5 @@ class Scheduler:
 
     def peek(self) -> Waiting | None:
         """The request `pick` would choose now, left in the queue (the prefetch target)."""
-        self._rescore_dirty()
+        self._rescore_changed()
         return self._best()

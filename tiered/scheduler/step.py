@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiered.engine.request import HitSplit, TierRequest
-from tiered.engine.score import DEFAULT_PARAMS, ScoreParams
+from tiered.request.score import DEFAULT_PARAMS, Result, ScoreParams
+from tiered.request.tokens import HitSplit, TierRequest
 
 
 @dataclass(slots=True)
@@ -56,6 +56,18 @@ class StepLimits:
     prefetch: bool = True  # start loading the next pick's host-resident prefix
     drop_expired: bool = False  # fail waiting requests whose deadline passed
     defer_late: bool = True  # requests that can no longer meet their deadline wait behind those that can
+    shed_late: bool = False  # ... or are refused at once (`scheduler.late: shed`)
+    max_predicted_wait: float = 0.0  # admission control: seconds of predicted wait; 0: no cap
+
+
+class Refused(Exception):
+    """A call refused when it arrives: `status` 429 (its objective cannot be met: `scheduler.late:
+    shed`) or 503 (the predicted wait is over `scheduler.max_predicted_wait_s`); `retry_after`:
+    seconds until the work queued ahead of it is predicted to be done."""
+
+    def __init__(self, status: int, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
 
 
 @dataclass(slots=True)
@@ -65,9 +77,12 @@ class Step:
     `batch`: the requests of one forward, head first. `piece_tokens`: the head (alone) computes only
     this many of its tokens, parks their KV and waits again; None: every request runs whole.
     `prefetch`: a waiting request whose host-resident prefix starts loading now. `expired`:
-    requests taken out because their deadline passed. `waiting_keys`: block keys of the requests
-    still waiting (the tiers keep those). `num_parked_blocks`: device blocks the waiting requests
-    hold between their pieces (counted only for a piece)."""
+    requests taken out because their deadline passed (`scheduler.drop_expired`). `shed`: requests
+    taken out because they are predicted to miss their deadline (`scheduler.late: shed`), answered
+    before the forward starts; `retry_after`: the predicted seconds until the work now queued is
+    done (their Retry-After). `waiting_keys`: block keys of the requests still waiting (the tiers
+    keep those). `num_parked_blocks`: device blocks the waiting requests hold between their pieces
+    (counted only for a piece)."""
 
     batch: list[Decision] = field(default_factory=list)
     piece_tokens: int | None = None
@@ -75,11 +90,22 @@ class Step:
     expired: list[Waiting] = field(default_factory=list)
     waiting_keys: set[int] = field(default_factory=set)
     num_parked_blocks: int = 0
+    shed: list[Waiting] = field(default_factory=list)
+    retry_after: float = 0.0
 
     @property
     def adapters(self) -> list[str]:
         """The LoRA adapters (identities) the batch computes with."""
         return [a for d in self.batch if (a := d.waiting.request.adapter) is not None]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What a step produced (the executor's answer to a `Step`): answers (and failures), and
+    requests to wait again (a piece's head, or the batches a runner gave back to retry)."""
+
+    results: list[Result] = field(default_factory=list)
+    requeue: list[Waiting] = field(default_factory=list)
 
 
 @dataclass(slots=True)

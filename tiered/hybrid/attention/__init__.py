@@ -3,7 +3,7 @@ correct one chosen per machine (`select.py`)."""
 
 import torch
 
-from tiered.hybrid.attention.interface import AttendFn, Kernel, Piece
+from tiered.hybrid.attention.interface import AttendFn, Kernel, Span
 from tiered.hybrid.attention.kernels import KERNELS, reference_
 
 # What a model computes with until the engine measures (tests and benchmarks that call the forward directly).
@@ -15,4 +15,4 @@ def default_kernel(device: str) -> str:
     return DEFAULT_KERNEL.get(torch.device(device).type, "masked")
 
 
-__all__ = ["DEFAULT_KERNEL", "KERNELS", "AttendFn", "Kernel", "Piece", "default_kernel", "reference_"]
+__all__ = ["DEFAULT_KERNEL", "KERNELS", "AttendFn", "Kernel", "Span", "default_kernel", "reference_"]

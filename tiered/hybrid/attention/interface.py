@@ -1,4 +1,4 @@
-"""What every attention kernel is: the pieces it attends over, its call, and where it runs."""
+"""What every attention kernel is: the spans it attends over, its call, and where it runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 
-class Piece(NamedTuple):
+class Span(NamedTuple):
     """Queries q[q_start : q_start + num] of one request: their own keys are k[k_start : k_start + num]
     (causal: the i-th sees the first i + 1), and every key row range in `visible` (the request's
     earlier tokens, tokens another request computed for it) is seen by all of them."""
@@ -21,8 +21,8 @@ class Piece(NamedTuple):
     visible: tuple[tuple[int, int], ...] = ()
 
 
-AttendFn = Callable[[Tensor, Tensor, Tensor, list[Piece], Tensor | None, Tensor | None], None]
-"""(q [L, H, Dh], k [*, Hkv, Dh], v, pieces, prefix_k [P, Hkv, Dh] | None, prefix_v) -> None; writes q."""
+AttendFn = Callable[[Tensor, Tensor, Tensor, list[Span], Tensor | None, Tensor | None], None]
+"""(q [L, H, Dh], k [*, Hkv, Dh], v, spans, prefix_k [P, Hkv, Dh] | None, prefix_v) -> None; writes q."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from tiered.hybrid.attention.interface import Kernel, Piece
+from tiered.hybrid.attention.interface import Kernel, Span
 from tiered.hybrid.attention.native import DTYPES as NATIVE_DTYPES
 from tiered.hybrid.attention.native import attend_ as native_attend_
 from tiered.hybrid.attention.native import unavailable as native_unavailable
@@ -45,18 +45,18 @@ class PartCalls(NamedTuple):
 
 
 def _by_parts_(
-    calls: PartCalls, q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix: tuple[Tensor, Tensor] | None
+    calls: PartCalls, q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: tuple[Tensor, Tensor] | None
 ) -> None:
-    """One `part` call over the shared prefix for the queries of all pieces (requests that share
+    """One `part` call over the shared prefix for the queries of all spans (requests that share
     a prefix read it once, no copy per request), one per visible range, one causal over each
-    piece's own keys; merged by log-sum-exp. Calls cover `kv_heads_per_call` KV heads (None: all),
+    span's own keys; merged by log-sum-exp. Calls cover `kv_heads_per_call` KV heads (None: all),
     so scratch is that many query groups' output, not another [L, H, Dh] tensor."""
     part, kv_heads_per_call = calls
     prefix_k, prefix_v = prefix if prefix is not None else (None, None)
     num_kv_heads = k.shape[1]
     per_call = kv_heads_per_call or num_kv_heads
     group = q.shape[1] // num_kv_heads
-    first, last = pieces[0].q_start, pieces[-1].q_start + pieces[-1].num
+    first, last = spans[0].q_start, spans[-1].q_start + spans[-1].num
     for j in range(0, num_kv_heads, per_call):
         heads = slice(j * group, (j + per_call) * group)
         q4 = q[:, heads].permute(1, 0, 2)[None]  # [1, h, L, Dh]
@@ -65,7 +65,7 @@ def _by_parts_(
         if prefix_k is not None and prefix_v is not None:
             pk4, pv4 = (t[:, j : j + per_call].permute(1, 0, 2)[None] for t in (prefix_k, prefix_v))
             out_p, lse_p = part(q4[:, :, first:last], pk4, pv4, False)
-        for p in pieces:
+        for p in spans:
             qs, ks = slice(p.q_start, p.q_start + p.num), slice(p.k_start, p.k_start + p.num)
             out, lse = part(q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], True)
             for a, b in p.visible:
@@ -92,26 +92,26 @@ def _prefix(pk: Tensor | None, pv: Tensor | None) -> tuple[Tensor, Tensor] | Non
     return None if pk is None or pv is None else (pk, pv)
 
 
-def _flash_head_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
-    _by_parts_(PartCalls(_flash_part, 1), q, k, v, pieces, _prefix(pk, pv))
+def _flash_head_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], pk: Tensor | None, pv: Tensor | None) -> None:
+    _by_parts_(PartCalls(_flash_part, 1), q, k, v, spans, _prefix(pk, pv))
 
 
-def _flash_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
-    _by_parts_(PartCalls(_flash_part, None), q, k, v, pieces, _prefix(pk, pv))
+def _flash_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], pk: Tensor | None, pv: Tensor | None) -> None:
+    _by_parts_(PartCalls(_flash_part, None), q, k, v, spans, _prefix(pk, pv))
 
 
-def _flash_f32_(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], pk: Tensor | None, pv: Tensor | None) -> None:
+def _flash_f32_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], pk: Tensor | None, pv: Tensor | None) -> None:
     q32 = q.float()
     prefix = None if pk is None or pv is None else (pk.float(), pv.float())
-    _by_parts_(PartCalls(_flash_part, None), q32, k.float(), v.float(), pieces, prefix)
+    _by_parts_(PartCalls(_flash_part, None), q32, k.float(), v.float(), spans, prefix)
     q.copy_(q32)
 
 
 def masked_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
-    """Per piece: its keys concatenated (prefix, visible ranges, own) and SDPA with a lower-right causal mask."""
-    for p in pieces:
+    """Per span: its keys concatenated (prefix, visible ranges, own) and SDPA with a lower-right causal mask."""
+    for p in spans:
         parts = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
         parts += [(k[a:b], v[a:b]) for a, b in p.visible] + [
             (k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num])
@@ -122,6 +122,56 @@ def masked_(
         q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qp, ks.to(q.dtype), vs.to(q.dtype)))
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         qp.copy_(out[0].transpose(0, 1))
+
+
+# Queries a windowed call attends at once: their keys are the window plus this many rows.
+WINDOW_QUERY_BLOCK = 256
+
+
+def windowed(window: int) -> Callable[..., None]:
+    """An attention call where each query sees only the last `window` keys up to its own
+    (HF's sliding window: key j visible from query position p when p - window < j <= p), for the
+    layers of a sliding-window model once a forward reaches past the window. Per span, its keys in
+    position order are the prefix, its visible ranges, then its own (causal); each block of
+    WINDOW_QUERY_BLOCK queries runs SDPA over only the keys its window can reach, with a band mask,
+    so memory and time grow with the window, not the prompt."""
+
+    def attend_(
+        q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
+    ) -> None:
+        for p in spans:
+            segs = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
+            segs += [(k[a:b], v[a:b]) for a, b in p.visible]
+            segs.append((k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num]))
+            before = sum(sk.shape[0] for sk, _ in segs[:-1])  # keys ahead of its own: positions 0 .. before-1
+            for qb in range(0, p.num, WINDOW_QUERY_BLOCK):
+                qe = min(qb + WINDOW_QUERY_BLOCK, p.num)
+                lo, hi = max(0, before + qb - window + 1), before + qe  # key positions any of them sees
+                ks, vs = _key_rows(segs, lo, hi)
+                qpos = torch.arange(before + qb, before + qe, device=q.device)[:, None]
+                kpos = torch.arange(lo, hi, device=q.device)[None, :]
+                mask = (kpos <= qpos) & (kpos > qpos - window)
+                qp = q[p.q_start + qb : p.q_start + qe]
+                q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qp, ks.to(q.dtype), vs.to(q.dtype)))
+                out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+                qp.copy_(out[0].transpose(0, 1))
+
+    return attend_
+
+
+def _key_rows(segs: list[tuple[Tensor, Tensor]], lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    """K and V of key positions [lo, hi) of segments laid end to end (a copy only where it spans several)."""
+    ks, vs, at = [], [], 0
+    for sk, sv in segs:
+        n = sk.shape[0]
+        a, b = max(lo, at) - at, min(hi, at + n) - at
+        if a < b:
+            ks.append(sk[a:b])
+            vs.append(sv[a:b])
+        at += n
+    if len(ks) == 1:
+        return ks[0], vs[0]
+    return torch.cat(ks), torch.cat(vs)
 
 
 def _varlen_attn(
@@ -144,18 +194,18 @@ def _varlen_attn(
 
 
 def varlen_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
-    """CUDA: one FlashAttention-2 call (torch's `varlen_attn`) for all pieces. Each piece is one
+    """CUDA: one FlashAttention-2 call (torch's `varlen_attn`) for all spans. Each span is one
     sequence whose keys are packed as [prefix, visible ranges, own]; FA2 aligns its causal mask
     to the bottom right when a sequence has more keys than queries (flash-attn >= 2.1), so query
-    i of a piece sees every key before its own block and its own first i + 1. The shared prefix
-    is copied once per piece (a few MiB a layer for a visit: microseconds at HBM speed); reading
+    i of a span sees every key before its own block and its own first i + 1. The shared prefix
+    is copied once per span (a few MiB a layer for a visit: microseconds at HBM speed); reading
     it in place through `block_table` from the device tier's pages would avoid the copy."""
     keys: list[Tensor] = []
     values: list[Tensor] = []
     cu_q, cu_k = [0], [0]
-    for p in pieces:
+    for p in spans:
         parts = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
         parts += [(k[a:b], v[a:b]) for a, b in p.visible]
         parts.append((k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num]))
@@ -163,7 +213,7 @@ def varlen_(
         values += [vv for _, vv in parts]
         cu_q.append(cu_q[-1] + p.num)
         cu_k.append(cu_k[-1] + sum(kk.shape[0] for kk, _ in parts))
-    first, last = pieces[0].q_start, pieces[-1].q_start + pieces[-1].num
+    first, last = spans[0].q_start, spans[-1].q_start + spans[-1].num
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
     lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
     cu_q_t, cu_k_t = (torch.tensor(cu, dtype=torch.int32, device=q.device) for cu in (cu_q, cu_k))
@@ -180,12 +230,12 @@ def varlen_(
 
 
 def reference_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
     """The truth: `masked_` with every input widened to fp32, written back in q's dtype."""
     q32 = q.float()
     pk, pv = (None, None) if prefix_k is None or prefix_v is None else (prefix_k.float(), prefix_v.float())
-    masked_(q32, k.float(), v.float(), pieces, pk, pv)
+    masked_(q32, k.float(), v.float(), spans, pk, pv)
     q.copy_(q32)
 
 

@@ -1,4 +1,4 @@
-"""`native`: every piece's attention in one C++ call (csrc/attend.cpp), the prefix read in place
+"""`native`: every span's attention in one C++ call (csrc/attend.cpp), the prefix read in place
 through a block table.
 
 Design notes: docs/internals.md, section `tiered/hybrid/attention/native.py`.
@@ -15,24 +15,24 @@ import torch
 from torch import Tensor
 
 
-class Piece(Protocol):
-    """What this module reads of kernels.Piece (kernels.py imports this module to register it)."""
+class Span(Protocol):
+    """What this module reads of kernels.Span (kernels.py imports this module to register it)."""
 
     @property
     def q_start(self) -> int:
-        """First query row of the piece."""
+        """First query row of the span."""
 
     @property
     def k_start(self) -> int:
-        """First key row of the piece's own (causal) keys."""
+        """First key row of the span's own (causal) keys."""
 
     @property
     def num(self) -> int:
-        """Queries in the piece (as many as its own keys)."""
+        """Queries in the span (as many as its own keys)."""
 
     @property
     def visible(self) -> tuple[tuple[int, int], ...]:
-        """Key row ranges every query of the piece sees."""
+        """Key row ranges every query of the span sees."""
 
 
 log = logging.getLogger(__name__)
@@ -93,12 +93,12 @@ def cpu_isas() -> list[str]:
     return str(ops.isas()).split(",") if ops is not None else []
 
 
-def _encode(pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
-    """Pieces as int64 [n, 5] (q_start, k_start, num, first and end index of its visible ranges)
+def _encode(spans: Sequence[Span]) -> tuple[Tensor, Tensor]:
+    """Spans as int64 [n, 5] (q_start, k_start, num, first and end index of its visible ranges)
     and the visible ranges as int64 [m, 2]."""
     rows: list[tuple[int, ...]] = []
     ranges: list[tuple[int, int]] = []
-    for p in pieces:
+    for p in spans:
         rows.append((p.q_start, p.k_start, p.num, len(ranges), len(ranges) + len(p.visible)))
         ranges += p.visible
     return (
@@ -124,7 +124,7 @@ class PagedPrefix(NamedTuple):
 
 
 def attend_paged_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], prefix: PagedPrefix | None, isa: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, spans: Sequence[Span], prefix: PagedPrefix | None, isa: str = "auto"
 ) -> str:
     """`attend_` with the shared prefix (None: none) read through its block table. q [L, H, Dh]
     fp32 or bf16 is overwritten; k, v and the pools are used in q's dtype. Returns the ISA path
@@ -135,7 +135,7 @@ def attend_paged_(
         raise RuntimeError("the native attention kernel is not available here (see the log for why)")
     if q.dtype not in DTYPES:
         raise ValueError(f"native attention computes in float32 or bfloat16, not {q.dtype}")
-    encoded, ranges = _encode(pieces)
+    encoded, ranges = _encode(spans)
     has_prefix = pool_k is not None and pool_v is not None and block_ids is not None and prefix_tokens > 0
     pk = _rows(pool_k, q.dtype) if has_prefix and pool_k is not None else None
     pv = _rows(pool_v, q.dtype) if has_prefix and pool_v is not None else None
@@ -159,11 +159,11 @@ def attend_paged_(
 
 
 def attend_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: Sequence[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, spans: Sequence[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
     """The AttendFn: a contiguous prefix [P, Hkv, Dh] is the pool of one block of P tokens."""
     if prefix_k is None or prefix_v is None or prefix_k.shape[0] == 0:
-        attend_paged_(q, k, v, pieces, None)
+        attend_paged_(q, k, v, spans, None)
         return
     ids = torch.zeros(1, dtype=torch.int64)
-    attend_paged_(q, k, v, pieces, PagedPrefix(prefix_k[None], prefix_v[None], ids, prefix_k.shape[0]))
+    attend_paged_(q, k, v, spans, PagedPrefix(prefix_k[None], prefix_v[None], ids, prefix_k.shape[0]))

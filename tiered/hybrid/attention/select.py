@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from tiered.config import AttentionConfig, ConfigError
-from tiered.engine.measured import cache_key, load_cached, save_cached
 from tiered.hybrid.attention import native, vllm_cpu
-from tiered.hybrid.attention.interface import Piece
+from tiered.hybrid.attention.interface import Span
 from tiered.hybrid.attention.kernels import KERNELS, reference_
+from tiered.hybrid.measured import cache_key, load_cached, save_cached
 from tiered.hybrid.precision import cpu_flags, cpu_name
 
 log = logging.getLogger(__name__)
@@ -44,10 +44,10 @@ class ShapeClass:
     new_tokens: int
     prefix_tokens: int
 
-    def pieces(self) -> list[Piece]:
-        """One causal piece per request, each over its own `new_tokens` queries and keys."""
+    def spans(self) -> list[Span]:
+        """One causal span per request, each over its own `new_tokens` queries and keys."""
         n = self.new_tokens
-        return [Piece(i * n, i * n, n) for i in range(self.requests)]
+        return [Span(i * n, i * n, n) for i in range(self.requests)]
 
     def flops(self, num_heads: int, head_dim: int) -> float:
         """Multiply-adds x 2 of QK^T and PV over the pairs a causal prefill attends."""
@@ -125,13 +125,13 @@ def time_kernels(
     for shape in shapes:
         q, k, v, pk, pv = make_inputs(shape, heads)
         expected = q.clone()
-        reference_(expected, k, v, shape.pieces(), pk, pv)
+        reference_(expected, k, v, shape.spans(), pk, pv)
         expected = expected.float()
         for name in kernels:
             attend = KERNELS[name].attend_
             got = q.clone()
             try:
-                attend(got, k, v, shape.pieces(), pk, pv)
+                attend(got, k, v, shape.spans(), pk, pv)
             except (RuntimeError, ValueError, TypeError) as e:  # a library kernel that fails here is refused
                 log.warning("attention kernel %s failed on %s: %s", name, shape.name, e)
                 out.append(KernelTiming(name, shape.name, math.inf, 0.0, math.inf, False))
@@ -142,7 +142,7 @@ def time_kernels(
                 work = q.clone()
                 _sync(device)
                 start = time.perf_counter()
-                attend(work, k, v, shape.pieces(), pk, pv)
+                attend(work, k, v, shape.spans(), pk, pv)
                 _sync(device)
                 best = min(best, time.perf_counter() - start)
             ok = error <= TOLERANCE[heads.dtype]

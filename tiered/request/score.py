@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tiered.engine.request import HitSplit
+from tiered.request.tokens import HitSplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +87,11 @@ class Result:
     store_seconds: float = 0.0
     num_pieces: int = 1  # forwards its new tokens took (more than one: it yielded between pieces)
     deadline_met: bool | None = None  # answered by its deadline (None: it had no latency objective)
-    expired: bool = False  # failed because its deadline passed while it waited (scheduler.drop_expired)
+    # Failed because its deadline passed while it waited (scheduler.drop_expired), or it was
+    # predicted to miss it (scheduler.late: shed): a 429.
+    expired: bool = False
     unavailable: bool = False  # failed because a pipeline stage died under its batch (503: retry it)
+    retry_after: float | None = None  # a refused request: the predicted seconds until the queue clears
 
     @classmethod
     def failed(
@@ -99,6 +102,7 @@ class Result:
         queued_seconds: float,
         expired: bool = False,
         unavailable: bool = False,
+        retry_after: float | None = None,
     ) -> Result:
         """A result for a request that failed before computing (`error` says why), with no hits or output."""
         return cls(
@@ -118,6 +122,7 @@ class Result:
             error,
             expired=expired,
             unavailable=unavailable,
+            retry_after=retry_after,
         )
 
     @property

@@ -1,6 +1,6 @@
 """The JCT model of a pipeline: what a micro-batch costs on each stage.
 
-Design notes: docs/internals.md, section `tiered/hybrid/pipeline/costs.py`.
+Design notes: docs/internals.md, section `tiered/engine/pipeline/costs.py`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tiered.engine.request import HitSplit
+from tiered.request.tokens import HitSplit
 from tiered.scheduler.jct import JCTModel
 
 MAX_WAITING = 256  # micro-batches measured before the prior that join the fit (as the JCT model's window)

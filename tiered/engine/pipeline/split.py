@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from tiered.engine.request import HitSplit
+from tiered.engine.pipeline.waves import Job, form_waves
 from tiered.engine.runner import ItemPlan
-from tiered.hybrid.pipeline.waves import Job, form_waves
+from tiered.request.tokens import HitSplit
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -28,7 +28,7 @@ def cut_microbatches(
     plans: Sequence[ItemPlan], num_microbatches: int, cost: Callable[[HitSplit], float] | None = None
 ) -> list[list[int]]:
     """The batch's items per micro-batch (indices, in batch order), of even cost: `cost` of an
-    item's split (the pipeline's stage models, tiered/hybrid/pipeline/costs.py), else its computed tokens.
+    item's split (the pipeline's stage models, tiered/engine/pipeline/costs.py), else its computed tokens.
 
     Every item is a job of its own, the costliest first to the lightest micro-batch (`form_waves`),
     so no micro-batch exceeds the mean by more than one item; a follower never goes to an earlier

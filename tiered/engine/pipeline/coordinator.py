@@ -21,15 +21,12 @@ import torch
 from torch import Tensor
 
 from tiered.config import Config, ConfigError, HostTierConfig
+from tiered.config.options import resolve_device
 from tiered.engine.adapters import Adapters
-from tiered.engine.request import HitSplit, Prepared
-from tiered.engine.runner import ForwardRetry, ForwardUnavailable, ItemPlan
-from tiered.hybrid.args import ModelArgs
-from tiered.hybrid.loader import DTYPES, read_args, resolve_device
-from tiered.hybrid.pipeline.costs import StageModels
-from tiered.hybrid.pipeline.host import LOAD, StagedHost, stage_host_config, staged_host
-from tiered.hybrid.pipeline.split import cut_microbatches, microbatch_plans, plan_split, stage_layers
-from tiered.hybrid.pipeline.stage import (
+from tiered.engine.pipeline.costs import StageModels
+from tiered.engine.pipeline.host import LOAD, StagedHost, stage_host_config, staged_host
+from tiered.engine.pipeline.split import cut_microbatches, microbatch_plans, plan_split, stage_layers
+from tiered.engine.pipeline.stage import (
     AllocatePool,
     Forward,
     HostCheck,
@@ -43,8 +40,13 @@ from tiered.hybrid.pipeline.stage import (
     StatsRequest,
     run_stage,
 )
+from tiered.engine.runner import ForwardRetry, ForwardUnavailable, ItemPlan
+from tiered.hybrid.args import ModelArgs
+from tiered.hybrid.loader import DTYPES, read_args
 from tiered.hybrid.precision import Precision
 from tiered.offload.device_tier import DeviceTier
+from tiered.request.plan import Prepared
+from tiered.request.tokens import HitSplit
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +148,7 @@ class PipelineRunner:
         adapters: Adapters | None = None,
         host: StagedHost | None = None,
     ) -> None:
-        """`host`: the index of the stages' host tiers (tiered/hybrid/pipeline/host.py), None: no host tier."""
+        """`host`: the index of the stages' host tiers (tiered/engine/pipeline/host.py), None: no host tier."""
         self._specs, self.num_microbatches, self.host = specs, plan.num_microbatches, host
         budget_bytes, device_tier_bytes = plan.budget_bytes, plan.device_tier_bytes
         self._tickets: deque[_Ticket] = deque()

@@ -27,16 +27,16 @@ from torch import Tensor
 
 from tiered.config import ForwardMode, HostTierConfig, LoraConfig
 from tiered.engine.adapters import Adapters
-from tiered.engine.request import PrefixKV, StoreBatch
+from tiered.engine.pipeline.host import HostOps, StageHost
 from tiered.engine.runner import ItemPlan
 from tiered.hybrid.forward import BatchItem, KVSink, LayerKV, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.lora import AdapterError, AdapterSpec
 from tiered.hybrid.memory import PeakShape, bound_gemm_caches, profile_peak, use_block_cache, weights_bytes
 from tiered.hybrid.model import CausalLM, use_attention
-from tiered.hybrid.pipeline.host import HostOps, StageHost
 from tiered.logs import setup as setup_logging
-from tiered.offload.device_tier import DeviceTier
+from tiered.offload.device_tier import DeviceTier, PrefixKV
+from tiered.request.plan import StoreBatch
 
 log = logging.getLogger(__name__)
 
