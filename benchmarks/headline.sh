@@ -76,6 +76,10 @@ $B mixed $M2 --minutes 2 --short-qps 1.0 --alone-repeats 1 --repeats 3 --systems
 $B mixed $M2 --minutes 2 --short-qps 5,7 --alone-repeats 1 --repeats 3 \
   --systems tiered,vllm-priority-chunk2048-cap512,tiered-in-order \
   --json $R/mixed-bench-m-16k-overload.json --plots benchmarks/out/mixed-16k-overload
+# Short calls among 16 K prompts at 1 short call/s on the 2-core EPYC (near its capacity): calls predicted to
+# miss their objective refused at once (scheduler.late: shed), vLLM given each call's deadline as its priority.
+$B mixed $M --minutes 2 --short-qps 1 --alone-repeats 1 --repeats 3 --systems tiered,vllm-priority-chunk2048-cap512 \
+  --json $R/mixed-bench-m-16k-shed.json --plots benchmarks/out/mixed-16k-shed
 # KV beyond memory with 4,000-token profiles again (24 users, 100 visits), and a feed of 240 visits of 8 posts.
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 24 --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
