@@ -95,6 +95,8 @@ def merge_stats(reports: list[EngineStats]) -> EngineStats | None:
         engine_cancelled=sum(s.engine_cancelled for s in reports),
         num_waiting=sum(s.num_waiting for s in reports),
         adapters=(sum(a[0] for a in adapters), sum(a[1] for a in adapters)) if adapters else None,
+        # the wait a new call would see: the least loaded replica's (the router spreads calls)
+        predicted_wait_s=min(s.predicted_wait_s for s in reports),
     )
 
 
