@@ -181,7 +181,9 @@ class KVTiers:
     def take_changed(self) -> set[int]:
         """The keys whose tier changed since the last call (hit splits that name them are stale)."""
         with self._changes_lock:
-            changed, self._changes = self._changes or set(), set() if self._changes is not None else None
+            if self._changes is None:
+                return set()
+            changed, self._changes = self._changes, set()
         return changed
 
     def _changed(self, keys: Iterable[int]) -> None:
