@@ -657,9 +657,9 @@ def _add_longest_parser(bsub: argparse._SubParsersAction) -> None:  # type: igno
         "fits (each length measured in a fresh process; a measured bracket of --resolution tokens), then served by "
         "`tiered serve` with engine.memory_budget_bytes = the budget, no host tier, and timed over HTTP (also at the "
         "peer's length); with --set forward.spill_dir=DIR our long forwards keep their residual stream in a file "
-        "there (on disk, outside the budget); vLLM at its defaults (compiled) with KV memory = budget - weights (its "
-        "activations not charged to it), the largest --max-model-len it starts with (lowered a block at a time), "
-        "and one prompt of it timed over HTTP.",
+        "there (on disk: outside the budget, its page cache inside the cgroup of --memory-limit); vLLM at its "
+        "defaults (compiled) with KV memory = budget - weights (its activations not charged to it), the largest "
+        "--max-model-len it starts with (lowered a block at a time), and one prompt of it timed over HTTP.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_config_args(p)
@@ -697,5 +697,22 @@ def _add_longest_parser(bsub: argparse._SubParsersAction) -> None:  # type: igno
         default=True,
         help="ours also answers a prompt of vLLM's length (--repeats times), for the time per token at the same "
         "length; --no-time-at-peer-length: the lengths alone (vLLM still answers its own, to show it serves it)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=lambda v: v if v == "peer" else parse_bytes(v),
+        default=None,
+        help="run every server in a memory cgroup (its runtime, weights, KV and the page cache of our spill file "
+        "count): a size (bytes, or 3GiB) for both engines, or 'peer': vLLM first without a limit, then ours under "
+        "vLLM's measured peak rounded up to 64 MiB. A server killed at the limit stops the bench. Needs rights to "
+        "make cgroups (root)",
+    )
+    p.add_argument(
+        "--ours-max-tokens",
+        type=lambda v: float(v[:-1]) if v.endswith("x") else int(v),
+        default=0,
+        help="our server starts at, and answers, at most this many tokens even where more fit, or (5x) that "
+        "multiple of vLLM's length, in whole --resolution steps: a served length for budgets whose longest forward "
+        "takes hours here; 0: our longest",
     )
     p.set_defaults(func=cmd_bench_longest)

@@ -432,6 +432,9 @@ def cmd_bench_longest(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         answer_max_tokens=args.answer_max_tokens,
         time_at_peer_length=args.time_at_peer_length,
+        memory_limit_bytes=args.memory_limit if args.memory_limit != "peer" else None,
+        limit_of_peer=args.memory_limit == "peer",
+        ours_max_tokens=args.ours_max_tokens,
     )
     run_longest_bench(config_from_args(args), opts)
     return 0

@@ -26,7 +26,15 @@ A budget covers everything a prompt needs: weights, activations and KV. Per budg
   to it), --max-model-len = as many tokens as that memory holds, lowered a block at a time
   until it starts; then one prompt of that length (--repeats times, as ours), timed over HTTP. A
   length past the model's max_position_embeddings stops the bench (vLLM refuses it): give
-  `--set model.path=` a copy of the model folder whose config.json has more positions.
+  `--set model.path=embedded:bench-m-1m` (bench-m's weights with 1,048,576 positions).
+
+With --memory-limit every server runs in a memory cgroup (`benchmarks.memory_group`): the budget
+above is what each engine is configured for, the cgroup is what its processes may use in all
+(runtime, weights, KV, and the page cache of our spill file). `--memory-limit SIZE` gives both
+engines SIZE; `--memory-limit peer` runs vLLM in a group without a limit first and gives ours a
+limit of vLLM's measured peak (start-up included), rounded up to 64 MiB: ours answers under the
+memory vLLM used. A server the kernel killed at the limit has not served its length: the bench
+stops there and says so. Only answered lengths count as served (the table, the plot).
 """
 
 from __future__ import annotations
@@ -39,7 +47,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from benchmarks.load import Call, HttpOptions, run_http
+from benchmarks.memory_group import MemoryGroup, MemoryUse
 from benchmarks.mil import ForwardSetup, probe
 from benchmarks.plots import plot_longest
 from benchmarks.report import new_json_path, write_report
@@ -78,6 +89,18 @@ class LongestOptions:
     # Off: ours answers no prompt of the peer's length (for budgets where one takes an hour here, the
     # lengths alone); the peer still answers its own, which is how it shows it serves that length.
     time_at_peer_length: bool = True
+    # Each server in a memory cgroup: this limit for both engines (bytes), or with `limit_of_peer`
+    # ours under vLLM's measured peak; None and False: no cgroup.
+    memory_limit_bytes: int | None = None
+    limit_of_peer: bool = False
+    # Ours serves and answers at most this many tokens (0: its longest), or with a float this
+    # multiple of the peer's length: for budgets whose longest forward takes hours here, a served
+    # length of a known multiple of the peer's.
+    ours_max_tokens: int | float = 0
+
+
+# `--memory-limit peer`: vLLM's group has no limit but the machine's; ours gets its peak rounded up to this
+LIMIT_STEP = 64 << 20
 
 
 @dataclass(slots=True)
@@ -112,6 +135,14 @@ class BudgetResult:
     peer_tokens: int = 0  # the largest --max-model-len it started with
     peer_refused: list[int] = field(default_factory=list)  # larger ones it refused at start
     peer: Served | None = None
+    # With --memory-limit: each engine's cgroup over its serving (peak from its start)
+    ours_memory: MemoryUse | None = None
+    peer_memory: MemoryUse | None = None
+
+    @property
+    def ours_answered_tokens(self) -> int:
+        """The max_model_len of ours that answered a prompt of it (0: none answered)."""
+        return self.ours_served_tokens if self.ours is not None else 0
 
 
 def _prompt(vocab: list[int], num_tokens: int, seed: int) -> list[int]:
@@ -132,6 +163,49 @@ def _answer(url: str, system: str, prompt: list[int], salt: str, repeats: int = 
         log.info("%s: %d tokens in %.1f s", system, len(prompt), record.latency_seconds)
         runs.append(record.latency_seconds)
     return Served(len(prompt), statistics.median(runs), runs)
+
+
+def _machine_bytes() -> int:
+    return int(psutil.virtual_memory().total)
+
+
+def _group(system: str, limit: int | None, disk_folders: list[Path]) -> MemoryGroup | None:
+    """A memory cgroup for one server start (None without --memory-limit)."""
+    return MemoryGroup(system, limit, disk_folders) if limit is not None else None
+
+
+def _memory(group: MemoryGroup | None, pids: list[int]) -> MemoryUse | None:
+    """The group's use since it was made: the peak covers the server's start-up as well as its answers."""
+    if group is None:
+        return None
+    use = group.end_run(pids)
+    log.info(
+        "%s: peak %.0f MiB of a %.0f MiB limit, page cache %.0f MiB, %d killed at the limit",
+        group.name,
+        use.peak_bytes / 2**20,
+        (use.limit_bytes or 0) / 2**20,
+        use.page_cache_bytes / 2**20,
+        use.oom_kills,
+    )
+    return use
+
+
+def _check_not_killed(group: MemoryGroup | None, system: str) -> None:
+    """A server the kernel killed at its group's limit did not fail for want of budget: stop there."""
+    if group is not None and group.killed_at_limit():
+        raise BenchError(
+            f"{system}: the kernel killed a process at the memory cgroup's limit of {group.limit_bytes} bytes "
+            f"(its log in the --out-dir says when): that length is not served under the limit"
+        )
+
+
+def _answer_in(url: str, system: str, prompt: list[int], salt: str, repeats: int, group: MemoryGroup | None) -> Served:
+    """`_answer`, where a failure caused by the memory cgroup's limit says so."""
+    try:
+        return _answer(url, system, prompt, salt, repeats)
+    except BenchError:
+        _check_not_killed(group, system)
+        raise
 
 
 def _fits(setup: ForwardSetup, result: BudgetResult, n: int) -> bool:
@@ -242,23 +316,41 @@ def find_peer(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: li
     while n >= block:
         launch = replace(peer_launch(cfg, opts.vllm_python, n, kv, PeerOptions()), kv_exact=True)
         server = VLLMServer(launch)
+        system = f"vllm-{result.budget_bytes >> 20}MiB-{n}"
+        group = _group(system, opts.memory_limit_bytes if not opts.limit_of_peer else _machine_bytes(), [])
         try:
-            with serve_vllm(server, f"vllm-{result.budget_bytes >> 20}MiB-{n}", opts.out_dir) as served:
+            with serve_vllm(server, system, opts.out_dir, group=group) as served:
                 prompt = _prompt(vocab, n - 1, opts.seed)
-                result.peer = _answer(served.url, "vllm", prompt, f"longest-vllm-{n}", opts.repeats)
+                result.peer = _answer_in(served.url, "vllm", prompt, f"longest-vllm-{n}", opts.repeats, group)
                 result.peer_tokens = n
+                result.peer_memory = _memory(group, served.pids)
                 return
         except RuntimeError as exc:  # refused at start: the KV memory does not hold max_model_len
+            _check_not_killed(group, system)
             log.info("vllm refused --max-model-len %d with %d bytes of KV: %s", n, kv, str(exc).splitlines()[0])
             result.peer_refused.append(n)
             n -= block
+        finally:
+            if group is not None:
+                group.close()
     raise BenchError(f"vLLM started with no --max-model-len at a budget of {result.budget_bytes} bytes")
 
 
 def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: list[int]) -> None:
     """`tiered serve` under the budget at our longest length (lowered by --resolution while its own
     start-up profile run finds it over the budget): a prompt of it, and one of the peer's length."""
-    n = result.ours_tokens
+    cap = opts.ours_max_tokens
+    if isinstance(cap, float):  # a multiple of the peer's length, whole blocks of --resolution
+        cap = int(cap * result.peer_tokens) // opts.resolution * opts.resolution if result.peer_tokens else 0
+    n = min(result.ours_tokens, cap or result.ours_tokens)
+    if n < result.ours_tokens:
+        log.info("tiered: serving %d tokens of the %d that fit (--ours-max-tokens)", n, result.ours_tokens)
+    limit = opts.memory_limit_bytes
+    if opts.limit_of_peer:
+        if result.peer_memory is None:
+            raise BenchError("--memory-limit peer needs the peer's run (--vllm-python)")
+        limit = -(-result.peer_memory.peak_bytes // LIMIT_STEP) * LIMIT_STEP
+        log.info("ours under vLLM's peak: a %d MiB memory cgroup", limit >> 20)
     while n > opts.resolution:
         overrides = [
             f"engine.memory_budget_bytes={result.budget_bytes}",
@@ -272,43 +364,50 @@ def serve_ours(cfg: Config, result: BudgetResult, opts: LongestOptions, vocab: l
             # once copies the keys it attends to).
             f"attention.kernel={cfg.attention.kernel}",
         ]
+        system = f"tiered-{result.budget_bytes >> 20}MiB-{n}"
+        group = _group(system, limit, [Path(cfg.forward.spill_dir)] if cfg.forward.spill_dir else [])
         try:
-            with serve_tiered(
-                with_overrides(cfg, overrides), f"tiered-{result.budget_bytes >> 20}MiB-{n}", opts.out_dir
-            ) as served:
+            with serve_tiered(with_overrides(cfg, overrides), system, opts.out_dir, group=group) as served:
                 if not opts.answer_max_tokens or n <= opts.answer_max_tokens:
-                    result.ours = _answer(served.url, "tiered", _prompt(vocab, n - 1, opts.seed), f"longest-tiered-{n}")
+                    prompt = _prompt(vocab, n - 1, opts.seed)
+                    result.ours = _answer_in(served.url, "tiered", prompt, f"longest-tiered-{n}", 1, group)
                 else:
                     log.info("tiered started with max_model_len %d; not answered (--answer-max-tokens)", n)
                 if opts.time_at_peer_length and 0 < result.peer_tokens <= n:
                     prompt = _prompt(vocab, result.peer_tokens - 1, opts.seed)
                     salt = f"longest-tiered-{result.peer_tokens}"
-                    result.ours_at_peer_length = _answer(served.url, "tiered", prompt, salt, opts.repeats)
+                    result.ours_at_peer_length = _answer_in(served.url, "tiered", prompt, salt, opts.repeats, group)
                 result.ours_served_tokens = n
+                result.ours_memory = _memory(group, served.pids)
                 return
         except RuntimeError as exc:  # refused at start: its profile run's peak is over the budget
+            _check_not_killed(group, system)
             log.info(
                 "tiered refused max_model_len %d under %d bytes: %s", n, result.budget_bytes, str(exc).splitlines()[0]
             )
             result.ours_refused.append(n)
             n -= opts.resolution
+        finally:
+            if group is not None:
+                group.close()
     raise BenchError(f"tiered started with no max_model_len at a budget of {result.budget_bytes} bytes")
 
 
 def format_table(results: list[BudgetResult]) -> str:
     lines = [
-        f"{'budget MiB':>10} {'ours tokens':>11} {'vLLM tokens':>11} {'ratio':>6} "
+        f"{'budget MiB':>10} {'ours answered':>13} {'vLLM answered':>13} {'ratio':>6} "
         f"{'ours s':>7} {'vLLM s':>7} {'ours ms/token':>13} {'vLLM ms/token':>13} {'ours at vLLM length':>19}"
     ]
     for r in results:
-        ratio = f"{r.ours_served_tokens / r.peer_tokens:.2f}x" if r.peer_tokens else "-"
+        ratio = f"{r.ours_answered_tokens / r.peer_tokens:.2f}x" if r.peer_tokens and r.peer else "-"
         ours_s = f"{r.ours.seconds:.1f}" if r.ours else "-"
         peer_s = f"{r.peer.seconds:.1f}" if r.peer else "-"
         ours_ms = f"{r.ours.ms_per_token:.2f}" if r.ours else "-"
         peer_ms = f"{r.peer.ms_per_token:.2f}" if r.peer else "-"
         same = f"{r.ours_at_peer_length.seconds:.1f} s" if r.ours_at_peer_length else "-"
+        peer_n = r.peer_tokens if r.peer else 0
         lines.append(
-            f"{r.budget_bytes / 2**20:>10.0f} {r.ours_served_tokens:>11} {r.peer_tokens:>11} {ratio:>6} "
+            f"{r.budget_bytes / 2**20:>10.0f} {r.ours_answered_tokens:>13} {peer_n:>13} {ratio:>6} "
             f"{ours_s:>7} {peer_s:>7} {ours_ms:>13} {peer_ms:>13} {same:>19}"
         )
     return "\n".join(lines)
@@ -349,6 +448,8 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
                 "resolution": opts.resolution,
                 "answer_max_tokens": opts.answer_max_tokens,
                 "time_at_peer_length": opts.time_at_peer_length,
+                "memory_limit": "peer" if opts.limit_of_peer else opts.memory_limit_bytes,
+                "ours_max_tokens": opts.ours_max_tokens,
                 "complete": complete,
                 "budgets": [asdict(r) for r in results],
             },

@@ -184,6 +184,10 @@ class MemoryGroup:
         name = "memory.oom_control" if self.method == "cgroup-v1" else "memory.events"
         return _stat(self.path / name).get("oom_kill", 0)
 
+    def killed_at_limit(self) -> int:
+        """Processes the kernel killed at the limit since the group was made or `begin_run`."""
+        return self._oom_kills() - self._oom_start
+
     def begin_run(self, roots: list[int]) -> None:
         """Before a run: the peak starts again from now; the disk counters are taken."""
         if self.method == "cgroup-v1" and self.path is not None:
@@ -206,7 +210,7 @@ class MemoryGroup:
         for pid, x in now.items():
             cpu[x.name] = cpu.get(x.name, 0.0) + x.cpu_seconds - self._start.get(pid, zero).cpu_seconds
         on_disk = folder_bytes(self.disk_folders)
-        oom = self._oom_kills() - self._oom_start
+        oom = self.killed_at_limit()
         if self.method == "cgroup-v1" and self.path is not None:
             peak = _read_int(self.path / "memory.max_usage_in_bytes")
             cache = _stat(self.path / "memory.stat").get("total_cache", 0)

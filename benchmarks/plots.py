@@ -149,9 +149,9 @@ def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
 
 
 def plot_longest(doc: dict[str, Any], out_path: str | Path) -> Path:
-    """A `python -m benchmarks longest` run: the longest prompt each engine started with against the
-    memory budget (left; a hollow marker: started, not answered), and each engine's seconds per
-    1,000 tokens of a prompt of vLLM's length (right)."""
+    """A `python -m benchmarks longest` run: the longest prompt each engine answered against the
+    memory budget (left; a length it started with but did not answer is not drawn), and each
+    engine's seconds per 1,000 tokens of a prompt of vLLM's length (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,14 +164,12 @@ def plot_longest(doc: dict[str, Any], out_path: str | Path) -> Path:
         ("tiered (hybrid)", "ours_served_tokens", "ours", "ours_at_peer_length"),
         ("vLLM at its defaults", "peer_tokens", "peer", "peer"),
     ):
-        started = [(m, b[tokens], b[served] is not None) for m, b in zip(mib, budgets, strict=True) if b[tokens]]
-        (line,) = left.plot([p[0] for p in started], [p[1] for p in started], label=name)
-        for m, n, answered in started:
-            left.plot([m], [n], marker="o", color=line.get_color(), fillstyle="full" if answered else "none")
+        answered = [(m, b[tokens]) for m, b in zip(mib, budgets, strict=True) if b[tokens] and b[served]]
+        left.plot([p[0] for p in answered], [p[1] for p in answered], marker="o", label=name)
         timed = [(m, b[at_peer_length]) for m, b in zip(mib, budgets, strict=True) if b[at_peer_length]]
         right.plot([m for m, _ in timed], [1e3 * t["seconds"] / t["tokens"] for _, t in timed], marker="o", label=name)
     left.set_xlabel("memory budget: weights + activations + KV (MiB)")
-    left.set_ylabel("longest prompt started with (tokens)")
+    left.set_ylabel("longest prompt answered (tokens)")
     right.set_xlabel("memory budget (MiB)")
     right.set_ylabel("s per 1,000 tokens at vLLM's length")
     for ax in (left, right):

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,13 @@ def test_bench_shape_is_larger_than_tiny() -> None:
         SHAPES["bench"].hidden_size * SHAPES["bench"].num_layers
         > 4 * SHAPES["tiny"].hidden_size * SHAPES["tiny"].num_layers
     )
+
+
+def test_the_long_position_bench_model_differs_from_bench_m_in_its_positions_alone() -> None:
+    # Same shape and seed: the same weights, so lengths on it are bench-m's.
+    long = SHAPES["bench-m-1m"]
+    assert long.max_position_embeddings == 1 << 20 > SHAPES["bench-m"].max_position_embeddings
+    assert replace(long, max_position_embeddings=SHAPES["bench-m"].max_position_embeddings) == SHAPES["bench-m"]
 
 
 def test_embedded_path_is_made_once(tmp_path: Path) -> None:

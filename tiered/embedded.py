@@ -66,6 +66,11 @@ SHAPES: dict[str, Shape] = {
     # For headline figures: a model of realistic proportions (126 M parameters; in bf16 its
     # matmuls are big enough that compute, not Python, sets the pace, as in a real deployment).
     "bench-m": Shape("LlamaForCausalLM", 1024, 8, 16, 4, 4096, seed=5, dtype="bfloat16"),
+    # bench-m's weights with 1,048,576 positions: the longest prompts per memory budget pass
+    # bench-m's 131,072, and both engines refuse a length past a checkpoint's positions.
+    "bench-m-1m": Shape(
+        "LlamaForCausalLM", 1024, 8, 16, 4, 4096, max_position_embeddings=1048576, seed=5, dtype="bfloat16"
+    ),
     # Architecture variants the loader must handle, at tiny size.
     "tiny-qwen2": Shape("Qwen2ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=2),
     "tiny-mistral": Shape("MistralForCausalLM", 64, 2, 4, 1, 160, seed=3),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.longest import BudgetResult, LongestOptions, find_peer, run_longest_bench, serve_ours
+from benchmarks.memory_group import MemoryGroup
 from benchmarks.mil import ForwardSetup, probe_peak
 from benchmarks.traces import BenchError, ordinary_token_ids
 from tiered.config import Config, load_config
@@ -138,3 +139,45 @@ def test_ours_answers_the_peers_length_unless_told_lengths_alone(tiny_dir: Path,
         assert len(result.ours_at_peer_length.runs) == 2
     else:
         assert result.ours_at_peer_length is None
+
+
+def _limit_or_skip(tmp_path: Path) -> None:
+    group = MemoryGroup("test-longest-rights", 1 << 30, [])
+    if group.path is None:
+        pytest.skip("no rights to make a memory cgroup here")
+    group.close()
+
+
+def test_ours_answers_inside_a_memory_cgroup_whose_use_is_recorded(tiny_dir: Path, tmp_path: Path) -> None:
+    """With --memory-limit our server's processes run in a cgroup of that limit: the answer counts as
+    served, and the peak (start-up included) and the spill file's page cache are recorded."""
+    _limit_or_skip(tmp_path)
+    spill = tmp_path / "spill"
+    cfg = _cfg(tiny_dir, tmp_path, f"forward.spill_dir={spill}", "forward.spill_min_tokens=1024")
+    result = BudgetResult(BUDGET, 0, ours_tokens=2048)
+    opts = LongestOptions([BUDGET], None, resolution=512, out_dir=tmp_path, memory_limit_bytes=4 << 30)
+    serve_ours(cfg, result, opts, ordinary_token_ids(tiny_dir))
+    assert result.ours is not None and result.ours_answered_tokens == 2048
+    use = result.ours_memory
+    assert use is not None and use.limit_bytes == 4 << 30 and use.method.startswith("cgroup")
+    # the API and engine processes' Python and torch, at least, and no kill
+    assert 100 * 2**20 < use.peak_bytes < 4 << 30 and use.oom_kills == 0
+    assert use.disk_written_bytes > 0  # the residual stream went to the spill file
+
+
+def test_a_server_killed_at_the_limit_has_not_served_its_length(tiny_dir: Path, tmp_path: Path) -> None:
+    _limit_or_skip(tmp_path)
+    result = BudgetResult(BUDGET, 0, ours_tokens=2048)
+    opts = LongestOptions([BUDGET], None, resolution=512, out_dir=tmp_path, memory_limit_bytes=96 << 20)
+    with pytest.raises(BenchError, match="killed a process at the memory cgroup's limit of 100663296 bytes"):
+        serve_ours(_cfg(tiny_dir, tmp_path), result, opts, ordinary_token_ids(tiny_dir))
+    assert result.ours is None and result.ours_answered_tokens == 0 and result.ours_refused == []
+
+
+def test_ours_can_be_held_to_a_multiple_of_the_peers_length(tiny_dir: Path, tmp_path: Path) -> None:
+    result = BudgetResult(BUDGET, 0, ours_tokens=8192, peer_tokens=1100)
+    opts = LongestOptions([BUDGET], None, resolution=512, out_dir=tmp_path, ours_max_tokens=2.0)
+    opts.time_at_peer_length = False
+    serve_ours(_cfg(tiny_dir, tmp_path), result, opts, ordinary_token_ids(tiny_dir))
+    # 2 x 1,100 in whole steps of 512: started and answered there, not at the 8,192 that fit
+    assert result.ours_served_tokens == 2048 and result.ours is not None and result.ours.tokens == 2047
