@@ -469,6 +469,7 @@ def run_longest_bench(cfg: Config, opts: LongestOptions) -> dict[str, Any]:
             find_peer(cfg, result, opts, vocab)
             report(complete=False)
         serve_ours(cfg, result, opts, vocab)
+        report(complete=False)
     print(format_table(results))
     doc = report(complete=True)
     if opts.plot_path is not None:
