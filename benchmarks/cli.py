@@ -25,6 +25,7 @@ from benchmarks.commands import (
     cmd_bench_policies,
     cmd_bench_precision,
     cmd_bench_report,
+    cmd_bench_rerank,
     cmd_bench_server,
     cmd_bench_soak,
     cmd_bench_tiers,
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report_parser(bsub)
     _add_alone_parser(bsub)
     _add_longest_parser(bsub)
+    _add_rerank_parser(bsub)
     _add_server_parser(bsub)
     for module in (pipeline_sim, stages):  # subcommands that declare their own parser
         module.add_parser(bsub)
@@ -645,6 +647,51 @@ def _add_alone_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     al.add_argument("--json", default=None, help="write the runs, provenance and headline rows as JSON here")
     al.add_argument("--out-dir", default="benchmarks/out/alone", help="server configs and logs")
     al.set_defaults(func=cmd_bench_alone)
+
+
+def _add_rerank_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from benchmarks.rerank import SYSTEMS, RerankOptions
+
+    d = RerankOptions(None)
+    p = bsub.add_parser(
+        "rerank",
+        help="a reranking service on /v1/rerank: ours against vLLM serving the model as a generative reranker",
+        description="Calls of one query against --documents texts behind an instruction every call shares, sent "
+        "to /v1/rerank of `tiered serve` (server.score_tokens = --labels) and of vLLM (pooling runner, the model "
+        "read as Qwen3ForSequenceClassification with classifier_from_token = --labels, as vLLM serves "
+        "Qwen3-Reranker; compiled, prefix caching on). Calls/s with every call at once, then P50 and the tail "
+        "at --multiples of --load-of's median saturation (the same Poisson arrivals for both), --repeats pairs "
+        "in ABBA order; each run's texts are its own (nothing cached from another run). Give a Qwen3 checkpoint "
+        "(e.g. --set model.path=embedded:bench-m-qwen3).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_config_args(p)
+    p.add_argument("--systems", default=",".join(d.systems), help=f"comma-separated, among {', '.join(SYSTEMS)}")
+    p.add_argument("--calls", type=int, default=d.calls, help="calls per run")
+    p.add_argument("--documents", type=int, default=d.documents, help="documents per call")
+    p.add_argument(
+        "--doc-tokens", type=parse_int_list, default=list(d.doc_tokens), help="a document's tokens: LO,HI (uniform)"
+    )
+    p.add_argument("--query-tokens", type=int, default=d.query_tokens, help="a query's tokens")
+    p.add_argument(
+        "--instruction-tokens", type=int, default=d.instruction_tokens, help="the instruction every call shares"
+    )
+    p.add_argument("--labels", default=",".join(d.labels), help="NEGATIVE,POSITIVE: one token each")
+    p.add_argument(
+        "--multiples", type=parse_float_list, default=list(d.multiples), help="loads, as multiples of saturation"
+    )
+    p.add_argument("--load-of", default=d.load_of, help="the system whose median saturation the multiples scale")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="pairs of runs (ABBA)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the texts and the arrivals")
+    _vllm_python_arg(p)
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write the run's summary as JSON here (a dated name beside it if the file exists); every call's "
+        "record and scores beside it as STEM.records.json.gz",
+    )
+    p.add_argument("--out-dir", default=str(d.out_dir), help="server configs and logs")
+    p.set_defaults(func=cmd_bench_rerank)
 
 
 def _add_longest_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -418,6 +418,39 @@ def cmd_bench_alone(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_rerank(args: argparse.Namespace) -> int:
+    from benchmarks.rerank import RerankOptions, run_rerank_bench
+    from benchmarks.traces import BenchError
+
+    if len(args.doc_tokens) != 2 or args.doc_tokens[0] > args.doc_tokens[1]:
+        raise BenchError(f"--doc-tokens takes LO,HI with LO <= HI; got {args.doc_tokens}")
+    lo, hi = args.doc_tokens
+    labels = tuple(args.labels.split(","))
+    if len(labels) != 2 or not all(labels):
+        raise BenchError(f"--labels takes two words, NEGATIVE,POSITIVE; got {args.labels!r}")
+    opts = RerankOptions(
+        vllm_python=args.vllm_python or None,
+        systems=tuple(s for s in args.systems.split(",") if s),
+        calls=args.calls,
+        documents=args.documents,
+        doc_tokens=(lo, hi),
+        query_tokens=args.query_tokens,
+        instruction_tokens=args.instruction_tokens,
+        labels=(labels[0], labels[1]),
+        multiples=tuple(args.multiples),
+        load_of=args.load_of,
+        repeats=args.repeats,
+        seed=args.seed,
+        json_path=args.json,
+        out_dir=Path(args.out_dir),
+    )
+    doc = run_rerank_bench(config_from_args(args), opts)
+    for row in doc["headline"]:
+        r = row["ratio"]
+        print(f"{row['measure']}: {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f}, {row['ratio_is']})")
+    return 0
+
+
 def cmd_bench_longest(args: argparse.Namespace) -> int:
     from benchmarks.longest import LongestOptions, run_longest_bench
 

@@ -113,6 +113,17 @@ $B visits $V4K --users 32 --visits 80 --posts 8 \
   --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
   --systems tiered,vllm-lmcache --multiples '' --repeats 1 --memory-limit 6GiB \
   --json $R/visits-beyond-memory-lmcache-6g-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache-6g
+# The longest prompt answered under the same memory: vLLM first (KV = budget - weights, its peak measured in a
+# cgroup), then ours in a cgroup of vLLM's peak, held to 5x vLLM's length (our longest at 512 MiB takes an hour here).
+rm -rf /tmp/tiered-spill
+$B longest --config configs/bench-m.yaml --budgets 320MiB,512MiB --resolution 128 \
+  --set model.path=embedded:bench-m-1m --set forward.chunk_tokens=512 --set forward.spill_dir=/tmp/tiered-spill \
+  --set attention.kernel=native --answer-max-tokens 1048576 --memory-limit peer --ours-max-tokens 5x \
+  --out-dir benchmarks/out/longest-cgroup --json $R/longest-cgroup-bench-m.json \
+  --plot benchmarks/plots/longest-cgroup-bench-m.png
+# A reranking service on a Qwen3 checkpoint of bench-m's size: vLLM serving it as Qwen3-Reranker.
+$B rerank --config configs/bench-m.yaml --set model.path=embedded:bench-m-qwen3 --calls 8 --documents 50 \
+  --doc-tokens 200,300 --multiples 0.8 --repeats 3 --json $R/rerank-bench-m-qwen3.json
 # On a machine with an NVIDIA GPU only: the revisit sequence on the device (the H200's row).
 if command -v nvidia-smi >/dev/null; then
   rm -rf /tmp/gc/disk-tier

@@ -22,7 +22,16 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {
         name: make_model(name, root / name)
-        for name in ("tiny", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma3", "tiny-mistral", "tiny-llama3")
+        for name in (
+            "tiny",
+            "tiny-qwen2",
+            "tiny-qwen3",
+            "tiny-phi3",
+            "tiny-gemma2",
+            "tiny-gemma3",
+            "tiny-mistral",
+            "tiny-llama3",
+        )
     }
 
 

@@ -1,4 +1,6 @@
 import argparse
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +67,26 @@ def test_run_with_two_pipeline_stages_answers_as_one_process(
 def test_run_names_a_bad_config_value(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--set", "forward.mode=turbo"]) == 2
     assert "'forward.mode'" in capsys.readouterr().err
+
+
+def test_serve_names_an_unsupported_architecture_in_one_line_before_any_engine_starts(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    done = subprocess.run(
+        [sys.executable, "-m", "tiered", "serve", str(folder), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()[-1:]
+    assert line.startswith("tiered: error: ") and "architecture 'GPT2LMHeadModel' is not supported" in line
+    assert str(folder / "config.json") in line
+    assert "Traceback" not in done.stderr and "engine" not in done.stderr.lower()
 
 
 def test_make_model_cli(tmp_path: Path) -> None:

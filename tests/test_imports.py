@@ -138,3 +138,15 @@ def test_every_import_points_down_the_layers() -> None:
     )
     assert up == [], "imports that point up: " + ", ".join(f"{a} -> {b}" for a, b in up)
     assert _layer("tiered.request.tokens") == 0 and _layer("tiered.engine.pipeline.stage") == 3
+
+
+def test_the_public_names_resolve_to_the_types_the_engine_takes() -> None:
+    """What docs/engine.md's in-process example imports: `tiered.Engine` and the options a request
+    is served with (its adapter, priority, objective), from the package itself."""
+    import tiered.engine
+    from tiered.request.score import RequestOptions, Result, ScoreParams
+
+    assert tiered.RequestOptions is tiered.engine.RequestOptions is RequestOptions
+    assert (tiered.Result, tiered.ScoreParams) == (Result, ScoreParams)
+    assert tiered.Engine is tiered.engine.Engine and tiered.Engine.__module__ == "tiered.engine.core"
+    assert set(tiered.__all__) == {"Engine", "RequestOptions", "Result", "ScoreParams", "__version__"}

@@ -122,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template,
         check_adapters,
         check_local_disk,
+        check_model,
         serve_overrides,
         served_model_names,
     )
@@ -131,6 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
     resolve_device(cfg.device)
+    check_model(cfg)
     check_adapters(cfg)
     check_local_disk(cfg)
     check_spill(cfg.forward)

@@ -71,12 +71,20 @@ SHAPES: dict[str, Shape] = {
     "bench-m-1m": Shape(
         "LlamaForCausalLM", 1024, 8, 16, 4, 4096, max_position_embeddings=1048576, seed=5, dtype="bfloat16"
     ),
+    # bench-m's proportions as Qwen3 (q/k norms, tied embeddings): the rerank benchmark, where vLLM
+    # serves it as Qwen3-Reranker (a Qwen3ForSequenceClassification read from the LM head).
+    "bench-m-qwen3": Shape(
+        "Qwen3ForCausalLM", 1024, 8, 16, 4, 4096, tie_word_embeddings=True, seed=13, dtype="bfloat16", head_dim=64
+    ),
     # Architecture variants the loader must handle, at tiny size.
     "tiny-qwen2": Shape("Qwen2ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=2),
     "tiny-mistral": Shape("MistralForCausalLM", 64, 2, 4, 1, 160, seed=3),
     # Gemma 3's text decoder: a sliding layer (a 48-token window, its own RoPE base) then a global
     # one, sandwich norms, GeGLU, query_pre_attn_scalar != head_dim, logits soft-capped
     "tiny-gemma3": Shape("Gemma3ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=11, head_dim=32),
+    # Gemma 2's: a sliding layer (48-token window) then a global one, attention scores and logits
+    # soft-capped (at 5 and 30, low enough that the caps change the scores of these weights)
+    "tiny-gemma2": Shape("Gemma2ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=12, head_dim=32),
     # q/k/v and gate/up stored fused, as Phi-3 checkpoints are
     "tiny-phi3": Shape("Phi3ForCausalLM", 64, 2, 4, 2, 176, seed=7),
     # q/k normed per head; heads of 32 over a 64-wide stream (q is 128 wide), as Qwen3's are wider too
@@ -144,6 +152,7 @@ def _hf_config(shape: Shape) -> dict[str, object]:
         "MistralForCausalLM": "mistral",
         "Phi3ForCausalLM": "phi3",
         "Gemma3ForCausalLM": "gemma3_text",
+        "Gemma2ForCausalLM": "gemma2",
     }
     head_dim = _head_dim(shape)
     cfg: dict[str, object] = {
@@ -174,7 +183,10 @@ def _hf_config(shape: Shape) -> dict[str, object]:
         cfg["attention_bias"] = False
     if shape.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = None
-    if shape.architecture == "Gemma3ForCausalLM":
+    if shape.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        # A sliding layer (a 48-token window) then a global one; Gemma 3's sliding layers have their
+        # own RoPE base, Gemma 2 soft-caps its attention scores (at 5: the tiny weights' scores pass it)
+        gemma2 = shape.architecture == "Gemma2ForCausalLM"
         del cfg["hidden_act"]
         cfg.update(
             hidden_activation="gelu_pytorch_tanh",
@@ -182,11 +194,12 @@ def _hf_config(shape: Shape) -> dict[str, object]:
             query_pre_attn_scalar=24,
             sliding_window=48,
             layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(shape.num_layers)],
-            rope_theta=1_000_000.0,
-            rope_local_base_freq=10_000.0,
+            rope_theta=10_000.0 if gemma2 else 1_000_000.0,
             final_logit_softcapping=30.0,
-            attn_logit_softcapping=None,
+            attn_logit_softcapping=5.0 if gemma2 else None,
         )
+        if not gemma2:
+            cfg["rope_local_base_freq"] = 10_000.0
     return cfg
 
 
@@ -205,7 +218,7 @@ def _weights(shape: Shape) -> dict[str, torch.Tensor]:
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return torch.randn(out_features, in_features, generator=g) / math.sqrt(in_features)
 
-    gemma = shape.architecture == "Gemma3ForCausalLM"
+    gemma = shape.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
     def norm(dim: int) -> torch.Tensor:  # Gemma stores w of a scale 1 + w
         return (0.0 if gemma else 1.0) + 0.1 * torch.randn(dim, generator=g)

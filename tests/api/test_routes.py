@@ -7,6 +7,7 @@ say that invalid input never did."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class FakeEngine:
         self.pending: dict[str, Any] = {}
         self.timed_out = self.cancelled = self.restarts = 0
         self.received: list[ScoreRequest] = []
+        self.busy_until = 0.0  # the engine's running forward's predicted end (time.time()); 0.0: none
         self.alive_ = True
         self.is_full = False
         self.error: tuple[str, int] | None = None  # (message, status) to answer every request with
@@ -178,6 +180,22 @@ def test_models_tokenize_and_metrics(api, tiny_dir: Path) -> None:
     text = client.get("/metrics").text
     assert 'vllm:request_success_total{finished_reason="length",model_name="ad1"} 1.0' in text
     assert "tiered:jct_prediction_error 0.05" in text  # the engine's statistics as last reported
+
+
+def test_every_series_of_the_base_model_is_on_metrics_before_the_first_call(api) -> None:
+    """As vLLM's: a dashboard reads zeros and every histogram bucket from start-up."""
+    client, _ = api
+    m = parse(client.get("/metrics").text)
+    assert m["vllm:request_success_total{finished_reason=length,model_name=base}"] == 0
+    assert m["vllm:prompt_tokens_total{model_name=base}"] == 0
+    for tier in ("device", "host", "remote", "disk"):
+        assert m[f"tiered:prefix_cache_hits_total{{model_name=base,tier={tier}}}"] == 0
+    for reason in ("deadline", "wait_cap", "queue_full"):
+        assert m[f"tiered:requests_refused_total{{model_name=base,reason={reason}}}"] == 0
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds"):
+        assert m[f"vllm:{name}_bucket{{le=0.3,model_name=base}}"] == 0
+        assert m[f"vllm:{name}_bucket{{le=+Inf,model_name=base}}"] == 0 == m[f"vllm:{name}_count{{model_name=base}}"]
+    assert m["vllm:request_prompt_tokens_bucket{le=1.0,model_name=base}"] == 0
 
 
 def test_the_shared_validation_rules() -> None:
@@ -350,6 +368,35 @@ def test_a_call_shed_or_over_the_wait_cap_says_when_to_retry(api) -> None:
     assert m["tiered:deadline_total{model_name=base,outcome=shed,route=/v1/completions}"] == 1
     assert m["tiered:requests_refused_total{model_name=base,reason=deadline}"] == 1
     assert m["tiered:requests_refused_total{model_name=base,reason=wait_cap}"] == 1
+
+
+def test_a_call_that_cannot_wait_for_the_running_forward_is_refused_without_reaching_the_engine(tiny_dir: Path) -> None:
+    """While the engine runs a forward predicted to end in 3 s it reads no message: a call whose
+    objective ends before that is refused by the API (429, Retry-After: the forward's rest plus
+    the engine's queue), never sent; calls that can wait, without an objective, or (late: serve)
+    that are served late, go to the engine. The server's default objective counts as a call's own."""
+    client, fake = _app(tiny_dir, "scheduler.default_slo_ms=2000", served_model_names=["base"])
+    with client:
+        fake.busy_until = time.time() + 3.0
+        fake.stats = EngineStats(predicted_wait_s=4.0)
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "slo_ms": 1000})
+        assert r.status_code == 429 and _error(r)["type"] == "deadline_unreachable"
+        assert _error(r)["message"].startswith("deadline unreachable: the forward running now")
+        assert 6 <= int(r.headers["Retry-After"]) <= 7 and fake.received == []
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})  # the default objective, 2 s
+        assert r.status_code == 429 and fake.received == []
+        for ok in ({"prompt": [4], "slo_ms": 10000}, {"prompt": [5], "slo_ms": 10000}):
+            assert client.post("/v1/completions", json=ok).status_code == 200
+        assert [r.token_ids for r in fake.received] == [[4], [5]]
+        fake.busy_until = time.time() - 0.1  # that forward is over (or ran past its prediction)
+        assert client.post("/v1/completions", json={"prompt": [6], "slo_ms": 10}).status_code == 200
+        m = parse(client.get("/metrics").text)
+        assert m["tiered:requests_refused_total{model_name=base,reason=deadline}"] == 2
+        assert m["tiered:deadline_total{model_name=base,outcome=shed,route=/v1/completions}"] == 2
+    client, fake = _app(tiny_dir, "scheduler.late=serve", served_model_names=["base"])
+    with client:
+        fake.busy_until = time.time() + 3.0
+        assert client.post("/v1/completions", json={"prompt": [7], "slo_ms": 10}).status_code == 200
 
 
 def test_rerank_and_vllms_pair_scores_rank_by_the_positive_tokens_probability(tiny_dir: Path) -> None:

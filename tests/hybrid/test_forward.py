@@ -43,7 +43,8 @@ def _pair(model_dirs: dict[str, Path], name: str, dtype: str) -> tuple[CausalLM,
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma3", "tiny-mistral", "tiny-llama3"]
+    "name",
+    ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3", "tiny-mistral", "tiny-llama3"],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 777, 3000])
@@ -72,7 +73,7 @@ class KVCollector:
         return [self.kv[i] for i in range(len(self.kv))]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"])
 @pytest.mark.parametrize("split", [1, 15, 16, 17, 255, 256, 257, 1024, 1099])
 @pytest.mark.parametrize("mode", ["vanilla", "chunked", "hybrid"])
 def test_prefix_as_kv_equals_computing_everything(

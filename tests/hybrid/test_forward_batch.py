@@ -56,7 +56,7 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max())
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-llama3"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-llama3"])
 @pytest.mark.parametrize(("mode", "chunk"), [("hybrid", 64), ("hybrid", 4096), ("vanilla", 1), ("chunked", 64)])
 def test_batched_logits_equal_single_runs(model_dirs: dict[str, Path], name: str, mode: str, chunk: int) -> None:
     model = load_model(model_dirs[name], "float32")

@@ -117,10 +117,9 @@ def test_partial_rotary_embeddings_are_refused(model_dirs: dict[str, Path], tmp_
     _refused(model_dirs["tiny-phi3"], tmp_path / "partial-rope", match, partial_rotary_factor=0.5)
 
 
-def test_gemma3_reads_its_own_config_names(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_gemma3_reads_its_own_config_names(model_dirs: dict[str, Path]) -> None:
     """Gemma 3's config: the sliding layers from `layer_types`, their RoPE base, the query scale
-    from `query_pre_attn_scalar`; norms stored as w load as 1 + w. Attention-logit soft-capping
-    (Gemma 2's) is refused by name."""
+    from `query_pre_attn_scalar`; norms stored as w load as 1 + w."""
     model = load_model(model_dirs["tiny-gemma3"])
     a = model.args
     assert a.window_layers == (0,) and a.sliding_window == 48 and a.local_rope_theta == 10_000.0
@@ -128,5 +127,24 @@ def test_gemma3_reads_its_own_config_names(model_dirs: dict[str, Path], tmp_path
     stored = load_file(str(model_dirs["tiny-gemma3"] / "model.safetensors"))["model.norm.weight"]
     assert torch.allclose(model.model.norm.weight, stored + 1.0)
     assert not torch.equal(model.layer_inv_freq(0), model.layer_inv_freq(1))
-    match = "attn_logit_softcapping is not supported"
-    _refused(model_dirs["tiny-gemma3"], tmp_path / "softcap", match, attn_logit_softcapping=50.0)
+    assert a.qk_norm and a.attn_logit_softcap is None
+
+
+def test_gemma2_soft_caps_attention_scores_and_its_caps_change_the_answer(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Gemma 2's config: every other layer slides (the first), one RoPE base, no q/k norms, attention
+    scores and logits soft-capped. The caps of the tiny model bite: without the attention cap (the
+    same weights) the logits move by far more than the kernels' tolerance."""
+    model = load_model(model_dirs["tiny-gemma2"])
+    a = model.args
+    assert a.window_layers == (0,) and a.sliding_window == 48 and a.local_rope_theta is None and not a.qk_norm
+    assert a.attn_logit_softcap == 5.0 and a.final_logit_softcap == 30.0
+    assert torch.equal(model.layer_inv_freq(0), model.layer_inv_freq(1))
+    uncapped = tmp_path / "uncapped"
+    shutil.copytree(model_dirs["tiny-gemma2"], uncapped)
+    cfg = json.loads((uncapped / "config.json").read_text())
+    (uncapped / "config.json").write_text(json.dumps({**cfg, "attn_logit_softcapping": None}))
+    ids = torch.randint(3, 2000, (200,), generator=torch.Generator().manual_seed(0))
+    capped, plain = forward(model, ids), forward(load_model(uncapped), ids)
+    assert (capped - plain).abs().max() > 0.1

@@ -67,6 +67,7 @@ def build_app(
         return c
 
     metrics = Metrics(config.model.max_model_len, counters, lambda: engine.stats)
+    metrics.declare(served[0])  # the base model's series, as the serving layer labels them
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

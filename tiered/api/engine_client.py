@@ -21,6 +21,7 @@ from tiered.api.errors import APIError, ClientGone
 from tiered.api.protocol import (
     AdapterCommand,
     AdapterReply,
+    Busy,
     Cancel,
     EngineStats,
     Ready,
@@ -87,6 +88,8 @@ class EngineClient:
         self._commands: dict[str, AdapterCommand] = {}  # adapter commands sent, by id, until answered
         self.ready: Ready | None = None
         self.stats: EngineStats | None = None  # the engine's statistics as it last reported them
+        # When the forward running now is predicted to end (time.time()); 0.0: none runs
+        self.busy_until = 0.0
         self.restarts = 0
         self.cancelled = 0
         self.timed_out = 0
@@ -97,6 +100,7 @@ class EngineClient:
 
     def _spawn(self) -> None:
         self.ready = None
+        self.busy_until = 0.0
         self._ready_event.clear()
         # A restarted engine serves the adapters loaded at runtime too (those still readable).
         if self.restarts:
@@ -169,7 +173,11 @@ class EngineClient:
     async def _read(self) -> None:
         while True:
             message = decode(await self.responses.recv())
+            if isinstance(message, Busy):
+                self.busy_until = message.until_unix
+                continue
             if isinstance(message, Ready):
+                self.busy_until = 0.0  # a new engine runs nothing yet
                 self.ready = message
                 self._ready_event.set()
                 continue

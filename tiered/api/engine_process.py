@@ -3,7 +3,9 @@
 It drains every waiting message before each step, so the scheduler sees all of them (a scoring
 call's N items arrive together), runs one batch per step, and sends each result as soon as it
 is computed (a batch's results together). A request the engine refuses or fails gets a
-response with `error` set; a `Cancel` drops a request that still waits.
+response with `error` set; a `Cancel` drops a request that still waits. Around each forward it
+sends `Busy` (the forward's predicted end, then 0.0): the engine reads no message while a forward
+runs, so the API process refuses a call that cannot wait that long itself (`scheduler.late: shed`).
 
 Signals: SIGTERM ends the loop and closes the engine (LMCache included); SIGINT is ignored, since
 Ctrl-C reaches the whole process group and the API process, which owns this one, stops it. If the
@@ -23,6 +25,7 @@ import zmq
 from tiered.api.protocol import (
     AdapterCommand,
     AdapterReply,
+    Busy,
     Cancel,
     EngineStats,
     HostCounters,
@@ -72,6 +75,13 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
                 for result in refused:
                     responses.send(encode(_response(result)))
 
+            announced = False  # a Busy with a time was sent and not yet cleared
+
+            def starting(predicted_seconds: float) -> None:
+                nonlocal announced
+                responses.send(encode(Busy(time.time() + predicted_seconds)))
+                announced = True
+
             poller = zmq.Poller()
             poller.register(requests, zmq.POLLIN)
             reported = 0.0  # when EngineStats were last sent
@@ -87,7 +97,10 @@ def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
                 elif not busy and os.getppid() != parent:
                     log.warning("the API process is gone; stopping")
                     break
-                results = engine.step(answer_refused)
+                results = engine.step(answer_refused, starting)
+                if announced:
+                    responses.send(encode(Busy(0.0)))
+                    announced = False
                 now = time.monotonic()
                 # Statistics a few times a second while busy, and once when the queue empties; before
                 # the answers, so a client that reads /metrics after its answer sees them.

@@ -38,6 +38,8 @@ LATENCY_BUCKETS = (
     7680.0,
 )
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TIERS = ("device", "host", "remote", "disk")  # tiered:prefix_cache_hits' tier label
+REFUSALS = ("deadline", "wait_cap", "queue_full")  # tiered:requests_refused's reason label
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -134,6 +136,21 @@ class Metrics:
         self.engine_stats = engine_stats
         r.register(_Reported(client_counters, engine_stats))
 
+    def declare(self, model: str) -> None:
+        """Every per-request series of `model` at zero, histograms with their buckets: a dashboard or
+        an alert reads them from start-up, not only after the first call (as vLLM's do)."""
+        for counter in (self.prompt_tokens, self.generation_tokens, self.queries, self.hits, self.shared):
+            counter.labels(model)
+        for counter in (self.failed, self.pieces):
+            counter.labels(model)
+        self.success.labels(model, "length")
+        for tier in TIERS:
+            self.tier_hits.labels(model, tier)
+        for reason in REFUSALS:
+            self.refused.labels(model, reason)
+        for histogram in (self.e2e, self.queue, self.prefill, self.prompt_hist):
+            histogram.labels(model)
+
     def observe(self, model: str, out: ScoreResponse, e2e_seconds: float, route: str = "") -> None:
         """Count one answered request for `model` (and its deadline outcome on `route`) in the per-request metrics."""
         self.success.labels(model, "length").inc()
@@ -144,10 +161,9 @@ class Metrics:
         self.generation_tokens.labels(model).inc()
         self.queries.labels(model).inc(out.num_tokens)
         self.hits.labels(model).inc(cached_tokens(out))
-        self.tier_hits.labels(model, "device").inc(out.num_device_hit_tokens)
-        self.tier_hits.labels(model, "host").inc(out.num_host_hit_tokens)
-        self.tier_hits.labels(model, "remote").inc(out.num_remote_hit_tokens)
-        self.tier_hits.labels(model, "disk").inc(out.num_disk_hit_tokens)
+        hits = (out.num_device_hit_tokens, out.num_host_hit_tokens, out.num_remote_hit_tokens, out.num_disk_hit_tokens)
+        for tier, tokens in zip(TIERS, hits, strict=True):
+            self.tier_hits.labels(model, tier).inc(tokens)
         self.shared.labels(model).inc(out.num_shared_tokens)
         self.e2e.labels(model).observe(e2e_seconds)
         self.queue.labels(model).observe(out.queued_seconds)

@@ -115,6 +115,14 @@ class EngineStats:
 
 
 @dataclass(slots=True)
+class Busy:
+    """The engine starts a forward predicted to end at `until_unix` (wall clock, time.time()), or
+    (0.0) has ended it: a call arriving meanwhile waits at least until then."""
+
+    until_unix: float = 0.0
+
+
+@dataclass(slots=True)
 class PieceCounters:
     """Prefills that yield (tiered/scheduler/pieces.py), counted since the engine started."""
 
@@ -143,11 +151,12 @@ _TYPES: dict[str, type] = {
     "adapter": AdapterCommand,
     "adapter_reply": AdapterReply,
     "stats": EngineStats,
+    "busy": Busy,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-Message = ScoreRequest | ScoreResponse | Ready | Cancel | AdapterCommand | AdapterReply | EngineStats
+Message = ScoreRequest | ScoreResponse | Ready | Cancel | AdapterCommand | AdapterReply | EngineStats | Busy
 
 
 def encode(message: Message) -> bytes:

@@ -54,8 +54,10 @@ def _positive_float(text: str) -> float:
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
     """vLLM's flags that `tiered serve` honours (each maps onto a config key, named in its help)."""
     g = serve.add_argument_group("serving (vLLM's flags; each sets the config key named in its help)")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0: every interface)"
+    )
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     g.add_argument(
         "--api-key",
         default=None,
@@ -232,6 +234,16 @@ def check_local_disk(cfg: Config) -> None:
     from tiered.offload.lmcache_setup import lmcache_config
 
     check(lmcache_config(cfg.cache.host.lmcache))
+
+
+def check_model(cfg: Config) -> None:
+    """Read the checkpoint's config.json before the engine process starts: a missing folder or file,
+    or an architecture we do not implement, stops `serve` with one line naming it (ModelLoadError,
+    FileNotFoundError), not a traceback from the engine process."""
+    from tiered.embedded import resolve_model_path
+    from tiered.hybrid.loader import read_args
+
+    read_args(resolve_model_path(cfg.model.path, cfg.model.models_dir))
 
 
 def check_adapters(cfg: Config) -> None:

@@ -32,6 +32,7 @@ class Client(Protocol):
     pending: dict[str, Any]
     timed_out: int
     cancelled: int
+    busy_until: float  # when the engine's running forward is predicted to end (time.time()); 0.0: none
 
     @property
     def stats(self) -> EngineStats | None:
@@ -248,9 +249,10 @@ class Serving:
                 type_="service_unavailable",
                 retry_after=stats.predicted_wait_s if stats is not None else 1.0,
             )
+        route = request.url.path
+        self._refuse_behind_forward(reqs, label, route)
         start = time.monotonic()
         outs = await self.client.run(reqs, request.is_disconnected)
-        route = request.url.path
         for out in outs:
             if out.error is None:
                 self.metrics.observe(label, out, time.monotonic() - start, route)
@@ -272,6 +274,35 @@ class Serving:
                     out.retry_after_s,
                 )
         return outs
+
+    def _refuse_behind_forward(self, reqs: list[ScoreRequest], label: str, route: str) -> None:
+        """`scheduler.late: shed`: refuse the call here (429, as the engine would) when a request of
+        it would end past its objective merely by waiting for the forward running now. The engine
+        reads no message until that forward ends; this answers in the API's time instead. A lower
+        bound on the wait: the engine still checks the rest (the queue, its own time) when it reads it."""
+        remaining = self.client.busy_until - time.time()
+        if remaining <= 0 or self.config.scheduler.late != "shed":
+            return
+        default = self.config.scheduler.default_slo_ms
+        for r in reqs:
+            slo_ms = r.slo_ms if r.slo_ms is not None else default
+            if slo_ms is None:
+                continue
+            waited = 0.0 if r.arrival_unix is None else max(0.0, time.time() - r.arrival_unix)
+            late_by = waited + remaining - slo_ms / 1e3
+            if late_by <= 0:
+                continue
+            self.metrics.deadline.labels(label, route, "shed").inc(len(reqs))
+            self.metrics.refused.labels(label, "deadline").inc(len(reqs))
+            stats = self.client.stats
+            raise APIError(
+                429,
+                f"deadline unreachable: the forward running now is predicted to end in {remaining:.2f} s, "
+                f"{1e3 * late_by:.0f} ms past the latency objective of {slo_ms:g} ms (scheduler.late: shed)",
+                None,
+                "deadline_unreachable",
+                remaining + (stats.predicted_wait_s if stats is not None else 0.0),
+            )
 
     async def score_items(self, body: ScoreBody, request: Request) -> tuple[list[list[float]], list[ScoreResponse]]:
         """One prefill-only request per item, all sent together: the query is their shared prefix."""

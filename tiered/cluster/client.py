@@ -109,6 +109,8 @@ class ReplicaClient:
         self.adapters: dict[str, str] = dict(config.lora.modules)
         self.pending: dict[str, Any] = {}
         self.timed_out = self.cancelled = 0
+        # The replicas' forwards are not reported here: each replica's engine sheds at its next step.
+        self.busy_until = 0.0
 
     @property
     def stats(self) -> EngineStats | None:

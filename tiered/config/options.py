@@ -78,8 +78,9 @@ def add_pipeline_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> N
         type=int,
         default=None,
         metavar="S",
-        help="split the model's layers over S stage processes (engine.pipeline_stages; vLLM's flag); "
-        "S > 1 needs cache.suffix=discard (no host tier yet), see tiered/pipeline",
+        help="split the model's layers over S stage processes (engine.pipeline_stages; vLLM's flag); each "
+        "stage keeps its layers' KV in its own device and host tiers. S > 1 refuses a disk or remote host tier, "
+        "forward.mode=chunked, forward.spill_dir and replicas; see docs/pipeline.md",
     )
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["Engine", "EngineStartError", "Result", "ScoreParams"]
+__all__ = ["Engine", "EngineStartError", "RequestOptions", "Result", "ScoreParams"]
 
 if TYPE_CHECKING:
     from tiered.engine.core import Engine, EngineStartError
-    from tiered.request.score import Result, ScoreParams
+    from tiered.request.score import RequestOptions, Result, ScoreParams
 
 
 def __getattr__(name: str) -> object:
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> object:
         from tiered.engine import core
 
         return getattr(core, name)
-    if name in ("Result", "ScoreParams"):
+    if name in ("RequestOptions", "Result", "ScoreParams"):
         from tiered.request import score
 
         return getattr(score, name)

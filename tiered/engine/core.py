@@ -130,17 +130,25 @@ class Engine:
         `engine.pipeline_batches_in_flight`); `step()` until it is 0 answers them all."""
         return len(self.scheduler) + self.executor.num_in_flight
 
-    def step(self, answer_refused: Callable[[list[Result]], None] | None = None) -> list[Result]:
+    def step(
+        self,
+        answer_refused: Callable[[list[Result]], None] | None = None,
+        starting: Callable[[float], None] | None = None,
+    ) -> list[Result]:
         """Run the next step (one forward); the results it produced: those of the batch, or, with
         batches in flight (a pipeline), of the oldest one; [] when nothing waits or the step computed
         a piece of a request that yields (it waits again, its finished KV parked). The requests the
         step refused unrun (shed, expired) are among them, or, with `answer_refused`, handed to it
-        before the forward starts (a server answers them at once)."""
+        before the forward starts (a server answers them at once). `starting` is told the forward's
+        predicted seconds just before it starts (a server tells its API, which refuses calls that
+        cannot wait that long without asking the engine)."""
         step = self.scheduler.schedule()
         refused = self.executor.refuse(step)
         if answer_refused is not None and refused:
             answer_refused(refused)
             refused = []
+        if starting is not None and step.batch:
+            starting(step.predicted_seconds)
         output = self.executor.execute(step)
         self.scheduler.update_from_output(output)
         return refused + output.results

@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )
 # Checkpoints that store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (split on load).
@@ -55,9 +56,10 @@ class ModelArgs:
     # Qwen3: an RMSNorm over each head's queries and keys (its own weight, [head_dim]) before RoPE.
     qk_norm: bool = False
     window_layers: tuple[int, ...] = ()
-    # Gemma 3: RMSNorm scales stored as w (applied as 1 + w), a norm after attention and around the
-    # MLP, GeGLU (tanh GELU), embeddings times sqrt(hidden), queries scaled by
-    # query_pre_attn_scalar^-0.5, the sliding layers' own RoPE base, logits soft-capped.
+    # Gemma 2 and 3: RMSNorm scales stored as w (applied as 1 + w), a norm after attention and
+    # around the MLP, GeGLU (tanh GELU), embeddings times sqrt(hidden), queries scaled by
+    # query_pre_attn_scalar^-0.5, logits soft-capped; Gemma 3: the sliding layers' own RoPE base;
+    # Gemma 2: attention scores soft-capped too (cap * tanh(score / cap), before the mask).
     norm_offset: bool = False
     sandwich_norms: bool = False
     mlp_act: str = "silu"
@@ -66,6 +68,7 @@ class ModelArgs:
     local_rope_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
     rope_linear_factor: float = 1.0  # linear RoPE scaling of the other layers' positions
     final_logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The window layer `layer` attends within (None: every earlier key)."""

@@ -108,6 +108,8 @@ def _attention(model: CausalLM, layer: int, reach: int) -> AttendFn:
     """Layer `layer`'s attention call in a forward whose last position is `reach` - 1: the model's
     kernel, or, on a sliding-window layer that this forward reaches past, the windowed call."""
     window = model.args.layer_window(layer)
+    if model.args.attn_logit_softcap is not None:  # no fused kernel soft-caps scores
+        return windowed(window if window is not None and reach > window else None, model.args.attn_logit_softcap)
     if window is not None and reach > window:
         return windowed(window)
     return KERNELS[model.attention].attend_

@@ -1,4 +1,5 @@
-"""Load a Llama-family HF checkpoint folder (Llama, Mistral, Phi-3, Qwen2, Qwen3): config.json + safetensors."""
+"""Load a Llama-family HF checkpoint folder (Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 2 and 3):
+config.json + safetensors."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if arch == "Gemma3ForCausalLM":
-        return _gemma3_args(cfg)
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return _gemma_args(cfg, arch)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act '{cfg['hidden_act']}' is not supported (only silu)")
     heads = int(cfg["num_attention_heads"])
@@ -99,29 +100,38 @@ def generated_seed(folder: str | Path) -> int | None:
     return int(json.loads(path.read_text())["seed"]) if path.exists() else None
 
 
-def _gemma3_args(cfg: dict[str, Any]) -> ModelArgs:
-    """Gemma 3's text decoder (`Gemma3ForCausalLM`): its config's names and defaults (transformers')."""
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ModelLoadError("attn_logit_softcapping is not supported (attention logits are not soft-capped here)")
+def _gemma_args(cfg: dict[str, Any], arch: str) -> ModelArgs:
+    """Gemma 2's and Gemma 3's text decoders: their configs' names and defaults (transformers').
+    Gemma 2: every other layer slides (the first does), one RoPE base, attention scores and
+    logits soft-capped (50 and 30 by default). Gemma 3: five of six layers slide, with their own
+    RoPE base; q/k normed per head; only the logits may be capped."""
+    gemma2 = arch == "Gemma2ForCausalLM"
+    name = "Gemma 2" if gemma2 else "Gemma 3"
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ModelLoadError(f"hidden_activation '{act}' is not supported for Gemma 3 (only gelu_pytorch_tanh)")
+        raise ModelLoadError(f"hidden_activation '{act}' is not supported for {name} (only gelu_pytorch_tanh)")
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError("use_bidirectional_attention is not supported (a causal decoder only)")
     n, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     heads, head_dim = int(cfg["num_attention_heads"]), int(cfg.get("head_dim") or 256)
-    pattern = int(cfg.get("sliding_window_pattern") or 6)
+    pattern = 2 if gemma2 else int(cfg.get("sliding_window_pattern") or 6)
     types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     params = cfg.get("rope_parameters") or {}
-    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    local: dict[str, Any] = {}
+    if gemma2:
+        full = params
+    else:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
     scaling = {**full, **(cfg.get("rope_scaling") or {})}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ("default", "linear"):
-        raise ModelLoadError(f"RoPE scaling type '{kind}' is not supported for Gemma 3 (supported: default, linear)")
+        raise ModelLoadError(f"RoPE scaling type '{kind}' is not supported for {name} (supported: default, linear)")
     window = cfg.get("sliding_window", 4096)
     window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    softcaps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if gemma2 else {}
+    attn_cap, final_cap = (cfg.get(k, softcaps.get(k)) for k in ("attn_logit_softcapping", "final_logit_softcapping"))
     return ModelArgs(
-        architecture="Gemma3ForCausalLM",
+        architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         num_layers=n,
@@ -130,24 +140,25 @@ def _gemma3_args(cfg: dict[str, Any]) -> ModelArgs:
         head_dim=head_dim,
         intermediate_size=int(cfg["intermediate_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 10_000.0 if gemma2 else 1_000_000.0))),
         rope_scaling=None,
         qkv_bias=bool(cfg.get("attention_bias", False)),
         o_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=False,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192 if gemma2 else 131072)),
         sliding_window=int(window) if window_layers else None,
-        qk_norm=True,
+        qk_norm=not gemma2,
         window_layers=window_layers,
         norm_offset=True,
         sandwich_norms=True,
         mlp_act="gelu_tanh",
         embed_scale=hidden**0.5,
         query_scale=(head_dim / float(cfg.get("query_pre_attn_scalar", 256))) ** 0.5,
-        local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+        local_rope_theta=None if gemma2 else float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
         rope_linear_factor=float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0,
-        final_logit_softcap=cfg.get("final_logit_softcapping"),
+        final_logit_softcap=None if final_cap is None else float(final_cap),
+        attn_logit_softcap=None if attn_cap is None else float(attn_cap),
     )
 
 
@@ -170,7 +181,10 @@ def read_args(folder: str | Path) -> ModelArgs:
     config_path = folder / "config.json"
     if not config_path.exists():
         raise ModelLoadError(f"{config_path} does not exist: '{folder}' is not an HF checkpoint folder")
-    return args_from_hf_config(json.loads(config_path.read_text()))
+    try:
+        return args_from_hf_config(json.loads(config_path.read_text()))
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{config_path}: {exc}") from None
 
 
 # What `model_identity` reads of each weight file beyond its header: this many evenly spaced slices.

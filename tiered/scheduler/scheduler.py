@@ -433,12 +433,13 @@ class Scheduler:
             piece = None
         piece_tokens = None if piece is None else piece.num_tokens
         busy = 0.0
-        if lim.shed_late and batch:  # nothing waiting starts before this step ends
+        if batch:
             head = batch[0].waiting
             if piece_tokens is None:
                 busy = sum(d.predicted_jct for d in batch)
             else:
                 busy = self.jct.piece_seconds(head.split, piece_tokens)
+        if lim.shed_late and batch:  # nothing waiting starts before this step ends
             shed += self.take_unreachable(busy)
         retry_after = busy + self.backlog() if shed else 0.0
         prefetch = None
@@ -448,7 +449,7 @@ class Scheduler:
                 prefetch = nxt.request
         parked = self.num_parked_blocks() if piece_tokens is not None else 0
         keys = self.waiting_keys() if batch else set()
-        return Step(batch, piece_tokens, prefetch, expired, keys, parked, shed, retry_after)
+        return Step(batch, piece_tokens, prefetch, expired, keys, parked, shed, retry_after, busy)
 
     def update_from_output(self, output: StepOutput) -> None:
         """Apply a step's output to the queue: the requests it gives back wait again, in their place."""

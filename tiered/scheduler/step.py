@@ -80,9 +80,11 @@ class Step:
     requests taken out because their deadline passed (`scheduler.drop_expired`). `shed`: requests
     taken out because they are predicted to miss their deadline (`scheduler.late: shed`), answered
     before the forward starts; `retry_after`: the predicted seconds until the work now queued is
-    done (their Retry-After). `waiting_keys`: block keys of the requests still waiting (the tiers
-    keep those). `num_parked_blocks`: device blocks the waiting requests hold between their pieces
-    (counted only for a piece)."""
+    done (their Retry-After). `predicted_seconds`: the JCT model's time for this step's forward
+    (the batch's, or the piece's), what a call arriving while it runs waits at least.
+    `waiting_keys`: block keys of the requests still waiting (the tiers keep those).
+    `num_parked_blocks`: device blocks the waiting requests hold between their pieces (counted
+    only for a piece)."""
 
     batch: list[Decision] = field(default_factory=list)
     piece_tokens: int | None = None
@@ -92,6 +94,7 @@ class Step:
     num_parked_blocks: int = 0
     shed: list[Waiting] = field(default_factory=list)
     retry_after: float = 0.0
+    predicted_seconds: float = 0.0
 
     @property
     def adapters(self) -> list[str]:

@@ -128,13 +128,15 @@ def masked_(
 WINDOW_QUERY_BLOCK = 256
 
 
-def windowed(window: int) -> Callable[..., None]:
+def windowed(window: int | None, softcap: float | None = None) -> Callable[..., None]:
     """An attention call where each query sees only the last `window` keys up to its own
     (HF's sliding window: key j visible from query position p when p - window < j <= p), for the
-    layers of a sliding-window model once a forward reaches past the window. Per span, its keys in
-    position order are the prefix, its visible ranges, then its own (causal); each block of
-    WINDOW_QUERY_BLOCK queries runs SDPA over only the keys its window can reach, with a band mask,
-    so memory and time grow with the window, not the prompt."""
+    layers of a sliding-window model once a forward reaches past the window; None: every key up to
+    its own. Per span, its keys in position order are the prefix, its visible ranges, then its own
+    (causal); each block of WINDOW_QUERY_BLOCK queries attends over only the keys its window can
+    reach, with a band mask, so memory and time grow with the window, not the prompt. With
+    `softcap` (Gemma 2) each scaled score becomes softcap * tanh(score / softcap) before the mask
+    and the softmax, which SDPA cannot do: the block's scores are computed out, in fp32."""
 
     def attend_(
         q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
@@ -146,17 +148,33 @@ def windowed(window: int) -> Callable[..., None]:
             before = sum(sk.shape[0] for sk, _ in segs[:-1])  # keys ahead of its own: positions 0 .. before-1
             for qb in range(0, p.num, WINDOW_QUERY_BLOCK):
                 qe = min(qb + WINDOW_QUERY_BLOCK, p.num)
-                lo, hi = max(0, before + qb - window + 1), before + qe  # key positions any of them sees
+                # key positions any of them sees
+                lo, hi = (0 if window is None else max(0, before + qb - window + 1)), before + qe
                 ks, vs = _key_rows(segs, lo, hi)
                 qpos = torch.arange(before + qb, before + qe, device=q.device)[:, None]
                 kpos = torch.arange(lo, hi, device=q.device)[None, :]
-                mask = (kpos <= qpos) & (kpos > qpos - window)
+                mask = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)
                 qp = q[p.q_start + qb : p.q_start + qe]
                 q4, k4, v4 = (t.permute(1, 0, 2)[None] for t in (qp, ks.to(q.dtype), vs.to(q.dtype)))
-                out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+                if softcap is None:
+                    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+                else:
+                    out = _softcapped(q4, k4, v4, mask, softcap)
                 qp.copy_(out[0].transpose(0, 1))
 
     return attend_
+
+
+def _softcapped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float) -> Tensor:
+    """SDPA's answer ([1, heads, queries, head_dim]) with each scaled score soft-capped first;
+    scores and softmax in fp32, query heads grouped over their shared KV head."""
+    heads, kv_heads, n, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    qg = q[0].float().reshape(kv_heads, heads // kv_heads * n, d)
+    scores = torch.bmm(qg, k[0].float().transpose(1, 2)).mul_(d**-0.5)
+    scores = scores.div_(softcap).tanh_().mul_(softcap).view(kv_heads, heads // kv_heads, n, -1)
+    probs = scores.masked_fill_(~mask, float("-inf")).softmax(-1).view(kv_heads, heads // kv_heads * n, -1)
+    out = torch.bmm(probs, v[0].float()).view(1, heads, n, d)
+    return out.to(q.dtype)
 
 
 def _key_rows(segs: list[tuple[Tensor, Tensor]], lo: int, hi: int) -> tuple[Tensor, Tensor]:
