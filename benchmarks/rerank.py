@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.launch import prometheus_totals
 from benchmarks.report import headline_row, result_paths, write_records, write_report
 from benchmarks.servers import Served, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.stats import abba, percentile, poisson_arrivals, tail_name
@@ -44,6 +45,11 @@ from tiered.embedded import corpus_text, resolve_model_path
 log = logging.getLogger(__name__)
 
 SYSTEMS = ("tiered", "vllm")
+TOKEN_COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "tiered:batch_shared_tokens_total",
+)
 
 
 @dataclass(slots=True)
@@ -90,6 +96,11 @@ class Run:
     p50_seconds: float
     p99_seconds: float  # the maximum below 100 calls (`tail_name`)
     num_errors: int
+    # Prompt tokens over the run from the server's /metrics (vLLM's names, which ours serves too):
+    # looked up, found cached, and (ours) computed once for several documents of a batch
+    prompt_tokens: int
+    cached_tokens: int
+    shared_tokens: int
     records: list[CallRecord]
 
 
@@ -164,7 +175,9 @@ async def _send(url: str, calls: list[RerankCall], arrivals: list[float]) -> lis
 def measure(served: Served, calls: list[RerankCall], arrivals: list[float], multiple: float, offered: float) -> Run:
     """One run: the calls sent at `arrivals` (all at 0: saturation), and its figures."""
     wait_quiet(served.pids)
+    before = _token_counters(served.url)
     records = asyncio.run(_send(served.url, calls, arrivals))
+    tokens = {k: int(v - before.get(k, 0.0)) for k, v in _token_counters(served.url).items()}
     ok = [r for r in records if r.error is None]
     makespan = max(r.arrival_seconds + r.latency_seconds for r in records) - min(arrivals)
     lat = [r.latency_seconds for r in ok]
@@ -177,10 +190,13 @@ def measure(served: Served, calls: list[RerankCall], arrivals: list[float], mult
         percentile(lat, 0.5),
         percentile(lat, 0.99),
         len(records) - len(ok),
+        tokens.get(TOKEN_COUNTERS[0], 0),
+        tokens.get(TOKEN_COUNTERS[1], 0),
+        tokens.get(TOKEN_COUNTERS[2], 0),
         records,
     )
     log.info(
-        "%s at %s: %.3f calls/s, mean %.2f s, P50 %.2f s, %s %.2f s, %d errors",
+        "%s at %s: %.3f calls/s, mean %.2f s, P50 %.2f s, %s %.2f s, %d errors; %d prompt tokens, %d cached, %d shared",
         served.system,
         "saturation" if multiple == 0 else f"{multiple:g}x ({offered:.3f} calls/s)",
         run.calls_per_s,
@@ -189,11 +205,18 @@ def measure(served: Served, calls: list[RerankCall], arrivals: list[float], mult
         tail_name(len(lat)),
         run.p99_seconds,
         run.num_errors,
+        run.prompt_tokens,
+        run.cached_tokens,
+        run.shared_tokens,
     )
     if run.num_errors:
         first = next(r.error for r in records if r.error)
         log.warning("%s: %d of %d calls failed, e.g. %s", served.system, run.num_errors, len(records), first)
     return run
+
+
+def _token_counters(url: str) -> dict[str, float]:
+    return prometheus_totals(url, lambda name: name in TOKEN_COUNTERS)
 
 
 def vllm_reranker_args(labels: tuple[str, str]) -> list[str]:

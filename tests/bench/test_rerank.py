@@ -48,6 +48,8 @@ def test_ours_answers_every_call_and_the_run_is_kept(model_dirs: dict[str, Path]
     (sat,) = doc["saturation_runs"]["tiered"]
     (load,) = doc["load_runs"]["tiered"]["0.5"]
     assert sat["num_errors"] == load["num_errors"] == 0 and sat["calls_per_s"] > 0
+    # every document's prompt looked up; the shared instruction and query computed once a batch
+    assert sat["prompt_tokens"] >= 3 * 4 * (32 + 8 + 20) and 0 < sat["shared_tokens"] < sat["prompt_tokens"]
     assert load["offered_calls_per_s"] == pytest.approx(0.5 * sat["calls_per_s"])
     assert doc["headline"] == [] and doc["max_score_difference"] is None  # no peer, no pair
     with gzip.open(tmp_path / "rerank.records.json.gz", "rt") as f:
