@@ -399,6 +399,27 @@ def test_a_call_that_cannot_wait_for_the_running_forward_is_refused_without_reac
         assert client.post("/v1/completions", json={"prompt": [7], "slo_ms": 10}).status_code == 200
 
 
+def test_a_pair_score_is_exact_where_both_labels_are_far_below_the_top_token(tiny_dir: Path) -> None:
+    """Logprobs of -2000 and -2001 (an exp() that underflows to 0 in float64): the score is still
+    the sigmoid of their difference, as vLLM computes it from the logits, and SGLang's softmax
+    over the label tokens alike."""
+    client, fake = _app(tiny_dir, 'server.score_tokens=["No", "Yes"]', served_model_names=["base"])
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    no, yes = (tok.encode(w, add_special_tokens=False)[0] for w in ("No", "Yes"))
+    fake.logprob = lambda ids, t: -2000.0 if t == yes else -2001.0
+    with client:
+        r = client.post("/v1/rerank", json={"query": "q", "documents": ["d"]})
+        assert r.status_code == 200 and r.json()["results"][0]["relevance_score"] == pytest.approx(
+            1 / (1 + math.exp(-1))
+        )
+        r = client.post(
+            "/v1/score", json={"query": [5], "items": [[6]], "label_token_ids": [no, yes], "apply_softmax": True}
+        )
+        assert r.status_code == 200 and r.json()["scores"][0] == pytest.approx(
+            [1 / (1 + math.e), 1 / (1 + math.exp(-1))]
+        )
+
+
 def test_rerank_and_vllms_pair_scores_rank_by_the_positive_tokens_probability(tiny_dir: Path) -> None:
     """/rerank, /v1/rerank, /v2/rerank (Jina/Cohere shape) and /v1/score in vLLM's shape: one prompt
     per pair (query, then document), scored P(positive) / (P(negative) + P(positive)) of

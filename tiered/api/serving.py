@@ -336,10 +336,12 @@ class Serving:
         scores = []
         for out in outs:
             lps = dict(out.logprobs)
-            values = [math.exp(lps[t]) for t in labels]
-            if softmax:  # over the label tokens only
-                total = sum(values)
-                values = [v / total for v in values]
+            if softmax:  # over the label tokens only, shifted by the largest: exact where exp(logprob) underflows
+                top = max(lps[t] for t in labels)
+                shifted = [math.exp(lps[t] - top) for t in labels]
+                values = [v / sum(shifted) for v in shifted]
+            else:
+                values = [math.exp(lps[t]) for t in labels]
             scores.append(values)
         return scores, list(outs)
 
