@@ -124,6 +124,8 @@ $B longest --config configs/bench-m.yaml --budgets 320MiB,512MiB --resolution 12
 # A reranking service on a Qwen3 checkpoint of bench-m's size: vLLM serving it as Qwen3-Reranker.
 $B rerank --config configs/bench-m.yaml --set model.path=embedded:bench-m-qwen3 --calls 8 --documents 50 \
   --doc-tokens 200,300 --multiples 0.8 --repeats 3 --json $R/rerank-bench-m-qwen3.json
+$B rerank --config configs/bench-m.yaml --set model.path=embedded:bench-m-qwen3 --calls 8 --documents 50 \
+  --doc-tokens 200,300 --multiples 0.5 --repeats 3 --seed 7 --json $R/rerank-bench-m-qwen3-half.json
 # On a machine with an NVIDIA GPU only: the revisit sequence on the device (the H200's row).
 if command -v nvidia-smi >/dev/null; then
   rm -rf /tmp/gc/disk-tier
