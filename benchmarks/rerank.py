@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -323,8 +323,6 @@ def run_rerank_bench(cfg: Config, opts: RerankOptions) -> dict[str, Any]:
 @contextmanager
 def _servers(systems: tuple[str, ...], cfg: Config, opts: RerankOptions, max_len: int) -> Iterator[dict[str, Served]]:
     """Every system's server, started once for all its runs (each run's texts are its own)."""
-    from contextlib import ExitStack
-
     with ExitStack() as stack:
         yield {s: stack.enter_context(_serve(s, cfg, opts, max_len)) for s in systems}
 

@@ -280,7 +280,8 @@ class Serving:
         it would end past its objective merely by waiting for the forward running now. The engine
         reads no message until that forward ends; this answers in the API's time instead. A lower
         bound on the wait: the engine still checks the rest (the queue, its own time) when it reads it."""
-        remaining = self.client.busy_until - time.time()
+        now = time.time()
+        remaining = self.client.busy_until - now
         if remaining <= 0 or self.config.scheduler.late != "shed":
             return
         default = self.config.scheduler.default_slo_ms
@@ -288,7 +289,7 @@ class Serving:
             slo_ms = r.slo_ms if r.slo_ms is not None else default
             if slo_ms is None:
                 continue
-            waited = 0.0 if r.arrival_unix is None else max(0.0, time.time() - r.arrival_unix)
+            waited = 0.0 if r.arrival_unix is None else max(0.0, now - r.arrival_unix)
             late_by = waited + remaining - slo_ms / 1e3
             if late_by <= 0:
                 continue
@@ -339,7 +340,8 @@ class Serving:
             if softmax:  # over the label tokens only, shifted by the largest: exact where exp(logprob) underflows
                 top = max(lps[t] for t in labels)
                 shifted = [math.exp(lps[t] - top) for t in labels]
-                values = [v / sum(shifted) for v in shifted]
+                total = sum(shifted)
+                values = [v / total for v in shifted]
             else:
                 values = [math.exp(lps[t]) for t in labels]
             scores.append(values)
