@@ -48,6 +48,18 @@ def _plots_arg(p: argparse.ArgumentParser, what: str, kind: str) -> None:
     p.add_argument("--plots", default=None, help=f"folder for {what} (default benchmarks/out/{kind})")
 
 
+def _base_tree_arg(p: argparse.ArgumentParser) -> None:
+    """--base-tree: the checkout the system tiered-base serves."""
+    p.add_argument(
+        "--base-tree",
+        type=Path,
+        default=None,
+        help="the checkout that the system tiered-base serves (the same config; e.g. a `git worktree` of the "
+        "commit before a change): a change measured against its base, run by run; its disk tier, if any, in a "
+        "folder of its own",
+    )
+
+
 def _vllm_python_arg(p: argparse.ArgumentParser) -> None:
     """--vllm-python: the Python the vLLM peers run with."""
     from benchmarks.systems import DEFAULT_VLLM_PYTHON
@@ -330,7 +342,8 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
             "cold (its own cache_salt) after the same warm-up on every server; the first system stays up and each "
             "other runs beside it, run for run (--repeats). Systems: tiered (tiered serve with --config and --set), "
             "tiered-single (the same with scheduler.max_batch_tokens=0: one request per forward), tiered-fcfs (the "
-            "same batches, heads in arrival order), vllm (vllm serve at its defaults: compiled, its own step budget; "
+            "same batches, heads in arrival order), tiered-base (the same config served from the checkout at "
+            "--base-tree), vllm (vllm serve at its defaults: compiled, its own step budget; "
             "KV memory = the RAM of our device + host tiers, in its dtype), vllm-devkv (the same, KV = our device "
             "tier only), vllm-eager (--enforce-eager, KV as vllm), vllm-full (KV memory for the whole working set), "
             "vllm-lmcache (vLLM with LMCache's multi-process server as its offload tier, sized as ours: vLLM's KV = "
@@ -401,6 +414,7 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
         help="record our servers' saturation runs with py-spy (API and engine process, every thread) and "
         "print where each thread's wall time went (raw samples kept in this folder)",
     )
+    _base_tree_arg(vs)
     vs.add_argument(
         "--load-of",
         default=None,
@@ -446,7 +460,7 @@ def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         "yields, parked KV; the highest short QPS whose P99 / mean meets the short objective. Systems: tiered "
         "(scheduler.pieces=deadline; calls predicted to miss refused: scheduler.late=shed), tiered-serve-late (the "
         "same, served late: scheduler.late=serve), tiered-in-order (served late in the policy's order: also "
-        "scheduler.defer_late=false), tiered-fixedN "
+        "scheduler.defer_late=false), tiered-base (tiered served from the checkout at --base-tree), tiered-fixedN "
         "(pieces of N tokens), tiered-never; vllm-chunkN (chunked prefill, "
         "--max-num-batched-tokens N), vllm-priority-chunkN (--scheduling-policy priority, each call's priority "
         "its deadline: earliest deadline first), either with -capM (--long-prefill-token-threshold M) and then "
@@ -492,6 +506,7 @@ def _add_mixed_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     g.add_argument("--alone-repeats", type=int, default=2, help="long prompts alone per system (best is kept)")
     g.add_argument("--seed", type=int, default=0, help="seeds the calls and their arrivals")
     _vllm_python_arg(mx)
+    _base_tree_arg(mx)
     _json_arg(mx, "the run (params, scores, records)")
     _plots_arg(mx, "goodput.png, server configs and logs", "mixed")
     mx.set_defaults(func=cmd_bench_mixed)

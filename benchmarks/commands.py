@@ -276,6 +276,7 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
         out_dir=out_dir,
         profile_dir=args.profile_dir,
         memory_limit_bytes=args.memory_limit,
+        base_tree=args.base_tree,
     )
     doc = run_visits_bench(cfg, trace, opts)
     print(f"wrote {plot_saturation(doc, out_dir / 'saturation.png')}")
@@ -314,6 +315,7 @@ def cmd_bench_mixed(args: argparse.Namespace) -> int:
         json_path=args.json,
         out_dir=out_dir,
         repeats=args.repeats,
+        base_tree=args.base_tree,
     )
     doc = run_mixed_bench(config_from_args(args), params, opts)
     print(f"wrote {plot_goodput(doc, out_dir)}")

@@ -41,9 +41,11 @@ def start_server(
     timeout_s: float = 900,
     log_path: str | Path | None = None,
     preexec: Callable[[], None] | None = None,
+    cwd: Path | None = None,
 ) -> tuple[ServerProcess, str]:
     """`tiered serve ARGS --port <free>`; returns the process and its base URL once /health is 200.
-    `preexec` runs in the child before exec (a memory cgroup's join).
+    `preexec` runs in the child before exec (a memory cgroup's join); `cwd`: the checkout whose
+    `tiered` serves (default: this one).
 
     Raises RuntimeError if the server exits or does not become healthy in time (it is killed)."""
     port = free_port()
@@ -55,6 +57,7 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=preexec,
+            cwd=cwd,
         )
     proc.log_path = Path(log_path)
     url = f"http://127.0.0.1:{port}"

@@ -5,8 +5,11 @@ calls at the same times for every system, --repeats runs per offered load (--sho
 first system is the reference: it stays up, and each other system runs beside it in turn, run for
 run (reference, other, reference, ...), each run started once neither server computes. Every run
 has its own `cache_salt` (and vLLM's prefix cache is reset): nothing is cached across runs or
-systems; within a run popular users' profiles are, long prompts never. Headline rows: short and
-all calls in time per second, the reference against each other system, run by run.
+systems; within a run popular users' profiles are, long prompts never. Headline rows, the
+reference against each other system, run by run: with two loads or more, each one's capacity at
+the objectives (`sustained_qps`: the highest load up to which 99% of the short calls, refused ones
+counted as missed, and every long prompt were in time); per load, short and all calls in time per
+second and the short calls' mean and P99 latency.
 
 Per system, first: a prompt of --long-tokens alone on the idle server (fresh prompts, best of
 --alone-repeats), the reference for each long call's completion time. Then per load: goodput at
@@ -19,7 +22,8 @@ sustainable QPS at P99 / mean latency <= the short objective.
 Systems (`systems.mixed_system`): `tiered` (`scheduler.pieces=deadline`: SLOWeave; calls predicted to
 miss their objective refused at once, `scheduler.late: shed`), `tiered-serve-late` (the same, such calls
 served late: `scheduler.late=serve`), `tiered-in-order` (served late and not deferred:
-`scheduler.defer_late=false`), `tiered-fixedN`
+`scheduler.defer_late=false`), `tiered-base` (`tiered` served from the checkout at `--base-tree`),
+`tiered-fixedN`
 (pieces of N tokens whatever the deadlines), `tiered-never` (one pass); `vllm-chunkN` (chunked
 prefill, --max-num-batched-tokens N), `vllm-priority-chunkN` (the same with --scheduling-policy
 priority, each call's `priority` its deadline in ms: earliest deadline first), and either with `-capM`
@@ -48,7 +52,7 @@ from benchmarks.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_t
 from benchmarks.report import headline_row, print_headline, result_paths, write_records, write_report
 from benchmarks.servers import Served, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.stats import Record, Summary, abba, summarize
-from benchmarks.systems import MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
+from benchmarks.systems import BASE_SYSTEM, MIXED_SYSTEM_FORMS, MixedSystem, check_vllm_sizing, mixed_system
 from benchmarks.traces import BenchError, ordinary_token_ids
 from benchmarks.vllm import PeerOptions, VLLMServer, peer_launch
 from tiered.config import Config, with_overrides
@@ -58,7 +62,9 @@ from tiered.embedded import resolve_model_path
 log = logging.getLogger(__name__)
 
 
-def check_options(cfg: Config, names: list[str], short_qps: list[float], vllm_python: str | None) -> list[MixedSystem]:
+def check_options(
+    cfg: Config, names: list[str], short_qps: list[float], vllm_python: str | None, base_tree: Path | None = None
+) -> list[MixedSystem]:
     """The systems `names` stand for; a BenchError naming what is wrong, before anything starts."""
     systems = {name: mixed_system(name) for name in names}
     unknown = [name for name, s in systems.items() if s is None]
@@ -73,14 +79,18 @@ def check_options(cfg: Config, names: list[str], short_qps: list[float], vllm_py
         raise BenchError(f"--short-qps needs values > 0, got {','.join(f'{q:g}' for q in short_qps) or '(none)'}")
     if any(s.is_vllm for s in systems.values() if s is not None):
         check_vllm_sizing(cfg, vllm_python)
+    if BASE_SYSTEM in names and (base_tree is None or not (base_tree / "tiered").is_dir()):
+        raise BenchError(f"{BASE_SYSTEM} serves the checkout at --base-tree: give a folder with tiered/ in it")
     return [s for s in systems.values() if s is not None]
 
 
 @contextmanager
-def _serve(system: MixedSystem, cfg: Config, vllm_python: str | None, max_len: int, out_dir: Path) -> Iterator[Served]:
+def _serve(system: MixedSystem, cfg: Config, opts: MixedOptions, max_len: int, out_dir: Path) -> Iterator[Served]:
     """The system's server, warmed up; a vLLM system compiled, with the KV memory of our device + host tiers."""
+    vllm_python = opts.vllm_python
     if not system.is_vllm:
-        with serve_tiered(with_overrides(cfg, list(system.overrides)), system.name, out_dir) as served:
+        tree = opts.base_tree if system.name == BASE_SYSTEM else None
+        with serve_tiered(with_overrides(cfg, list(system.overrides)), system.name, out_dir, tree=tree) as served:
             yield served
         return
     assert vllm_python is not None
@@ -141,6 +151,7 @@ class MixedOptions:
     json_path: str | None
     out_dir: Path  # records.json, server configs and logs
     repeats: int = 1  # runs per (system, load), each system's turn by turn with the reference's
+    base_tree: Path | None = None  # the checkout `tiered-base` serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +171,7 @@ def run_mixed_bench(cfg: Config, params: MixedParams, opts: MixedOptions) -> dic
     """Run the mixed traffic at each short QPS on each system (see the module docstring); returns the JSON document."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     short_qps, vllm_python, out_dir, repeats = opts.short_qps, opts.vllm_python, opts.out_dir, opts.repeats
-    systems = check_options(cfg, opts.systems, short_qps, vllm_python)
+    systems = check_options(cfg, opts.systems, short_qps, vllm_python, opts.base_tree)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.models_dir)
     vocab = ordinary_token_ids(model_dir)
     traces = [build_trace(vocab, params, q) for q in short_qps]
@@ -177,7 +188,7 @@ def run_mixed_bench(cfg: Config, params: MixedParams, opts: MixedOptions) -> dic
     pairs = [[reference, other] for other in systems[1:]] or [[reference]]
 
     def started(stack: ExitStack, system: MixedSystem) -> Served:
-        served = stack.enter_context(_serve(system, cfg, vllm_python, max_len, out_dir))
+        served = stack.enter_context(_serve(system, cfg, opts, max_len, out_dir))
         runs.launch[system.name] = served.launch
         seconds = alone_seconds(served.url, served.vllm, traces[0].alone_prompts, f"{system.name} alone")
         runs.alone[system.name] = seconds
@@ -240,11 +251,50 @@ def run_mixed_bench(cfg: Config, params: MixedParams, opts: MixedOptions) -> dic
     return {**doc, "runs": runs.documents}
 
 
-def _headline(reference: str, params: MixedParams, runs: _Runs) -> list[dict[str, Any]]:
-    """The rows a results table quotes, the reference against each other system: short and all calls
-    in time per second, then the short calls' mean and P99 latency (of the calls answered with a
-    score: a refused call is counted apart, in the scores)."""
+def sustained_qps(scores: list[RunScore]) -> float:
+    """The capacity at the objectives of one system's runs at several loads (one run a load): the
+    largest offered short calls/s up to which every load kept them, 99% of its short calls answered
+    within their objective (a call refused or failed counts as missed) and every long prompt within
+    its own; 0 when the lowest load did not."""
+    best = 0.0
+    for score in sorted(scores, key=lambda s: s.short_qps):
+        if score.short.num_good < 0.99 * score.short.num_calls or score.long.num_good < score.long.num_calls:
+            break
+        best = score.short_qps
+    return best
+
+
+def _capacity_rows(reference: str, params: MixedParams, runs: _Runs) -> list[dict[str, Any]]:
+    """Per other system, with runs at two loads or more: each side's capacity at the objectives
+    (`sustained_qps`), repeat by repeat over the loads run beside each other."""
     rows = []
+    for other in dict.fromkeys(name for name, _ in runs.paired):
+        loads = sorted(qps for name, qps in runs.paired if name == other)
+        repeats = min(len(runs.paired[(other, qps)]) for qps in loads)
+        if len(loads) < 2:
+            continue
+        ours = [sustained_qps([runs.paired[(other, q)][r][1] for q in loads]) for r in range(repeats)]
+        theirs = [sustained_qps([runs.paired[(other, q)][r][0] for q in loads]) for r in range(repeats)]
+        rows.append(
+            headline_row(
+                f"short calls/s sustained within the objectives among {params.long_tokens}-token prompts "
+                f"(99% of short calls within {params.short_slo_ms / 1e3:g} s, every long prompt within "
+                f"{params.long_slo_ms / 1e3:g} s; loads {', '.join(f'{q:g}' for q in loads)} short/s)",
+                "short/s",
+                (reference, ours),
+                (other, theirs),
+                higher_is_better=True,
+            )
+        )
+    return rows
+
+
+def _headline(reference: str, params: MixedParams, runs: _Runs) -> list[dict[str, Any]]:
+    """The rows a results table quotes, the reference against each other system: the capacity at
+    the objectives over the loads run, then per load short and all calls in time per second and
+    the short calls' mean and P99 latency (of the calls answered with a score: a refused call is
+    counted apart, in the scores)."""
+    rows = _capacity_rows(reference, params, runs)
     for (other, qps), pair_scores in runs.paired.items():
         where = f"among {params.long_tokens}-token prompts, {qps:g} short/s"
         for kind in ("short", "total"):

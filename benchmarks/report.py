@@ -46,18 +46,22 @@ def _cpu() -> tuple[str, list[str]]:
     return model, [f for f in ISA_FLAGS if f in flags]
 
 
-@functools.cache
-def commit_at_start() -> str:
-    """The checkout's commit, '+dirty' when tracked files differ from it; 'unknown' outside git. Taken
-    once per process (the CLI takes it before a run starts), so a commit made while a long run goes
-    on is not named as the code that ran."""
-    here = Path(__file__).resolve().parent
+def commit_of(folder: Path) -> str:
+    """The commit checked out at `folder`, '+dirty' when tracked files differ from it; 'unknown'
+    outside git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=here, capture_output=True, text=True)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=folder, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+@functools.cache
+def commit_at_start() -> str:
+    """This checkout's commit (`commit_of`), taken once per process (the CLI takes it before a run
+    starts), so a commit made while a long run goes on is not named as the code that ran."""
+    return commit_of(Path(__file__).resolve().parent)
 
 
 def provenance() -> dict[str, Any]:

@@ -17,6 +17,7 @@ import psutil
 from benchmarks.launch import start_server, stop_server
 from benchmarks.load import WARM_UP, Call, HttpOptions, run_http
 from benchmarks.memory_group import MemoryGroup
+from benchmarks.report import commit_of
 from benchmarks.vllm import VLLMServer
 from tiered.config import Config, write_config
 
@@ -56,18 +57,23 @@ def serve_tiered(
     warm_up: Sequence[Call] = (),
     concurrency: int | None = None,
     group: MemoryGroup | None = None,
+    tree: Path | None = None,
 ) -> Iterator[Served]:
     """`tiered serve` with `cfg` (written to OUT_DIR/SYSTEM.yaml, its log beside it), served as
-    `model`, in `group` where one is given, warmed up; stops it on exit."""
-    path = write_config(cfg, out_dir / f"{system}.yaml")
+    `model`, in `group` where one is given, warmed up; stops it on exit. `tree`: serve the
+    checkout there instead of this one (its commit goes to the launch record)."""
+    path = write_config(cfg, out_dir / f"{system}.yaml").resolve()
     began = time.perf_counter()
     proc, url = start_server(
         ["--config", str(path), "--served-model-name", "model"],
         log_path=out_dir / f"{system}.log",
         preexec=group.preexec if group else None,
+        cwd=tree,
     )
     argv = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
-    launch = {"argv": argv, "env": {}, "startup_seconds": time.perf_counter() - began}
+    launch: dict[str, object] = {"argv": argv, "env": {}, "startup_seconds": time.perf_counter() - began}
+    if tree is not None:
+        launch |= {"cwd": str(tree), "commit": commit_of(tree)}
     try:
         _warm_up(url, warm_up, concurrency)
         yield Served(system, url, proc.pid, launch, group=group)

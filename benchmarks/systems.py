@@ -38,7 +38,10 @@ VISIT_TIERED_SYSTEMS: dict[str, list[str]] = {
     "tiered-fcfs": ["scheduler.policy=fcfs"],  # the same batches, heads in arrival order
     "tiered-bf16": ["model.dtype=bfloat16"],  # bf16 compute forced, whatever the CPU (model.dtype: auto's baseline)
     "tiered-kv32": ["cache.kv_dtype=float32"],  # KV tiers in fp32 under fp32 compute: half the tokens per byte
+    # the same config served from another checkout (--base-tree): a change measured against its base
+    "tiered-base": [],
 }
+BASE_SYSTEM = "tiered-base"
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +103,8 @@ MIXED_TIERED_SYSTEMS: dict[str, list[str]] = {
     "tiered-serve-late": ["scheduler.pieces=deadline", "scheduler.late=serve"],
     # ... and keeping their place in the policy's order
     "tiered-in-order": ["scheduler.pieces=deadline", "scheduler.late=serve", "scheduler.defer_late=false"],
+    # `tiered` served from another checkout (--base-tree): a change measured against its base
+    BASE_SYSTEM: ["scheduler.pieces=deadline"],
 }
 MIXED_FIXED_SYSTEM = re.compile(r"^tiered-fixed([1-9][0-9]*)$")  # pieces of N tokens, always (chunked prefill's way)
 # chunked prefill, N tokens a step; -capM: a long prefill takes at most M of them while others wait

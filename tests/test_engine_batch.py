@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine, Result, ScoreParams
+from tiered.hybrid.attention import native
 from tiered.hybrid.forward import forward
+from tiered.offload.device_tier import DeviceTier
+from tiered.scheduler.step import StepOutput
 
 BT = 16
 YES_NO = ScoreParams(logprob_token_ids=(11, 12), top_logprobs=2)
@@ -226,3 +231,74 @@ def test_a_profiles_tail_short_of_a_block_counts_once_in_the_batch_budget(tiny_d
     assert [r.split.num_device_hit_tokens + r.split.num_host_hit_tokens for r in results] == [6 * BT] * 4
     assert [r.batch_size for r in results] == [4] * 4
     assert sorted(r.num_shared_tokens for r in results) == [0, 10, 10, 10]
+
+
+def _count_gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the device tier's per-layer copies of a cached prefix (`DeviceTier.layer_kv`)."""
+    calls: list[int] = []
+    gather = DeviceTier.layer_kv
+
+    def counted(tier: DeviceTier, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(layer)
+        return gather(tier, layer, block_ids)
+
+    monkeypatch.setattr(DeviceTier, "layer_kv", counted)
+    return calls
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernel's library could not be built here")
+@pytest.mark.parametrize(
+    ("kernel", "kv_dtype", "reads_in_place"),
+    [("native", "auto", True), ("native", "bfloat16", False), ("flash-head", "auto", False)],
+)
+def test_a_cached_prefix_is_read_in_place_where_the_kernel_can(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str, kv_dtype: str, reads_in_place: bool
+) -> None:
+    """A batch over a cached profile: the native kernel reads the prefix from the pool by block id
+    (no per-layer copy of it) where the pool keeps KV in the compute dtype; other kernels, or a pool
+    in another dtype, gather it. The answers equal a plain forward's (fp32, 1e-4; bf16 KV: 2e-2)."""
+    engine = _engine(
+        tiny_dir,
+        tmp_path,
+        "cache.retention=all",
+        f"attention.kernel={kernel}",
+        f"cache.kv_dtype={kv_dtype}",
+        "model.dtype=float32",
+    )
+    profile = _ids(200, 5)
+    _visit(engine, [torch.cat([profile, _ids(12, 6)])])
+    prompts = [torch.cat([profile, _ids(10 + i, 20 + i)]) for i in range(3)]
+    calls = _count_gathers(monkeypatch)
+    results = list(_visit(engine, prompts).values())
+    engine.close()
+    assert all(r.split.num_device_hit_tokens == 192 for r in results)
+    assert (calls == []) == reads_in_place
+    tolerance = 1e-4 if kv_dtype == "auto" else 2e-2
+    for prompt, r in zip(prompts, results, strict=True):
+        ref = torch.log_softmax(forward(engine.model, prompt), dim=-1)
+        assert max(abs(r.logprobs[t] - float(ref[t])) for t in (11, 12)) < tolerance
+
+
+def test_a_step_carries_its_blocks_and_the_scheduler_applies_its_output(tiny_dir: Path, tmp_path: Path) -> None:
+    """`schedule()` allocates and pins: the step names each request's cached prefix and the blocks
+    its computed tokens fill, by id. The executor runs it without releasing anything; the scheduler's
+    `update_from_output` indexes the retained blocks and releases every pin."""
+    engine = _engine(tiny_dir, tmp_path, "cache.retention=all")
+    profile = _ids(200, 7)
+    _visit(engine, [torch.cat([profile, _ids(12, 8)])])
+    dt = engine.tiers.device_tier
+    prompt = torch.cat([profile, _ids(40, 9)])  # 240 tokens: 12 cached blocks, 3 more to compute
+    engine.submit(prompt, YES_NO)
+    step = engine.scheduler.schedule()
+    (p,) = step.prepared
+    keys = p.request.keys
+    assert p.prefix_blocks == dt.match(keys, prompt.tolist(), count=False) and len(p.prefix_blocks) == 12
+    assert len(p.retained_blocks) == 3 and p.first_retained_block == 12
+    assert dt.stats().num_pinned_blocks == 15
+    output = StepOutput()
+    engine.executor.execute(step, output)
+    assert [r.error for r in output.results] == [None] and output.finished == [p]
+    assert dt.stats().num_pinned_blocks == 15 and dt.count_cached(keys, 15) == 12  # nothing applied yet
+    engine.scheduler.update_from_output(step, output)
+    assert dt.stats().num_pinned_blocks == 0 and dt.count_cached(keys, 15) == 15
+    engine.close()

@@ -46,7 +46,7 @@ class Shape:
     vocab_size: int = TOKENIZER_VOCAB_SIZE
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = False
-    rope_scaling: dict[str, float | int | str] | None = None
+    rope_scaling: dict[str, object] | None = None
     seed: int = 0
     # The dtype the checkpoint stores (config.json's torch_dtype): real checkpoints ship in bf16.
     dtype: str = "float32"
@@ -87,6 +87,24 @@ SHAPES: dict[str, Shape] = {
     "tiny-gemma2": Shape("Gemma2ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=12, head_dim=32),
     # q/k/v and gate/up stored fused, as Phi-3 checkpoints are
     "tiny-phi3": Shape("Phi3ForCausalLM", 64, 2, 4, 2, 176, seed=7),
+    # ... with LongRoPE (Phi-3's 128k checkpoints): its short factors up to 64 tokens, its long ones past
+    "tiny-phi3-longrope": Shape(
+        "Phi3ForCausalLM",
+        64,
+        2,
+        4,
+        2,
+        176,
+        seed=13,
+        max_position_embeddings=4096,
+        rope_theta=10_000.0,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [1.0 + 3.0 * i for i in range(8)],
+            "original_max_position_embeddings": 64,
+        },
+    ),
     # q/k normed per head; heads of 32 over a 64-wide stream (q is 128 wide), as Qwen3's are wider too
     "tiny-qwen3": Shape("Qwen3ForCausalLM", 64, 2, 4, 2, 176, tie_word_embeddings=True, seed=6, head_dim=32),
     # Weights made at load (no file): the loader's generated path at test size, and two real shapes.
@@ -183,6 +201,9 @@ def _hf_config(shape: Shape) -> dict[str, object]:
         cfg["attention_bias"] = False
     if shape.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = None
+    if shape.architecture == "Phi3ForCausalLM" and shape.rope_scaling is not None:
+        # Phi-3 names LongRoPE's original length at the config's top level (transformers reads it there)
+        cfg["original_max_position_embeddings"] = shape.rope_scaling["original_max_position_embeddings"]
     if shape.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         # A sliding layer (a 48-token window) then a global one; Gemma 3's sliding layers have their
         # own RoPE base, Gemma 2 soft-caps its attention scores (at 5: the tiny weights' scores pass it)

@@ -45,15 +45,23 @@ def test_an_engine_result_maps_to_its_response_and_status() -> None:
     assert _response(Result.failed("r", 40, "out of memory computing 40 tokens", 0.3)).error_status == 500
 
 
-def test_the_engine_process_says_when_its_forward_is_predicted_to_end_and_when_it_has(tiny_dir: Path) -> None:
-    """The engine reads no message while a forward runs: just before one it sends `Busy` with the
-    forward's predicted end (wall clock), and once it is over a `Busy(0.0)`, before the answers."""
-    config = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "scheduler.profile_tokens=[64,256]"])
+def _engine_process(
+    tiny_dir: Path, *overrides: str
+) -> tuple[zmq.Context, zmq.Socket, zmq.Socket, multiprocessing.Process]:
+    """An engine process on the tiny model, its request and response sockets (the API's ends)."""
+    config = load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", "scheduler.profile_tokens=[64,256]", *overrides])
     ctx = zmq.Context()
     requests, responses = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     addrs = [f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for s in (requests, responses)]
     engine = multiprocessing.get_context("spawn").Process(target=serve_engine, args=(config, *addrs), daemon=True)
     engine.start()
+    return ctx, requests, responses, engine
+
+
+def test_the_engine_process_says_when_its_forward_is_predicted_to_end_and_when_it_has(tiny_dir: Path) -> None:
+    """Just before a forward the engine sends `Busy` with its predicted end (wall clock), and once
+    it is over a `Busy(0.0)`, before the answers."""
+    ctx, requests, responses, engine = _engine_process(tiny_dir)
     try:
         responses.setsockopt(zmq.RCVTIMEO, 120_000)
         assert isinstance(decode(responses.recv()), Ready)
@@ -71,6 +79,34 @@ def test_the_engine_process_says_when_its_forward_is_predicted_to_end_and_when_i
         with pytest.raises(zmq.Again):
             while True:
                 assert not isinstance(decode(responses.recv()), Busy)
+    finally:
+        engine.terminate()
+        engine.join(30)
+        ctx.destroy(linger=0)
+
+
+def test_a_call_that_cannot_be_in_time_is_refused_while_a_forward_runs(tiny_dir: Path) -> None:
+    """The engine's intake reads messages while a forward runs: a call whose objective it cannot
+    meet gets its 429 before that forward's answer, not after it; the forward's request is
+    answered as usual."""
+    ctx, requests, responses, engine = _engine_process(tiny_dir, "model.max_model_len=32768")
+    try:
+        responses.setsockopt(zmq.RCVTIMEO, 120_000)
+        assert isinstance(decode(responses.recv()), Ready)
+        requests.send(encode(ScoreRequest("long", [(t * 7) % 1290 + 3 for t in range(24_000)])))
+        while not isinstance(message := decode(responses.recv()), Busy | ScoreResponse):
+            pass
+        assert isinstance(message, Busy) and message.until_unix > 0, message
+        requests.send(encode(ScoreRequest("late", list(range(3, 40)), slo_ms=0.01, arrival_unix=time.time())))
+        answers = []
+        while len(answers) < 2:
+            message = decode(responses.recv())
+            if isinstance(message, ScoreResponse):
+                answers.append(message)
+            assert not (isinstance(message, Busy) and message.until_unix == 0.0 and not answers), "refused after"
+        late, long = answers
+        assert (late.request_id, late.error_status) == ("late", 429) and "deadline unreachable" in str(late.error)
+        assert long.request_id == "long" and long.error is None
     finally:
         engine.terminate()
         engine.join(30)

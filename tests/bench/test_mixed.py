@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.cli import main
-from benchmarks.goodput import print_goodput, score_run
+from benchmarks.goodput import RunScore, print_goodput, score_run
 from benchmarks.load import Call, read_usage
-from benchmarks.mixed import MixedOptions, run_mixed_bench
+from benchmarks.mixed import MixedOptions, _capacity_rows, _Runs, run_mixed_bench, sustained_qps
 from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace, build_trace, calls_for
 from benchmarks.stats import Record
 from benchmarks.systems import MixedSystem, mixed_system
@@ -94,6 +94,7 @@ def test_system_names() -> None:
     assert mixed_system("tiered-serve-late") == MixedSystem(
         "tiered-serve-late", ("scheduler.pieces=deadline", "scheduler.late=serve")
     )
+    assert mixed_system("tiered-base") == MixedSystem("tiered-base", ("scheduler.pieces=deadline",))
     assert mixed_system("tiered-fixed1024") == MixedSystem(
         "tiered-fixed1024", ("scheduler.pieces=fixed", "scheduler.piece_tokens=1024")
     )
@@ -212,6 +213,8 @@ def test_bad_systems_and_options_fail_before_anything_starts(tmp_path: Path) -> 
         run(["tiered"], [1.0, 0.0])
     with pytest.raises(BenchError, match="--vllm-python"):
         run(["tiered", "vllm-chunk512"], [1.0])
+    with pytest.raises(BenchError, match="tiered-base serves the checkout at --base-tree"):
+        run(["tiered", "tiered-base"], [1.0])
     with pytest.raises(BenchError, match="engine.memory_budget_bytes=0"):
         cfg = load_config(DEFAULT_CONFIG, ["engine.memory_budget_bytes=1000000000"])
         run(["vllm-chunk512"], [1.0], str(tmp_path))
@@ -303,3 +306,30 @@ def test_a_small_mixed_run_over_http(tiny_dir: Path, tmp_path: Path) -> None:
     from benchmarks.plots import plot_goodput
 
     assert plot_goodput(doc, tmp_path / "plots").name == "goodput.png"
+
+
+def test_capacity_is_the_load_up_to_which_every_load_kept_its_objectives() -> None:
+    """`sustained_qps`: 99% of the short calls in time (refused ones missed) and every long prompt,
+    at that load and every lower one; the headline row takes it repeat by repeat, ours over the peer."""
+    trace, records = _hand_made()
+    base = score_run("tiered", trace, records, alone_seconds=4.0)
+
+    def at(qps: float, short_good: int, long_good: int = 2) -> RunScore:
+        short = replace(base.short, num_calls=100, num_good=short_good)
+        return replace(base, short_qps=qps, short=short, long=replace(base.long, num_calls=2, num_good=long_good))
+
+    assert sustained_qps([at(3, 99), at(1, 100), at(2, 99)]) == 3
+    assert sustained_qps([at(1, 100), at(2, 98), at(3, 100)]) == 1  # a load passing above one that failed
+    assert sustained_qps([at(1, 100), at(2, 100, long_good=1)]) == 1  # a long prompt late
+    assert sustained_qps([at(1, 98)]) == 0
+    runs = _Runs()
+    for ours, theirs in (((1, 2, 4), (1, 2)), ((1, 2), (1,))):  # loads kept, per repeat
+        for q in (1, 2, 4):
+            pair = (at(q, 100 if q in theirs else 90), at(q, 100 if q in ours else 90))
+            runs.paired.setdefault(("vllm-chunk8", q), []).append(pair)
+    (row,) = _capacity_rows("tiered", MixedParams(short_slo_ms=2000, long_slo_ms=60000), runs)
+    assert (
+        row["measure"].startswith("short calls/s sustained within the objectives") and "loads 1, 2, 4" in row["measure"]
+    )
+    assert (row["ours"]["min"], row["ours"]["max"], row["peer"]["min"], row["peer"]["max"]) == (2, 4, 1, 2)
+    assert row["ratio"]["min"] == 2 and row["ratio"]["max"] == 2

@@ -31,7 +31,7 @@ from benchmarks.visits import (
     vllm_prefix_cache_tokens,
     working_set_tokens,
 )
-from tiered.config import load_config
+from tiered.config import Config, load_config
 from tiered.config.options import DEFAULT_CONFIG
 
 VOCAB = list(range(10, 500))
@@ -128,6 +128,8 @@ def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
         run_visits_bench(cfg, trace, opts)
     with pytest.raises(BenchError, match=r"--warm-up-visits in \[0, 2\)"):
         run_visits_bench(cfg, trace, VisitsOptions(["tiered"], warm_up_visits=2, out_dir=tmp_path))
+    with pytest.raises(BenchError, match="tiered-base serves the checkout at --base-tree"):
+        run_visits_bench(cfg, trace, VisitsOptions(["tiered", "tiered-base"], warm_up_visits=0, out_dir=tmp_path))
 
 
 def test_the_cli_writes_a_visits_trace(tiny_dir: Path, tmp_path: Path) -> None:
@@ -163,16 +165,18 @@ def test_the_cli_writes_a_visits_trace(tiny_dir: Path, tmp_path: Path) -> None:
     assert t.kind == "visits" and len(t) == 10 and {r.visit for r in t.requests} == set(range(5))
 
 
+def _small_config(tiny_dir: Path, tmp_path: Path, *overrides: str) -> Config:
+    """The tiny model in blocks of 16, a quick start-up profile cached under `tmp_path`."""
+    small = [
+        "cache.block_tokens=16",
+        "scheduler.profile_tokens=[64,256]",
+        f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
+    ]
+    return load_config(DEFAULT_CONFIG, [f"model.path={tiny_dir}", *small, *overrides])
+
+
 def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(
-        DEFAULT_CONFIG,
-        [
-            f"model.path={tiny_dir}",
-            "cache.block_tokens=16",
-            "scheduler.profile_tokens=[64,256]",
-            f"scheduler.profile_cache_dir={tmp_path / 'jct'}",
-        ],
-    )
+    cfg = _small_config(tiny_dir, tmp_path)
     trace = visits(
         VOCAB,
         VisitsTraceOptions(
@@ -266,3 +270,21 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     from benchmarks.plots import plot_load
 
     assert [p.name for p in plot_load(doc, tmp_path / "plots")] == ["latency.png", "throughput.png", "cdf.png"]
+
+
+def test_tiered_base_serves_another_checkout_beside_ours(tiny_dir: Path, tmp_path: Path) -> None:
+    """`tiered-base`: the same config served from the checkout at --base-tree (here this one, from
+    its own folder), its commit in the launch record and its disk tier in a folder of its own."""
+    disk = tmp_path / "disk"
+    lmcache = f"{{max_local_cpu_size: 0.05, local_disk: '{disk}', max_local_disk_size: 1}}"
+    cfg = _small_config(tiny_dir, tmp_path, f"cache.host.lmcache={lmcache}")
+    trace = visits(VOCAB, VisitsTraceOptions(users=2, visits=3, posts=2, **SMALL))
+    root = Path(__file__).resolve().parents[2]
+    opts = VisitsOptions(["tiered", "tiered-base"], repeats=1, warm_up_visits=0, out_dir=tmp_path, base_tree=root)
+    doc = run_visits_bench(cfg, trace, opts)
+    assert [s["num_errors"] for s in doc["saturation"]] == [0, 0]
+    launch = doc["launch"]["tiered-base"]
+    assert launch["cwd"] == str(root) and len(launch["commit"].removesuffix("+dirty")) == 40
+    assert "cwd" not in doc["launch"]["tiered"]
+    assert str(disk.with_name("disk-base")) in (tmp_path / "tiered-base.yaml").read_text()
+    assert str(disk.with_name("disk-base")) not in (tmp_path / "tiered.yaml").read_text()

@@ -277,9 +277,9 @@ class Serving:
 
     def _refuse_behind_forward(self, reqs: list[ScoreRequest], label: str, route: str) -> None:
         """`scheduler.late: shed`: refuse the call here (429, as the engine would) when a request of
-        it would end past its objective merely by waiting for the forward running now. The engine
-        reads no message until that forward ends; this answers in the API's time instead. A lower
-        bound on the wait: the engine still checks the rest (the queue, its own time) when it reads it."""
+        it would end past its objective merely by waiting for the forward running now, without a
+        round trip to the engine. A lower bound on the wait: the engine's intake checks the rest
+        (the queue ahead of it, its own time) as soon as it reads the call."""
         now = time.time()
         remaining = self.client.busy_until - now
         if remaining <= 0 or self.config.scheduler.late != "shed":

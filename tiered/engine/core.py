@@ -1,16 +1,19 @@
 """`tiered.Engine`: the in-process API. Submit requests, step, get results.
 
-A step has one contract: the scheduler decides it (`Scheduler.schedule` returns a `Step`: the
-batch, a piece of a request that yields, the prefix to prefetch, the requests that expired), the
-executor runs it (`Executor.execute`: one forward, or a batch sent into a pipeline) and returns
-its output, and the engine applies that (requests to wait again go back to the scheduler) and
-returns the results. Start-up (model, precision, kernel, memory split, tiers) is `startup.py`;
+A step has one contract, vLLM v1's: the scheduler decides it (`Scheduler.schedule` returns a
+`Step`: the batch with each request's blocks allocated and pinned, a piece of a request that
+yields, the prefix it started prefetching, the requests it took out unrun), the executor runs it
+(`Executor.execute`: one forward, or a batch sent into a pipeline) into a `StepOutput`, and the
+scheduler applies that in one place (`Scheduler.update_from_output`: blocks indexed and freed,
+chunks stored, a piece's KV parked, the JCT model's observation, requests that wait again); the
+engine returns the results. Start-up (model, precision, kernel, memory split, tiers) is `startup.py`;
 the JCT profile, `profile.py`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -21,6 +24,7 @@ from tiered.config import Config
 from tiered.engine.adapters import UnknownAdapterError
 from tiered.engine.executor import Executor
 from tiered.engine.profile import jct_for
+from tiered.engine.results import refused_results
 from tiered.engine.startup import EngineStartError, start
 from tiered.hybrid.forward import ForwardInputError
 from tiered.request.score import DEFAULT_OPTIONS, DEFAULT_PARAMS, RequestOptions, Result, ScoreParams
@@ -28,7 +32,7 @@ from tiered.request.validation import InputError, check_prompt, check_slo_ms, ch
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.pieces import PiecePolicy
 from tiered.scheduler.scheduler import Scheduler
-from tiered.scheduler.step import PieceStats, StepLimits
+from tiered.scheduler.step import PieceStats, Step, StepLimits, StepOutput
 
 __all__ = ["Engine", "EngineStartError"]
 
@@ -36,7 +40,8 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Model + KV tiers + scheduler in one process. Not thread-safe: one caller drives it."""
+    """Model + KV tiers + scheduler in one process. One thread drives it (`step`, `run`, adapters);
+    `submit`, `cancel` and `shed_unreachable` may also come from one other thread, while a forward runs."""
 
     def __init__(self, config: Config, jct_model: JCTModel | None = None) -> None:
         self.config = config
@@ -55,11 +60,15 @@ class Engine:
             sc.defer_late,
             sc.late == "shed",
             sc.max_predicted_wait_s,
+            index_at_launch=parts.runner.max_in_flight > 1,
         )
         self.pieces = PieceStats()
         policy = PiecePolicy(sc, self.tiers.block_tokens, self.jct, self.pieces)
         self.scheduler = Scheduler(sc.policy, sc.fairness, self.tiers, self.jct, limits=limits, pieces=policy)
-        self.executor = Executor(parts, self.jct, self.pieces)
+        self.executor = Executor(parts, self.jct)
+        # The queue's state: `step` holds it but while its forward runs, so `submit`, `cancel` and
+        # `shed_unreachable` may come from another thread meanwhile (a server's intake).
+        self.lock = threading.RLock()
         self.num_cancelled = 0
         log.info(
             "engine ready: %s on %s (%s compute, %s attention), policy %s (λ=%g), prefetch %s, pieces %s; %s",
@@ -103,21 +112,32 @@ class Engine:
             identity = self.adapters.spec(adapter).identity
         slo_ms = self.config.scheduler.default_slo_ms if slo_ms is None else slo_ms
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.scheduler:
-            raise ForwardInputError(f"request id {request_id!r} is already waiting")
         slo_s = None if slo_ms is None else slo_ms / 1e3
         req = self.tiers.new_request(request_id, ids, options.cache_salt, identity)
-        self.scheduler.add(req, options.arrival, options.priority, params, slo_s)
+        with self.lock:
+            if request_id in self.scheduler:
+                raise ForwardInputError(f"request id {request_id!r} is already waiting")
+            self.scheduler.add(req, options.arrival, options.priority, params, slo_s)
         return request_id
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting request (timed out, client gone). False if it is not waiting."""
-        w = self.scheduler.remove(request_id)
-        if w is None:
-            return False
-        self.executor.release(w)
-        self.num_cancelled += 1
+        with self.lock:
+            if self.scheduler.remove(request_id) is None:
+                return False
+            self.num_cancelled += 1
         return True
+
+    def shed_unreachable(self, busy_seconds: float) -> list[Result]:
+        """`scheduler.late: shed`: take out the waiting requests that cannot meet their deadline even
+        if they start `busy_seconds` from now, as failures with their Retry-After ([] otherwise).
+        For a caller that watches the queue while a forward runs (`busy_seconds`: what is left of it)."""
+        if not self.scheduler.limits.shed_late:
+            return []
+        with self.lock:
+            shed = self.scheduler.take_unreachable(busy_seconds)
+            retry_after = busy_seconds + self.scheduler.backlog() if shed else 0.0
+        return refused_results(Step(shed=shed, retry_after=retry_after)) if shed else []
 
     @property
     def num_waiting(self) -> int:
@@ -142,15 +162,30 @@ class Engine:
         before the forward starts (a server answers them at once). `starting` is told the forward's
         predicted seconds just before it starts (a server tells its API, which refuses calls that
         cannot wait that long without asking the engine)."""
-        step = self.scheduler.schedule()
-        refused = self.executor.refuse(step)
-        if answer_refused is not None and refused:
-            answer_refused(refused)
-            refused = []
-        if starting is not None and step.batch:
-            starting(step.predicted_seconds)
-        output = self.executor.execute(step)
-        self.scheduler.update_from_output(output)
+        with self.lock:
+            step = self.scheduler.schedule()
+            if step.batch:
+                self.scheduler.running_until = self.scheduler.clock() + step.predicted_seconds
+        output = StepOutput()
+        try:
+            refused = refused_results(step)
+            if answer_refused is not None and refused:
+                answer_refused(refused)
+                refused = []
+            if starting is not None and step.batch:
+                starting(step.predicted_seconds)
+        except BaseException:
+            output.aborted += step.prepared  # nothing ran: the step's blocks go back
+            with self.lock:
+                self.scheduler.running_until = 0.0
+                self.scheduler.update_from_output(step, output)
+            raise
+        try:
+            self.executor.execute(step, output)  # without the lock: calls may arrive meanwhile
+        finally:
+            with self.lock:
+                self.scheduler.running_until = 0.0
+                self.scheduler.update_from_output(step, output)
         return refused + output.results
 
     # ---- adapters --------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from tiered.engine.adapters import Adapters
-from tiered.offload.device_tier import DeviceTier
 from tiered.request.plan import Prepared
 from tiered.request.score import Result
 from tiered.scheduler.step import Decision, Step
@@ -23,8 +22,8 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Launched:
     """A batch submitted to the runner and not yet collected: its decisions, prepared requests
-    (pins held), each request's tokens computed by its lead, the runner's ticket, the engine
-    step's start (monotonic) and when it was submitted (perf_counter)."""
+    (pins held), each request's tokens computed by its lead, the runner's ticket, when it was
+    submitted (monotonic: its requests' wait ends there; perf_counter: its compute starts)."""
 
     batch: list[Decision]
     prepared: list[Prepared]
@@ -122,11 +121,8 @@ def load_adapters(adapters: Adapters | None, batch: list[Decision], started: flo
     ]
 
 
-def unavailable_results(lost: list[Decision], device_tier: DeviceTier, why: str) -> list[Result]:
-    """Requests whose batch was lost with the runner (their prepared requests already aborted):
-    each fails with a 503 naming `why`, its parked KV released."""
-    for d in lost:
-        device_tier.unpin(d.waiting.parked)
+def unavailable_results(lost: list[Decision], why: str) -> list[Result]:
+    """Requests whose batch was lost with the runner: each fails with a 503 naming `why`."""
     return [
         Result.failed(w.request_id, w.request.token_ids.numel(), why, time.monotonic() - w.arrival, unavailable=True)
         for d in lost

@@ -63,6 +63,7 @@ class ItemPlan:
     # `first_retained_row` counts) into every stage's LMCache under `stored_keys[i]`.
     stored_keys: tuple[int, ...] = ()
     stored_rows: tuple[int, ...] = ()
+    rope_regime: int = 0  # the whole request's (`TierRequest.rope_regime`)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -75,18 +76,18 @@ def plan_batch(prepared: Sequence[Prepared], block_tokens: int) -> list[ItemPlan
     layer; the first of them leads, and each other one whose next tokens equal the lead's follows
     it: those tokens are computed once (a profile's tail that fills no whole block, or a whole
     profile on a user's first visit)."""
-    leads: dict[tuple[tuple[int, ...], str | None], list[int]] = {}  # per prefix and adapter
+    leads: dict[tuple[tuple[int, ...], str | None, int], list[int]] = {}  # per prefix, adapter and RoPE regime
     plans: list[ItemPlan] = []
     for p in prepared:
-        blocks = tuple(p.prefix_blocks)  # block keys include the adapter: one prefix, one adapter
-        adapter = p.request.adapter
+        blocks = tuple(p.prefix_blocks)  # block keys include the adapter and regime: one prefix, one of each
+        adapter, regime = p.request.adapter, p.request.rope_regime
         new = p.request.token_ids[p.num_prefix_tokens :]
         # Follow the lead that shares the most tokens (two new users' prompts in one batch
         # each follow their own user's first prompt).
         m, lead = max(
             (
                 (common_prefix_len(plans[i].token_ids, new, new.numel() - 1), i)
-                for i in leads.get((blocks, adapter), ())
+                for i in leads.get((blocks, adapter, regime), ())
             ),
             default=(0, -1),
         )
@@ -105,13 +106,23 @@ def plan_batch(prepared: Sequence[Prepared], block_tokens: int) -> list[ItemPlan
                     *retained,
                     stored_keys=keys,
                     stored_rows=rows,
+                    rope_regime=regime,
                 )
             )
         else:
-            leads.setdefault((blocks, adapter), []).append(len(plans))
+            leads.setdefault((blocks, adapter, regime), []).append(len(plans))
             plans.append(
                 ItemPlan(
-                    new, blocks, p.num_prefix_tokens, None, 0, adapter, *retained, stored_keys=keys, stored_rows=rows
+                    new,
+                    blocks,
+                    p.num_prefix_tokens,
+                    None,
+                    0,
+                    adapter,
+                    *retained,
+                    stored_keys=keys,
+                    stored_rows=rows,
+                    rope_regime=regime,
                 )
             )
     return plans
@@ -175,6 +186,7 @@ class LocalRunner:
                     lead=plan.lead,
                     num_shared=plan.num_shared,
                     adapter=weights,
+                    rope_regime=plan.rope_regime,
                 )
             )
         f = self.config

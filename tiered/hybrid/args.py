@@ -31,6 +31,19 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class LongRope:
+    """LongRoPE (Phi-3's long-context checkpoints): per-frequency factors that divide RoPE's
+    frequencies, `short_factor` for a prompt of at most `original_max_position_embeddings` tokens
+    and `long_factor` for a longer one (the whole prompt's length decides, for every position), and
+    cos / sin scaled by `attention_factor`."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+@dataclass(frozen=True, slots=True)
 class ModelArgs:
     """A decoder's shape and options, read from its checkpoint's config.json."""
 
@@ -69,6 +82,14 @@ class ModelArgs:
     rope_linear_factor: float = 1.0  # linear RoPE scaling of the other layers' positions
     final_logit_softcap: float | None = None
     attn_logit_softcap: float | None = None
+    longrope: LongRope | None = None
+
+    def rope_regime(self, num_tokens: int) -> int:
+        """Which RoPE frequencies a prompt of `num_tokens` tokens computes every position with: 0,
+        the model's own; 1, LongRoPE's long factors (a prompt past its original length). K,V
+        computed in one regime are never reused by a prompt of the other."""
+        lr = self.longrope
+        return int(lr is not None and num_tokens > lr.original_max_position_embeddings)
 
     def layer_window(self, layer: int) -> int | None:
         """The window layer `layer` attends within (None: every earlier key)."""

@@ -14,6 +14,7 @@ from torch import Tensor
 from tiered.config import ForwardMode
 from tiered.hybrid import blocks
 from tiered.hybrid.attention import KERNELS, AttendFn, Span
+from tiered.hybrid.attention.interface import PagedFn
 from tiered.hybrid.attention.kernels import windowed
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
@@ -23,7 +24,6 @@ from tiered.hybrid.model import (
     mlp_step_,
     o_proj_step_,
     q_step,
-    rope_cos_sin,
 )
 from tiered.hybrid.spill import ResidualFile, Spill
 from tiered.request.validation import InputError
@@ -58,6 +58,10 @@ class BatchItem:
     num_shared: int = 0
     # The request's LoRA adapter (None: the base model). Its prefix KV must be this adapter's.
     adapter: LoraWeights | None = None
+    # Its RoPE regime (`ModelArgs.rope_regime`: LongRoPE's long factors or not), that of the whole
+    # request (a part of it computed now has the whole request's); None: from its prefix and tokens.
+    # Its prefix KV must be of this regime.
+    rope_regime: int | None = None
 
 
 def check_token_ids(token_ids: Tensor, vocab_size: int) -> None:
@@ -124,12 +128,14 @@ def forward(
     prefix_kv: Sequence[LayerKV] | None = None,
     kv_sink: KVSink | None = None,
     adapter: LoraWeights | None = None,
+    rope_regime: int | None = None,
 ) -> Tensor:
     """Compute the tokens after an optional prefix; return the last token's logits [V] (fp32).
 
     `token_ids` [T] are the tokens to compute; `prefix_kv[layer]` holds K,V of the P tokens
-    before them (positions 0..P-1), so the new tokens take positions P..P+T-1."""
-    item = BatchItem(token_ids, prefix_kv, kv_sink, adapter=adapter)
+    before them (positions 0..P-1), so the new tokens take positions P..P+T-1. `rope_regime`:
+    that of the whole request, where these tokens are only a part of it (`BatchItem`)."""
+    item = BatchItem(token_ids, prefix_kv, kv_sink, adapter=adapter, rope_regime=rope_regime)
     return forward_batch(model, [item], mode=mode, chunk_tokens=chunk_tokens)[0]
 
 
@@ -157,17 +163,21 @@ def forward_batch(
         _check_lead(items, i)
     blocks.release()  # every forward starts with the block cache empty: its peak is its own
     prefix_lens = [_num_prefix_tokens(model, it) for it in items]
+    regimes = [_regime(model, it, n) for it, n in zip(items, prefix_lens, strict=True)]
+    for i, it in enumerate(items):
+        if it.lead is not None and regimes[it.lead] != regimes[i]:
+            raise ForwardInputError(f"item {i}: its RoPE regime {regimes[i]} is not its lead's ({regimes[it.lead]})")
     if mode == "chunked" and (hidden is not None or not last_stage):
         raise ValueError("forward mode 'chunked' runs the whole model per chunk: it cannot run as a pipeline stage")
     if mode == "chunked":  # a comparison mode: request by request, a follower computing its shared tokens
         device = model.inv_freq.device
-        last_hidden = []
-        for it, num_before in zip(items, prefix_lens, strict=True):
+        last_hidden: list[Tensor] = []
+        for it, num_before, regime in zip(items, prefix_lens, regimes, strict=True):
             ids = it.token_ids
             if it.lead is not None:
                 ids = torch.cat([items[it.lead].token_ids[: it.num_shared], ids])
                 num_before -= it.num_shared
-            last_hidden.append(_chunked(model, it, ids.to(device), chunk_tokens, num_before))
+            last_hidden.append(_chunked(model, it, ids.to(device), chunk_tokens, num_before, regime))
         return model.last_token_logits(torch.stack(last_hidden))
     if mode not in ("hybrid", "vanilla"):
         raise ValueError(f"unknown forward mode '{mode}' (expected vanilla, chunked or hybrid)")
@@ -175,10 +185,17 @@ def forward_batch(
     # queries, attention, o_proj and MLP for those rows alone (its K,V still for every token).
     trim = last_stage and mode == "hybrid"
     spill = spill if trim and hidden is None else None
-    x = _layer_by_layer(model, items, prefix_lens, chunk_tokens, mode == "vanilla", hidden, trim, spill)
+    x = _layer_by_layer(model, items, prefix_lens, regimes, chunk_tokens, mode == "vanilla", hidden, trim, spill)
     if not last_stage:
         return x
     return model.last_token_logits(x if trim else x[_last_rows(items).to(x.device)])
+
+
+def _regime(model: CausalLM, item: BatchItem, num_prefix: int) -> int:
+    """The item's RoPE regime: as given, or that of its prefix and tokens together."""
+    if item.rope_regime is not None:
+        return item.rope_regime
+    return model.args.rope_regime(num_prefix + item.token_ids.numel())
 
 
 def _last_rows(items: Sequence[BatchItem]) -> Tensor:
@@ -231,6 +248,7 @@ def _layer_by_layer(
     model: CausalLM,
     items: Sequence[BatchItem],
     prefix_lens: list[int],
+    regimes: list[int],
     chunk: int,
     hold_kv: bool,
     hidden: Tensor | None = None,
@@ -254,6 +272,9 @@ def _layer_by_layer(
     device = model.inv_freq.device
     token_ids = torch.cat([items[i].token_ids for i in order]).to(device)
     positions = torch.cat([torch.arange(prefix_lens[i], prefix_lens[i] + items[i].token_ids.numel()) for i in order])
+    long = None  # the rows in LongRoPE's long regime
+    if any(regimes):
+        long = torch.cat([torch.full((items[i].token_ids.numel(),), bool(regimes[i])) for i in order])
     N = token_ids.numel()
     chunk = N if hold_kv else min(chunk, N)
     bounds = [(s, min(s + chunk, N)) for s in range(0, N, chunk)]
@@ -266,7 +287,7 @@ def _layer_by_layer(
     else:
         stream = _InMemory(model.embed(token_ids) if hidden is None else hidden)  # updated in place
     try:
-        return _layers(model, items, (order, groups), positions, stream, bounds, hold_kv, last_rows_only)
+        return _layers(model, items, (order, groups), (positions, long), stream, bounds, hold_kv, last_rows_only)
     finally:
         stream.close()
 
@@ -299,15 +320,17 @@ def _layers(
     model: CausalLM,
     items: Sequence[BatchItem],
     packed: tuple[list[int], list[_Group]],
-    positions: Tensor,
+    rows_at: tuple[Tensor, Tensor | None],
     stream: _Stream,
     bounds: list[tuple[int, int]],
     hold_kv: bool,
     last_rows_only: bool,
 ) -> Tensor:
-    """Every layer over the residual stream in `stream`, chunk by chunk (see `_layer_by_layer`)."""
+    """Every layer over the residual stream in `stream`, chunk by chunk (see `_layer_by_layer`);
+    `rows_at`: each packed row's position, and whether it is in LongRoPE's long regime (None: none is)."""
     a = model.args
     order, groups = packed
+    positions, long = rows_at
     device = model.inv_freq.device
     N, chunk, dtype = positions.numel(), bounds[0][1], stream.dtype
     q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=dtype, device=device)  # one chunk's queries
@@ -326,22 +349,22 @@ def _layers(
         v = torch.empty_like(k)
         lora = [LoraSlice(i, r) if r else None for r in runs]
         for (s, e), lo in zip(bounds, lora, strict=True):
-            cos_sin = rope_cos_sin(model.layer_inv_freq(i), positions[s:e], dtype)
+            cos_sin = model.rope(i, positions[s:e], dtype, None if long is None else long[s:e])
             kv_step(layer, stream.read(s, e), cos_sin, (k[s:e], v[s:e]), lo)
         if hold_kv:
             held.append((k, v))
         else:
             _to_sinks(items, order, rows, shared, i, (k, v))
-        prefixes = _LayerPrefixes(groups, i, dtype)
+        prefixes = _LayerPrefixes(groups, i, dtype, _paged(model, attend_))
         if last_rows_only and i == num_layers - 1:
-            out = _RowsOut(items, order, groups, positions)
+            out = _RowsOut(items, order, groups, positions, long)
             return _last_layer_rows(model, layer, stream, (k, v), prefixes, out, attend_)
         for (s, e), spans_of_chunk, lo in zip(bounds, chunk_spans, lora, strict=True):
             n = e - s
             xs = stream.read(s, e)
-            q_step(layer, xs, *rope_cos_sin(model.layer_inv_freq(i), positions[s:e], dtype), q[:n], lo)
+            q_step(layer, xs, *model.rope(i, positions[s:e], dtype, None if long is None else long[s:e]), q[:n], lo)
             for g, spans in spans_of_chunk:
-                attend_(q, k, v, spans, *prefixes.get(g))  # q[:n] now holds the attention output
+                prefixes.attend(attend_, q, (k, v), spans, g)  # q[:n] now holds the attention output
                 prefixes.release_before(e)  # one group's prefix alive at a time
             o_proj_step_(layer, xs, q[:n].view(n, -1), lo)
             mlp_step_(layer, xs, gate_buf, up_buf, lo)
@@ -361,6 +384,7 @@ class _RowsOut:
     order: list[int]  # request indices in packing order
     groups: list[_Group]
     positions: Tensor  # [N] position of every packed row
+    long: Tensor | None  # [N] whether each is in LongRoPE's long regime (None: none is)
 
 
 def _last_layer_rows(
@@ -383,8 +407,8 @@ def _last_layer_rows(
     q = torch.empty((num_rows, a.num_heads, a.head_dim), dtype=xr.dtype, device=xr.device)
     lora_runs = _lora_runs(out.items, out.order, [(j, j + 1) for j in range(num_rows)], 0, num_rows)
     lo = LoraSlice(len(model.layers) - 1, lora_runs) if lora_runs else None
-    inv_freq = model.layer_inv_freq(len(model.layers) - 1)
-    q_step(layer, xr, *rope_cos_sin(inv_freq, out.positions[last], xr.dtype), q, lo)
+    long = None if out.long is None else out.long[last]
+    q_step(layer, xr, *model.rope(len(model.layers) - 1, out.positions[last], xr.dtype, long), q, lo)
     row = 0
     for gi, g in enumerate(out.groups):
         spans = []
@@ -392,7 +416,7 @@ def _last_layer_rows(
             visible = tuple(r for r in (shared, (s, e - 1)) if r is not None and r[0] < r[1])
             spans.append(Span(row, e - 1, 1, visible))
             row += 1
-        attend_(q, kv[0], kv[1], spans, *prefixes.get(gi))  # q now holds the attention output
+        prefixes.attend(attend_, q, kv, spans, gi)  # q now holds the attention output
     o_proj_step_(layer, xr, q.view(num_rows, -1), lo)
     scratch = torch.empty((num_rows, a.intermediate_size), dtype=xr.dtype, device=xr.device)
     mlp_step_(layer, xr, scratch, torch.empty_like(scratch), lo)
@@ -433,13 +457,31 @@ def _spans(groups: list[_Group], start: int, end: int) -> list[tuple[int, list[S
     return out
 
 
-class _LayerPrefixes:
-    """One layer's cached prefixes, gathered when a chunk first needs them and released once the
-    chunks are past their group (groups are contiguous), so about one is alive at a time."""
+def _paged(model: CausalLM, attend_: AttendFn) -> PagedFn | None:
+    """The model kernel's call that reads a prefix in place, where this layer uses that kernel."""
+    kernel = KERNELS[model.attention]
+    return kernel.attend_paged_ if attend_ is kernel.attend_ else None
 
-    def __init__(self, groups: list[_Group], layer: int, dtype: torch.dtype) -> None:
-        self._groups, self._layer, self._dtype = groups, layer, dtype
+
+class _LayerPrefixes:
+    """One layer's cached prefixes. Read in place from the device tier's pool by block id where the
+    kernel can (`paged_`) and the prefix offers it (the tiers' PrefixKV, KV in the compute dtype);
+    otherwise gathered when a chunk first needs them and released once the chunks are past their
+    group (groups are contiguous), so about one is alive at a time."""
+
+    def __init__(self, groups: list[_Group], layer: int, dtype: torch.dtype, paged_: PagedFn | None = None) -> None:
+        self._groups, self._layer, self._dtype, self._paged_ = groups, layer, dtype, paged_
         self._kv: dict[int, LayerKV] = {}
+
+    def attend(self, attend_: AttendFn, q: Tensor, kv: LayerKV, spans: list[Span], group: int) -> None:
+        """Group `group`'s spans' attention over its prefix and `kv`, written into q."""
+        prefix = self._groups[group].prefix_kv
+        paged = getattr(prefix, "paged", None) if self._paged_ is not None else None
+        pages = paged(self._layer, self._dtype) if paged is not None else None
+        if pages is not None and self._paged_ is not None:
+            self._paged_(q, kv[0], kv[1], spans, pages)
+        else:
+            attend_(q, kv[0], kv[1], spans, *self.get(group))
 
     def get(self, group: int) -> tuple[Tensor | None, Tensor | None]:
         """A group's prefix K,V for this layer in the compute dtype, gathered on first ask (None, None: no prefix)."""
@@ -478,7 +520,7 @@ def _to_sinks(
             sink(layer, torch.cat([k[sh[0] : sh[1]], k[s:e]]), torch.cat([v[sh[0] : sh[1]], v[s:e]]))
 
 
-def _chunked(model: CausalLM, item: BatchItem, token_ids: Tensor, chunk: int, num_prefix: int) -> Tensor:
+def _chunked(model: CausalLM, item: BatchItem, token_ids: Tensor, chunk: int, num_prefix: int, regime: int) -> Tensor:
     """Sarathi-style chunked prefill of `token_ids` (the item's, a follower's with its shared ones
     first) after `num_prefix` tokens of its prefix: the whole model per chunk, all layers' K,V kept."""
     prefix_kv, kv_sink, adapter = item.prefix_kv, item.kv_sink, item.adapter
@@ -505,8 +547,8 @@ def _chunked(model: CausalLM, item: BatchItem, token_ids: Tensor, chunk: int, nu
         n = e - s
         x = model.embed(token_ids[s:e])  # [n, D]
         positions = torch.arange(P + s, P + e)
-        freqs = {id(f): f for f in map(model.layer_inv_freq, range(a.num_layers))}  # one, or Gemma's two
-        rope = {key: rope_cos_sin(f, positions, dtype) for key, f in freqs.items()}
+        firsts = {id(model.layer_inv_freq(i)): i for i in reversed(range(a.num_layers))}  # one, or Gemma's two
+        rope = {key: model.rope(i, positions, dtype, bool(regime)) for key, i in firsts.items()}
         for i, layer in enumerate(model.layers):
             cos, sin = rope[id(model.layer_inv_freq(i))]
             k, v = kv[i]

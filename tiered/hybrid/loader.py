@@ -4,6 +4,7 @@ config.json + safetensors."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tiered.hybrid.args import FUSED_PROJECTIONS, SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelArgs
-from tiered.hybrid.model import CausalLM, rope_inv_freq, use_attention
+from tiered.hybrid.args import FUSED_PROJECTIONS, SUPPORTED_ARCHITECTURES, Llama3RopeScaling, LongRope, ModelArgs
+from tiered.hybrid.model import CausalLM, register_rope, use_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A folder with this file instead of weight files: its weights are made at load, seeded
@@ -24,7 +25,7 @@ class ModelLoadError(RuntimeError):
     """The folder is not a loadable checkpoint of a supported architecture."""
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def _rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | LongRope | None]:
     """RoPE theta and scaling from either the classic keys or transformers 5's `rope_parameters`."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or params
@@ -42,7 +43,22 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
-    raise ModelLoadError(f"RoPE scaling type '{kind}' is not supported (supported: default, llama3)")
+    if kind == "longrope":
+        return theta, _longrope(cfg, scaling)
+    raise ModelLoadError(f"RoPE scaling type '{kind}' is not supported (supported: default, llama3, longrope)")
+
+
+def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> LongRope:
+    """LongRoPE's factors; its original length from the config's top level (Phi-3) or from the
+    scaling; its attention factor as given, else sqrt(1 + ln(factor) / ln(original length)) with
+    factor = max_position_embeddings / original length unless the scaling names it."""
+    original = int(cfg.get("original_max_position_embeddings") or scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short, long = (tuple(float(x) for x in scaling[key]) for key in ("short_factor", "long_factor"))
+    return LongRope(short, long, original, float(attention))
 
 
 def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
@@ -57,6 +73,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         raise ModelLoadError(f"hidden_act '{cfg['hidden_act']}' is not supported (only silu)")
     heads = int(cfg["num_attention_heads"])
     theta, scaling = _rope(cfg)
+    longrope = scaling if isinstance(scaling, LongRope) else None
     is_qwen2 = arch == "Qwen2ForCausalLM"
     is_qwen3 = arch == "Qwen3ForCausalLM"
     uses_window = cfg.get("use_sliding_window", not (is_qwen2 or is_qwen3))
@@ -82,7 +99,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         intermediate_size=int(cfg["intermediate_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
-        rope_scaling=scaling,
+        rope_scaling=scaling if isinstance(scaling, Llama3RopeScaling) else None,
         qkv_bias=True if is_qwen2 else bool(cfg.get("attention_bias", False)),
         o_bias=False if is_qwen2 else bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -91,6 +108,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         sliding_window=window if window_layers else None,
         qk_norm=is_qwen3,
         window_layers=window_layers,
+        longrope=longrope,
     )
 
 
@@ -270,9 +288,7 @@ def load_model(
     model.load_state_dict({k: v.to(target) for k, v in state.items()}, strict=False, assign=True)
     if args.tie_word_embeddings and last:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # The module was built on the meta device: the RoPE buffer is computed again for real.
-    model.register_buffer("inv_freq", rope_inv_freq(args).to(device), persistent=False)
-    model.register_buffer("inv_freq_local", rope_inv_freq(args, local=True).to(device), persistent=False)
+    register_rope(model, device)  # the module was built on the meta device: the RoPE buffers are made for real
     use_attention(model)
     return model.eval()
 

@@ -93,12 +93,12 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        self.register_buffer("inv_freq_local", rope_inv_freq(args, local=True), persistent=False)
+        register_rope(self)
         self.attention = "masked"  # the attention kernel's name (`use_attention`); the loader sets the device's default
 
     inv_freq: Tensor
     inv_freq_local: Tensor
+    inv_freq_long: Tensor
 
     @property
     def layers(self) -> list[DecoderLayer]:
@@ -109,6 +109,21 @@ class CausalLM(nn.Module):
         """RoPE's inverse frequencies of layer `layer` (Gemma 3's sliding layers have their own base)."""
         local = self.args.local_rope_theta is not None and layer in self.args.window_layers
         return self.inv_freq_local if local else self.inv_freq
+
+    def rope(
+        self, layer: int, positions: Tensor, dtype: torch.dtype, long: Tensor | bool | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """cos, sin of layer `layer` at `positions` [n] (each [n, 1, head_dim]); `long`: the rows
+        computed in LongRoPE's long regime, [n] bool, or True for all (None, False: none)."""
+        scale = self.args.longrope.attention_factor if self.args.longrope is not None else 1.0
+        if long is True:
+            return rope_cos_sin(self.inv_freq_long, positions, dtype, scale)
+        cos, sin = rope_cos_sin(self.layer_inv_freq(layer), positions, dtype, scale)
+        if not isinstance(long, Tensor) or not bool(long.any()):
+            return cos, sin
+        long_cos, long_sin = rope_cos_sin(self.inv_freq_long, positions, dtype, scale)
+        rows = long.to(cos.device)[:, None, None]
+        return torch.where(rows, long_cos, cos), torch.where(rows, long_sin, sin)
 
     def embed(self, token_ids: Tensor) -> Tensor:
         """Token ids [n] -> the residual stream's rows [n, D] (Gemma: times sqrt(hidden), in the weights' dtype)."""
@@ -128,12 +143,29 @@ class CausalLM(nn.Module):
 # ---- RoPE ----------------------------------------------------------------------------------
 
 
-def rope_inv_freq(a: ModelArgs, local: bool = False) -> Tensor:
-    """Inverse frequencies [head_dim/2], with Llama-3 frequency-dependent or linear scaling when
-    set; `local`: those of the sliding layers where they have their own base (Gemma 3), unscaled."""
+def register_rope(model: CausalLM, device: str | torch.device | None = None) -> None:
+    """(Re)compute the model's RoPE buffers (on `device`; None: the default one): its own
+    frequencies, its sliding layers', and LongRoPE's long ones (its own where it has no LongRoPE)."""
+    a = model.args
+    buffers = {
+        "inv_freq": rope_inv_freq(a),
+        "inv_freq_local": rope_inv_freq(a, local=True),
+        "inv_freq_long": rope_inv_freq(a, long=True),
+    }
+    for name, value in buffers.items():
+        model.register_buffer(name, value if device is None else value.to(device), persistent=False)
+
+
+def rope_inv_freq(a: ModelArgs, local: bool = False, long: bool = False) -> Tensor:
+    """Inverse frequencies [head_dim/2], with Llama-3 frequency-dependent, linear or LongRoPE
+    scaling when set (LongRoPE: its short factors, or with `long` its long ones); `local`: those of
+    the sliding layers where they have their own base (Gemma 3), unscaled."""
     if local and a.local_rope_theta is not None:
         return 1.0 / (a.local_rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64).float() / a.head_dim))
     inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64).float() / a.head_dim))
+    if a.longrope is not None:
+        factors = a.longrope.long_factor if long else a.longrope.short_factor
+        return inv_freq / torch.tensor(factors, dtype=torch.float32)
     if a.rope_linear_factor != 1.0:
         return inv_freq / a.rope_linear_factor
     s = a.rope_scaling
@@ -151,11 +183,14 @@ def rope_inv_freq(a: ModelArgs, local: bool = False) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin for the given positions [n] (each request of a batch has its own): each [n, 1, head_dim]."""
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos, sin for the given positions [n] (each request of a batch has its own): each [n, 1,
+    head_dim], times `scale` (LongRoPE's attention factor) before rounding to `dtype`."""
     freqs = torch.outer(positions.to(device=inv_freq.device, dtype=torch.float32), inv_freq)  # [n, Dh/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, Dh]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from tiered.hybrid.args import ModelArgs
+from tiered.hybrid.attention.interface import PagedPrefix
 
 
 @dataclass(slots=True)
@@ -261,10 +262,22 @@ class DeviceTier:
 
 
 class PrefixKV(Sequence[tuple[Tensor, Tensor]]):
-    """The prefix as the forward wants it, gathered from the pool one layer at a time."""
+    """The prefix as the forward wants it: a layer's K,V gathered from the pool (`prefix[layer]`),
+    or read in place through its block ids (`paged`, for a kernel that can)."""
 
     def __init__(self, tier: DeviceTier, block_ids: list[int], num_layers: int) -> None:
         self._tier, self._blocks, self._num_layers = tier, block_ids, num_layers
+        self._ids: Tensor | None = None
+
+    def paged(self, layer: int, dtype: torch.dtype) -> PagedPrefix | None:
+        """Layer `layer`'s views of the pool and the prefix's block ids (None: the pool keeps KV in
+        another dtype than `dtype`, so reading it means converting it, and gathering is cheaper)."""
+        kv = self._tier.kv
+        if kv.dtype != dtype:
+            return None
+        if self._ids is None:
+            self._ids = torch.tensor(self._blocks, dtype=torch.int64)
+        return PagedPrefix(kv[:, 0, layer], kv[:, 1, layer], self._ids, self.num_tokens)
 
     def __len__(self) -> int:
         return self._num_layers

@@ -21,19 +21,26 @@ def _stable(kind: str, text: str) -> int:
 
 
 def block_keys(
-    token_ids: Sequence[int], block_tokens: int, salt: str | None = None, adapter: str | None = None
+    token_ids: Sequence[int],
+    block_tokens: int,
+    salt: str | None = None,
+    adapter: str | None = None,
+    rope_regime: int = 0,
 ) -> list[int]:
     """Chained keys of the full blocks of `token_ids` (a trailing partial block has none).
 
-    A salt (vLLM's `cache_salt`) and a LoRA adapter's identity change every key: requests share
-    cached blocks only with requests of the same salt and the same adapter (an adapter changes
-    the KV of every token). Keys are equal in every process of the same Python (a remote tier
-    shares chunks across engines by them): they hash only ints and tuples of ints, whose hashes
-    PYTHONHASHSEED does not change; strings enter through `_stable`."""
+    A salt (vLLM's `cache_salt`), a LoRA adapter's identity and a RoPE regime other than 0
+    (LongRoPE's long factors) change every key: requests share cached blocks only with requests
+    of the same salt, adapter and regime (each changes the KV of every token). Keys are equal in
+    every process of the same Python (a remote tier shares chunks across engines by them): they
+    hash only ints and tuples of ints, whose hashes PYTHONHASHSEED does not change; strings enter
+    through `_stable`."""
     keys = []
     parent = ROOT_KEY if salt is None else hash((_stable("cache_salt", salt),))
     if adapter is not None:
         parent = hash((_stable("lora", adapter), parent))
+    if rope_regime:
+        parent = hash((_stable("rope_regime", str(rope_regime)), parent))
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         parent = hash((parent, tuple(token_ids[start : start + block_tokens])))
         keys.append(parent)
@@ -97,6 +104,7 @@ class TierRequest:
     keys: list[int] = field(default_factory=list)
     salt: str | None = None  # vLLM's cache_salt: shares cached KV only with the same salt
     adapter: str | None = None  # a LoRA adapter's identity: shares cached KV only with the same adapter
+    rope_regime: int = 0  # the RoPE frequencies its KV is computed with (the model's `rope_regime`)
 
     @classmethod
     def make(
@@ -106,7 +114,15 @@ class TierRequest:
         block_tokens: int,
         salt: str | None = None,
         adapter: str | None = None,
+        rope_regime: int = 0,
     ) -> TierRequest:
-        """Build a request from its token ids, computing its block keys (salted by `salt` and `adapter`) once."""
+        """Build a request from its token ids, computing its block keys (salted by `salt`, `adapter`
+        and `rope_regime`) once."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
-        return cls(request_id, ids, block_keys(ids.tolist(), block_tokens, salt, adapter), salt, adapter)
+        keys = block_keys(ids.tolist(), block_tokens, salt, adapter, rope_regime)
+        return cls(request_id, ids, keys, salt, adapter, rope_regime)
+
+    def cut(self, num_tokens: int, block_tokens: int) -> TierRequest:
+        """Its first `num_tokens` tokens (a whole number of blocks, or all of them) as a request of its
+        own: the same id, keys, salt, adapter and RoPE regime (a piece of it computed alone)."""
+        return replace(self, token_ids=self.token_ids[:num_tokens], keys=self.keys[: num_tokens // block_tokens])

@@ -6,6 +6,7 @@ Design notes: docs/internals.md, section `tiered/scheduler/scheduler.py`.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import time
 from collections import defaultdict
@@ -22,6 +23,12 @@ from tiered.scheduler.pieces import PiecePolicy
 from tiered.scheduler.step import Decision, Refused, Step, StepLimits, StepOutput, Waiting
 
 __all__ = ["Decision", "Refused", "Scheduler", "Waiting"]
+
+log = logging.getLogger(__name__)
+
+# Requests between pieces hold at most this share of the device tier (their leading parked blocks)
+# when a host tier has the rest, so that short calls meanwhile find their cached prefixes there.
+PARK_DEVICE_SHARE = 0.5
 
 
 class Scheduler:
@@ -55,6 +62,9 @@ class Scheduler:
         self._by_key: dict[int, set[str]] = defaultdict(set)  # block key -> ids of the requests that hold it
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, request id), stale entries skipped
         self._seq = 0
+        # When the forward running now is predicted to end (the clock's time; 0.0: none runs): a call
+        # admitted meanwhile waits for it first.
+        self.running_until = 0.0
         tiers.track_changes()  # the tiers collect the keys that move; `_rescore_changed` takes them
 
     def __len__(self) -> int:
@@ -117,12 +127,12 @@ class Scheduler:
             )
 
     def predicted_wait(self, w: Waiting) -> float:
-        """Seconds of predicted work the policy runs before `w` (not yet queued): the waiting
-        requests of a higher priority, or of its own and ahead in the policy's order; with late
-        calls shed, those that will be shed are not counted. O(waiting)."""
+        """Seconds of predicted work before `w` (not yet queued) starts: what is left of the forward
+        running now, then the waiting requests of a higher priority, or of its own and ahead in the
+        policy's order; with late calls shed, those that will be shed are not counted. O(waiting)."""
         now, shed = self.clock(), self.limits.shed_late
         key = (w.priority, self._order(w), w.seq)
-        return sum(
+        return max(0.0, self.running_until - now) + sum(
             x.jct
             for x in self._waiting.values()
             if (x.priority, self._order(x), x.seq) < key and not (shed and self._hopeless(x, now))
@@ -185,11 +195,19 @@ class Scheduler:
         return w if w is not None and w.seq == seq and w.version == version else None
 
     def remove(self, request_id: str) -> Waiting | None:
-        """Take a waiting request out (cancelled); its heap entry goes stale."""
+        """Take a waiting request out (cancelled, expired, shed): its heap entry goes stale, its
+        hold on blocks parked between its pieces and its prefetch go."""
         w = self._waiting.pop(request_id, None)
         if w is not None:
             self._unindex(w)
+            self._release(w)
+            self.tiers.drop_prefetch(w.request_id)
         return w
+
+    def _release(self, w: Waiting) -> None:
+        """Drop a request's hold on the device blocks parked for it between its pieces."""
+        self.tiers.device_tier.unpin(w.parked)
+        w.parked = []
 
     def _unindex(self, w: Waiting) -> None:
         for key in w.request.keys:
@@ -319,7 +337,7 @@ class Scheduler:
         # Requests share computed tokens in a batch (`plan_batch`'s rule) when they have the same
         # estimated prefix blocks and adapter; per such group, its leads' tokens to compute.
         head_keys = self._prefix_keys(head.waiting)
-        leads = {(tuple(head_keys), head.waiting.request.adapter): [self._new_tokens(head.waiting)]}
+        leads = {_group_of(head.waiting.request, head_keys): [self._new_tokens(head.waiting)]}
         cached = set(head_keys)
         device_blocks = self.tiers.device_tier.num_blocks
         longest_prefix = head.waiting.split.num_tokens - miss
@@ -338,7 +356,7 @@ class Scheduler:
             if full and adapter is not None and adapter not in adapters:
                 continue
             keys, new = self._prefix_keys(w), self._new_tokens(w)
-            group = (tuple(keys), adapter)
+            group = _group_of(w.request, keys)
             num_shared = max((common_prefix_len(t, new, new.numel() - 1) for t in leads.get(group, ())), default=0)
             m = w.split.num_miss_tokens - num_shared
             prefix = w.split.num_tokens - m
@@ -449,12 +467,96 @@ class Scheduler:
                 prefetch = nxt.request
         parked = self.num_parked_blocks() if piece_tokens is not None else 0
         keys = self.waiting_keys() if batch else set()
-        return Step(batch, piece_tokens, prefetch, expired, keys, parked, shed, retry_after, busy)
+        step = Step(batch, [], piece_tokens, prefetch, expired, keys, parked, shed, retry_after, busy)
+        self._allocate(step)
+        if prefetch is not None:  # after the batch pinned its prefix: the prefetch's allocations evict
+            self.tiers.prefetch(prefetch)  # only unpinned blocks, never those the batch is about to read
+        return step
 
-    def update_from_output(self, output: StepOutput) -> None:
-        """Apply a step's output to the queue: the requests it gives back wait again, in their place."""
+    def _allocate(self, step: Step) -> None:
+        """Allocate and pin each request's blocks (`KVTiers.prepare`: its cached prefix, host hits
+        loaded into device blocks, the blocks its computed tokens fill, the chunks it stores),
+        into `step.prepared`. A piece prepares its head cut after its next `piece_tokens` tokens;
+        its computed blocks all stay (parked) on the device. With `limits.index_at_launch`, the
+        retained blocks are indexed once the whole batch is prepared (the batch's own requests
+        share through the plan, not through the index: the forward writes them as it reads)."""
+        if not step.batch:
+            return
+        requests = [d.waiting.request for d in step.batch]
+        if step.piece_tokens is not None:
+            w = step.batch[0].waiting
+            requests = [w.request.cut(w.split.num_hit_tokens + step.piece_tokens, self.tiers.block_tokens)]
+        planned: set[int] = set()  # blocks an earlier request of the batch keeps or stores
+        try:
+            for req in requests:
+                step.prepared.append(
+                    self.tiers.prepare(req, step.waiting_keys, planned, park=step.piece_tokens is not None)
+                )
+            if self.limits.index_at_launch:
+                for p in step.prepared:
+                    self.tiers.commit(p)
+        except BaseException:
+            for p in step.prepared:
+                self.tiers.abort(p)
+            raise
+
+    def update_from_output(self, step: Step, output: StepOutput) -> None:
+        """Apply a step's output in one place: the prepared requests whose forward ended are
+        finished (retained blocks indexed, pins released, chunks queued for the host tier), those
+        that did not run are aborted; holds of requests that left are released; the JCT model
+        learns each forward's time; a piece's head parks its KV and waits again, and the requests
+        given back wait again, each in its place."""
+        for p in output.finished:
+            self.tiers.finish(p)
+        for p in output.aborted:
+            self.tiers.abort(p)
+        if output.host_lost:
+            self.tiers.forget_host()
+        for w in output.released:
+            self._release(w)
+        for splits, seconds in output.observed:
+            self.jct.observe(splits, seconds)
+        if output.piece_head is not None:
+            self._park(step, output.piece_head)
+            self.requeue(output.piece_head)
         for w in output.requeue:
             self.requeue(w)
+
+    def _park(self, step: Step, w: Waiting) -> None:
+        """After a piece: pin the head's cached blocks (those it parked, and its prefix) for its next
+        piece, at most `PARK_DEVICE_SHARE` of the device tier for all waiting heads where a host
+        tier holds the rest; release what it held before."""
+        assert self.pieces is not None
+        stats, bt = self.pieces.stats, self.tiers.block_tokens
+        dt, req = self.tiers.device_tier, w.request
+        end = step.prepared[0].request.token_ids.numel()
+        num_tokens = end - w.split.num_hit_tokens
+        if w.first_split is None:
+            w.first_split = w.split
+        w.num_pieces += 1
+        held = dt.match(req.keys, req.token_ids.tolist(), count=False, pin=True)
+        if self.tiers.host_tier is not None:
+            # Not held: cached but evictable, in the host tier (write-through) or sent there when
+            # evicted (on-evict); a chunk the host tier lacks (a dropped store) is computed again.
+            cap = max(0, int(dt.num_blocks * PARK_DEVICE_SHARE) - step.num_parked_blocks)
+            dt.unpin(held[cap:])
+            held = held[:cap]
+        dt.unpin(w.parked)
+        first = w.split.num_hit_tokens // bt  # of this piece's blocks, those held on the device
+        on_device = max(0, min(len(held), end // bt) - first)
+        stats.parked_device_bytes += on_device * dt.bytes_per_block
+        if self.tiers.host_tier is not None:
+            stats.parked_host_bytes += max(0, num_tokens // bt - on_device) * dt.bytes_per_block
+        w.parked = held
+        stats.num_pieces += 1
+        log.debug(
+            "request %s yielded after piece %d (%d of %d tokens; %d blocks held on the device)",
+            req.request_id,
+            w.num_pieces,
+            end,
+            req.token_ids.numel(),
+            len(held),
+        )
 
     def take_unreachable(self, busy: float) -> list[Waiting]:
         """Take out the waiting requests that cannot meet their deadline even if they start once
@@ -485,3 +587,9 @@ class Scheduler:
         """The request `pick` would choose now, left in the queue (the prefetch target)."""
         self._rescore_changed()
         return self._best()
+
+
+def _group_of(request: TierRequest, prefix_keys: list[int]) -> tuple[tuple[int, ...], str | None, int]:
+    """What requests computing together in a batch must share (`plan_batch`'s rule): the prefix
+    blocks, the adapter and the RoPE regime."""
+    return tuple(prefix_keys), request.adapter, request.rope_regime

@@ -1,10 +1,12 @@
-"""What one engine step is: the scheduler's answer (`Step`), the requests it names, and the
-counters of prefills that yield. The executor runs a `Step`; the engine applies its output."""
+"""What one engine step is: the scheduler's answer (`Step`: the requests it names, each with its
+blocks allocated and pinned), what running it produced (`StepOutput`), and the counters of
+prefills that yield. The executor runs a `Step`; the scheduler applies its output."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tiered.request.plan import Prepared
 from tiered.request.score import DEFAULT_PARAMS, Result, ScoreParams
 from tiered.request.tokens import HitSplit, TierRequest
 
@@ -58,6 +60,9 @@ class StepLimits:
     defer_late: bool = True  # requests that can no longer meet their deadline wait behind those that can
     shed_late: bool = False  # ... or are refused at once (`scheduler.late: shed`)
     max_predicted_wait: float = 0.0  # admission control: seconds of predicted wait; 0: no cap
+    # Index a batch's retained blocks when it is scheduled, not when it ends: a runner with several
+    # batches in flight computes them in order, so a later batch reads them after they are written.
+    index_at_launch: bool = False
 
 
 class Refused(Exception):
@@ -74,8 +79,11 @@ class Refused(Exception):
 class Step:
     """One step, as the scheduler decided it (vLLM v1's SchedulerOutput, for prefill-only work).
 
-    `batch`: the requests of one forward, head first. `piece_tokens`: the head (alone) computes only
-    this many of its tokens, parks their KV and waits again; None: every request runs whole.
+    `batch`: the requests of one forward, head first; `prepared[i]`: `batch[i]`'s blocks by id, as
+    the scheduler allocated and pinned them (its cached prefix, loaded from the host tier where it
+    was there, the blocks its computed tokens fill, the chunks it stores). `piece_tokens`: the head
+    (alone) computes only this many of its tokens (its `prepared` request is cut there), parks
+    their KV and waits again; None: every request runs whole.
     `prefetch`: a waiting request whose host-resident prefix starts loading now. `expired`:
     requests taken out because their deadline passed (`scheduler.drop_expired`). `shed`: requests
     taken out because they are predicted to miss their deadline (`scheduler.late: shed`), answered
@@ -87,6 +95,7 @@ class Step:
     only for a piece)."""
 
     batch: list[Decision] = field(default_factory=list)
+    prepared: list[Prepared] = field(default_factory=list)
     piece_tokens: int | None = None
     prefetch: TierRequest | None = None
     expired: list[Waiting] = field(default_factory=list)
@@ -104,11 +113,23 @@ class Step:
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step produced (the executor's answer to a `Step`): answers (and failures), and
-    requests to wait again (a piece's head, or the batches a runner gave back to retry)."""
+    """What a step produced (the executor's answer to a `Step`), for the scheduler to apply in one
+    place (`Scheduler.update_from_output`): answers (and failures); prepared requests whose
+    forward ended (`finished`: their retained blocks to index, pins to release, chunks to store)
+    or that never ran (`aborted`); requests that left with blocks parked for them (`released`);
+    each forward's hit splits and seconds, for the JCT model (`observed`); the head whose piece
+    ran (`piece_head`: its KV to park, then it waits again); requests to wait again as they were
+    (`requeue`: the batches a runner gave back to retry); and whether the host tier's contents
+    were lost with a runner's workers (`host_lost`)."""
 
     results: list[Result] = field(default_factory=list)
+    finished: list[Prepared] = field(default_factory=list)
+    aborted: list[Prepared] = field(default_factory=list)
+    released: list[Waiting] = field(default_factory=list)
+    observed: list[tuple[list[HitSplit], float]] = field(default_factory=list)
+    piece_head: Waiting | None = None
     requeue: list[Waiting] = field(default_factory=list)
+    host_lost: bool = False
 
 
 @dataclass(slots=True)

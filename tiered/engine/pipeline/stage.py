@@ -304,6 +304,7 @@ class Stage:
                     lead=plan.lead,
                     num_shared=shared,
                     adapter=adapter,
+                    rope_regime=plan.rope_regime,
                 )
             )
         return items

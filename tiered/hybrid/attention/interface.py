@@ -25,6 +25,21 @@ AttendFn = Callable[[Tensor, Tensor, Tensor, list[Span], Tensor | None, Tensor |
 """(q [L, H, Dh], k [*, Hkv, Dh], v, spans, prefix_k [P, Hkv, Dh] | None, prefix_v) -> None; writes q."""
 
 
+class PagedPrefix(NamedTuple):
+    """A shared prefix read in place through a block table: its token t is row t % block_tokens of
+    block block_ids[t // block_tokens] of pool_k / pool_v [num_blocks, block_tokens, Hkv, Dh] (any
+    strides but a unit one in the last dim: a layer's view of the device tier's pool)."""
+
+    pool_k: Tensor
+    pool_v: Tensor
+    block_ids: Tensor
+    num_tokens: int
+
+
+PagedFn = Callable[[Tensor, Tensor, Tensor, list[Span], PagedPrefix], object]
+"""(q, k, v, spans, the prefix by block id) -> anything; writes q as `AttendFn` does."""
+
+
 @dataclass(frozen=True, slots=True)
 class Kernel:
     """A named attention kernel: its call, and the devices, dtypes and head sizes it runs on."""
@@ -36,6 +51,9 @@ class Kernel:
     head_dims: tuple[int, ...] | None = None  # None: any
     # A kernel that needs a library this process may lack: why it cannot run (None: it can).
     unavailable: Callable[[], str | None] | None = None
+    # Its call that reads a cached prefix in place from the device tier's pool (None: the forward
+    # gathers the prefix's rows for `attend_`).
+    attend_paged_: PagedFn | None = None
 
     def runs_on(self, device: str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> bool:
         """Whether this kernel can run here (and its library, if it needs one, loads)."""

@@ -17,6 +17,7 @@ from torch.nn.attention.bias import causal_lower_right
 from tiered.hybrid.attention.interface import Kernel, Span
 from tiered.hybrid.attention.native import DTYPES as NATIVE_DTYPES
 from tiered.hybrid.attention.native import attend_ as native_attend_
+from tiered.hybrid.attention.native import attend_paged_ as native_attend_paged_
 from tiered.hybrid.attention.native import unavailable as native_unavailable
 from tiered.hybrid.attention.vllm_cpu import KERNEL as VLLM_CPU
 
@@ -263,7 +264,14 @@ KERNELS: dict[str, Kernel] = {
         Kernel("flash-head", _flash_head_, ("cpu",)),
         Kernel("flash", _flash_, ("cpu",)),
         Kernel("flash-f32", _flash_f32_, ("cpu",), (torch.bfloat16, torch.float16)),  # fp32 is `flash` itself
-        Kernel("native", native_attend_, ("cpu",), NATIVE_DTYPES, unavailable=native_unavailable),
+        Kernel(
+            "native",
+            native_attend_,
+            ("cpu",),
+            NATIVE_DTYPES,
+            unavailable=native_unavailable,
+            attend_paged_=native_attend_paged_,
+        ),
         Kernel("masked", masked_, ("cpu", "cuda")),
         Kernel("varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16)),  # FA2: half precisions only
         VLLM_CPU,

@@ -9,10 +9,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+from tiered.hybrid.attention.interface import PagedPrefix
 
 
 class Span(Protocol):
@@ -111,16 +113,6 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     """t in `dtype` with unit stride in its last dim (the only layout the library reads)."""
     t = t.to(dtype)
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-class PagedPrefix(NamedTuple):
-    """A shared prefix read in place through a block table: its token t is row t % block_tokens of
-    block block_ids[t // block_tokens] of pool_k / pool_v [num_blocks, block_tokens, Hkv, Dh]."""
-
-    pool_k: Tensor
-    pool_v: Tensor
-    block_ids: Tensor
-    num_tokens: int
 
 
 def attend_paged_(
