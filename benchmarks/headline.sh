@@ -107,6 +107,12 @@ $B visits $V4K --users 24 --visits 32 --posts 2 \
   --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
   --systems tiered,vllm --multiples 0.8 --load-of vllm --repeats 3 --memory-limit 4GiB \
   --json $R/visits-beyond-memory-lmcache-feed2-load-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache-feed2-load
+# The same trace against both peers at saturation and at 0.5x / 0.8x of plain vLLM's saturation.
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 24 --visits 32 --posts 2 \
+  --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
+  --systems tiered,vllm-lmcache,vllm --multiples 0.5,0.8 --load-of vllm --repeats 3 --memory-limit 4GiB \
+  --json $R/visits-beyond-memory-lmcache-feed2-loads-bench-m.json --plots benchmarks/out/feed2-loads
 # The same pair at a 6 GiB limit, one run each (data, not a table row: was 4 GiB too tight for the peer?).
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 32 --visits 80 --posts 8 \
