@@ -282,7 +282,8 @@ def test_a_cached_prefix_is_read_in_place_where_the_kernel_can(
 def test_a_step_carries_its_blocks_and_the_scheduler_applies_its_output(tiny_dir: Path, tmp_path: Path) -> None:
     """`schedule()` allocates and pins: the step names each request's cached prefix and the blocks
     its computed tokens fill, by id. The executor runs it without releasing anything; the scheduler's
-    `update_from_output` indexes the retained blocks and releases every pin."""
+    `update_from_output` indexes the retained blocks and releases every pin. The request's queueing
+    ends where the step began preparing it."""
     engine = _engine(tiny_dir, tmp_path, "cache.retention=all")
     profile = _ids(200, 7)
     _visit(engine, [torch.cat([profile, _ids(12, 8)])])
@@ -298,6 +299,8 @@ def test_a_step_carries_its_blocks_and_the_scheduler_applies_its_output(tiny_dir
     output = StepOutput()
     engine.executor.execute(step, output)
     assert [r.error for r in output.results] == [None] and output.finished == [p]
+    # its wait ends where the step began preparing it: the prepare (a load, here none) is counted apart
+    assert output.results[0].queued_seconds == step.started - step.batch[0].waiting.arrival
     assert dt.stats().num_pinned_blocks == 15 and dt.count_cached(keys, 15) == 12  # nothing applied yet
     engine.scheduler.update_from_output(step, output)
     assert dt.stats().num_pinned_blocks == 0 and dt.count_cached(keys, 15) == 15

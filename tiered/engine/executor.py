@@ -60,8 +60,7 @@ class Executor:
         """Run one step (its refused requests answered already) into `out`: its answers, and what
         the scheduler applies afterwards. Whatever it raises, `out` names every prepared request of
         the step that did not finish as aborted."""
-        started = time.monotonic()
-        out.results += (failed := load_adapters(self.parts.adapters, step.batch, started))
+        out.results += (failed := load_adapters(self.parts.adapters, step.batch, step.started))
         gone = {r.request_id for r in failed}
         pairs = list(zip(step.batch, step.prepared, strict=True))
         for d, p in pairs:
@@ -83,19 +82,19 @@ class Executor:
     def _run(self, step: Step, out: StepOutput) -> None:
         pairs = self._picked
         if pairs and step.piece_tokens is None and self.runner.max_in_flight > 1:
-            self._in_flight.append(self._launch(pairs))  # into the pipe
+            self._in_flight.append(self._launch(pairs, step.started))  # into the pipe
             self._picked = []  # sent: from here on the pipe holds it
             return self._collect(self.runner.max_in_flight - 1, out)
         if not pairs:  # nothing to send: answer the oldest batch in the pipe, if any
             return self._collect(max(0, len(self._in_flight) - 1), out)
         self._collect(0, out)  # a piece parks KV the next pick must see: the pipe empties first
         if step.piece_tokens is not None:
-            self._run_piece(pairs[0], out)
+            self._run_piece(pairs[0], step.started, out)
         elif len(pairs) == 1:
-            out.results += self._run_alone(pairs[0], out)
+            out.results += self._run_alone(pairs[0], step.started, out)
         else:
             try:
-                out.results += self._complete(self._launch(pairs), out)
+                out.results += self._complete(self._launch(pairs, step.started), out)
             except BaseException as exc:
                 if not out_of_memory(exc):
                     raise
@@ -103,7 +102,7 @@ class Executor:
                 log.warning("a batch of %d requests ran out of memory; running them one by one", len(pairs))
                 # Each prepared request runs as planned for the batch: a follower computes the tokens
                 # its lead would have computed for it, and keeps and stores the blocks after them.
-                out.results += [r for pair in pairs for r in self._run_alone(pair, out)]
+                out.results += [r for pair in pairs for r in self._run_alone(pair, step.started, out)]
 
     def _collect(self, keep: int, out: StepOutput) -> None:
         """Answer the oldest batches in the runner until `keep` remain."""
@@ -128,11 +127,11 @@ class Executor:
         out.released += [d.waiting for d in lost]
         out.results += unavailable_results(lost, why)
 
-    def _run_alone(self, pair: Pair, out: StepOutput) -> list[Result]:
+    def _run_alone(self, pair: Pair, started: float, out: StepOutput) -> list[Result]:
         """One request in its own forward; out of memory fails it alone (admission should prevent it)."""
         d, p = pair
         try:
-            return self._complete(self._launch([pair]), out)
+            return self._complete(self._launch([pair], started), out)
         except BaseException as exc:
             if not out_of_memory(exc):
                 raise
@@ -142,20 +141,20 @@ class Executor:
             req = d.waiting.request
             n = req.token_ids.numel()
             log.error("request %s (%d tokens) ran out of memory: %s", req.request_id, n, str(exc)[:200])
-            waited = time.monotonic() - d.waiting.arrival
+            waited = started - d.waiting.arrival
             return [Result.failed(req.request_id, n, f"out of memory computing {n} tokens", waited)]
 
     def _release_memory(self) -> None:
         if self.parts.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
-    def _launch(self, pairs: list[Pair]) -> Launched:
-        """Plan the batch and hand it to the runner."""
+    def _launch(self, pairs: list[Pair], started: float) -> Launched:
+        """Plan the batch and hand it to the runner (`started`: when its step began preparing it)."""
         batch, prepared = [d for d, _ in pairs], [p for _, p in pairs]
         plans = plan_batch(prepared, self.block_tokens)
         sent = time.perf_counter()
         ticket = self.runner.submit(prepared, plans)
-        return Launched(batch, prepared, [p.num_shared for p in plans], ticket, time.monotonic(), sent)
+        return Launched(batch, prepared, [p.num_shared for p in plans], ticket, started, sent)
 
     def _complete(self, launched: Launched, out: StepOutput) -> list[Result]:
         """Wait for a launched batch's logits and answer it; its prepared requests finish and its
@@ -178,13 +177,13 @@ class Executor:
         out.observed.append((splits, load + added))
         return batch_results(launched, logits, load, done - launched.sent, predicted)
 
-    def _run_piece(self, pair: Pair, out: StepOutput) -> None:
+    def _run_piece(self, pair: Pair, started: float, out: StepOutput) -> None:
         """Compute the head's next piece (its prepared request ends there) with its KV parked; the
         head then waits again (`out.piece_head`), or fails."""
         d, p = pair
         w = d.waiting
         piece = replace(d, waiting=replace(w, request=p.request, parked=[]))  # its holds stay with `w`
-        failed = self._run_alone((piece, p), out)
+        failed = self._run_alone((piece, p), started, out)
         if failed and failed[0].error is not None:
             out.released.append(w)
             out.results.append(replace(failed[0], num_tokens=w.request.token_ids.numel()))

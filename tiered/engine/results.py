@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Launched:
     """A batch submitted to the runner and not yet collected: its decisions, prepared requests
-    (pins held), each request's tokens computed by its lead, the runner's ticket, when it was
-    submitted (monotonic: its requests' wait ends there; perf_counter: its compute starts)."""
+    (pins held), each request's tokens computed by its lead, the runner's ticket, when its step
+    began preparing it (monotonic: its requests' wait ends there) and when it was submitted
+    (perf_counter: its compute starts)."""
 
     batch: list[Decision]
     prepared: list[Prepared]

@@ -467,7 +467,7 @@ class Scheduler:
                 prefetch = nxt.request
         parked = self.num_parked_blocks() if piece_tokens is not None else 0
         keys = self.waiting_keys() if batch else set()
-        step = Step(batch, [], piece_tokens, prefetch, expired, keys, parked, shed, retry_after, busy)
+        step = Step(batch, [], piece_tokens, prefetch, expired, keys, parked, shed, retry_after, busy, time.monotonic())
         self._allocate(step)
         if prefetch is not None:  # after the batch pinned its prefix: the prefetch's allocations evict
             self.tiers.prefetch(prefetch)  # only unpinned blocks, never those the batch is about to read

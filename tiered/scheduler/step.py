@@ -89,7 +89,9 @@ class Step:
     taken out because they are predicted to miss their deadline (`scheduler.late: shed`), answered
     before the forward starts; `retry_after`: the predicted seconds until the work now queued is
     done (their Retry-After). `predicted_seconds`: the JCT model's time for this step's forward
-    (the batch's, or the piece's), what a call arriving while it runs waits at least.
+    (the batch's, or the piece's), what a call arriving while it runs waits at least. `started`:
+    when the step began preparing its batch (its requests' queueing ends there; loads and the
+    forward are counted apart).
     `waiting_keys`: block keys of the requests still waiting (the tiers keep those).
     `num_parked_blocks`: device blocks the waiting requests hold between their pieces (counted
     only for a piece)."""
@@ -104,6 +106,7 @@ class Step:
     shed: list[Waiting] = field(default_factory=list)
     retry_after: float = 0.0
     predicted_seconds: float = 0.0
+    started: float = 0.0  # time.monotonic() before its blocks were allocated: its requests' wait ends here
 
     @property
     def adapters(self) -> list[str]:
