@@ -142,13 +142,11 @@ class KVTiers:
         token_ids: Sequence[int] | Tensor,
         salt: str | None = None,
         adapter: str | None = None,
-        rope_regime: int | None = None,
     ) -> TierRequest:
-        """A request's tier view: its tokens and block keys (salted by `salt`, `adapter` and its RoPE
-        regime: None, the model's for its length), computed once."""
+        """A request's tier view: its tokens and block keys (salted by `salt`, `adapter` and the RoPE
+        regime the model computes a prompt of its length in), computed once."""
         n = len(token_ids) if not isinstance(token_ids, Tensor) else token_ids.numel()
-        regime = self.args.rope_regime(n) if rope_regime is None else rope_regime
-        return TierRequest.make(request_id, token_ids, self.block_tokens, salt, adapter, regime)
+        return TierRequest.make(request_id, token_ids, self.block_tokens, salt, adapter, self.args.rope_regime(n))
 
     # ---- scoring (no side effects) ---------------------------------------------------------
 
