@@ -32,6 +32,7 @@ from benchmarks.commands import (
     cmd_bench_trace,
     cmd_bench_visits,
     cmd_plot_longest,
+    cmd_plot_mixed,
     cmd_plot_working_set,
 )
 from tiered.config import AttentionKernel
@@ -560,6 +561,15 @@ def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
             "KV memory (device + host tier; vLLM is given the same). Run the JSONs with one budget.",
         ),
         (
+            "plot-mixed",
+            "mixed",
+            cmd_plot_mixed,
+            "PNG: calls in time and short-call latency against load, from one `python -m benchmarks mixed` JSON",
+            "Per system: calls within their objectives per second (short, long, all) and the short calls' P50 / P99 "
+            "against the offered short calls/s; each point the median of the runs at that load, its bar their min-max. "
+            "The same figure `mixed --plots` writes as goodput.png.",
+        ),
+        (
             "plot-longest",
             "longest",
             cmd_plot_longest,
@@ -615,6 +625,14 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
     at.add_argument("--kernels", default=None, help="comma-separated kernels (default: all that run on the device)")
     at.add_argument("--max-tokens", type=int, default=8192, help="skip shapes longer than this")
     at.add_argument("--vllm-library", default="auto", help="attention.vllm_library: auto, none, a folder or a .so")
+    at.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="a sliding window of this many keys: each kernel's windowed calls as the forward takes them (the "
+        "native kernel's own, the PyTorch windowed call for the others) against the fp32 PyTorch windowed call; "
+        "GFLOP/s count the pairs the window leaves",
+    )
     _json_arg(at)
     at.set_defaults(func=cmd_bench_attention)
 

@@ -204,6 +204,21 @@ def cmd_plot_working_set(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot_mixed(args: argparse.Namespace) -> int:
+    """`python -m benchmarks plot-mixed`: the calls in time and latencies of one mixed JSON against load."""
+    import json
+
+    from benchmarks.plots import plot_goodput
+    from benchmarks.traces import BenchError
+
+    (name,) = args.json_files
+    doc = json.loads(Path(name).read_text())
+    if doc.get("bench") != "mixed":
+        raise BenchError(f"{name} is not a `python -m benchmarks mixed` JSON")
+    print(f"wrote {plot_goodput(doc, args.out)}")
+    return 0
+
+
 def cmd_plot_longest(args: argparse.Namespace) -> int:
     """`python -m benchmarks plot-longest`: every budget of the JSONs on one figure."""
     import json
@@ -318,7 +333,7 @@ def cmd_bench_mixed(args: argparse.Namespace) -> int:
         base_tree=args.base_tree,
     )
     doc = run_mixed_bench(config_from_args(args), params, opts)
-    print(f"wrote {plot_goodput(doc, out_dir)}")
+    print(f"wrote {plot_goodput(doc, out_dir / 'goodput.png')}")
     return 0
 
 
@@ -381,6 +396,7 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         json_path=args.json,
         vllm_library=args.vllm_library,
+        window=args.window,
     )
     run_attention_bench(opts)
     return 0

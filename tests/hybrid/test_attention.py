@@ -122,6 +122,24 @@ def test_a_kernel_that_raises_while_measured_is_refused(
     assert fastest(timings) == "masked"
 
 
+def test_with_a_window_each_kernel_is_timed_on_its_windowed_call_against_the_windowed_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`time_kernels(window=...)`: the calls the forward would take for that window, checked against
+    the PyTorch windowed call; a kernel whose windowed call ignores the window is refused there."""
+    shapes = (ShapeClass("past the window", 1, 96, 64),)
+    heads = KernelShape(4, 2, 16, torch.float32, "cpu")
+    names = ["masked", *(["native"] if native_module.available() else [])]
+    assert all(t.ok for t in select_module.time_kernels(names, shapes, heads, window=40))
+    blind = dataclasses.replace(KERNELS["masked"], name="blind", windowed=lambda w: (KERNELS["masked"].attend_, None))
+    monkeypatch.setitem(KERNELS, "blind", blind)
+    assert [t.ok for t in select_module.time_kernels(["blind"], shapes, heads, window=40)] == [False]
+    assert [t.ok for t in select_module.time_kernels(["blind"], shapes, heads)] == [True]
+    # queries at positions 64 .. 159 each see min(p + 1, 40) = 40 keys: 96 x 40 pairs
+    assert shapes[0].flops(4, 16, window=40) == 4 * 96 * 40 * 4 * 16
+    assert shapes[0].flops(4, 16) == 4 * (96 * 64 + 96 * 97 / 2) * 4 * 16
+
+
 def test_the_fastest_correct_kernel_wins_with_each_shape_counted_equally() -> None:
     timings = [
         _timing("a", "big", 10.0),

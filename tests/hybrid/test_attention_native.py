@@ -15,6 +15,7 @@ from test_attention import SHAPES, TOLERANCE, _case
 
 from tiered.hybrid.attention import KERNELS, Span, native, reference_
 from tiered.hybrid.attention.build import build, library_path
+from tiered.hybrid.attention.kernels import windowed
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_native = pytest.mark.skipif(not native.available(), reason="the native kernel's library could not be built here")
@@ -89,6 +90,53 @@ def test_the_prefix_is_read_through_a_block_table(isa: str, dtype: torch.dtype) 
     got = q.clone()
     native.attend_paged_(got, k, v, spans, native.PagedPrefix(pool_k, pool_v, block_ids, prefix_tokens), isa=isa)
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+# Sliding windows over every kind of key: a prefix in scattered pool blocks, visible ranges, own keys;
+# windows inside one key tile, across several, and past everything (no key hidden).
+WINDOWED = {
+    "prefix, visible, own": ([Span(0, 40, 150, ((0, 40),)), Span(150, 190, 60, ((100, 120),))], 250, 3 * 16 + 5),
+    "a long own span": ([Span(0, 0, 700)], 700, 0),
+    "last rows": ([Span(0, 300, 1, ((0, 300),)), Span(1, 301, 1, ((250, 301),))], 302, 2 * 16),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("shape", list(WINDOWED))
+@pytest.mark.parametrize("window", [1, 5, 64, 100, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_window_hides_the_keys_before_it_as_the_pytorch_call_does(
+    isa: str, shape: str, window: int, dtype: torch.dtype, threads: int
+) -> None:
+    """Each query sees only the keys at positions above its own minus the window, positions running
+    from the prefix's first token through the visible ranges to its own keys: the fp32 PyTorch
+    windowed call's answer, with the prefix read through a block table."""
+    _isa_or_skip(isa)
+    spans, num_keys, prefix_tokens = WINDOWED[shape]
+    q, k, v, _, _ = _case(spans, num_keys, 0, 8, 2, 64, dtype)
+    g = torch.Generator().manual_seed(window)
+    pool_k, pool_v = (torch.randn(7, 16, 2, 64, generator=g).to(dtype) for _ in range(2))
+    block_ids = torch.tensor([4, 1, 6, 2])[: -(-prefix_tokens // 16)]
+    prefix_k, prefix_v = (pool[block_ids].flatten(0, 1)[:prefix_tokens] for pool in (pool_k, pool_v))
+    expected = q.clone().float()
+    pk, pv = (prefix_k.float(), prefix_v.float()) if prefix_tokens else (None, None)
+    windowed(window)(expected, k.float(), v.float(), spans, pk, pv)
+    got = q.clone()
+    paged = native.PagedPrefix(pool_k, pool_v, block_ids, prefix_tokens) if prefix_tokens else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native.attend_paged_(got, k, v, spans, paged, isa=isa, window=window)
+    finally:
+        torch.set_num_threads(before)
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+    # the kernel's windowed pair is the same call (contiguous prefix: one block)
+    attend_window_, _ = KERNELS["native"].windowed(window)  # type: ignore[misc]
+    again = q.clone()
+    attend_window_(again, k, v, spans, prefix_k if prefix_tokens else None, prefix_v if prefix_tokens else None)
+    assert (again.float() - expected).abs().max().item() <= TOLERANCE[dtype]
 
 
 # Spans with many query blocks: a task then runs several consecutive blocks over each key tile (the tile made

@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tiered.hybrid.attention import native
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import load_model, read_args
-from tiered.hybrid.model import CausalLM
+from tiered.hybrid.model import CausalLM, use_attention
 
 WINDOW = 48
 TOLERANCE = 1e-5  # max |Δ logit| / max |logit|, fp32: summation order only
@@ -54,14 +55,22 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= TOLERANCE * scale, f"max error {err:.3g} > {TOLERANCE} x {scale:.3g}"
 
 
-_pairs: dict[str, tuple[CausalLM, torch.nn.Module]] = {}
+_pairs: dict[tuple[str, str], tuple[CausalLM, torch.nn.Module]] = {}
+
+# The kernels a window runs on here: the C++ kernel's own windowed call, and the PyTorch one any other takes.
+KERNELS = [
+    pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="no native kernel here")),
+    "flash",
+]
 
 
-def _pair(dirs: dict[str, Path], name: str) -> tuple[CausalLM, torch.nn.Module]:
-    if name not in _pairs:
+def _pair(dirs: dict[str, Path], name: str, kernel: str = "flash") -> tuple[CausalLM, torch.nn.Module]:
+    if (name, kernel) not in _pairs:
         ref = AutoModelForCausalLM.from_pretrained(str(dirs[name]), dtype=torch.float32, attn_implementation="eager")
-        _pairs[name] = (load_model(dirs[name]), ref.eval())
-    return _pairs[name]
+        model = load_model(dirs[name])
+        use_attention(model, kernel)
+        _pairs[(name, kernel)] = (model, ref.eval())
+    return _pairs[(name, kernel)]
 
 
 def test_the_config_says_which_layers_slide(windowed_dirs: dict[str, Path]) -> None:
@@ -70,12 +79,13 @@ def test_the_config_says_which_layers_slide(windowed_dirs: dict[str, Path]) -> N
     assert qwen.window_layers == (1,) and qwen.layer_window(0) is None and qwen.layer_window(1) == WINDOW
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("name", ["mistral", "qwen2"])
 @pytest.mark.parametrize("length", [WINDOW - 1, WINDOW, WINDOW + 1, 300, 700])
 def test_every_mode_matches_transformers_past_the_window(
-    windowed_dirs: dict[str, Path], name: str, length: int
+    windowed_dirs: dict[str, Path], name: str, length: int, kernel: str
 ) -> None:
-    ours, ref = _pair(windowed_dirs, name)
+    ours, ref = _pair(windowed_dirs, name, kernel)
     ids = _ids(length, seed=length)
     with torch.no_grad():
         expected = ref(ids[None]).logits[0, -1].float()
@@ -83,11 +93,14 @@ def test_every_mode_matches_transformers_past_the_window(
         _close(forward(ours, ids, mode=mode, chunk_tokens=chunk), expected)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("split", [10, WINDOW, 200])
-def test_a_cached_prefix_and_a_batch_see_the_same_window(windowed_dirs: dict[str, Path], split: int) -> None:
+def test_a_cached_prefix_and_a_batch_see_the_same_window(
+    windowed_dirs: dict[str, Path], split: int, kernel: str
+) -> None:
     """A prefix handed in as K,V, and followers computed in one batch with it, give the logits of
     the whole prompt computed at once."""
-    model, _ = _pair(windowed_dirs, "mistral")
+    model, _ = _pair(windowed_dirs, "mistral", kernel)
     ids = _ids(400, seed=3)
     whole = forward(model, ids, mode="vanilla")
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -15,7 +15,7 @@ from tiered.config import ForwardMode
 from tiered.hybrid import blocks
 from tiered.hybrid.attention import KERNELS, AttendFn, Span
 from tiered.hybrid.attention.interface import PagedFn
-from tiered.hybrid.attention.kernels import windowed
+from tiered.hybrid.attention.kernels import window_calls, windowed
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
     CausalLM,
@@ -108,15 +108,18 @@ def _num_prefix_tokens(model: CausalLM, item: BatchItem) -> int:
     return num_prefix
 
 
-def _attention(model: CausalLM, layer: int, reach: int) -> AttendFn:
-    """Layer `layer`'s attention call in a forward whose last position is `reach` - 1: the model's
-    kernel, or, on a sliding-window layer that this forward reaches past, the windowed call."""
+def _attention(model: CausalLM, layer: int, reach: int) -> tuple[AttendFn, PagedFn | None]:
+    """Layer `layer`'s attention calls in a forward whose last position is `reach` - 1: the model's
+    kernel (and its call that reads a cached prefix in place, or None: the prefix is gathered), or,
+    on a sliding-window layer that this forward reaches past, the kernel's windowed calls where it
+    has them, else the PyTorch windowed call."""
     window = model.args.layer_window(layer)
+    if window is not None and reach <= window:
+        window = None
     if model.args.attn_logit_softcap is not None:  # no fused kernel soft-caps scores
-        return windowed(window if window is not None and reach > window else None, model.args.attn_logit_softcap)
-    if window is not None and reach > window:
-        return windowed(window)
-    return KERNELS[model.attention].attend_
+        return windowed(window, model.args.attn_logit_softcap), None
+    kernel = KERNELS[model.attention]
+    return (kernel.attend_, kernel.attend_paged_) if window is None else window_calls(kernel, window)
 
 
 def forward(
@@ -344,7 +347,7 @@ def _layers(
     reach = int(positions.max()) + 1 if N else 0
     num_layers = len(model.layers)
     for i, layer in enumerate(model.layers):
-        attend_ = _attention(model, i, reach)
+        attend_, paged_ = _attention(model, i, reach)
         k = torch.empty((N, a.num_kv_heads, a.head_dim), dtype=dtype, device=device)
         v = torch.empty_like(k)
         lora = [LoraSlice(i, r) if r else None for r in runs]
@@ -355,7 +358,7 @@ def _layers(
             held.append((k, v))
         else:
             _to_sinks(items, order, rows, shared, i, (k, v))
-        prefixes = _LayerPrefixes(groups, i, dtype, _paged(model, attend_))
+        prefixes = _LayerPrefixes(groups, i, dtype, paged_)
         if last_rows_only and i == num_layers - 1:
             out = _RowsOut(items, order, groups, positions, long)
             return _last_layer_rows(model, layer, stream, (k, v), prefixes, out, attend_)
@@ -457,12 +460,6 @@ def _spans(groups: list[_Group], start: int, end: int) -> list[tuple[int, list[S
     return out
 
 
-def _paged(model: CausalLM, attend_: AttendFn) -> PagedFn | None:
-    """The model kernel's call that reads a prefix in place, where this layer uses that kernel."""
-    kernel = KERNELS[model.attention]
-    return kernel.attend_paged_ if attend_ is kernel.attend_ else None
-
-
 class _LayerPrefixes:
     """One layer's cached prefixes. Read in place from the device tier's pool by block id where the
     kernel can (`paged_`) and the prefix offers it (the tiers' PrefixKV, KV in the compute dtype);
@@ -541,7 +538,7 @@ def _chunked(model: CausalLM, item: BatchItem, token_ids: Tensor, chunk: int, nu
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
     hidden_last = q.new_empty(0)
-    attends = [_attention(model, i, P + T) for i in range(a.num_layers)]
+    attends = [_attention(model, i, P + T)[0] for i in range(a.num_layers)]
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         n = e - s

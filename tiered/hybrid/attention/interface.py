@@ -54,6 +54,9 @@ class Kernel:
     # Its call that reads a cached prefix in place from the device tier's pool (None: the forward
     # gathers the prefix's rows for `attend_`).
     attend_paged_: PagedFn | None = None
+    # Its calls (attend_, and paged or None) for a sliding window of the given size (None: the forward
+    # uses the PyTorch windowed call).
+    windowed: Callable[[int], tuple[AttendFn, PagedFn | None]] | None = None
 
     def runs_on(self, device: str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> bool:
         """Whether this kernel can run here (and its library, if it needs one, loads)."""

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from tiered.hybrid.attention.interface import Kernel, Span
+from tiered.hybrid.attention.interface import AttendFn, Kernel, PagedFn, Span
 from tiered.hybrid.attention.native import DTYPES as NATIVE_DTYPES
 from tiered.hybrid.attention.native import attend_ as native_attend_
 from tiered.hybrid.attention.native import attend_paged_ as native_attend_paged_
 from tiered.hybrid.attention.native import unavailable as native_unavailable
+from tiered.hybrid.attention.native import windowed as native_windowed
 from tiered.hybrid.attention.vllm_cpu import KERNEL as VLLM_CPU
 
 PartFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor]]
@@ -166,6 +167,13 @@ def windowed(window: int | None, softcap: float | None = None) -> Callable[..., 
     return attend_
 
 
+def window_calls(kernel: Kernel, window: int) -> tuple[AttendFn, PagedFn | None]:
+    """`kernel`'s calls for a sliding window of `window` keys: its own where it has them (the C++
+    kernel masks by position, its prefix still read in place), else the PyTorch `windowed` call
+    (with no paged form: the forward gathers the prefix for it)."""
+    return kernel.windowed(window) if kernel.windowed is not None else (windowed(window), None)
+
+
 def _softcapped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float) -> Tensor:
     """SDPA's answer ([1, heads, queries, head_dim]) with each scaled score soft-capped first;
     scores and softmax in fp32, query heads grouped over their shared KV head."""
@@ -271,6 +279,7 @@ KERNELS: dict[str, Kernel] = {
             NATIVE_DTYPES,
             unavailable=native_unavailable,
             attend_paged_=native_attend_paged_,
+            windowed=native_windowed,
         ),
         Kernel("masked", masked_, ("cpu", "cuda")),
         Kernel("varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16)),  # FA2: half precisions only

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from tiered.hybrid.attention.interface import PagedPrefix
+from tiered.hybrid.attention.interface import AttendFn, PagedFn, PagedPrefix
 
 
 class Span(Protocol):
@@ -116,11 +116,19 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def attend_paged_(
-    q: Tensor, k: Tensor, v: Tensor, spans: Sequence[Span], prefix: PagedPrefix | None, isa: str = "auto"
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spans: Sequence[Span],
+    prefix: PagedPrefix | None,
+    isa: str = "auto",
+    window: int | None = None,
 ) -> str:
     """`attend_` with the shared prefix (None: none) read through its block table. q [L, H, Dh]
-    fp32 or bf16 is overwritten; k, v and the pools are used in q's dtype. Returns the ISA path
-    that ran (`isa`: auto or one of ISAS; a path this CPU cannot run is an error)."""
+    fp32 or bf16 is overwritten; k, v and the pools are used in q's dtype. With `window` (a
+    sliding window, HF's rule) a query at position p sees only keys at positions above p - window,
+    positions counted from the prefix's first token through the visible ranges to the own keys.
+    Returns the ISA path that ran (`isa`: auto or one of ISAS; a path this CPU cannot run is an error)."""
     pool_k, pool_v, block_ids, prefix_tokens = prefix if prefix is not None else (None, None, None, 0)
     ops = _ops()
     if ops is None:
@@ -145,17 +153,36 @@ def attend_paged_(
             pv,
             ids,
             prefix_tokens if has_prefix else 0,
+            window or 0,
             isa,
         )
     )
+
+
+def _as_paged(prefix_k: Tensor | None, prefix_v: Tensor | None) -> PagedPrefix | None:
+    """A contiguous prefix [P, Hkv, Dh] as the pool of one block of P tokens (None: no prefix)."""
+    if prefix_k is None or prefix_v is None or prefix_k.shape[0] == 0:
+        return None
+    return PagedPrefix(prefix_k[None], prefix_v[None], torch.zeros(1, dtype=torch.int64), prefix_k.shape[0])
 
 
 def attend_(
     q: Tensor, k: Tensor, v: Tensor, spans: Sequence[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
     """The AttendFn: a contiguous prefix [P, Hkv, Dh] is the pool of one block of P tokens."""
-    if prefix_k is None or prefix_v is None or prefix_k.shape[0] == 0:
-        attend_paged_(q, k, v, spans, None)
-        return
-    ids = torch.zeros(1, dtype=torch.int64)
-    attend_paged_(q, k, v, spans, PagedPrefix(prefix_k[None], prefix_v[None], ids, prefix_k.shape[0]))
+    attend_paged_(q, k, v, spans, _as_paged(prefix_k, prefix_v))
+
+
+@functools.cache
+def windowed(window: int) -> tuple[AttendFn, PagedFn]:
+    """The AttendFn and the paged call of a sliding window of `window` keys (one pair per size)."""
+
+    def attend_window_(
+        q: Tensor, k: Tensor, v: Tensor, spans: list[Any], prefix_k: Tensor | None, prefix_v: Tensor | None
+    ) -> None:
+        attend_paged_(q, k, v, spans, _as_paged(prefix_k, prefix_v), window=window)
+
+    def attend_window_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Any], prefix: PagedPrefix) -> str:
+        return attend_paged_(q, k, v, spans, prefix, window=window)
+
+    return attend_window_, attend_window_paged_

@@ -23,7 +23,7 @@ from torch import Tensor
 from tiered.config import AttentionConfig, ConfigError
 from tiered.hybrid.attention import native, vllm_cpu
 from tiered.hybrid.attention.interface import Span
-from tiered.hybrid.attention.kernels import KERNELS, reference_
+from tiered.hybrid.attention.kernels import KERNELS, reference_, window_calls, windowed
 from tiered.hybrid.measured import cache_key, load_cached, save_cached
 from tiered.hybrid.precision import cpu_flags, cpu_name
 
@@ -49,9 +49,14 @@ class ShapeClass:
         n = self.new_tokens
         return [Span(i * n, i * n, n) for i in range(self.requests)]
 
-    def flops(self, num_heads: int, head_dim: int) -> float:
-        """Multiply-adds x 2 of QK^T and PV over the pairs a causal prefill attends."""
-        pairs = self.requests * (self.new_tokens * self.prefix_tokens + self.new_tokens * (self.new_tokens + 1) / 2)
+    def flops(self, num_heads: int, head_dim: int, window: int | None = None) -> float:
+        """Multiply-adds x 2 of QK^T and PV over the pairs a causal prefill attends (with a sliding
+        `window`: a query at position p attends min(p + 1, window) keys)."""
+        P, n = self.prefix_tokens, self.new_tokens
+        if window is None:
+            pairs = self.requests * (n * P + n * (n + 1) / 2)
+        else:
+            pairs = self.requests * sum(min(p + 1, window) for p in range(P, P + n))
         return 4 * pairs * num_heads * head_dim
 
 
@@ -117,18 +122,29 @@ def _sync(device: str) -> None:
 
 @torch.inference_mode()
 def time_kernels(
-    kernels: list[str], shapes: tuple[ShapeClass, ...], heads: KernelShape, repeats: int = 2
+    kernels: list[str],
+    shapes: tuple[ShapeClass, ...],
+    heads: KernelShape,
+    repeats: int = 2,
+    window: int | None = None,
 ) -> list[KernelTiming]:
-    """Each kernel on each shape: best-of-`repeats` seconds (after a warm-up) and the error."""
+    """Each kernel on each shape: best-of-`repeats` seconds (after a warm-up) and the error. With
+    `window`, each kernel's calls for that sliding window (`window_calls`, as the forward takes
+    them) against the PyTorch windowed call in fp32."""
     out = []
     device = heads.device
     for shape in shapes:
         q, k, v, pk, pv = make_inputs(shape, heads)
         expected = q.clone()
-        reference_(expected, k, v, shape.spans(), pk, pv)
-        expected = expected.float()
+        if window is None:
+            reference_(expected, k, v, shape.spans(), pk, pv)
+            expected = expected.float()
+        else:
+            expected = expected.float()
+            fp32 = (None if t is None else t.float() for t in (pk, pv))
+            windowed(window)(expected, k.float(), v.float(), shape.spans(), *fp32)
         for name in kernels:
-            attend = KERNELS[name].attend_
+            attend = KERNELS[name].attend_ if window is None else window_calls(KERNELS[name], window)[0]
             got = q.clone()
             try:
                 attend(got, k, v, shape.spans(), pk, pv)
@@ -146,7 +162,7 @@ def time_kernels(
                 _sync(device)
                 best = min(best, time.perf_counter() - start)
             ok = error <= TOLERANCE[heads.dtype]
-            gflops = shape.flops(heads.num_heads, heads.head_dim) / best / 1e9
+            gflops = shape.flops(heads.num_heads, heads.head_dim, window) / best / 1e9
             out.append(KernelTiming(name, shape.name, best, gflops, error, ok))
     return out
 

@@ -4,6 +4,9 @@
 // softmax(q k^T / sqrt(Dh)) v, where each query of a piece sees (1) the shared prefix, read from
 // a pool [blocks, block_tokens, Hkv, Dh] through a block-id list, (2) its piece's visible key
 // ranges, (3) its own keys causally. GQA: the H / Hkv query heads of a KV head form a group.
+// Positions run in that order (the prefix from 0, then the visible ranges, then the own keys); with a
+// sliding window W > 0 a query at position p sees only the keys at positions above p - W, and a key
+// tile wholly below every window of a query block is skipped.
 //
 // Work: one task = (piece, KV head, consecutive blocks of query positions); a block's rows are its
 // positions x the group's heads, so every K/V tile is loaded (and converted from bf16) once for
@@ -124,7 +127,8 @@ struct Args {
   const int64_t* pieces;   // [n, 5]: q_start, k_start, num, first visible, end visible
   const int64_t* visible;  // [m, 2]: begin, end
   int group, Dh, rows_per_block;
-  int Dp;       // the width of values and outputs inside the kernel: Dh rounded up to the path's column step
+  int64_t window;  // 0: none; else a query at position p sees keys at positions p - window + 1 .. p
+  int Dp;          // the width of values and outputs inside the kernel: Dh rounded up to the path's column step
   float scale;  // 1 / sqrt(Dh) x log2(e)
 };
 
@@ -183,10 +187,12 @@ const float* widen(const T* src, int64_t stride, int n, int Dh, int width, float
   return buffer;
 }
 
-// A key tile of the shared prefix: its K and V rows' offsets in the pools (KV head 0) and its keys.
+// A key tile of the shared prefix: its K and V rows' offsets in the pools (KV head 0), its keys and
+// the position of its first.
 struct PrefixTile {
   int64_t k_off, v_off;
   int n;
+  int64_t pos;
 };
 
 // fp32 rows as the products read them in place; null for bf16 rows (those are widened or packed first).
@@ -214,6 +220,7 @@ struct TaskRunner {
   bool bf16_dot;
   bool pairs;    // P V by the path's bf16 product (bf16 inputs on a path with one)
   bool columns;  // acc kept transposed, [Dp][Rp] (the path's choice for its bf16 product)
+  int64_t before = 0;  // the running task's piece: the position of its first own key (keys ahead of it)
 
   // Block b of task t: rows_per_block positions from t.q0 + b x rows_per_block (fewer at the task's end).
   Block block(const Task& t, int b) const {
@@ -246,9 +253,14 @@ struct TaskRunner {
     return p;
   }
 
-  // One block against one tile of nk keys (K rows `kb` of stride ks; `p`: the tile made ready): scores, causal
-  // mask (causal_j0 >= 0: the tile's keys are the piece's own, the first at position causal_j0), softmax, P V.
-  void step(const Block& b, const T* kb, int64_t ks, int nk, int64_t causal_j0, const Prepared& p) {
+  // Whether a window hides every key of a tile whose last key is at position `last` from every row of a
+  // block whose first query is at `first` (the first query sees the most of the earlier keys).
+  bool out_of_window(int64_t first, int64_t last) const { return a.window > 0 && last <= first - a.window; }
+
+  // One block against one tile of nk keys (K rows `kb` of stride ks; `p`: the tile made ready; `kpos`: the
+  // position of its first key): scores, causal mask (causal_j0 >= 0: the tile's keys are the piece's own, the
+  // first at the piece's own position causal_j0), window mask, softmax, P V.
+  void step(const Block& b, const T* kb, int64_t ks, int nk, int64_t causal_j0, int64_t kpos, const Prepared& p) {
     const int Dh = a.Dh, Dp = a.Dp, Rp = b.Rp;
     float* St = sc.st.data();
     if (bf16_dot)
@@ -262,6 +274,13 @@ struct TaskRunner {
         if (upto > 0) std::fill(St + int64_t(j) * Rp, St + int64_t(j) * Rp + upto, kNegInf);
       }
     }
+    if (a.window > 0 && kpos + a.window <= before + b.q0 + b.nq - 1) {  // some row's window starts past a key
+      // Key j is outside the window of rows r >= (kpos + j + window - first query's position) x group.
+      for (int j = 0; j < nk; ++j) {
+        const int64_t from = std::max<int64_t>(0, (kpos + j + a.window - before - b.q0) * a.group);
+        if (from < Rp) std::fill(St + int64_t(j) * Rp + from, St + int64_t(j) * Rp + Rp, kNegInf);
+      }
+    }
     // bf16 scores are scaled in the softmax; fp32 ones came from queries scaled when loaded.
     const float scale = bf16_dot ? a.scale : 1.f;
     ops.softmax(St, nk, Rp, scale, b.m, b.l, b.alpha, b.acc, Dp, pairs ? sc.pp.data() : nullptr);
@@ -271,23 +290,31 @@ struct TaskRunner {
       ops.gemm(St, 1, Rp, p.v, p.v_ld, b.acc, Dp, Rp, Dp, nk, true);
   }
 
+  // Whether block b sees a key of a tile of nk keys from position kpos (causal_j0: as in `step`).
+  bool sees(const Block& b, int nk, int64_t causal_j0, int64_t kpos) const {
+    return (causal_j0 < 0 || causal_j0 <= b.q0 + b.nq - 1) && !out_of_window(before + b.q0, kpos + nk - 1);
+  }
+
   // One tile for every block of the task that sees one of its keys (causal: a block before the tile's first
-  // key sees none); its K and V are made ready once for all of them.
+  // key sees none; windowed: nor one whose windows all start past its last); its K and V are made ready once for
+  // all of them, and not at all when the task's first block (which sees the most of the earlier keys) sees none.
   void tile(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int nk, int64_t causal_j0,
-            const Prepared* prep) {
+            int64_t kpos, const Prepared* prep) {
+    if (out_of_window(before + t.q0, kpos + nk - 1)) return;
     const Prepared p = ready(kb, ks, vb, vs, nk, prep);
     const int num_blocks = int((t.nq + a.rows_per_block - 1) / a.rows_per_block);
     for (int i = 0; i < num_blocks; ++i) {
       const Block b = block(t, i);
-      if (causal_j0 < 0 || causal_j0 <= b.q0 + b.nq - 1) step(b, kb, ks, nk, causal_j0, p);
+      if (sees(b, nk, causal_j0, kpos)) step(b, kb, ks, nk, causal_j0, kpos, p);
     }
   }
 
-  // n keys from `kb` / `vb`; causal: they are the piece's own keys (key j at position j).
-  void keys(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal) {
+  // n keys from `kb` / `vb`, the first at position kpos; causal: they are the piece's own keys (key j at the
+  // piece's own position j).
+  void keys(const Task& t, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t n, bool causal, int64_t kpos) {
     for (int64_t j0 = 0; j0 < n; j0 += kKeyTile)
       tile(t, kb + j0 * ks, ks, vb + j0 * vs, vs, int(std::min<int64_t>(kKeyTile, n - j0)), causal ? j0 : -1,
-           nullptr);
+           kpos + j0, nullptr);
   }
 
   // Q^T [Dh][Rp] scaled (fp32 scores) or Q in bf16 pairs [Dh / 2][Rp][2] (bf16 dot); padded rows 0. The
@@ -326,25 +353,33 @@ struct TaskRunner {
   void run(const Task& t, const std::vector<PrefixTile>& prefix, const std::vector<Prepared>& prepared) {
     const int64_t* p = a.pieces + 5 * t.piece;
     const int64_t q_start = p[0], k_start = p[1];
+    const int64_t prefix_tokens = a.pool_k ? a.prefix_tokens : 0;
+    before = prefix_tokens;
+    for (int64_t i = p[3]; i < p[4]; ++i) before += a.visible[2 * i + 1] - a.visible[2 * i];
     const int num_blocks = int((t.nq + a.rows_per_block - 1) / a.rows_per_block);
     for (int i = 0; i < num_blocks; ++i) start(block(t, i), t.head, q_start);
     if (prepared.empty()) {
       for (const PrefixTile& pt : prefix)
         tile(t, a.pool_k + pt.k_off + t.head * a.pk_head, a.pk_row, a.pool_v + pt.v_off + t.head * a.pv_head,
-             a.pv_row, pt.n, -1, nullptr);
+             a.pv_row, pt.n, -1, pt.pos, nullptr);
     } else {  // tiles made ready already: block by block, so one block's state stays in cache over them all
-      for (int b = 0; b < num_blocks; ++b)
+      for (int b = 0; b < num_blocks; ++b) {
+        const Block blk = block(t, b);
         for (size_t i = 0; i < prefix.size(); ++i)
-          step(block(t, b), a.pool_k + prefix[i].k_off + t.head * a.pk_head, a.pk_row, prefix[i].n, -1,
-               prepared[t.head * prefix.size() + i]);
+          if (sees(blk, prefix[i].n, -1, prefix[i].pos))
+            step(blk, a.pool_k + prefix[i].k_off + t.head * a.pk_head, a.pk_row, prefix[i].n, -1, prefix[i].pos,
+                 prepared[t.head * prefix.size() + i]);
+      }
     }
+    int64_t kpos = prefix_tokens;
     for (int64_t i = p[3]; i < p[4]; ++i) {
       const int64_t begin = a.visible[2 * i], end = a.visible[2 * i + 1];
       keys(t, a.k + begin * a.k_row + t.head * a.k_head, a.k_row, a.v + begin * a.v_row + t.head * a.v_head, a.v_row,
-           end - begin, false);
+           end - begin, false, kpos);
+      kpos += end - begin;
     }
     keys(t, a.k + k_start * a.k_row + t.head * a.k_head, a.k_row, a.v + k_start * a.v_row + t.head * a.v_head, a.v_row,
-         t.q0 + t.nq, true);
+         t.q0 + t.nq, true, before);
     for (int i = 0; i < num_blocks; ++i) finish(block(t, i), t.head, q_start);
   }
 };
@@ -359,7 +394,7 @@ std::vector<PrefixTile> prefix_tiles(const Args<T>& a) {
     if (n <= 0) break;
     for (int64_t j0 = 0; j0 < n; j0 += kKeyTile)
       tiles.push_back({id * a.pk_block + j0 * a.pk_row, id * a.pv_block + j0 * a.pv_row,
-                       int(std::min<int64_t>(kKeyTile, n - j0))});
+                       int(std::min<int64_t>(kKeyTile, n - j0)), b * a.block_tokens + j0});
   }
   return tiles;
 }
@@ -479,7 +514,7 @@ template <typename T>
 Args<T> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pieces,
                   const at::Tensor& visible, const std::optional<at::Tensor>& pool_k,
                   const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& ids, int64_t prefix_tokens,
-                  const Ops& ops) {
+                  int64_t window, const Ops& ops) {
   const int64_t Dh = q.size(2), group = q.size(1) / k.size(1);
   Args<T> a{};
   a.q = q.data_ptr<T>(), a.q_row = q.stride(0), a.q_head = q.stride(1);
@@ -493,6 +528,7 @@ Args<T> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     a.block_tokens = pool_k->size(1), a.prefix_tokens = prefix_tokens;
   }
   a.pieces = pieces.const_data_ptr<int64_t>(), a.visible = visible.const_data_ptr<int64_t>();
+  a.window = window;
   a.group = int(group), a.Dh = int(Dh), a.rows_per_block = int(std::max<int64_t>(1, ops.rows_per_block / group));
   a.Dp = int((Dh + ops.column_step - 1) / ops.column_step * ops.column_step);
   a.scale = float(1.0 / std::sqrt(double(Dh))) * kLog2e;
@@ -538,7 +574,7 @@ void check_pieces(const at::Tensor& pieces, const at::Tensor& visible, int64_t n
 std::string attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pieces,
                    const at::Tensor& visible, const std::optional<at::Tensor>& pool_k,
                    const std::optional<at::Tensor>& pool_v, const std::optional<at::Tensor>& block_ids,
-                   int64_t prefix_tokens, std::string isa) {
+                   int64_t prefix_tokens, int64_t window, std::string isa) {
   TORCH_CHECK(q.dim() == 3, "native attention: q must be [L, H, Dh]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "native attention: float32 or bfloat16 only, got ", q.scalar_type());
@@ -549,6 +585,7 @@ std::string attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check_rows(v, "v", Hkv, Dh, q.scalar_type());
   TORCH_CHECK(v.size(0) == k.size(0), "native attention: k and v differ in rows");
   check_pieces(pieces, visible, q.size(0), k.size(0));
+  TORCH_CHECK(window >= 0, "native attention: window must be >= 0 (0: none), got ", window);
   const bool has_prefix = pool_k.has_value() && prefix_tokens > 0;
   if (has_prefix) {
     TORCH_CHECK(pool_v.has_value() && block_ids.has_value(), "native attention: a prefix needs pool_v and block_ids");
@@ -556,10 +593,12 @@ std::string attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
   const Ops* ops = choose_ops(isa, int(Dh));
   if (q.scalar_type() == at::kFloat)
-    run_all(make_args<float>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens, *ops), *ops,
+    run_all(make_args<float>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens, window, *ops),
+            *ops,
             pieces.size(0), Hkv);
   else
-    run_all(make_args<c10::BFloat16>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens, *ops), *ops,
+    run_all(make_args<c10::BFloat16>(q, k, v, pieces, visible, pool_k, pool_v, block_ids, prefix_tokens, window, *ops),
+            *ops,
             pieces.size(0), Hkv);
   return ops->name;
 }
@@ -577,7 +616,7 @@ std::string isas() {
 TORCH_LIBRARY(tiered_native, m) {
   m.def(
       "attend_(Tensor(a!) q, Tensor k, Tensor v, Tensor pieces, Tensor visible, Tensor? pool_k, Tensor? pool_v, "
-      "Tensor? block_ids, int prefix_tokens, str isa) -> str");
+      "Tensor? block_ids, int prefix_tokens, int window, str isa) -> str");
   m.def("isas() -> str", &isas);
 }
 
