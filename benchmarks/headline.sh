@@ -80,6 +80,11 @@ $B mixed $M2 --minutes 2 --short-qps 5,7 --alone-repeats 1 --repeats 3 \
 # miss their objective refused at once (scheduler.late: shed), vLLM given each call's deadline as its priority.
 $B mixed $M --minutes 2 --short-qps 1 --alone-repeats 1 --repeats 3 --systems tiered,vllm-priority-chunk2048-cap512 \
   --json $R/mixed-bench-m-16k-shed.json --plots benchmarks/out/mixed-16k-shed
+# Capacity at the objectives on the 2-core EPYC: the light setting's objectives at 5 loads, 3 pairs each.
+$B mixed $M --minutes 2 --short-qps 0.25,0.5,0.75,1,1.25 --alone-repeats 1 --repeats 3 \
+  --systems tiered,vllm-priority-chunk2048-cap512 --json $R/mixed-bench-m-16k-capacity.json \
+  --plots benchmarks/out/mixed-16k-capacity
+$B plot-mixed $R/mixed-bench-m-16k-capacity.json --out benchmarks/plots/mixed-bench-m-16k-capacity.png
 # KV beyond memory with 4,000-token profiles again (24 users, 100 visits), and a feed of 240 visits of 8 posts.
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 24 --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
