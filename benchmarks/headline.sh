@@ -11,6 +11,10 @@ R=benchmarks/results
 $B visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 --systems tiered,vllm \
   --multiples 0.5,0.8 --load-of vllm --repeats 3 --warm-up-visits 4 --json $R/visits-bench-m.json \
   --plots benchmarks/out/visits-bench-m
+# The same again with the current engine, at 0.5x, 0.8x and 1x of vLLM's saturation rate.
+$B visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 --systems tiered,vllm \
+  --multiples 0.5,0.8,1 --load-of vllm --repeats 3 --warm-up-visits 4 --json $R/visits-bench-m-loads.json \
+  --plots benchmarks/out/visits-bench-m-loads
 # The same at saturation against vLLM with our device tier's KV only, and against vLLM eager.
 $B visits --config configs/bench-m.yaml --users 16 --visits 24 --posts 8 \
   --systems tiered,vllm-devkv,vllm-eager --multiples '' --repeats 3 --warm-up-visits 4 \
