@@ -167,22 +167,20 @@ def _as_paged(prefix_k: Tensor | None, prefix_v: Tensor | None) -> PagedPrefix |
 
 
 def attend_(
-    q: Tensor, k: Tensor, v: Tensor, spans: Sequence[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spans: Sequence[Span],
+    prefix_k: Tensor | None,
+    prefix_v: Tensor | None,
+    window: int | None = None,
 ) -> None:
-    """The AttendFn: a contiguous prefix [P, Hkv, Dh] is the pool of one block of P tokens."""
-    attend_paged_(q, k, v, spans, _as_paged(prefix_k, prefix_v))
+    """The AttendFn: a contiguous prefix [P, Hkv, Dh] is the pool of one block of P tokens
+    (`window`: as in `attend_paged_`)."""
+    attend_paged_(q, k, v, spans, _as_paged(prefix_k, prefix_v), window=window)
 
 
 @functools.cache
 def windowed(window: int) -> tuple[AttendFn, PagedFn]:
     """The AttendFn and the paged call of a sliding window of `window` keys (one pair per size)."""
-
-    def attend_window_(
-        q: Tensor, k: Tensor, v: Tensor, spans: list[Any], prefix_k: Tensor | None, prefix_v: Tensor | None
-    ) -> None:
-        attend_paged_(q, k, v, spans, _as_paged(prefix_k, prefix_v), window=window)
-
-    def attend_window_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Any], prefix: PagedPrefix) -> str:
-        return attend_paged_(q, k, v, spans, prefix, window=window)
-
-    return attend_window_, attend_window_paged_
+    return functools.partial(attend_, window=window), functools.partial(attend_paged_, window=window)
