@@ -633,6 +633,14 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
         "native kernel's own, the PyTorch windowed call for the others) against the fp32 PyTorch windowed call; "
         "GFLOP/s count the pairs the window leaves",
     )
+    at.add_argument(
+        "--prefix",
+        default="paged",
+        help="how each kernel reads the shape's cached prefix, comma-separated, each timed: paged (from a pool laid "
+        "out as the device tier's by block id, no two blocks adjacent: the forward's call), gathered (that pool "
+        "copied into one tensor first, the copy timed too), contiguous (one tensor, nothing to copy)",
+    )
+    at.add_argument("--block-tokens", type=int, default=256, help="the pool's block size (cache.block_tokens)")
     _json_arg(at)
     at.set_defaults(func=cmd_bench_attention)
 

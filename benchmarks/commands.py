@@ -397,6 +397,8 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
         json_path=args.json,
         vllm_library=args.vllm_library,
         window=args.window,
+        prefix_layouts=tuple(args.prefix.split(",")),
+        block_tokens=args.block_tokens,
     )
     run_attention_bench(opts)
     return 0

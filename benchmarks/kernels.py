@@ -25,7 +25,15 @@ import torch.nn.functional as F
 from benchmarks.mil import matmul_flops_per_s
 from benchmarks.traces import BenchError
 from tiered.hybrid.attention import vllm_cpu
-from tiered.hybrid.attention.select import SHAPE_CLASSES, KernelShape, ShapeClass, available, fastest, time_kernels
+from tiered.hybrid.attention.select import (
+    PREFIX_LAYOUTS,
+    SHAPE_CLASSES,
+    KernelShape,
+    ShapeClass,
+    available,
+    fastest,
+    time_kernels,
+)
 from tiered.hybrid.loader import DTYPES, read_args
 from tiered.hybrid.precision import NATIVE_CPU_FLAGS, cpu_flags, cpu_name, resolve_precision
 
@@ -113,10 +121,17 @@ class AttentionOptions:
     json_path: str | None
     vllm_library: str = "auto"  # attention.vllm_library: auto, none, a folder or a .so
     window: int | None = None  # a sliding window of this many keys (None: none)
+    prefix_layouts: tuple[str, ...] = ("paged",)  # how the prefix is read (select.PREFIX_LAYOUTS), each timed
+    block_tokens: int = 256  # the pool's block size for the paged and gathered layouts
 
 
 def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
     """Every kernel x the shape classes: GFLOP/s, share of the matmul rates, error (see the module docstring)."""
+    bad = [layout for layout in opts.prefix_layouts if layout not in PREFIX_LAYOUTS]
+    if bad or not opts.prefix_layouts:
+        raise BenchError(f"--prefix {','.join(opts.prefix_layouts)}: each one of {', '.join(PREFIX_LAYOUTS)}")
+    if opts.block_tokens < 1:
+        raise BenchError(f"--block-tokens {opts.block_tokens}: a block holds at least one token")
     model_dir, dtype_name, device = opts.model_dir, opts.dtype_name, opts.device
     a = read_args(model_dir)
     dtype = DTYPES[dtype_name]
@@ -141,7 +156,13 @@ def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
     if opts.window is not None and opts.window < 1:
         raise BenchError(f"--window {opts.window}: a window holds at least one key")
     heads = KernelShape(a.num_heads, a.num_kv_heads, a.head_dim, dtype, device)
-    timings = time_kernels(names, shapes, heads, window=opts.window)
+    by_layout = {
+        layout: time_kernels(
+            names, shapes, heads, window=opts.window, prefix_layout=layout, block_tokens=opts.block_tokens
+        )
+        for layout in opts.prefix_layouts
+    }
+    timings = by_layout[opts.prefix_layouts[0]]
     doc = {
         "machine": machine(),
         "device": device,
@@ -149,11 +170,13 @@ def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
         "model": model_dir,
         "heads": [a.num_heads, a.num_kv_heads, a.head_dim],
         "window": opts.window,
+        "prefix_layouts": list(opts.prefix_layouts),
+        "block_tokens": opts.block_tokens,
         "matmul_gflops": matmul,
         "matmul_bf16_gflops": matmul_bf16,
         "best_matmul_gflops": best,
         "vllm_cpu_unavailable": vllm_cpu.unavailable_reason(),
-        "timings": [asdict(t) for t in timings],
+        "timings": [dict(asdict(t), prefix=layout) for layout, ts in by_layout.items() for t in ts],
         "fastest": fastest(timings),
     }
     m = machine()
@@ -166,13 +189,17 @@ def run_attention_bench(opts: AttentionOptions) -> dict[str, Any]:
     )
     if doc["vllm_cpu_unavailable"]:
         print(f"vllm-cpu: unavailable ({doc['vllm_cpu_unavailable']})")
-    print(f"{'kernel':11} {'shape':22} {'ms':>8} {'GFLOP/s':>8} {'of matmul':>9} {'of best':>8} {'max error':>9}")
-    for t in timings:
-        print(
-            f"{t.kernel:11} {t.shape:22} {1e3 * t.seconds:>8.1f} {t.gflops:>8.1f} {t.gflops / matmul:>9.0%} "
-            f"{t.gflops / best:>8.0%} {t.max_error:>9.1e}{'' if t.ok else '  over bound'}"
-        )
-    print(f"fastest correct: {doc['fastest']}")
+    print(
+        f"{'kernel':11} {'prefix':10} {'shape':22} {'ms':>8} {'GFLOP/s':>8} {'of matmul':>9} {'of best':>8} "
+        f"{'max error':>9}"
+    )
+    for layout, ts in by_layout.items():
+        for t in ts:
+            print(
+                f"{t.kernel:11} {layout:10} {t.shape:22} {1e3 * t.seconds:>8.1f} {t.gflops:>8.1f} "
+                f"{t.gflops / matmul:>9.0%} {t.gflops / best:>8.0%} {t.max_error:>9.1e}{'' if t.ok else '  over bound'}"
+            )
+    print(f"fastest correct ({opts.prefix_layouts[0]} prefix): {doc['fastest']}")
     _write(opts.json_path, doc)
     return doc
 

@@ -249,14 +249,20 @@ def _count_gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.skipif(not native.available(), reason="the native kernel's library could not be built here")
 @pytest.mark.parametrize(
     ("kernel", "kv_dtype", "reads_in_place"),
-    [("native", "auto", True), ("native", "bfloat16", False), ("flash-head", "auto", False)],
+    [
+        ("native", "auto", True),
+        ("flash-head", "auto", True),
+        ("masked", "auto", True),
+        ("native", "bfloat16", False),
+        ("flash-head", "bfloat16", False),
+    ],
 )
 def test_a_cached_prefix_is_read_in_place_where_the_kernel_can(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str, kv_dtype: str, reads_in_place: bool
 ) -> None:
-    """A batch over a cached profile: the native kernel reads the prefix from the pool by block id
-    (no per-layer copy of it) where the pool keeps KV in the compute dtype; other kernels, or a pool
-    in another dtype, gather it. The answers equal a plain forward's (fp32, 1e-4; bf16 KV: 2e-2)."""
+    """A batch over a cached profile: every kernel reads the prefix from the pool by block id (no
+    per-layer copy of it) where the pool keeps KV in the compute dtype; a pool in a narrower dtype is
+    gathered and widened. The answers equal a plain forward's (fp32, 1e-4; bf16 KV: 2e-2)."""
     engine = _engine(
         tiny_dir,
         tmp_path,

@@ -33,14 +33,20 @@ def test_attention_bench_times_every_kernel_on_every_shape(
         str(out),
         "--vllm-library",
         "none",
+        "--prefix",
+        "paged,gathered",
+        "--block-tokens",
+        "16",
     ]
     assert main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["vllm_cpu_unavailable"] == "disabled (attention.vllm_library: none)"
     assert doc["dtype"] == "float32" and doc["machine"]["threads"] >= 1
-    got = {(t["kernel"], t["shape"]) for t in doc["timings"]}
+    assert doc["prefix_layouts"] == ["paged", "gathered"] and doc["block_tokens"] == 16
+    got = {(t["kernel"], t["shape"], t["prefix"]) for t in doc["timings"]}
     here = available("cpu", torch.float32, 32)  # the tiny model's head dim; kernels of other dtypes are left out
-    assert got == {(k, s) for k in here for s in ("shared", "causal")}  # "too long" skipped
+    # "too long" skipped
+    assert got == {(k, s, p) for k in here for s in ("shared", "causal") for p in ("paged", "gathered")}
     assert all(t["ok"] and t["max_error"] < 1e-4 and t["gflops"] > 0 for t in doc["timings"])
     assert doc["fastest"] in here
 
@@ -69,3 +75,9 @@ def test_a_kernel_that_does_not_run_here_is_named(tiny_dir: Path, capsys: pytest
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "--kernels sdpa: not a kernel that runs here" in err and "flash" in err.split("here")[-1]
+
+
+def test_a_prefix_layout_that_does_not_exist_is_named(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["attention", "--model", str(tiny_dir), "--device", "cpu", "--prefix", "paged,scattered"]
+    assert main(args + ["--vllm-library", "none"]) == 2
+    assert "--prefix paged,scattered: each one of contiguous, paged, gathered" in capsys.readouterr().err

@@ -12,6 +12,8 @@ from tiered.config import AttentionConfig, ConfigError
 from tiered.hybrid.attention import KERNELS, Span, reference_
 from tiered.hybrid.attention import native as native_module
 from tiered.hybrid.attention import select as select_module
+from tiered.hybrid.attention.interface import PagedPrefix, prefix_runs, prefix_segments
+from tiered.hybrid.attention.kernels import windowed_calls
 from tiered.hybrid.attention.select import KernelShape, KernelTiming, ShapeClass, choose_kernel, fastest
 
 CPU_KERNELS = [name for name, kernel in KERNELS.items() if kernel.runs_on("cpu")]
@@ -82,6 +84,115 @@ def test_every_kernel_equals_the_fp32_reference(
     KERNELS[kernel].attend_(got, k, v, spans, pk, pv)
     assert got.dtype == dtype
     assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+def _pool_case(
+    dtype: torch.dtype, block_ids: list[int], prefix_tokens: int, block_tokens: int = 16
+) -> tuple[PagedPrefix, torch.Tensor, torch.Tensor]:
+    """A prefix in a pool laid out as the device tier's ([blocks, 2, layers, rows, Hkv, Dh], one
+    layer's view: strided), scattered among other blocks; and the same prefix gathered."""
+    g = torch.Generator().manual_seed(11)
+    pool = torch.randn(12, 2, 3, block_tokens, 4, 64, generator=g).to(dtype)
+    pool_k, pool_v = pool[:, 0, 1], pool[:, 1, 1]
+    ids = torch.tensor(block_ids)
+    gathered = [t[ids].flatten(0, 1)[:prefix_tokens] for t in (pool_k, pool_v)]
+    return PagedPrefix(pool_k, pool_v, ids, prefix_tokens), gathered[0], gathered[1]
+
+
+# Block tables: runs of consecutive ids and jumps, out of order, the last block partly used.
+BLOCK_TABLES = {
+    "one run": ([3, 4, 5, 6], 4 * 16),
+    "runs and jumps": ([5, 6, 0, 9, 10, 11, 2], 6 * 16 + 5),
+    "one block, part used": ([7], 9),
+}
+
+
+@pytest.mark.parametrize("cpu_kernel", ALL_CPU_KERNELS, indirect=True)
+@pytest.mark.parametrize("table", list(BLOCK_TABLES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_reads_the_prefix_in_place_through_its_block_table(
+    cpu_kernel: str, table: str, dtype: torch.dtype
+) -> None:
+    """Each kernel's paged call over the device tier's pool gives the reference's answer on the
+    gathered prefix: no kernel needs the prefix copied out of the pool first."""
+    block_ids, prefix_tokens = BLOCK_TABLES[table]
+    paged, pk, pv = _pool_case(dtype, block_ids, prefix_tokens)
+    spans = [Span(0, 0, 40), Span(40, 40, 25, ((0, 12),))]
+    q, k, v, _, _ = _case(spans, 65, 0, 16, 4, 64, dtype)
+    expected = q.clone().float()
+    reference_(expected, k, v, spans, pk, pv)
+    paged_ = KERNELS[cpu_kernel].attend_paged_
+    assert paged_ is not None
+    got = q.clone()
+    paged_(got, k, v, spans, paged)
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("scratch", [1, 1 << 30])
+def test_prefix_blocks_are_merged_by_log_sum_exp_in_calls_of_any_size(
+    scratch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The part kernels attend a run of blocks as one batched call, or one call a block when the
+    scratch bound says so: the same answer either way."""
+    from tiered.hybrid.attention import kernels
+
+    monkeypatch.setattr(kernels, "PREFIX_SCRATCH_ELEMENTS", scratch)
+    paged, pk, pv = _pool_case(torch.float32, [1, 2, 3, 4, 8, 9], 6 * 16)
+    spans = [Span(0, 0, 30)]
+    q, k, v, _, _ = _case(spans, 30, 0, 8, 4, 64, torch.float32)
+    expected = q.clone()
+    reference_(expected, k, v, spans, pk, pv)
+    got = q.clone()
+    kernels.KERNELS["flash"].attend_paged_(got, k, v, spans, paged)  # type: ignore[misc]
+    assert (got - expected).abs().max().item() <= TOLERANCE[torch.float32]
+
+
+def test_a_block_table_is_read_as_runs_of_consecutive_blocks() -> None:
+    paged, _, _ = _pool_case(torch.float32, [5, 6, 0, 9, 10, 11, 2], 6 * 16 + 5)
+    runs = prefix_runs(paged)
+    assert [r[0].shape[:2] for r in runs] == [(2, 16), (1, 16), (3, 16), (1, 5)]
+    assert all(r[0].data_ptr() == paged.pool_k[i].data_ptr() for r, i in zip(runs, [5, 0, 9, 2], strict=True))
+    assert sum(seg[0].shape[0] for seg in prefix_segments(paged)) == paged.num_tokens
+    with pytest.raises(ValueError, match="cannot hold"):
+        prefix_runs(PagedPrefix(paged.pool_k, paged.pool_v, torch.tensor([1]), 17))
+
+
+@pytest.mark.parametrize("window", [20, 70, None])
+def test_the_windowed_call_reads_the_prefix_in_place(window: int | None) -> None:
+    paged, pk, pv = _pool_case(torch.float32, [5, 6, 0, 9], 3 * 16 + 5)
+    spans = [Span(0, 10, 30, ((0, 10),)), Span(30, 40, 20)]
+    q, k, v, _, _ = _case(spans, 60, 0, 8, 4, 64, torch.float32)
+    attend_, paged_ = windowed_calls(window)
+    expected, got = q.clone(), q.clone()
+    attend_(expected, k, v, spans, pk, pv)
+    paged_(got, k, v, spans, paged)
+    assert (got - expected).abs().max().item() <= TOLERANCE[torch.float32]
+    if window is None:
+        reference_(q, k, v, spans, pk, pv)
+        assert (got - q).abs().max().item() <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("layout", select_module.PREFIX_LAYOUTS)
+def test_kernels_are_timed_with_the_prefix_in_each_layout(layout: str) -> None:
+    """The engine's choice times each kernel's paged call on a scattered pool (as the forward calls
+    it); `gathered` times the copy out of the pool with the plain call. Every layout is correct."""
+    shapes = (ShapeClass("shared", 3, 16, 40),)
+    heads = KernelShape(4, 2, 16, torch.float32, "cpu")
+    timings = select_module.time_kernels(["masked", "flash"], shapes, heads, prefix_layout=layout, block_tokens=16)
+    assert [(t.kernel, t.ok) for t in timings] == [("masked", True), ("flash", True)]
+    with pytest.raises(ValueError, match="prefix layout 'scattered'"):
+        select_module.time_kernels(["masked"], shapes, heads, prefix_layout="scattered")
+
+
+def test_a_scattered_pool_holds_the_prefix_in_blocks_no_two_adjacent() -> None:
+    g = torch.Generator().manual_seed(3)
+    pk, pv = torch.randn(37, 2, 8, generator=g), torch.randn(37, 2, 8, generator=g)
+    pool = select_module.scattered_pool(pk, pv, 16)
+    ids = pool.block_ids.tolist()
+    assert len(ids) == 3 and all(abs(a - b) > 1 for a, b in zip(ids, ids[1:], strict=False))
+    assert len(prefix_runs(pool)) == 3
+    k, v = select_module.gather(pool)
+    assert torch.equal(k, pk) and torch.equal(v, pv)
 
 
 def test_the_reference_is_softmax_attention_written_out() -> None:

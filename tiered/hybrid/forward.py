@@ -15,7 +15,7 @@ from tiered.config import ForwardMode
 from tiered.hybrid import blocks
 from tiered.hybrid.attention import KERNELS, AttendFn, Span
 from tiered.hybrid.attention.interface import PagedFn
-from tiered.hybrid.attention.kernels import window_calls, windowed
+from tiered.hybrid.attention.kernels import window_calls, windowed_calls
 from tiered.hybrid.lora import LoraRun, LoraSlice, LoraWeights
 from tiered.hybrid.model import (
     CausalLM,
@@ -45,7 +45,8 @@ class ForwardInputError(InputError):
 class BatchItem:
     """One request of a batched forward: the tokens to compute after its optional prefix.
 
-    Items given the *same* `prefix_kv` object share that prefix: it is gathered once per layer
+    Items given the *same* `prefix_kv` object share that prefix: it is read once per layer (in
+    place from the device tier's pool, or gathered where it is a plain list or in another dtype)
     and all their queries attend to it in one call."""
 
     token_ids: Tensor  # [T] the tokens to compute
@@ -112,12 +113,12 @@ def _attention(model: CausalLM, layer: int, reach: int) -> tuple[AttendFn, Paged
     """Layer `layer`'s attention calls in a forward whose last position is `reach` - 1: the model's
     kernel (and its call that reads a cached prefix in place, or None: the prefix is gathered), or,
     on a sliding-window layer that this forward reaches past, the kernel's windowed calls where it
-    has them, else the PyTorch windowed call."""
+    has them, else the PyTorch windowed calls."""
     window = model.args.layer_window(layer)
     if window is not None and reach <= window:
         window = None
     if model.args.attn_logit_softcap is not None:  # no fused kernel soft-caps scores
-        return windowed(window, model.args.attn_logit_softcap), None
+        return windowed_calls(window, model.args.attn_logit_softcap)
     kernel = KERNELS[model.attention]
     return (kernel.attend_, kernel.attend_paged_) if window is None else window_calls(kernel, window)
 

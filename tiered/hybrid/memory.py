@@ -130,7 +130,8 @@ class GatheredPrefix(Sequence[LayerKV]):
 class PeakShape:
     """The forward whose peak is measured: `num_requests` requests of `num_tokens` new tokens
     each, on one shared prefix of `prefix_tokens` (held outside the forward, as the device tier
-    holds it; the forward's gather of each layer counts). A pipeline stage's part of the model: a
+    holds it; a copy of each layer counts, as where the forward gathers and widens a prefix the
+    pool keeps in a narrower dtype: the larger of the two cases). A pipeline stage's part of the model: a
     stage after the first (`first_stage=False`) starts from a residual stream [N, D] of random
     values, allocated inside the measured forward as the stage allocates the buffer it receives
     into; a stage before the last (`last_stage=False`) ends with its residual stream, not logits."""

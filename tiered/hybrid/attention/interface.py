@@ -36,8 +36,55 @@ class PagedPrefix(NamedTuple):
     num_tokens: int
 
 
-PagedFn = Callable[[Tensor, Tensor, Tensor, list[Span], PagedPrefix], object]
-"""(q, k, v, spans, the prefix by block id) -> anything; writes q as `AttendFn` does."""
+PagedFn = Callable[[Tensor, Tensor, Tensor, list[Span], PagedPrefix | None], object]
+"""(q, k, v, spans, the prefix by block id or None) -> anything; writes q as `AttendFn` does."""
+
+
+def contiguous_prefix(prefix_k: Tensor | None, prefix_v: Tensor | None) -> PagedPrefix | None:
+    """A contiguous prefix [P, Hkv, Dh] as a pool of one block of P tokens (None: no prefix)."""
+    if prefix_k is None or prefix_v is None or prefix_k.shape[0] == 0:
+        return None
+    ids = torch.zeros(1, dtype=torch.int64, device=prefix_k.device)
+    return PagedPrefix(prefix_k[None], prefix_v[None], ids, prefix_k.shape[0])
+
+
+def attend_from_paged(paged_: PagedFn) -> AttendFn:
+    """The AttendFn of a paged call: a contiguous prefix is handed over as one block."""
+
+    def attend_(
+        q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
+    ) -> None:
+        paged_(q, k, v, spans, contiguous_prefix(prefix_k, prefix_v))
+
+    return attend_
+
+
+def prefix_runs(prefix: PagedPrefix | None) -> list[tuple[Tensor, Tensor]]:
+    """A paged prefix as views of its pool, no copy: one (K, V) pair [blocks, rows, Hkv, Dh] per run
+    of consecutive block ids, in order, the last block cut at `num_tokens` (a run of its own then)."""
+    if prefix is None or prefix.num_tokens == 0:
+        return []
+    pool_k, pool_v, block_ids, num_tokens = prefix
+    full, tail = divmod(num_tokens, pool_k.shape[1])
+    ids = block_ids.tolist()
+    if len(ids) < full + (1 if tail else 0):
+        raise ValueError(f"{len(ids)} block ids cannot hold {num_tokens} tokens of {pool_k.shape[1]} a block")
+    runs: list[tuple[Tensor, Tensor]] = []
+    start = 0
+    for i in range(1, full + 1):
+        if i == full or ids[i] != ids[i - 1] + 1:
+            a, b = ids[start], ids[i - 1] + 1
+            runs.append((pool_k[a:b], pool_v[a:b]))
+            start = i
+    if tail:
+        last = ids[full]
+        runs.append((pool_k[last : last + 1, :tail], pool_v[last : last + 1, :tail]))
+    return runs
+
+
+def prefix_segments(prefix: PagedPrefix | None) -> list[tuple[Tensor, Tensor]]:
+    """A paged prefix as (K, V) views [rows, Hkv, Dh] of its pool laid end to end, one per block (no copy)."""
+    return [(k[i], v[i]) for k, v in prefix_runs(prefix) for i in range(k.shape[0])]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ Design notes: docs/internals.md, section `tiered/hybrid/attention/kernels.py`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -14,7 +15,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from tiered.hybrid.attention.interface import AttendFn, Kernel, PagedFn, Span
+from tiered.hybrid.attention.interface import (
+    AttendFn,
+    Kernel,
+    PagedFn,
+    PagedPrefix,
+    Span,
+    attend_from_paged,
+    prefix_runs,
+    prefix_segments,
+)
 from tiered.hybrid.attention.native import DTYPES as NATIVE_DTYPES
 from tiered.hybrid.attention.native import attend_ as native_attend_
 from tiered.hybrid.attention.native import attend_paged_ as native_attend_paged_
@@ -39,6 +49,41 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[
     return out, total.log_().add_(top)
 
 
+def _merge_blocks(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """`_merge` along dim 0: parts [n, h, m, Dh] over n disjoint key sets, with their log-sum-exps
+    [n, h, m], as one [1, h, m, Dh] and its log-sum-exp (weighted in fp32)."""
+    if out.shape[0] == 1:
+        return out, lse
+    top = lse.amax(0)
+    weights = (lse - top).exp_()
+    total = weights.sum(0)
+    merged = torch.einsum("nhmd,nhm->hmd", out.float(), weights.div_(total))
+    return merged[None].to(out.dtype), total.log_().add_(top)[None]
+
+
+# Elements of part outputs one call over several prefix blocks may return (each block's queries
+# are the same, so a call over n blocks returns n outputs before they are merged).
+PREFIX_SCRATCH_ELEMENTS = 1 << 23
+
+
+def _prefix_part(
+    part: PartFn, q4: Tensor, runs: list[tuple[Tensor, Tensor]], kv_heads: slice
+) -> tuple[Tensor | None, Tensor | None]:
+    """Queries q4 [1, h, m, Dh] over KV heads `kv_heads` of a prefix in place (`prefix_runs`), no
+    mask: the blocks of a run are a batch of one `part` call (the queries broadcast over them),
+    merged by log-sum-exp, as many blocks a call as PREFIX_SCRATCH_ELEMENTS allows."""
+    out = lse = None
+    h, m, d = q4.shape[1:]
+    step = max(1, PREFIX_SCRATCH_ELEMENTS // (h * m * d))
+    for pk, pv in runs:
+        k4, v4 = (t[:, :, kv_heads].transpose(1, 2).to(q4.dtype) for t in (pk, pv))  # [blocks, hkv, rows, Dh]
+        for b in range(0, k4.shape[0], step):
+            kb, vb = k4[b : b + step], v4[b : b + step]
+            o, s = _merge_blocks(*part(q4.expand(kb.shape[0], -1, -1, -1), kb, vb, False))
+            out, lse = (o, s) if out is None or lse is None else _merge(out, lse, o, s)
+    return out, lse
+
+
 class PartCalls(NamedTuple):
     """How `_by_parts_` calls: the part kernel, over `kv_heads_per_call` KV heads a call (None: all)."""
 
@@ -47,14 +92,14 @@ class PartCalls(NamedTuple):
 
 
 def _by_parts_(
-    calls: PartCalls, q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: tuple[Tensor, Tensor] | None
+    calls: PartCalls, q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None
 ) -> None:
-    """One `part` call over the shared prefix for the queries of all spans (requests that share
-    a prefix read it once, no copy per request), one per visible range, one causal over each
-    span's own keys; merged by log-sum-exp. Calls cover `kv_heads_per_call` KV heads (None: all),
-    so scratch is that many query groups' output, not another [L, H, Dh] tensor."""
+    """`part` calls over the shared prefix, read in place from its blocks, for the queries of all
+    spans (requests that share a prefix read it once, no copy per request), one per visible range,
+    one causal over each span's own keys; merged by log-sum-exp. Calls cover `kv_heads_per_call`
+    KV heads (None: all), so scratch is that many query groups' output, not another [L, H, Dh] tensor."""
     part, kv_heads_per_call = calls
-    prefix_k, prefix_v = prefix if prefix is not None else (None, None)
+    runs = prefix_runs(prefix)
     num_kv_heads = k.shape[1]
     per_call = kv_heads_per_call or num_kv_heads
     group = q.shape[1] // num_kv_heads
@@ -63,10 +108,7 @@ def _by_parts_(
         heads = slice(j * group, (j + per_call) * group)
         q4 = q[:, heads].permute(1, 0, 2)[None]  # [1, h, L, Dh]
         k4, v4 = (t[:, j : j + per_call].permute(1, 0, 2)[None] for t in (k, v))  # [1, hkv, *, Dh]
-        out_p = lse_p = None
-        if prefix_k is not None and prefix_v is not None:
-            pk4, pv4 = (t[:, j : j + per_call].permute(1, 0, 2)[None] for t in (prefix_k, prefix_v))
-            out_p, lse_p = part(q4[:, :, first:last], pk4, pv4, False)
+        out_p, lse_p = _prefix_part(part, q4[:, :, first:last], runs, slice(j, j + per_call))
         for p in spans:
             qs, ks = slice(p.q_start, p.q_start + p.num), slice(p.k_start, p.k_start + p.num)
             out, lse = part(q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], True)
@@ -90,34 +132,30 @@ def _flash_part(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, 
 # ---- whole kernels -----------------------------------------------------------------------------
 
 
-def _prefix(pk: Tensor | None, pv: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    return None if pk is None or pv is None else (pk, pv)
+def _flash_head_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None) -> None:
+    _by_parts_(PartCalls(_flash_part, 1), q, k, v, spans, prefix)
 
 
-def _flash_head_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], pk: Tensor | None, pv: Tensor | None) -> None:
-    _by_parts_(PartCalls(_flash_part, 1), q, k, v, spans, _prefix(pk, pv))
+def _flash_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None) -> None:
+    _by_parts_(PartCalls(_flash_part, None), q, k, v, spans, prefix)
 
 
-def _flash_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], pk: Tensor | None, pv: Tensor | None) -> None:
-    _by_parts_(PartCalls(_flash_part, None), q, k, v, spans, _prefix(pk, pv))
-
-
-def _flash_f32_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], pk: Tensor | None, pv: Tensor | None) -> None:
+def _flash_f32_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None) -> None:
     q32 = q.float()
-    prefix = None if pk is None or pv is None else (pk.float(), pv.float())
-    _by_parts_(PartCalls(_flash_part, None), q32, k.float(), v.float(), spans, prefix)
+    _by_parts_(PartCalls(_flash_part, None), q32, k.float(), v.float(), spans, prefix)  # the prefix widened per run
     q.copy_(q32)
 
 
-def masked_(
-    q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
-) -> None:
-    """Per span: its keys concatenated (prefix, visible ranges, own) and SDPA with a lower-right causal mask."""
+def masked_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None) -> None:
+    """Per span: its keys concatenated (the prefix's blocks, visible ranges, own) and SDPA with a
+    lower-right causal mask."""
+    prefix_parts = prefix_segments(prefix)
     for p in spans:
-        parts = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
-        parts += [(k[a:b], v[a:b]) for a, b in p.visible] + [
-            (k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num])
-        ]
+        parts = (
+            prefix_parts
+            + [(k[a:b], v[a:b]) for a, b in p.visible]
+            + [(k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num])]
+        )
         ks, vs = torch.cat([kk for kk, _ in parts]), torch.cat([vv for _, vv in parts])
         mask = causal_lower_right(p.num, ks.shape[0]) if ks.shape[0] > p.num else None
         qp = q[p.q_start : p.q_start + p.num]
@@ -126,26 +164,21 @@ def masked_(
         qp.copy_(out[0].transpose(0, 1))
 
 
+masked_ = attend_from_paged(masked_paged_)
+
+
 # Queries a windowed call attends at once: their keys are the window plus this many rows.
 WINDOW_QUERY_BLOCK = 256
 
 
-def windowed(window: int | None, softcap: float | None = None) -> Callable[..., None]:
-    """An attention call where each query sees only the last `window` keys up to its own
-    (HF's sliding window: key j visible from query position p when p - window < j <= p), for the
-    layers of a sliding-window model once a forward reaches past the window; None: every key up to
-    its own. Per span, its keys in position order are the prefix, its visible ranges, then its own
-    (causal); each block of WINDOW_QUERY_BLOCK queries attends over only the keys its window can
-    reach, with a band mask, so memory and time grow with the window, not the prompt. With
-    `softcap` (Gemma 2) each scaled score becomes softcap * tanh(score / softcap) before the mask
-    and the softmax, which SDPA cannot do: the block's scores are computed out, in fp32."""
+@functools.cache
+def windowed_calls(window: int | None, softcap: float | None = None) -> tuple[AttendFn, PagedFn]:
+    """The AttendFn and the paged call (the prefix read from its blocks) of `windowed`."""
 
-    def attend_(
-        q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
-    ) -> None:
+    def paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None) -> None:
+        prefix_parts = prefix_segments(prefix)
         for p in spans:
-            segs = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
-            segs += [(k[a:b], v[a:b]) for a, b in p.visible]
+            segs = prefix_parts + [(k[a:b], v[a:b]) for a, b in p.visible]
             segs.append((k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num]))
             before = sum(sk.shape[0] for sk, _ in segs[:-1])  # keys ahead of its own: positions 0 .. before-1
             for qb in range(0, p.num, WINDOW_QUERY_BLOCK):
@@ -164,14 +197,25 @@ def windowed(window: int | None, softcap: float | None = None) -> Callable[..., 
                     out = _softcapped(q4, k4, v4, mask, softcap)
                 qp.copy_(out[0].transpose(0, 1))
 
-    return attend_
+    return attend_from_paged(paged_), paged_
+
+
+def windowed(window: int | None, softcap: float | None = None) -> AttendFn:
+    """An attention call where each query sees only the last `window` keys up to its own
+    (HF's sliding window: key j visible from query position p when p - window < j <= p), for the
+    layers of a sliding-window model once a forward reaches past the window; None: every key up to
+    its own. Per span, its keys in position order are the prefix, its visible ranges, then its own
+    (causal); each block of WINDOW_QUERY_BLOCK queries attends over only the keys its window can
+    reach, with a band mask, so memory and time grow with the window, not the prompt. With
+    `softcap` (Gemma 2) each scaled score becomes softcap * tanh(score / softcap) before the mask
+    and the softmax, which SDPA cannot do: the block's scores are computed out, in fp32."""
+    return windowed_calls(window, softcap)[0]
 
 
 def window_calls(kernel: Kernel, window: int) -> tuple[AttendFn, PagedFn | None]:
     """`kernel`'s calls for a sliding window of `window` keys: its own where it has them (the C++
-    kernel masks by position, its prefix still read in place), else the PyTorch `windowed` call
-    (with no paged form: the forward gathers the prefix for it)."""
-    return kernel.windowed(window) if kernel.windowed is not None else (windowed(window), None)
+    kernel masks by position), else the PyTorch `windowed` calls; either reads the prefix in place."""
+    return kernel.windowed(window) if kernel.windowed is not None else windowed_calls(window)
 
 
 def _softcapped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softcap: float) -> Tensor:
@@ -220,21 +264,19 @@ def _varlen_attn(
     return out  # type: ignore[return-value]
 
 
-def varlen_(
-    q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
-) -> None:
+def varlen_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None) -> None:
     """CUDA: one FlashAttention-2 call (torch's `varlen_attn`) for all spans. Each span is one
     sequence whose keys are packed as [prefix, visible ranges, own]; FA2 aligns its causal mask
     to the bottom right when a sequence has more keys than queries (flash-attn >= 2.1), so query
-    i of a span sees every key before its own block and its own first i + 1. The shared prefix
-    is copied once per span (a few MiB a layer for a visit: microseconds at HBM speed); reading
-    it in place through `block_table` from the device tier's pages would avoid the copy."""
+    i of a span sees every key before its own block and its own first i + 1. The packing copies
+    the shared prefix from its blocks once per span (a few MiB a layer for a visit: microseconds
+    at HBM speed); FA2's own paged form would read it in place."""
+    prefix_parts = prefix_segments(prefix)
     keys: list[Tensor] = []
     values: list[Tensor] = []
     cu_q, cu_k = [0], [0]
     for p in spans:
-        parts = [(prefix_k, prefix_v)] if prefix_k is not None and prefix_v is not None else []
-        parts += [(k[a:b], v[a:b]) for a, b in p.visible]
+        parts = prefix_parts + [(k[a:b], v[a:b]) for a, b in p.visible]
         parts.append((k[p.k_start : p.k_start + p.num], v[p.k_start : p.k_start + p.num]))
         keys += [kk for kk, _ in parts]
         values += [vv for _, vv in parts]
@@ -256,6 +298,9 @@ def varlen_(
     q[first:last].copy_(out)
 
 
+varlen_ = attend_from_paged(varlen_paged_)
+
+
 def reference_(
     q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
 ) -> None:
@@ -269,9 +314,15 @@ def reference_(
 KERNELS: dict[str, Kernel] = {
     kernel.name: kernel
     for kernel in (
-        Kernel("flash-head", _flash_head_, ("cpu",)),
-        Kernel("flash", _flash_, ("cpu",)),
-        Kernel("flash-f32", _flash_f32_, ("cpu",), (torch.bfloat16, torch.float16)),  # fp32 is `flash` itself
+        Kernel("flash-head", attend_from_paged(_flash_head_paged_), ("cpu",), attend_paged_=_flash_head_paged_),
+        Kernel("flash", attend_from_paged(_flash_paged_), ("cpu",), attend_paged_=_flash_paged_),
+        Kernel(  # fp32 is `flash` itself
+            "flash-f32",
+            attend_from_paged(_flash_f32_paged_),
+            ("cpu",),
+            (torch.bfloat16, torch.float16),
+            attend_paged_=_flash_f32_paged_,
+        ),
         Kernel(
             "native",
             native_attend_,
@@ -281,8 +332,10 @@ KERNELS: dict[str, Kernel] = {
             attend_paged_=native_attend_paged_,
             windowed=native_windowed,
         ),
-        Kernel("masked", masked_, ("cpu", "cuda")),
-        Kernel("varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16)),  # FA2: half precisions only
+        Kernel("masked", masked_, ("cpu", "cuda"), attend_paged_=masked_paged_),
+        Kernel(  # FA2: half precisions only
+            "varlen", varlen_, ("cuda",), (torch.bfloat16, torch.float16), attend_paged_=varlen_paged_
+        ),
         VLLM_CPU,
     )
 }

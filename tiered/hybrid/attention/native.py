@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from tiered.hybrid.attention.interface import AttendFn, PagedFn, PagedPrefix
+from tiered.hybrid.attention.interface import AttendFn, PagedFn, PagedPrefix, contiguous_prefix
 
 
 class Span(Protocol):
@@ -159,13 +159,6 @@ def attend_paged_(
     )
 
 
-def _as_paged(prefix_k: Tensor | None, prefix_v: Tensor | None) -> PagedPrefix | None:
-    """A contiguous prefix [P, Hkv, Dh] as the pool of one block of P tokens (None: no prefix)."""
-    if prefix_k is None or prefix_v is None or prefix_k.shape[0] == 0:
-        return None
-    return PagedPrefix(prefix_k[None], prefix_v[None], torch.zeros(1, dtype=torch.int64), prefix_k.shape[0])
-
-
 def attend_(
     q: Tensor,
     k: Tensor,
@@ -177,7 +170,7 @@ def attend_(
 ) -> None:
     """The AttendFn: a contiguous prefix [P, Hkv, Dh] is the pool of one block of P tokens
     (`window`: as in `attend_paged_`)."""
-    attend_paged_(q, k, v, spans, _as_paged(prefix_k, prefix_v), window=window)
+    attend_paged_(q, k, v, spans, contiguous_prefix(prefix_k, prefix_v), window=window)
 
 
 @functools.cache

@@ -4,14 +4,17 @@ Which kernel is fastest depends on the CPU (AMX, AVX512-BF16, AVX2), the precisi
 count, so it is measured, never assumed: at start-up every kernel that runs on the device is
 timed on the shape classes of a prefill-only engine (many requests on one shared prefix; one
 long suffix on a long prefix; a fresh causal prompt), each checked against the fp32 reference,
-and the fastest whose error is within bounds is used. The choice is cached on disk per exact
-setup (CPU model and flags, torch, threads, dtype, head shapes, the native library's build) like
-the JCT profile; the config's `attention.kernel` forces one instead. A kernel that needs a library this process lacks
-(`vllm-cpu`: `attention.vllm_library`) is not available, so neither measured nor accepted.
+and the fastest whose error is within bounds is used. Each is timed as the forward calls it: the
+prefix read from a pool laid out as the device tier's, by block id, its blocks scattered. The
+choice is cached on disk per exact setup (CPU model and flags, torch, threads, dtype, head
+shapes, the native library's build) like the JCT profile; the config's `attention.kernel` forces
+one instead. A kernel that needs a library this process lacks (`vllm-cpu`:
+`attention.vllm_library`) is not available, so neither measured nor accepted.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -22,7 +25,7 @@ from torch import Tensor
 
 from tiered.config import AttentionConfig, ConfigError
 from tiered.hybrid.attention import native, vllm_cpu
-from tiered.hybrid.attention.interface import Span
+from tiered.hybrid.attention.interface import AttendFn, PagedFn, PagedPrefix, Span
 from tiered.hybrid.attention.kernels import KERNELS, reference_, window_calls, windowed
 from tiered.hybrid.measured import cache_key, load_cached, save_cached
 from tiered.hybrid.precision import cpu_flags, cpu_name
@@ -32,7 +35,14 @@ log = logging.getLogger(__name__)
 # Max |out - reference| a kernel may have: outputs are convex combinations of V rows (|v| ~ 1),
 # so these are absolute. bf16: a few roundings of 2^-8; fp32: summation order only.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-SELECT_VERSION = 1
+SELECT_VERSION = 2
+
+# How a timed kernel reads the shape's prefix: one contiguous tensor; its paged call on a pool laid
+# out as the device tier's (as the forward calls it); or that pool gathered into one tensor first,
+# then its plain call (the copy timed with it).
+PREFIX_LAYOUTS = ("contiguous", "paged", "gathered")
+# The device tier's block size the engine's choice is timed at (config `cache.block_tokens`'s default).
+BLOCK_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +125,46 @@ def make_inputs(
     return q, k, v, rand(shape.prefix_tokens, num_kv_heads, head_dim), rand(shape.prefix_tokens, num_kv_heads, head_dim)
 
 
+def scattered_pool(prefix_k: Tensor, prefix_v: Tensor, block_tokens: int) -> PagedPrefix:
+    """A prefix [P, Hkv, Dh] in a pool laid out as the device tier's ([blocks, 2, layers, rows, Hkv,
+    Dh], one layer's view), its blocks among as many other ones and no two at consecutive ids (a
+    pool after much churn: each block a separate read)."""
+    num_tokens, kv_heads, head_dim = prefix_k.shape
+    n = -(-num_tokens // block_tokens)
+    pool = torch.zeros(2 * n, 2, 1, block_tokens, kv_heads, head_dim, dtype=prefix_k.dtype, device=prefix_k.device)
+    ids = torch.arange(2 * n - 2, -1, -2, device=prefix_k.device)  # descending even ids
+    for side, rows in enumerate((prefix_k, prefix_v)):
+        padded = torch.zeros(n * block_tokens, kv_heads, head_dim, dtype=rows.dtype, device=rows.device)
+        padded[:num_tokens] = rows
+        pool[ids, side, 0] = padded.view(n, block_tokens, kv_heads, head_dim)
+    return PagedPrefix(pool[:, 0, 0], pool[:, 1, 0], ids, num_tokens)
+
+
+def gather(prefix: PagedPrefix) -> tuple[Tensor, Tensor]:
+    """A paged prefix copied out of its pool into one tensor each for K and V, as the device tier's
+    `layer_kv` does for the forward where a kernel cannot read the pool."""
+    k, v = (pool.index_select(0, prefix.block_ids).flatten(0, 1)[: prefix.num_tokens] for pool in prefix[:2])
+    return k, v
+
+
+def _attend(
+    calls: tuple[AttendFn, PagedFn | None],
+    layout: str,
+    pool: PagedPrefix | None,
+    inputs: tuple[Tensor, Tensor, list[Span], Tensor | None, Tensor | None],
+    q: Tensor,
+) -> None:
+    """One timed call: the contiguous prefix, or the pool read in place or gathered first (`layout`)."""
+    attend, paged = calls
+    k, v, spans, pk, pv = inputs
+    if pool is None:
+        attend(q, k, v, spans, pk, pv)
+    elif layout == "paged" and paged is not None:
+        paged(q, k, v, spans, pool)
+    else:
+        attend(q, k, v, spans, *gather(pool))
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -127,14 +177,23 @@ def time_kernels(
     heads: KernelShape,
     repeats: int = 2,
     window: int | None = None,
+    prefix_layout: str = "contiguous",
+    block_tokens: int = BLOCK_TOKENS,
 ) -> list[KernelTiming]:
     """Each kernel on each shape: best-of-`repeats` seconds (after a warm-up) and the error. With
     `window`, each kernel's calls for that sliding window (`window_calls`, as the forward takes
-    them) against the PyTorch windowed call in fp32."""
+    them) against the PyTorch windowed call in fp32. `prefix_layout` (PREFIX_LAYOUTS): how the
+    prefix is read, from a `scattered_pool` of `block_tokens` a block unless contiguous."""
+    if prefix_layout not in PREFIX_LAYOUTS:
+        raise ValueError(f"prefix layout {prefix_layout!r} is not one of {', '.join(PREFIX_LAYOUTS)}")
     out = []
     device = heads.device
     for shape in shapes:
         q, k, v, pk, pv = make_inputs(shape, heads)
+        spans = shape.spans()
+        pool = None
+        if prefix_layout != "contiguous" and pk is not None and pv is not None:
+            pool = scattered_pool(pk, pv, block_tokens)
         expected = q.clone()
         if window is None:
             reference_(expected, k, v, shape.spans(), pk, pv)
@@ -144,10 +203,12 @@ def time_kernels(
             fp32 = (None if t is None else t.float() for t in (pk, pv))
             windowed(window)(expected, k.float(), v.float(), shape.spans(), *fp32)
         for name in kernels:
-            attend = KERNELS[name].attend_ if window is None else window_calls(KERNELS[name], window)[0]
+            kernel = KERNELS[name]
+            calls = (kernel.attend_, kernel.attend_paged_) if window is None else window_calls(kernel, window)
+            call = functools.partial(_attend, calls, prefix_layout, pool, (k, v, spans, pk, pv))
             got = q.clone()
             try:
-                attend(got, k, v, shape.spans(), pk, pv)
+                call(got)
             except (RuntimeError, ValueError, TypeError) as e:  # a library kernel that fails here is refused
                 log.warning("attention kernel %s failed on %s: %s", name, shape.name, e)
                 out.append(KernelTiming(name, shape.name, math.inf, 0.0, math.inf, False))
@@ -158,7 +219,7 @@ def time_kernels(
                 work = q.clone()
                 _sync(device)
                 start = time.perf_counter()
-                attend(work, k, v, shape.spans(), pk, pv)
+                call(work)
                 _sync(device)
                 best = min(best, time.perf_counter() - start)
             ok = error <= TOLERANCE[heads.dtype]
@@ -225,6 +286,7 @@ def choose_kernel(config: AttentionConfig, heads: KernelShape, max_tokens: int) 
         "flags": sorted(cpu_flags()),
         "heads": [num_heads, num_kv_heads, head_dim],
         "shapes": [asdict(s) for s in shapes],
+        "prefix": ["paged", BLOCK_TOKENS],
         "native_build": native.build_id() if "native" in names else None,
     }
     if device.startswith("cuda"):
@@ -235,7 +297,7 @@ def choose_kernel(config: AttentionConfig, heads: KernelShape, max_tokens: int) 
         log.info("attention kernel: %s (measured before, cached)", cached["kernel"])
         return str(cached["kernel"])
     start = time.perf_counter()
-    timings = time_kernels(names, shapes, heads)
+    timings = time_kernels(names, shapes, heads, prefix_layout="paged")
     choice = fastest(timings)
     table = "; ".join(
         f"{t.kernel} {t.shape}: {t.gflops:.0f} GFLOP/s{'' if t.ok else f' (error {t.max_error:.2g}: refused)'}"

