@@ -265,14 +265,30 @@ def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/")
     return "\n".join(lines)
 
 
-# The README's summary: one row per result document of the newest machine, at most this many.
+# The README's summary: one row per workload, its newest result document on the newest machine, at most this many.
 SUMMARY_ROWS = 8
+# A result document's workload: the first whose prefix its file name starts with, else its `bench`.
+WORKLOADS = (
+    ("visits-beyond-memory", "KV beyond memory"),
+    ("visits", "visits"),
+    ("mixed", "short calls among 16 K prompts"),
+    ("rerank", "reranking"),
+    ("alone", "a lone uncached prompt"),
+    ("tiers", "host tier against recompute"),
+    ("longest", "the longest prompt"),
+)
+
+
+def workload_of(path: Path, doc: dict[str, Any]) -> str:
+    """The workload a result document measures (WORKLOADS), for the README's one row per workload."""
+    return next((name for prefix, name in WORKLOADS if path.stem.startswith(prefix)), str(doc.get("bench", path.stem)))
 
 
 def render_summary(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/") -> str:
-    """The README's short table (markers included): for each of the newest machine's result documents
-    (newest first, at most SUMMARY_ROWS), its first measure against the better peer (the row of that
-    measure with the smallest ratio), with a link to the document; the full table is RESULTS.md's."""
+    """The README's short table (markers included): for each workload the newest machine measured
+    (its newest document first, at most SUMMARY_ROWS), that document's first measure against the
+    better peer (the row of that measure with the smallest ratio), with a link to the document;
+    the full table is RESULTS.md's."""
     ordered = _table_docs(results_dir)
     lines = [START, ""]
     if ordered:
@@ -282,14 +298,17 @@ def render_summary(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/
         lines += [
             f"Measured on {name} ({prov['gpu']})" if prov.get("gpu") else f"Measured on {name}:",
             "",
-            "| run | measure | ours | the better peer | ours ahead by | date |",
+            "| workload | measure | ours | the better peer | ours ahead by | date |",
             "|---|---|---|---|---|---|",
         ]
-        for date, path, _, rows in docs[:SUMMARY_ROWS]:
+        newest: dict[str, tuple[str, Path, list[dict[str, Any]]]] = {}
+        for date, path, doc, rows in docs:  # newest first: the first of each workload stays
+            newest.setdefault(workload_of(path, doc), (date, path, rows))
+        for workload, (date, path, rows) in list(newest.items())[:SUMMARY_ROWS]:
             first = rows[0]["measure"]
             row = min((r for r in rows if r["measure"] == first), key=_ratio_key)
             lines.append(
-                f"| [{path.stem}]({link_prefix}{path.name}) | {first} | {_cell(row['ours'], row['unit'])} | "
+                f"| [{workload}]({link_prefix}{path.name}) | {first} | {_cell(row['ours'], row['unit'])} | "
                 f"{_cell(row['peer'], row['unit'])} | {ratio_text(row)} | {date} |"
             )
         lines.append("")

@@ -154,22 +154,23 @@ def test_rows_are_grouped_by_machine_newest_first_and_the_readme_keeps_the_newes
     assert "[xeon]" not in amd_rows
     summary = render_summary(tmp_path, "results/")
     assert "Measured on AMD, 2 threads" in summary and "Xeon" not in summary and "avx2" not in summary
-    assert summary.index("[amd](results/amd.json)") < summary.index("[old-amd](results/old-amd.json)")
+    # one workload: its newest document alone
+    assert "[visits](results/amd.json)" in summary and "old-amd" not in summary
 
 
-def test_the_readme_summary_keeps_one_row_a_run_against_the_better_peer(tmp_path: Path) -> None:
+def test_the_readme_summary_keeps_one_row_a_workload_against_the_better_peer(tmp_path: Path) -> None:
     for i in range(10):
         rows = [
             headline_row("visits/s", "visits/s", ("tiered", [3.0] * 3), ("vllm-lmcache", [1.0] * 3), True),
             headline_row("tokens/s", "tokens/s", ("tiered", [3.0] * 3), ("vllm", [2.9] * 3), True),
             headline_row("visits/s", "visits/s", ("tiered", [3.0] * 3), ("vllm", [1.5] * 3), True),
         ]
-        doc = write_report(None, "visits", "cpu", {"headline": rows})
+        doc = write_report(None, f"load{i}", "cpu", {"headline": rows})
         doc["date"] = f"2026-12-{i + 10}"
         (tmp_path / f"run{i}.json").write_text(json.dumps(doc))
     summary = render_summary(tmp_path, "results/")
-    body = [line for line in summary.splitlines() if line.startswith("| [run")]
-    assert len(body) == 8 and body[0].startswith("| [run9]") and "[run1]" not in summary
+    body = [line for line in summary.splitlines() if line.startswith("| [load")]
+    assert len(body) == 8 and body[0].startswith("| [load9](results/run9.json)") and "run1" not in summary
     # the first measure, against the peer it leads by least
     assert all("`vllm` 1.5 visits/s" in line and "**2.00x**" in line and "tokens/s" not in line for line in body)
 
@@ -202,3 +203,25 @@ def test_headline_sh_holds_the_command_of_every_json_in_the_table() -> None:
         bench = words[words.index("benchmarks" if "benchmarks" in words else "bench") + 1]
         command = script[: script.index(lines[0]) + len(lines[0])].rsplit("$B ", 1)[1]
         assert command.startswith(bench), f"{path.name} was written by `{bench}`, headline.sh runs `{command[:40]}`"
+
+
+def test_each_workload_shows_its_newest_document_named_by_its_file(tmp_path: Path) -> None:
+    """Documents of one workload (a file name's prefix) give one row, the newest's; a beyond-memory
+    visits run is its own workload, not the visits one."""
+    row = headline_row("visits/s", "visits/s", ("tiered", [2.0] * 3), ("vllm", [1.0] * 3), True)
+    for name, date in (
+        ("visits-bench-m", "2026-12-01"),
+        ("visits-bench-m-loads", "2026-12-03"),
+        ("visits-beyond-memory-x", "2026-12-02"),
+        ("mixed-bench-m-16k", "2026-12-02"),
+    ):
+        doc = write_report(None, "visits" if name.startswith("visits") else "mixed", "cpu", {"headline": [row]})
+        doc["date"] = date
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    body = [line for line in render_summary(tmp_path, "results/").splitlines() if line.startswith("| [")]
+    assert [line.split("](")[0] for line in body] == [
+        "| [visits",
+        "| [KV beyond memory",  # the same date: by name, as the full table orders them
+        "| [short calls among 16 K prompts",
+    ]
+    assert "visits-bench-m-loads.json" in body[0]
