@@ -65,6 +65,10 @@ M="--config configs/bench-m.yaml --long-tokens 16384 --long-per-minute 0.5 --lon
 $B mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 1 \
   --systems tiered,vllm-chunk2048,vllm-chunk1024-cap256,vllm-priority-chunk2048-cap512 \
   --json $R/mixed-bench-m-16k-sweep.json --plots benchmarks/out/mixed-16k-sweep
+# The same sweep at a second load, 1 short call/s (near our capacity at these objectives).
+$B mixed $M --minutes 2 --short-qps 1 --alone-repeats 1 --repeats 1 \
+  --systems tiered,vllm-chunk2048,vllm-priority-chunk1024-cap256,vllm-priority-chunk2048-cap512 \
+  --json $R/mixed-bench-m-16k-sweep-1qps.json --plots benchmarks/out/mixed-16k-sweep-1qps
 # The sweep's best vLLM setting (most short calls in time), repeated: the table's 16 K row.
 $B mixed $M --minutes 2 --short-qps 0.25 --alone-repeats 1 --repeats 3 \
   --systems tiered,vllm-priority-chunk2048-cap512 \
@@ -110,6 +114,12 @@ $B visits $V4K --users 32 --visits 160 --posts 2 \
   --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
   --systems tiered,vllm-lmcache,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
   --json $R/visits-beyond-memory-lmcache-feed2-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache-feed2
+# The 100-visit trace (24 users, 8 posts a visit) against both peers under the same 4 GiB limit.
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 24 --visits 100 --posts 8 \
+  --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
+  --systems tiered,vllm-lmcache,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
+  --json $R/visits-beyond-memory-lmcache-trace100-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache-trace100
 # Its latency below saturation: 24 users, 32 visits of 2 posts, at 0.8x plain vLLM's saturation (the better peer).
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 24 --visits 32 --posts 2 \
