@@ -41,11 +41,11 @@ PagedFn = Callable[[Tensor, Tensor, Tensor, list[Span], PagedPrefix | None], obj
 
 
 def contiguous_prefix(prefix_k: Tensor | None, prefix_v: Tensor | None) -> PagedPrefix | None:
-    """A contiguous prefix [P, Hkv, Dh] as a pool of one block of P tokens (None: no prefix)."""
+    """A contiguous prefix [P, Hkv, Dh] as a pool of one block of P tokens (None: no prefix). The
+    block ids stay on the CPU, as the tiers' are: reading them never waits for a device."""
     if prefix_k is None or prefix_v is None or prefix_k.shape[0] == 0:
         return None
-    ids = torch.zeros(1, dtype=torch.int64, device=prefix_k.device)
-    return PagedPrefix(prefix_k[None], prefix_v[None], ids, prefix_k.shape[0])
+    return PagedPrefix(prefix_k[None], prefix_v[None], torch.zeros(1, dtype=torch.int64), prefix_k.shape[0])
 
 
 def attend_from_paged(paged_: PagedFn) -> AttendFn:

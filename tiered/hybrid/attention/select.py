@@ -132,18 +132,19 @@ def scattered_pool(prefix_k: Tensor, prefix_v: Tensor, block_tokens: int) -> Pag
     num_tokens, kv_heads, head_dim = prefix_k.shape
     n = -(-num_tokens // block_tokens)
     pool = torch.zeros(2 * n, 2, 1, block_tokens, kv_heads, head_dim, dtype=prefix_k.dtype, device=prefix_k.device)
-    ids = torch.arange(2 * n - 2, -1, -2, device=prefix_k.device)  # descending even ids
+    ids = torch.arange(2 * n - 2, -1, -2)  # descending even ids, on the CPU as the tiers keep them
     for side, rows in enumerate((prefix_k, prefix_v)):
         padded = torch.zeros(n * block_tokens, kv_heads, head_dim, dtype=rows.dtype, device=rows.device)
         padded[:num_tokens] = rows
-        pool[ids, side, 0] = padded.view(n, block_tokens, kv_heads, head_dim)
+        pool[ids.to(pool.device), side, 0] = padded.view(n, block_tokens, kv_heads, head_dim)
     return PagedPrefix(pool[:, 0, 0], pool[:, 1, 0], ids, num_tokens)
 
 
 def gather(prefix: PagedPrefix) -> tuple[Tensor, Tensor]:
     """A paged prefix copied out of its pool into one tensor each for K and V, as the device tier's
     `layer_kv` does for the forward where a kernel cannot read the pool."""
-    k, v = (pool.index_select(0, prefix.block_ids).flatten(0, 1)[: prefix.num_tokens] for pool in prefix[:2])
+    ids = prefix.block_ids
+    k, v = (pool.index_select(0, ids.to(pool.device)).flatten(0, 1)[: prefix.num_tokens] for pool in prefix[:2])
     return k, v
 
 
