@@ -197,12 +197,12 @@ def time_kernels(
             pool = scattered_pool(pk, pv, block_tokens)
         expected = q.clone()
         if window is None:
-            reference_(expected, k, v, shape.spans(), pk, pv)
+            reference_(expected, k, v, spans, pk, pv)
             expected = expected.float()
         else:
             expected = expected.float()
             fp32 = (None if t is None else t.float() for t in (pk, pv))
-            windowed(window)(expected, k.float(), v.float(), shape.spans(), *fp32)
+            windowed(window)(expected, k.float(), v.float(), spans, *fp32)
         for name in kernels:
             kernel = KERNELS[name]
             calls = (kernel.attend_, kernel.attend_paged_) if window is None else window_calls(kernel, window)
