@@ -97,7 +97,8 @@ def _tier_kv(engine: Engine, prompt: torch.Tensor) -> list[tuple[torch.Tensor, t
     """K,V of the prompt's cached blocks as the tiers hold them (device first, host on a miss)."""
     prepared = engine.tiers.prepare(engine.tiers.new_request("probe", prompt))
     try:
-        kv = engine.tiers.prefix_kv(prepared)
+        assert not engine.tiers.worker.load([prepared])
+        kv = engine.tiers.worker.prefix_kv(prepared)
         assert kv is not None and prepared.num_prefix_tokens == (prompt.numel() - 1) // BT * BT
         return [kv[layer] for layer in range(len(kv))]
     finally:
@@ -310,4 +311,35 @@ def test_a_step_carries_its_blocks_and_the_scheduler_applies_its_output(tiny_dir
     assert dt.stats().num_pinned_blocks == 15 and dt.count_cached(keys, 15) == 12  # nothing applied yet
     engine.scheduler.update_from_output(step, output)
     assert dt.stats().num_pinned_blocks == 0 and dt.count_cached(keys, 15) == 15
+    engine.close()
+
+
+def test_a_chunk_looked_up_but_unreadable_gives_the_step_back(tiny_dir: Path, tmp_path: Path) -> None:
+    """The scheduler looks a profile's chunks up on the host tier's disk when it picks the batch, the
+    worker reads them just before the forward: a file cut short in between (a failing disk) fails
+    that read, the step's requests wait again with no forward run, and they are answered right,
+    the chunks read before the bad one now device hits, the rest computed, no block left pinned."""
+    disk = tmp_path / "disk"
+    lmcache = f'cache.host.lmcache={{max_local_cpu_size: 0.05, local_disk: "{disk}", max_local_disk_size: 0.2}}'
+    engine = _engine(tiny_dir, tmp_path, "cache.retention=none", lmcache)
+    host = engine.tiers.host_tier
+    assert host is not None and host.has_disk
+    profile = _ids(200, 21)
+    _visit(engine, [torch.cat([profile, _ids(5, 22)])])
+    keys = engine.tiers.new_request("keys", profile).keys
+    assert host.evict_from_memory(keys) == 12  # the profile now lives on the disk only
+    backend = host._storage.storage_backends["LocalDiskBackend"]
+    path = Path(backend.dict[host._key(keys[4])].path)
+    path.write_bytes(path.read_bytes()[:100])
+    posts = [torch.cat([profile, _ids(9 + i, 30 + i)]) for i in range(2)]
+    forwards = engine.parts.runner.forward
+    ran: list[int] = []
+    engine.parts.runner.forward = lambda prepared, plans: ran.append(len(prepared)) or forwards(prepared, plans)  # type: ignore[method-assign]
+    results = list(_visit(engine, posts).values())
+    assert host.stats().num_failures == 1
+    assert ran == [2]  # the step that found the bad chunk ran no forward; its retry ran both posts at once
+    lead = min(results, key=lambda r: r.split.num_miss_tokens)
+    assert (lead.split.num_device_hit_tokens, lead.split.num_host_hit_tokens) == (64, 0)
+    assert engine.tiers.device_tier.stats().num_pinned_blocks == 0
+    _assert_plain_forward_answers(engine, posts, results)
     engine.close()

@@ -1,4 +1,4 @@
-"""One request through the tiers without the engine: prepare, forward over the misses, finish.
+"""One request through the tiers without the engine: prepare, load, forward over the misses, finish.
 
 A test helper (the tier tests check the tiers' mechanics request by request); the engine,
 `tiered run` and the benchmarks go through `tiered.Engine`. Importable from every test module:
@@ -28,14 +28,17 @@ def forward_with_tiers(
 ) -> tuple[Tensor, Prepared]:
     """Logits of `req` computed over its misses on top of what the tiers hold, and its `Prepared`."""
     prepared = tiers.prepare(req, shared_keys)
+    while tiers.worker.load([prepared]):  # a chunk could not be read: forgotten, prepared again (the engine's rule)
+        tiers.abort(prepared)
+        prepared = tiers.prepare(req, shared_keys)
     try:
         logits = forward(
             model,
             req.token_ids[prepared.num_prefix_tokens :],
             mode=mode,
             chunk_tokens=chunk_tokens,
-            prefix_kv=tiers.prefix_kv(prepared),
-            kv_sink=tiers.sink(prepared),
+            prefix_kv=tiers.worker.prefix_kv(prepared),
+            kv_sink=tiers.worker.sink(prepared),
         )
     except BaseException:
         tiers.abort(prepared)

@@ -206,9 +206,11 @@ def test_a_disk_prefix_larger_than_the_memory_is_read_straight_into_device_block
 
 
 def test_a_disk_file_cut_short_is_recomputed_from_there(model: CausalLM, make_tiers, tmp_path: Path) -> None:
-    """A chunk file cut short after LMCache listed it (a failing disk): the load ends before it,
-    that chunk and the rest are recomputed with a plain forward's logits, the failure is counted,
-    LMCache forgets the chunk, and the recomputed chunk is stored again: the next load reads all."""
+    """A chunk file cut short after LMCache listed it (a failing disk): the load ends before it and
+    the request is prepared again (the engine's rule), with the chunks read before it now in the
+    device tier; that chunk and the rest are recomputed with a plain forward's logits, the failure
+    is counted, LMCache forgets the chunk, and the recomputed chunk is stored again: the next load
+    reads all."""
     tiers = make_tiers(host=_disk(tmp_path))
     host = tiers.host_tier
     assert host is not None
@@ -222,8 +224,9 @@ def test_a_disk_file_cut_short_is_recomputed_from_there(model: CausalLM, make_ti
     path.write_bytes(path.read_bytes()[:100])
     tiers.device_tier.clear()
     logits, prepared = _run(model, tiers, ids, "b")
-    assert (prepared.split.num_disk_hit_tokens, prepared.split.num_miss_tokens) == (80, 120)
-    assert host.stats().num_failures == 1
+    split = prepared.split
+    assert (split.num_device_hit_tokens, split.num_host_hit_tokens, split.num_miss_tokens) == (80, 0, 120)
+    assert host.stats().num_failures == 1 and host.stats().num_disk_hit_tokens == 80
     assert host._key(keys[5]) not in disk.dict
     ref = forward(model, ids)
     assert (logits - ref).abs().max().item() <= TOL * ref.abs().max().item()

@@ -65,6 +65,11 @@ def test_loaded_blocks_are_bit_equal_to_the_computed_ones(model: CausalLM, make_
     tiers.device_tier.clear()
     prepared = tiers.prepare(tiers.new_request("load", ids))
     assert prepared.split.num_host_hit_tokens == 288
+    # The scheduler side looked the chunks up and gave them blocks; the worker side copies them.
+    assert [load.filled for load in prepared.loads] == [None]
+    assert prepared.loads[0].block_ids == prepared.prefix_blocks
+    assert not tiers.worker.load([prepared])
+    assert prepared.loads[0].filled == 18
     assert torch.equal(tiers.device_tier.kv[prepared.prefix_blocks], computed)  # stored, then loaded: same bits
     tiers.abort(prepared)
 

@@ -118,7 +118,8 @@ def test_prefetch_overlaps_the_host_load_with_another_compute(tiny_dir: Path, tm
     engine.tiers.flush()
     engine.tiers.device_tier.clear()  # the profile now lives in the host tier only
     reference = engine.tiers.prepare(engine.tiers.new_request("sync", torch.cat([profile, torch.tensor([7])])))
-    full_load = reference.load_seconds  # a synchronous load of the whole prefix
+    assert not engine.tiers.worker.load([reference])
+    full_load = reference.load_seconds  # a synchronous lookup and load of the whole prefix
     engine.tiers.abort(reference)
     engine.tiers.device_tier.clear()
     engine.submit(torch.randint(0, 1300, (3000,), generator=g))  # runs first, long enough to hide the load

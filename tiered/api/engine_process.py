@@ -279,7 +279,7 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel, responses: zmq.Socke
     try:
         now = time.monotonic()  # the API's receipt on this process's clock (the same machine or NTP)
         arrival = None if req.arrival_unix is None else now - min(max(0.0, time.time() - req.arrival_unix), 3600.0)
-        engine.submit(
+        engine.enqueue(  # the API process checked the call (tiered.request.validation)
             req.token_ids,
             params,
             req.request_id,

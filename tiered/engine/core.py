@@ -92,19 +92,35 @@ class Engine:
         request_id: str | None = None,
         options: RequestOptions = DEFAULT_OPTIONS,
     ) -> str:
-        """Queue a request; returns its id. Bad input raises ForwardInputError naming the value;
-        admission control raises Refused (its status 429 or 503, and a Retry-After). `params`: what
-        to answer; `options`: how to serve it (priority, cache salt, adapter, latency objective,
-        arrival: `RequestOptions`)."""
-        adapter, slo_ms = options.adapter, options.slo_ms
+        """Queue a request; returns its id. This is the engine's edge for a caller in this process:
+        bad input raises ForwardInputError naming the value, by the rules the API process applies
+        to each call before it sends it (`tiered.request.validation`; it then calls `enqueue`,
+        which does not check again); admission control raises Refused (its status 429 or 503, and
+        a Retry-After). `params`: what to answer; `options`: how to serve it (priority, cache
+        salt, adapter, latency objective, arrival: `RequestOptions`)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         vocab = self.model.args.vocab_size
-        try:  # the API process already checked; an in-process caller is checked by the same rule here
+        try:
             check_prompt(ids.tolist(), vocab, self.max_model_len)
             check_token_ids(params.token_ids(), vocab)
-            check_slo_ms(slo_ms)
+            check_slo_ms(options.slo_ms)
         except InputError as exc:
             raise ForwardInputError(str(exc)) from None
+        return self.enqueue(ids, params, request_id, options)
+
+    def enqueue(
+        self,
+        token_ids: Sequence[int] | Tensor,
+        params: ScoreParams = DEFAULT_PARAMS,
+        request_id: str | None = None,
+        options: RequestOptions = DEFAULT_OPTIONS,
+    ) -> str:
+        """Queue a request whose prompt, answer ids and objective were checked already by
+        `tiered.request.validation` (`submit` does; so does the API process, for every call it
+        sends). Raises ForwardInputError only for what depends on the engine's state (an adapter
+        it does not serve, a request id already waiting) and Refused as `submit` says."""
+        adapter, slo_ms = options.adapter, options.slo_ms
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         identity = None
         if adapter is not None:
             if self.adapters is None:

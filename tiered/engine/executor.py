@@ -1,8 +1,10 @@
-"""Runs a `Step`: hands its prepared batch to the runner and answers it.
+"""Runs a `Step`: loads its host hits, hands its prepared batch to the runner and answers it.
 
 The scheduler has allocated and pinned every request's blocks (`Step.prepared`); the executor
-plans the batch (`runner.plan_batch`), submits it and turns its logits into results. It never
-pins, looks up or frees a block: what the forward's end means for the KV (retained blocks
+has the tiers' worker side run the host loads the scheduler planned into them (`KVWorker.load`:
+a chunk that cannot be read gives the whole step back to wait again), plans the batch
+(`runner.plan_batch`), submits it and turns its logits into results. It never pins, looks up or
+frees a block: what the forward's end means for the KV (retained blocks
 indexed, pins released, chunks stored, a piece's KV parked) and the JCT model's observation go
 back in the `StepOutput`, which the scheduler applies. With a pipeline several batches are in the
 runner at once (`_in_flight`, oldest first): a step sends one and answers the oldest. A piece of a
@@ -46,6 +48,7 @@ class Executor:
         self.parts = parts
         self.block_tokens = parts.tiers.block_tokens
         self.runner = parts.runner
+        self.worker = parts.tiers.worker
         self.jct = jct  # read only: each answer's predicted seconds
         self._in_flight: deque[Launched] = deque()  # batches in the runner, oldest first
         self._picked: list[Pair] = []  # the step's batch until it is sent to the runner or answered
@@ -60,6 +63,15 @@ class Executor:
         """Run one step (its refused requests answered already) into `out`: its answers, and what
         the scheduler applies afterwards. Whatever it raises, `out` names every prepared request of
         the step that did not finish as aborted."""
+        if lost := self.worker.load(step.prepared):  # every request of the step may read these blocks
+            log.warning(
+                "%d host-tier chunks could not be read: the step's %d requests wait again and compute them",
+                sum(len(load.block_ids) - (load.filled or 0) for load in lost),
+                len(step.batch),
+            )
+            out.aborted += step.prepared
+            out.requeue += [d.waiting for d in step.batch]
+            return
         out.results += (failed := load_adapters(self.parts.adapters, step.batch, step.started))
         gone = {r.request_id for r in failed}
         pairs = list(zip(step.batch, step.prepared, strict=True))

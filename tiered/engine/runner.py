@@ -18,7 +18,7 @@ from tiered.hybrid.forward import BatchItem, forward_batch
 from tiered.hybrid.model import CausalLM
 from tiered.hybrid.spill import spill_of
 from tiered.offload.device_tier import PrefixKV
-from tiered.offload.tiers import KVTiers
+from tiered.offload.worker import KVWorker
 from tiered.request.plan import Prepared
 from tiered.request.tokens import common_prefix_len
 
@@ -153,13 +153,13 @@ class Runner(Protocol):
 
 
 class LocalRunner:
-    """The whole model in this process, its KV read from and written to the tiers directly (the
-    sinks also copy stored chunks into the host tier's memory)."""
+    """The whole model in this process, its KV read from and written to the tiers' blocks by id
+    through their worker side (whose sinks also copy stored chunks into the host tier's memory)."""
 
     max_in_flight = 1  # the forward runs in submit(), in the engine's thread
 
-    def __init__(self, model: CausalLM, tiers: KVTiers, adapters: Adapters | None, config: ForwardConfig) -> None:
-        self.model, self.tiers, self.adapters, self.config = model, tiers, adapters, config
+    def __init__(self, model: CausalLM, worker: KVWorker, adapters: Adapters | None, config: ForwardConfig) -> None:
+        self.model, self.worker, self.adapters, self.config = model, worker, adapters, config
 
     def submit(self, prepared: Sequence[Prepared], plans: Sequence[ItemPlan]) -> object:
         """Run the forward now, in the engine's thread; the ticket is the logits themselves."""
@@ -176,13 +176,13 @@ class LocalRunner:
         items = []
         for p, plan in zip(prepared, plans, strict=True):
             if plan.prefix_blocks not in prefixes:
-                prefixes[plan.prefix_blocks] = self.tiers.prefix_kv(p)
+                prefixes[plan.prefix_blocks] = self.worker.prefix_kv(p)
             weights = self.adapters.weights(plan.adapter) if plan.adapter and self.adapters else None
             items.append(
                 BatchItem(
                     plan.token_ids,
                     prefixes[plan.prefix_blocks],
-                    self.tiers.sink(p),
+                    self.worker.sink(p),
                     lead=plan.lead,
                     num_shared=plan.num_shared,
                     adapter=weights,

@@ -18,7 +18,7 @@ from tiered.config.options import resolve_device
 from tiered.embedded import resolve_model_path
 from tiered.engine.adapters import Adapters
 from tiered.engine.pipeline import PipelineRunner, PipelineStartError, start_pipeline
-from tiered.engine.runner import LocalRunner, Runner, plan_batch
+from tiered.engine.runner import ForwardRetry, LocalRunner, Runner, plan_batch
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
 from tiered.hybrid.loader import DTYPES, load_model, model_identity, model_on_meta, read_args
 from tiered.hybrid.memory import bound_gemm_caches, profile_peak, use_block_cache
@@ -65,7 +65,10 @@ class Parts:
     def forward(self, prepared: Sequence[Prepared]) -> tuple[Tensor, list[int]]:
         """One forward over prepared requests, planned by `plan_batch` (requests on one prefix read
         it once; a follower's tokens equal to its lead's are computed once) and run by the runner.
-        Returns logits [B, V] and each request's tokens computed by its lead."""
+        Returns logits [B, V] and each request's tokens computed by its lead. Their host loads run
+        first (ForwardRetry if a chunk could not be read: abort them and prepare them again)."""
+        if failed := self.tiers.worker.load(prepared):
+            raise ForwardRetry(f"{len(failed)} host-tier loads could not read every chunk")
         plans = plan_batch(prepared, self.tiers.block_tokens)
         return self.runner.forward(prepared, plans), [p.num_shared for p in plans]
 
@@ -120,7 +123,7 @@ def start(config: Config) -> Parts:
         raise EngineStartError(str(exc)) from exc
     setup = TierSetup(a, DTYPES[precision.kv], device, f"engine-{uuid.uuid4().hex[:8]}", identity)
     tiers = KVTiers(cache, setup, pipeline.device_tier if pipeline else None, pipeline.host if pipeline else None)
-    runner: Runner = pipeline or LocalRunner(model, tiers, adapters, config.forward)
+    runner: Runner = pipeline or LocalRunner(model, tiers.worker, adapters, config.forward)
     return Parts(config, device, folder, precision, model, kernel, identity, adapters, tiers, runner, pipeline)
 
 

@@ -1,6 +1,9 @@
-"""Bringing a request's cached prefix onto the device: runs of device-tier blocks taken as they
-are, runs of host-tier chunks loaded into new device blocks, in block order, all of them pinned;
-and the same load started ahead of time for the request likely to run next (`prefetch`).
+"""Finding a request's cached prefix across the tiers (the scheduler side): runs of device-tier
+blocks taken as they are, runs of host-tier chunks looked up and given new device blocks, in block
+order, all of them pinned. The chunks' bytes are copied by the worker side (`KVWorker.load`,
+tiered/offload/worker.py) before the forward that reads them, as LMCache's vLLM connector splits
+lookup (scheduler) from load (worker); the same find and load run ahead of time on a thread of
+their own for the request likely to run next (`prefetch`).
 
 A load copies each LMCache chunk into one device block (the same layout, one contiguous copy).
 With a shared remote store, a run is looked up to the prompt's end (other engines fill it) until
@@ -18,15 +21,30 @@ from typing import NamedTuple
 from tiered.offload.device_tier import DeviceTier
 from tiered.offload.host_base import Host
 from tiered.offload.host_keys import HostKeys
+from tiered.request.plan import HostLoad
 from tiered.request.tokens import TierRequest
 
 
 class Loaded(NamedTuple):
-    """Device blocks a load filled from the host tier, and those of them read from its disk or a remote store."""
+    """Device blocks given host-tier chunks, those of them from its disk or a remote store, and
+    the loads still to run into them (`find_prefix(defer=True)`; empty: loaded already)."""
 
     blocks: list[int]
     from_disk: set[int]
     from_remote: set[int]
+    pending: list[HostLoad]
+
+
+def nothing_loaded() -> Loaded:
+    """A `Loaded` with no blocks."""
+    return Loaded([], set(), set(), [])
+
+
+def copy_chunks(host: Host, device_tier: DeviceTier, load: HostLoad) -> None:
+    """Run a planned load, once: its chunks copied into its blocks, the host tier's references
+    released; `load.filled` says how many leading blocks hold their chunk."""
+    if load.filled is None:
+        load.filled = host.load(load.objs, load.block_ids, device_tier.blocks, load.num_remote, load.num_disk)
 
 
 def max_prefix_blocks(req: TierRequest, block_tokens: int) -> int:
@@ -73,13 +91,17 @@ class PrefixLoader:
             end += 1
         return known, end
 
-    def _load_from_host(self, req: TierRequest, first_block: int, known: int, end: int) -> tuple[Loaded, bool]:
-        """Load the run of host chunks first_block..end (`_host_run_end`) into new device blocks
-        (they end pinned and cached); returns them (with those read from disk and from the remote
-        store) and whether LMCache had fewer chunks than asked for (no use asking the remote store again).
+    def _load_from_host(
+        self, req: TierRequest, first_block: int, known: int, end: int, defer: bool
+    ) -> tuple[Loaded, bool]:
+        """Look up the run of host chunks first_block..end (`_host_run_end`) and give them new
+        device blocks (pinned and cached); returns them (with those from disk and from the remote
+        store) and whether LMCache had fewer chunks than asked for (no use asking the remote store
+        again). `defer`: the chunks' copy into the blocks is left to the worker (`Loaded.pending`);
+        otherwise it runs now, and a chunk that cannot be read ends the run there.
 
         Chunks that find no free device block are not loaded: they are recomputed."""
-        none = Loaded([], set(), set())
+        none = nothing_loaded()
         if self.host_tier is None or end == first_block:
             return none, False
         keys = req.keys[first_block:end]
@@ -98,31 +120,49 @@ class PrefixLoader:
         disk_end = len(objs) - num_remote
         remote = blocks[disk_end:]
         disk = blocks[disk_end - num_disk : disk_end]
-        filled = self.host_tier.load(objs[: len(blocks)], blocks, self.device_tier.blocks, len(remote), len(disk))
-        if filled < len(blocks):  # a chunk LMCache listed could not be read: recomputed from there
-            self._forget(self.host_tier.missing(keys[filled : len(blocks)]))
-            self.device_tier.unpin(blocks[filled:])
-            del blocks[filled:]
-            disk = [b for b in disk if b in blocks]
-            remote = [b for b in remote if b in blocks]
-            short = True
-            if not blocks:
-                return none, short
+        load = HostLoad(list(keys[: len(blocks)]), list(objs[: len(blocks)]), list(blocks), len(remote), len(disk))
+        if not defer:
+            copy_chunks(self.host_tier, self.device_tier, load)
+            if load.failed:  # a chunk LMCache listed could not be read: recomputed from there
+                filled = load.filled or 0
+                self._forget(self.host_tier.missing(keys[filled : len(blocks)]))
+                self.device_tier.unpin(blocks[filled:])
+                del blocks[filled:]
+                disk = [b for b in disk if b in blocks]
+                remote = [b for b in remote if b in blocks]
+                short = True
+                if not blocks:
+                    return none, short
         bt = self.block_tokens
         for i, b in enumerate(blocks):
             j = first_block + i
             self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
         if remote:  # in the host tier's reach now: the scheduler's estimate counts them as host hits
             self.host_keys.learned(keys[disk_end : len(blocks)])
-        return Loaded(blocks, set(disk), set(remote)), short
+        return Loaded(blocks, set(disk), set(remote), [load] if defer else []), short
 
-    def find_prefix(self, req: TierRequest) -> tuple[list[int], Loaded, float]:
+    def undo(self, load: HostLoad) -> None:
+        """A planned load whose blocks did not all get their chunk (never run, or a chunk could not
+        be read): those blocks leave the device tier's index (freed on their last unpin), the host
+        tier's references of a load never run are released, and the keys whose chunk it lacks are
+        forgotten (computed and stored again)."""
+        assert self.host_tier is not None
+        if load.filled is None:
+            self.host_tier.release(load.objs)
+            load.filled = 0
+        else:
+            self._forget(self.host_tier.missing(load.keys[load.filled :]))
+        self.device_tier.uncache(load.block_ids[load.filled :])
+
+    def find_prefix(self, req: TierRequest, defer: bool = False) -> tuple[list[int], Loaded, float]:
         """Pin the request's prefix: alternate runs of device hits and host loads, in block order.
+        `defer`: the host loads are left to the worker (`Loaded.pending`), as `_load_from_host` says.
 
-        Returns (prefix blocks, those loaded from the host tier with their origins, seconds spent loading)."""
+        Returns (prefix blocks, those given host-tier chunks with their origins, seconds spent finding
+        and loading them)."""
         tokens = req.token_ids.tolist()
         prefix: list[int] = []
-        loaded = Loaded([], set(), set())
+        loaded = nothing_loaded()
         seconds = 0.0
         use_remote = True  # until the remote store has had fewer chunks than asked for
         try:
@@ -130,7 +170,7 @@ class PrefixLoader:
                 prefix += self.device_tier.match(req.keys, tokens, count=False, start=len(prefix), pin=True)
                 known, end = self._host_run_end(req, len(prefix), use_remote)
                 start = time.perf_counter()
-                run, short = self._load_from_host(req, len(prefix), known, end)
+                run, short = self._load_from_host(req, len(prefix), known, end, defer)
                 use_remote = use_remote and not short
                 if end > len(prefix):
                     seconds += time.perf_counter() - start
@@ -140,7 +180,10 @@ class PrefixLoader:
                 loaded.blocks.extend(run.blocks)
                 loaded.from_disk.update(run.from_disk)
                 loaded.from_remote.update(run.from_remote)
+                loaded.pending.extend(run.pending)
         except BaseException:
+            for load in loaded.pending:
+                self.undo(load)
             self.device_tier.unpin(prefix)
             raise
 
@@ -173,7 +216,7 @@ class PrefixLoader:
         origins), and the seconds waited."""
         future = self._prefetches.pop(request_id, None)
         if future is None:
-            return Loaded([], set(), set()), 0.0
+            return nothing_loaded(), 0.0
         start = time.perf_counter()
         loaded = future.result()
         return loaded, time.perf_counter() - start

@@ -1,14 +1,16 @@
-"""The two KV tiers behind one interface: hit split, loading, retention and offload.
+"""The KV tiers' scheduler side: the hit split, allocation, pins, retention and offload.
 
 Per request: `prepare` walks the request's blocks in order, taking runs of device-tier blocks
-and loading runs of host-tier chunks into device blocks (or taking what `prefetch` already
-loaded), pins all of them, and plans which computed blocks stay on the device (retention
+and looking up runs of host-tier chunks, each given a new device block (or taking what `prefetch`
+already loaded), pins all of them, and plans which computed blocks stay on the device (retention
 policy) and which go to the host tier (suffix policy `offload`: the computed chunks the host
 tier lacks; with `write_policy: on-evict` not the retained ones, which go when evicted). The
-forward then gets the prefix as KV and a sink that writes retained blocks into the pool and
-copies stored chunks straight into LMCache memory (on cuda: device-to-pinned-host copies on a
-side stream, layer by layer as the forward proceeds). `finish` indexes retained blocks, unpins,
-and queues the chunks for the host tier's store thread: the forward never waits for a store.
+worker side (`KVWorker`, tiered/offload/worker.py) then loads the host chunks into their blocks,
+gives the forward the prefix by block id and a sink that writes retained blocks into the pool
+and copies stored chunks straight into LMCache memory (on cuda: device-to-pinned-host copies on
+a side stream, layer by layer as the forward proceeds). `finish` indexes retained blocks,
+unpins, and queues the chunks for the host tier's store thread: the forward never waits for a
+store. `abort` gives back what a request that did not run held, loads that failed included.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from torch import Tensor
 
 from tiered.config import CacheConfig
 from tiered.hybrid.args import ModelArgs
-from tiered.hybrid.forward import KVSink
-from tiered.offload.device_tier import DeviceTier, DeviceTierStats, PrefixKV
+from tiered.offload.device_tier import DeviceTier, DeviceTierStats
 from tiered.offload.host_base import Host, HostTierStats
 from tiered.offload.host_keys import HostKeys
 from tiered.offload.host_tier import HostTier
 from tiered.offload.loading import PrefixLoader, max_prefix_blocks
-from tiered.request.plan import Prepared, StoreBatch
+from tiered.offload.worker import KVWorker
+from tiered.request.plan import HostLoad, Prepared, StoreBatch
 from tiered.request.tokens import HitSplit, TierRequest
 
 log = logging.getLogger(__name__)
@@ -46,9 +48,9 @@ class TierStats:
 
 
 class _Found(NamedTuple):
-    """A request's cached prefix as `prepare` found it: its pinned device blocks, those loaded from
-    the host tier (of them, those read from its disk and from a remote store), seconds waited for
-    its prefetch and spent loading."""
+    """A request's cached prefix as `prepare` found it: its pinned device blocks, those given host
+    chunks (of them, those from its disk and from a remote store), seconds waited for its prefetch
+    and spent looking up, and the loads the worker runs."""
 
     prefix: list[int]
     from_host: set[int]
@@ -56,6 +58,7 @@ class _Found(NamedTuple):
     from_remote: set[int]
     wait: float
     load: float
+    loads: list[HostLoad]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,7 @@ class KVTiers:
         self._changes_lock = threading.Lock()
         self.device_tier.on_change = lambda key: self._changed((key,))
         self.loader = PrefixLoader(self.device_tier, self.host_tier, self.host_keys, self._changed)
+        self.worker = KVWorker(self.device_tier, self.host_tier, args.num_layers, self._copy_stream)
         log.debug("%s", self.describe())
 
     def describe(self) -> str:
@@ -206,7 +210,8 @@ class KVTiers:
         planned_keys: set[int] | None = None,
         park: bool = False,
     ) -> Prepared:
-        """Pin the request's prefix (loading host hits) and plan its retention and offload.
+        """Pin the request's prefix (host hits looked up and given blocks: `Prepared.loads`, which the
+        worker runs before the forward) and plan its retention and offload.
 
         `shared_keys`: block keys of other waiting requests, for the `prefix` retention policy.
         `planned_keys`: keys of blocks an earlier request of the same batch already keeps and
@@ -215,7 +220,7 @@ class KVTiers:
         `park`: a piece of a request that resumes later: every computed block stays on the device
         whatever the retention policy (those that find no room go to the host tier)."""
         prefetched, wait = self.loader.take_prefetch(req.request_id)
-        prefix, loaded, load = self.loader.find_prefix(req)
+        prefix, loaded, load = self.loader.find_prefix(req, defer=True)
         try:
             found = _Found(
                 prefix,
@@ -224,9 +229,12 @@ class KVTiers:
                 prefetched.from_remote | loaded.from_remote,
                 wait,
                 load,
+                loaded.pending,
             )
             return self._plan(req, found, shared_keys, planned_keys, park)
         except BaseException:
+            for pending in loaded.pending:
+                self.loader.undo(pending)
             self.device_tier.unpin(prefix)  # what _plan pinned it released itself
             raise
 
@@ -238,7 +246,7 @@ class KVTiers:
         planned_keys: set[int] | None,
         park: bool = False,
     ) -> Prepared:
-        prefix, from_host, from_disk, from_remote, wait, load = found
+        prefix, from_host, from_disk, from_remote, wait, load, loads = found
         bt = self.block_tokens
         num_host = sum(1 for b in prefix if b in from_host)
         num_disk = sum(1 for b in prefix if b in from_disk)
@@ -272,7 +280,7 @@ class KVTiers:
             start = time.perf_counter()
             store = self.host_tier.begin_store([req.keys[j] for j in stored])
             stored = stored[: len(store.keys)] if store is not None else []
-        prepared = Prepared(req, split, prefix, retained, store, wait, load, first_own, stored)
+        prepared = Prepared(req, split, prefix, retained, store, wait, load, first_own, stored, loads=loads)
         if store is not None:
             prepared.store_allocate_seconds = time.perf_counter() - start
         if planned_keys is not None:
@@ -293,43 +301,7 @@ class KVTiers:
             out.append(j)
         return out
 
-    def prefix_kv(self, prepared: Prepared) -> PrefixKV | None:
-        """The request's cached prefix as the forward reads it, one layer at a time (None: no prefix)."""
-        if not prepared.prefix_blocks:
-            return None
-        return PrefixKV(self.device_tier, prepared.prefix_blocks, self.args.num_layers)
-
-    # ---- during and after the forward ------------------------------------------------------
-
-    def sink(self, prepared: Prepared) -> KVSink:
-        """The forward's KV sink: keep retained blocks on the device, copy stored chunks into LMCache memory."""
-        bt = self.block_tokens
-        retained = prepared.retained_blocks
-        store = prepared.store
-        stream = self._copy_stream
-        first_computed = prepared.num_prefix_tokens
-        first_retained = prepared.first_retained_block * bt - first_computed
-        rows = [j * bt - first_computed for j in prepared.stored_blocks]
-
-        def sink(layer: int, k: Tensor, v: Tensor) -> None:
-            # k, v: [new tokens, Hkv, Dh]; token 0 is the first computed one (a block boundary).
-            if retained:
-                s, e = first_retained, first_retained + len(retained) * bt
-                self.device_tier.write_layer(layer, retained, k[s:e], v[s:e])
-            if store is None:
-                return
-            start = time.perf_counter()
-            if stream is None:
-                store.write_layer(layer, k, v, rows)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    store.write_layer(layer, k, v, rows, non_blocking=True)
-                k.record_stream(stream)  # the forward frees k, v after this call
-                v.record_stream(stream)
-            prepared.store_copy_seconds += time.perf_counter() - start
-
-        return sink
+    # ---- after the forward ------------------------------------------------------------------
 
     def commit(self, prepared: Prepared) -> None:
         """Index the retained blocks (they stay pinned): hits for requests planned from now on. Before
@@ -378,7 +350,12 @@ class KVTiers:
         self._submit(store)
 
     def abort(self, prepared: Prepared) -> None:
-        """Release a prepared request that did not run (nothing retained or stored)."""
+        """Release a prepared request that did not run (nothing retained or stored); its host loads
+        that did not fill their blocks (never run, or a chunk unreadable) take those blocks out of
+        the index."""
+        for load in prepared.loads:
+            if load.filled is None or load.failed:
+                self.loader.undo(load)
         if prepared.committed:
             self.device_tier.uncache(prepared.retained_blocks)
         self.device_tier.unpin(prepared.prefix_blocks + prepared.retained_blocks)

@@ -1,5 +1,6 @@
-"""A request prepared to compute (`Prepared`: its pinned prefix, the blocks it will fill, what it
-stores) and the chunks on their way to the host tier (`StoreBatch`)."""
+"""A request prepared to compute (`Prepared`: its pinned prefix, the host-tier chunks to load into
+it, the blocks it will fill, what it stores) and the chunks on their way to the host tier
+(`StoreBatch`)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,28 @@ class StoreBatch:
 
 
 @dataclass(slots=True)
+class HostLoad:
+    """Host-tier chunks for device blocks, as the scheduler side planned them: looked up (each
+    chunk referenced in the host tier by its `get`), the blocks allocated, pinned and indexed.
+    `objs[i]`, the chunk of `keys[i]`, goes into device block `block_ids[i]`; the last `num_remote`
+    came from a remote store, the `num_disk` before them from the local disk. The worker side runs
+    it (`KVWorker.load`) before any forward reads the blocks: `filled` is then how many leading
+    blocks hold their chunk (None: not run yet)."""
+
+    keys: list[int]
+    objs: list[Any]
+    block_ids: list[int]
+    num_remote: int = 0
+    num_disk: int = 0
+    filled: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        """It ran and a chunk could not be read: the blocks from `filled` on hold nothing."""
+        return self.filled is not None and self.filled < len(self.block_ids)
+
+
+@dataclass(slots=True)
 class Prepared:
     """A request ready to compute: its prefix (pinned blocks) and its plan for the computed part."""
 
@@ -46,12 +69,13 @@ class Prepared:
     retained_blocks: list[int]  # device blocks for computed blocks first_retained_block.. (in order)
     store: StoreBatch | None  # LMCache memory the sink fills, for the blocks in `stored_blocks`
     prefetch_wait_seconds: float
-    load_seconds: float
+    load_seconds: float  # host hits: looking them up (scheduler side), then loading them (`KVWorker.load`)
     first_retained_block: int = 0  # block index of retained_blocks[0]
     stored_blocks: list[int] = field(default_factory=list)  # block indices of store.keys
     store_allocate_seconds: float = 0.0  # LMCache memory for the stored chunks
     store_copy_seconds: float = 0.0  # the sink's copies into it
     committed: bool = False  # retained blocks indexed before the forward ended (`KVTiers.commit`)
+    loads: list[HostLoad] = field(default_factory=list)  # host hits of `prefix_blocks`, to load first
 
     @property
     def store_seconds(self) -> float:

@@ -1,8 +1,10 @@
-"""What a prompt must be, checked in one place for the API process and the engine.
+"""What a request must be, checked once, at the engine's edge.
 
-Torch-free: the API process checks lists of ids before anything reaches the engine; the engine
-checks again what it is given in process (`Engine.submit`), and the forward checks a tensor's
-smallest and largest id through the same function. The messages are vLLM's where vLLM has one.
+Torch-free: the API process checks each call's lists of ids before any prompt of it reaches the
+engine (a 400 naming the field); a caller in the engine's process is checked by `Engine.submit`
+with the same functions. Past that edge nothing checks again (the engine process queues what the
+API sent with `Engine.enqueue`; the forward checks only its items' shapes). The messages are
+vLLM's where vLLM has one.
 """
 
 from __future__ import annotations
