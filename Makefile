@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-NATIVE_SRC   := $(wildcard tiered/hybrid/attention/csrc/*) tiered/hybrid/attention/build.py
+NATIVE_SRC   := $(wildcard tiered/native/csrc/*) tiered/native/build.py
 NATIVE_STAMP := .cache/native/.made
 
 .PHONY: venv run test lint bench-mil bench-env report clean
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 # Never fails: without a compiler it logs why, and the engine keeps the PyTorch kernels (it also
 # builds on first use if this did not run). Redone when the source, its builder or the venv changes.
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
-	$(PY) -m tiered.hybrid.attention.build || echo "native attention kernel: its build step failed; the PyTorch kernels remain"
+	$(PY) -m tiered.native.build || echo "native attention kernel: its build step failed; the PyTorch kernels remain"
 	mkdir -p $(@D) && touch $@
 
 run: venv

@@ -25,12 +25,13 @@ from benchmarks.mil import forward_flops, matmul_flops_per_s
 from benchmarks.report import write_report
 from tiered.config import AttentionConfig, AttentionKernel
 from tiered.hybrid import pointwise
-from tiered.hybrid.attention import KERNELS, Span, native
+from tiered.hybrid.attention import KERNELS, Span
 from tiered.hybrid.attention.select import KernelShape, choose_kernel
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import DTYPES, load_model
 from tiered.hybrid.memory import GatheredPrefix
 from tiered.hybrid.model import CausalLM, use_attention
+from tiered.native import library as native
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""The block cache (tiered/hybrid/blocks.py, csrc/blocks.cpp): the CPU allocator of a process under
-a memory budget. It replaces the allocator of the whole process, so each test runs in its own."""
+"""The block cache (tiered/allocator/block_cache.py, tiered/native/csrc/blocks.cpp): the CPU
+allocator of a process under a memory budget. It replaces the allocator of the whole process,
+so each test runs in its own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from tiered.config import load_config
 from tiered.config.tree import ConfigError
-from tiered.hybrid.attention import native
+from tiered.native import library as native
 
 needs_native = pytest.mark.skipif(not native.available(), reason="the native library does not build here")
 
@@ -27,7 +28,7 @@ def _run(script: str, *args: str, env: dict[str, str] | None = None) -> str:
 
 REUSE_SCRIPT = """
 import torch
-from tiered.hybrid import blocks
+from tiered.allocator import block_cache as blocks
 MiB = 2**20
 assert blocks.install(8 * MiB) and blocks.stats() is not None
 a = torch.ones(MiB // 4)  # fp32: 1 MiB
@@ -65,7 +66,7 @@ def test_a_freed_block_is_taken_back_by_its_exact_size_within_the_cap() -> None:
 OOM_SCRIPT = """
 import resource, torch
 from tiered.engine.executor import out_of_memory
-from tiered.hybrid import blocks
+from tiered.allocator import block_cache as blocks
 assert blocks.install(2**20)
 vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (vm + 256 * 2**20, resource.RLIM_INFINITY))
@@ -88,7 +89,7 @@ def test_a_mapping_that_fails_is_out_of_memory_to_the_engine() -> None:
 
 FORWARD_SCRIPT = """
 import sys, torch
-from tiered.hybrid import blocks
+from tiered.allocator import block_cache as blocks
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.memory import use_block_cache
@@ -96,7 +97,7 @@ model = load_model(sys.argv[1], "float32", "cpu")
 ids = torch.randint(3, 1000, (3000,), generator=torch.Generator().manual_seed(0))
 ref = forward(model, ids, chunk_tokens=256)
 assert use_block_cache(model, 256, None)
-assert blocks.stats().cap_bytes == blocks.cap_bytes(model.args, 256, 4)
+assert blocks.stats().cap_bytes == blocks.cap_bytes(model.args.intermediate_size, 256, 4)
 first, second = forward(model, ids, chunk_tokens=256), forward(model, ids, chunk_tokens=256)
 s = blocks.stats()
 assert s.hits > s.misses, s  # the chunk loop takes its blocks back

@@ -10,8 +10,8 @@ import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine, Result, ScoreParams
-from tiered.hybrid.attention import native
 from tiered.hybrid.forward import forward
+from tiered.native import library as native
 from tiered.offload.device_tier import DeviceTier
 from tiered.scheduler.step import StepOutput
 

@@ -114,7 +114,8 @@ def test_no_module_name_appears_twice_and_few_modules_sit_at_the_top() -> None:
 # The layers, bottom first: a module imports only from its own layer or below (`tiered.cli`,
 # `tiered.embedded` and `tiered.logs` sit outside and may use any).
 LAYERS = [
-    ("tiered.request", "tiered.config"),  # the types a request goes through; the config tree
+    # the types a request goes through; the config tree; the C++ library and the CPU allocator
+    ("tiered.request", "tiered.config", "tiered.native", "tiered.allocator"),
     ("tiered.hybrid",),  # the model, its forward and kernels
     ("tiered.offload", "tiered.scheduler"),  # the KV tiers; what runs next
     ("tiered.engine",),  # the step loop, its runners (in-process, pipeline stages)

@@ -49,8 +49,8 @@ def test_the_wheel_holds_data_configs_and_the_typing_marker(tmp_path: Path) -> N
         "tiered/configs/default.yaml",
         "tiered/configs/bench-m.yaml",
         "tiered/py.typed",
-        "tiered/hybrid/attention/csrc/attend.cpp",
-        "tiered/hybrid/attention/csrc/isa.h",
+        "tiered/native/csrc/attend.cpp",
+        "tiered/native/csrc/isa.h",
     ):
         assert needed in names, f"{needed} is not in {wheel.name}"
 

@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.cli import main
 from tiered.hybrid import pointwise
-from tiered.hybrid.attention import native
+from tiered.native import library as native
 
 
 def test_batch_bench_writes_both_cases(tiny_dir: Path, tmp_path: Path) -> None:

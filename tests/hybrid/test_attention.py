@@ -10,11 +10,11 @@ import torch
 
 from tiered.config import AttentionConfig, ConfigError
 from tiered.hybrid.attention import KERNELS, Span, reference_
-from tiered.hybrid.attention import native as native_module
 from tiered.hybrid.attention import select as select_module
 from tiered.hybrid.attention.interface import PagedPrefix, prefix_runs, prefix_segments
 from tiered.hybrid.attention.kernels import windowed_calls
 from tiered.hybrid.attention.select import KernelShape, KernelTiming, ShapeClass, choose_kernel, fastest
+from tiered.native import library as native_library
 
 CPU_KERNELS = [name for name, kernel in KERNELS.items() if kernel.runs_on("cpu")]
 # Every CPU kernel, including those whose library this interpreter lacks (skipped, with the reason, where absent).
@@ -240,7 +240,7 @@ def test_with_a_window_each_kernel_is_timed_on_its_windowed_call_against_the_win
     the PyTorch windowed call; a kernel whose windowed call ignores the window is refused there."""
     shapes = (ShapeClass("past the window", 1, 96, 64),)
     heads = KernelShape(4, 2, 16, torch.float32, "cpu")
-    names = ["masked", *(["native"] if native_module.available() else [])]
+    names = ["masked", *(["native"] if native_library.available() else [])]
     assert all(t.ok for t in select_module.time_kernels(names, shapes, heads, window=40))
     blind = dataclasses.replace(KERNELS["masked"], name="blind", windowed=lambda w: (KERNELS["masked"].attend_, None))
     monkeypatch.setitem(KERNELS, "blind", blind)
@@ -280,7 +280,7 @@ def test_choice_is_measured_once_then_cached_and_a_forced_kernel_is_checked(
     assert choose_kernel(AttentionConfig(profile_cache_dir=str(tmp_path)), heads, 1024) == first
     assert choose_kernel(AttentionConfig("masked", str(tmp_path)), heads, 1024) == "masked"
     if "native" in CPU_KERNELS:  # another build of the native library is timed again, not trusted from the cache
-        monkeypatch.setattr(native_module, "build_id", lambda: "another-build")
+        monkeypatch.setattr(native_library, "build_id", lambda: "another-build")
         with pytest.raises(AssertionError, match="measured again"):
             choose_kernel(AttentionConfig(profile_cache_dir=str(tmp_path)), heads, 1024)
     with pytest.raises(ConfigError, match="attention.kernel.*varlen.*cpu"):

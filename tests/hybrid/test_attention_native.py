@@ -14,11 +14,14 @@ import torch
 from test_attention import SHAPES, TOLERANCE, _case
 
 from tiered.hybrid.attention import KERNELS, Span, native, reference_
-from tiered.hybrid.attention.build import build, library_path
 from tiered.hybrid.attention.kernels import windowed
+from tiered.native import library as native_library
+from tiered.native.build import build, library_path
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_native = pytest.mark.skipif(not native.available(), reason="the native kernel's library could not be built here")
+needs_native = pytest.mark.skipif(
+    not native_library.available(), reason="the native kernel's library could not be built here"
+)
 
 
 # The head dims a path takes are multiples of its dot products' unit (others are refused, or `auto` picks another).
@@ -26,8 +29,8 @@ HEAD_DIM_STEP = {"avx512bf16": 2, "amx": 32}
 
 
 def _isa_or_skip(isa: str) -> str:
-    if isa not in native.cpu_isas():
-        pytest.skip(f"this CPU does not run the {isa} path (it runs: {', '.join(native.cpu_isas())})")
+    if isa not in native_library.cpu_isas():
+        pytest.skip(f"this CPU does not run the {isa} path (it runs: {', '.join(native_library.cpu_isas())})")
     return isa
 
 
@@ -187,7 +190,7 @@ def test_auto_takes_the_best_path_here_and_strided_views_are_read_in_place() -> 
             spans,
             native.PagedPrefix(pk[None], pv[None], torch.zeros(1, dtype=torch.int64), prefix),  # type: ignore[index]
         )
-        == native.cpu_isas()[0]
+        == native_library.cpu_isas()[0]
     )
     assert (got - expected).abs().max().item() <= TOLERANCE[torch.float32]
 
@@ -202,19 +205,19 @@ def test_bad_inputs_are_errors_that_say_what_is_wrong() -> None:
         native.attend_paged_(q, k, v, [Span(0, 0, 8)], native.PagedPrefix(pool, pool, torch.tensor([0]), 17))
     with pytest.raises(RuntimeError, match="reaches past"):
         native.attend_paged_(q, k, v, [Span(0, 4, 8)], None)
-    if "avx512bf16" in native.cpu_isas():
+    if "avx512bf16" in native_library.cpu_isas():
         odd = _case([Span(0, 0, 8)], 8, 0, 4, 2, 33, torch.bfloat16)
         with pytest.raises(RuntimeError, match="takes head dims that are multiples of 2, got 33"):
             native.attend_paged_(odd[0], odd[1], odd[2], [Span(0, 0, 8)], None, isa="avx512bf16")
         assert native.attend_paged_(odd[0], odd[1], odd[2], [Span(0, 0, 8)], None) == "avx512"
-    if "amx" in native.cpu_isas():
+    if "amx" in native_library.cpu_isas():
         q80, k80, v80, _, _ = _case([Span(0, 0, 8)], 8, 0, 4, 2, 80, torch.bfloat16)
         with pytest.raises(RuntimeError, match="takes head dims that are multiples of 32 up to 256, got 80"):
             native.attend_paged_(q80, k80, v80, [Span(0, 0, 8)], None, isa="amx")
         assert native.attend_paged_(q80, k80, v80, [Span(0, 0, 8)], None) == "avx512bf16"
     with pytest.raises(RuntimeError, match="unknown isa"):
         native.attend_paged_(q, k, v, [Span(0, 0, 8)], None, isa="neon")
-    missing = [isa for isa in native.ISAS if isa not in native.cpu_isas()]
+    missing = [isa for isa in native.ISAS if isa not in native_library.cpu_isas()]
     if missing:
         with pytest.raises(RuntimeError, match=f"cannot run the {missing[0]} path"):
             native.attend_paged_(q, k, v, [Span(0, 0, 8)], None, isa=missing[0])
@@ -238,7 +241,8 @@ FALLBACK = """
 import logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
-from tiered.hybrid.attention import build, select
+from tiered.hybrid.attention import select
+from tiered.native import build
 from tiered.config import AttentionConfig, ConfigError
 build.default_cache_dir = lambda: Path(sys.argv[1])
 build.main()
@@ -274,5 +278,5 @@ def test_without_a_compiler_the_engine_keeps_the_pytorch_kernels(tmp_path: Path)
 
 def test_native_is_registered_beside_the_pytorch_kernels() -> None:
     assert KERNELS["native"].dtypes == (torch.float32, torch.bfloat16)
-    assert KERNELS["native"].runs_on("cpu") == native.available()
+    assert KERNELS["native"].runs_on("cpu") == native_library.available()
     assert not KERNELS["native"].runs_on("cpu", torch.float16)

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from tiered.hybrid.forward import ForwardInputError, forward
 from tiered.hybrid.loader import load_model
 from tiered.hybrid.model import CausalLM
+from tiered.offload.device_tier import DeviceTier, PrefixKV
 
 # Max |logit error| relative to max |reference logit|. fp32 differs from the reference only by
 # summation order; bf16 also by where intermediate results are rounded (e.g. the residual add
@@ -86,6 +87,25 @@ def test_prefix_as_kv_equals_computing_everything(
     forward(model, ids[:split], mode=mode, chunk_tokens=100, kv_sink=sink)
     got = forward(model, ids[split:], mode=mode, chunk_tokens=100, prefix_kv=sink.layers())
     _assert_close(got, full, "float32")
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "chunked", "hybrid"])
+def test_a_prefix_in_scattered_device_tier_blocks_equals_computing_everything(
+    model_dirs: dict[str, Path], mode: str
+) -> None:
+    """The tiers' prefix (`PrefixKV`: 32 blocks of a pool, in an order where no two are adjacent),
+    read by block id in every mode: the logits of computing the whole prompt."""
+    model, _ = _pair(model_dirs, "tiny", "float32")
+    ids = _ids(600, seed=3)
+    sink = KVCollector()
+    forward(model, ids[:512], mode="vanilla", kv_sink=sink)
+    tier = DeviceTier(model.args, 16, 0, torch.float32, "cpu", num_blocks=64)
+    blocks = [b for pair in zip(range(62, 30, -2), range(1, 33, 2), strict=True) for b in pair]
+    for layer, (k, v) in enumerate(sink.layers()):
+        tier.write_layer(layer, blocks, k, v)
+    prefix = PrefixKV(tier, blocks, model.args.num_layers)
+    got = forward(model, ids[512:], mode=mode, chunk_tokens=40, prefix_kv=prefix)
+    _assert_close(got, forward(model, ids, mode="vanilla"), "float32")
 
 
 def test_sink_receives_each_layers_kv_equal_across_modes(model_dirs: dict[str, Path]) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tiered.hybrid import pointwise
-from tiered.hybrid.attention import native
+from tiered.native import library as native
 
 needs_native = pytest.mark.skipif(not native.available(), reason="the native library could not be built here")
 

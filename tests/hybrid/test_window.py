@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tiered.hybrid.attention import native
 from tiered.hybrid.forward import BatchItem, forward, forward_batch
 from tiered.hybrid.loader import load_model, read_args
 from tiered.hybrid.model import CausalLM, use_attention
+from tiered.native import library as native
 
 WINDOW = 48
 TOLERANCE = 1e-5  # max |Δ logit| / max |logit|, fp32: summation order only

@@ -272,7 +272,7 @@ class EngineConfig:
     # up to this length, not one of max_model_len. 0: always forward max_model_len tokens.
     profile_max_tokens: int = 32768
     # Under memory_budget_bytes on the CPU: bytes of freed tensors the block cache keeps for reuse
-    # (tiered/hybrid/blocks.py: each tensor of 64 KiB or more has its own mapping, and every forward
+    # (tiered/allocator/block_cache.py: each tensor of 64 KiB or more has its own mapping, and every forward
     # starts with the cache empty, so the profile's peak holds whatever ran before). A larger cap
     # faults fewer pages per chunk and raises the peak by up to itself. null: four
     # [forward.chunk_tokens, intermediate_size] tensors' bytes; 0: off (glibc's allocator).

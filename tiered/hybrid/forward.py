@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tiered.allocator import block_cache
 from tiered.config import ForwardMode
-from tiered.hybrid import blocks
 from tiered.hybrid.attention import KERNELS, AttendFn, Span
 from tiered.hybrid.attention.interface import PagedFn
 from tiered.hybrid.attention.kernels import window_calls, windowed_calls
@@ -160,7 +160,7 @@ def forward_batch(
         raise ForwardInputError("a batch needs at least one request")
     for i in range(len(items)):
         _check_lead(items, i)
-    blocks.release()  # every forward starts with the block cache empty: its peak is its own
+    block_cache.release()  # every forward starts with the block cache empty: its peak is its own
     prefix_lens = [_num_prefix_tokens(model, it) for it in items]
     regimes = [_regime(model, it, n) for it, n in zip(items, prefix_lens, strict=True)]
     for i, it in enumerate(items):
@@ -515,26 +515,25 @@ def _to_sinks(
 
 def _chunked(model: CausalLM, item: BatchItem, token_ids: Tensor, chunk: int, num_prefix: int, regime: int) -> Tensor:
     """Sarathi-style chunked prefill of `token_ids` (the item's, a follower's with its shared ones
-    first) after `num_prefix` tokens of its prefix: the whole model per chunk, all layers' K,V kept."""
+    first) after `num_prefix` tokens of its prefix: the whole model per chunk, all layers' K,V of
+    the computed tokens kept; the prefix read where it is (by block id where the kernel can)."""
     prefix_kv, kv_sink, adapter = item.prefix_kv, item.kv_sink, item.adapter
     a = model.args
     T, P = token_ids.numel(), num_prefix
     chunk = min(chunk, T)
     dtype, device = model.model.embed_tokens.weight.dtype, token_ids.device
-    kv = []
-    for i in range(a.num_layers):
-        k = torch.empty((P + T, a.num_kv_heads, a.head_dim), dtype=dtype, device=device)
-        v = torch.empty_like(k)
-        if P:
-            pk, pv = prefix_kv[i]  # type: ignore[index]
-            k[:P].copy_(pk)
-            v[:P].copy_(pv)
-        kv.append((k, v))
+    shape = (T, a.num_kv_heads, a.head_dim)
+    kv = [
+        (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        for _ in range(a.num_layers)
+    ]
     q = torch.empty((chunk, a.num_heads, a.head_dim), dtype=dtype, device=device)
     gate_buf = torch.empty((chunk, a.intermediate_size), dtype=dtype, device=device)
     up_buf = torch.empty_like(gate_buf)
     hidden_last = q.new_empty(0)
-    attends = [_attention(model, i, P + T)[0] for i in range(a.num_layers)]
+    calls = [_attention(model, i, P + T) for i in range(a.num_layers)]
+    group = [_Group(prefix_kv if P else None, [(0, T)], [None])]
+    prefixes = [_LayerPrefixes(group, i, dtype, paged_) for i, (_, paged_) in enumerate(calls)]
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         n = e - s
@@ -546,13 +545,14 @@ def _chunked(model: CausalLM, item: BatchItem, token_ids: Tensor, chunk: int, nu
             cos, sin = rope[id(model.layer_inv_freq(i))]
             k, v = kv[i]
             lo = LoraSlice(i, [LoraRun(0, n, adapter)]) if adapter is not None else None
-            kv_step(layer, x, (cos, sin), (k[P + s : P + e], v[P + s : P + e]), lo)
+            kv_step(layer, x, (cos, sin), (k[s:e], v[s:e]), lo)
             q_step(layer, x, cos, sin, q[:n], lo)
-            attends[i](q, k, v, [Span(0, P + s, n, ((0, P + s),) if P + s else ())], None, None)  # earlier: visible
+            spans = [Span(0, s, n, ((0, s),) if s else ())]  # the earlier chunks' tokens: all visible
+            prefixes[i].attend(calls[i][0], q, (k, v), spans, 0)
             o_proj_step_(layer, x, q[:n].view(n, -1), lo)
             mlp_step_(layer, x, gate_buf, up_buf, lo)
         hidden_last = x[-1]
     if kv_sink is not None:
         for i, (k, v) in enumerate(kv):
-            kv_sink(i, k[P:], v[P:])
+            kv_sink(i, k, v)
     return hidden_last

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from tiered.allocator import block_cache
 from tiered.config import ForwardMode
-from tiered.hybrid import blocks
 from tiered.hybrid.args import ModelArgs
 from tiered.hybrid.forward import BatchItem, LayerKV, forward_batch
 from tiered.hybrid.model import CausalLM
@@ -80,19 +80,19 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def use_block_cache(model: CausalLM, chunk_tokens: int, cap: int | None) -> bool:
     """Under a memory budget, on the CPU: the block cache as this process's allocator (`cap` bytes
-    cached, None: `blocks.cap_bytes` for the model and `chunk_tokens`, 0: none). Whether it is."""
+    cached, None: `block_cache.cap_bytes` for the model and `chunk_tokens`, 0: none). Whether it is."""
     if model.inv_freq.device.type != "cpu" or cap == 0:
         return False
     if cap is None:
         element_size = next(p.element_size() for p in model.parameters() if not p.is_meta)
-        cap = blocks.cap_bytes(model.args, chunk_tokens, element_size)
-    return blocks.install(cap)
+        cap = block_cache.cap_bytes(model.args.intermediate_size, chunk_tokens, element_size)
+    return block_cache.install(cap)
 
 
 def _return_free_heap() -> None:
     """Unmap the block cache's cached blocks and ask glibc to give the free memory of its heaps back
     to the OS (nothing elsewhere)."""
-    blocks.release()
+    block_cache.release()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

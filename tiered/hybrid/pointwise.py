@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tiered.hybrid.attention.native import library
+from tiered.native.library import library
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 _enabled = [True]

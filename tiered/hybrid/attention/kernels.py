@@ -28,9 +28,9 @@ from tiered.hybrid.attention.interface import (
 from tiered.hybrid.attention.native import DTYPES as NATIVE_DTYPES
 from tiered.hybrid.attention.native import attend_ as native_attend_
 from tiered.hybrid.attention.native import attend_paged_ as native_attend_paged_
-from tiered.hybrid.attention.native import unavailable as native_unavailable
 from tiered.hybrid.attention.native import windowed as native_windowed
 from tiered.hybrid.attention.vllm_cpu import KERNEL as VLLM_CPU
+from tiered.native.library import unavailable as native_unavailable
 
 PartFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor]]
 """(q [1, h, n, Dh], k [1, hkv, S, Dh], v, causal) -> (out [1, h, n, Dh] in q's dtype, lse [1, h, n] fp32).

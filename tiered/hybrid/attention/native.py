@@ -9,12 +9,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from tiered.hybrid.attention.interface import AttendFn, PagedFn, PagedPrefix, contiguous_prefix
+from tiered.native.library import library
 
 
 class Span(Protocol):
@@ -41,58 +42,6 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-_WHY_NOT: list[str] = []  # why the library is unavailable, once _ops() has tried
-
-
-@functools.cache
-def _ops() -> Any | None:
-    """The library's op namespace, built and loaded on first call; None (reason logged) if impossible."""
-    from tiered.hybrid.attention.build import BuildError, build  # here: `python -m ...build` imports this package
-
-    try:
-        path = build()
-        torch.ops.load_library(str(path))
-        ops = torch.ops.tiered_native
-        log.debug("native attention kernel loaded (paths this CPU runs: %s)", ops.isas())
-        return ops
-    except BuildError as e:
-        _WHY_NOT.append(str(e))
-    except (OSError, RuntimeError) as e:
-        _WHY_NOT.append(f"its library did not load: {e}")
-    log.warning("native attention kernel unavailable: %s", _WHY_NOT[-1])
-    return None
-
-
-def library() -> Any | None:
-    """The library's op namespace (`torch.ops.tiered_native`: attend_, rms_norm, silu_mul_, isas), or
-    None where it cannot be built or loaded here (the reason logged once)."""
-    return _ops()
-
-
-def available() -> bool:
-    """Whether the native library builds and loads here (tried once, on first call)."""
-    return _ops() is not None
-
-
-def unavailable() -> str | None:
-    """Why the kernel cannot run in this process (None: it can)."""
-    return None if _ops() is not None else _WHY_NOT[-1]
-
-
-def build_id() -> str:
-    """The identity of the library this source tree builds (a hash of its sources, torch, compiler and
-    flags): a timing of the kernel measured with one build says nothing about another."""
-    from tiered.hybrid.attention.build import library_path
-
-    return library_path().parent.name
-
-
-def cpu_isas() -> list[str]:
-    """The ISA paths this CPU runs, best first ([] when the library is unavailable)."""
-    ops = _ops()
-    return str(ops.isas()).split(",") if ops is not None else []
 
 
 def _encode(spans: Sequence[Span]) -> tuple[Tensor, Tensor]:
@@ -130,7 +79,7 @@ def attend_paged_(
     positions counted from the prefix's first token through the visible ranges to the own keys.
     Returns the ISA path that ran (`isa`: auto or one of ISAS; a path this CPU cannot run is an error)."""
     pool_k, pool_v, block_ids, prefix_tokens = prefix if prefix is not None else (None, None, None, 0)
-    ops = _ops()
+    ops = library()
     if ops is None:
         raise RuntimeError("the native attention kernel is not available here (see the log for why)")
     if q.dtype not in DTYPES:

@@ -24,11 +24,12 @@ import torch
 from torch import Tensor
 
 from tiered.config import AttentionConfig, ConfigError
-from tiered.hybrid.attention import native, vllm_cpu
+from tiered.hybrid.attention import vllm_cpu
 from tiered.hybrid.attention.interface import AttendFn, PagedFn, PagedPrefix, Span
 from tiered.hybrid.attention.kernels import KERNELS, reference_, window_calls, windowed
 from tiered.hybrid.measured import cache_key, load_cached, save_cached
 from tiered.hybrid.precision import cpu_flags, cpu_name
+from tiered.native import library as native_library
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +289,7 @@ def choose_kernel(config: AttentionConfig, heads: KernelShape, max_tokens: int) 
         "heads": [num_heads, num_kv_heads, head_dim],
         "shapes": [asdict(s) for s in shapes],
         "prefix": ["paged", BLOCK_TOKENS],
-        "native_build": native.build_id() if "native" in names else None,
+        "native_build": native_library.build_id() if "native" in names else None,
     }
     if device.startswith("cuda"):
         parts["gpu"] = torch.cuda.get_device_name(torch.device(device))

@@ -15,8 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tiered.hybrid.args import ModelArgs
-from tiered.hybrid.attention.native import library, unavailable
+from tiered.native.library import library, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +40,10 @@ class BlockStats:
     cap_bytes: int
 
 
-def cap_bytes(args: ModelArgs, chunk_tokens: int, element_size: int) -> int:
-    """The default cap for hybrid forwards of `chunk_tokens`-token chunks."""
-    return CHUNK_TENSORS * chunk_tokens * args.intermediate_size * element_size
+def cap_bytes(intermediate_size: int, chunk_tokens: int, element_size: int) -> int:
+    """The default cap for hybrid forwards of `chunk_tokens`-token chunks of a model whose MLP is
+    `intermediate_size` wide."""
+    return CHUNK_TENSORS * chunk_tokens * intermediate_size * element_size
 
 
 def install(cap: int) -> bool:

@@ -2,7 +2,7 @@
 csrc/pointwise.cpp: the fused row-wise ops; csrc/blocks.cpp: the block cache, a CPU allocator
 for a process under a memory budget) into one shared library, once, cached.
 
-Design notes: docs/internals.md, section `tiered/hybrid/attention/build.py`.
+Design notes: docs/internals.md, section `tiered/native/build.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def compiler() -> list[str]:
 
 def default_cache_dir() -> Path:
     """Where the built library is cached: the checkout's `.cache/native` if writable, else `~/.cache/tiered/native`."""
-    package_root = Path(__file__).resolve().parents[3]
+    package_root = Path(__file__).resolve().parents[2]
     if (package_root / "pyproject.toml").exists() and os.access(package_root, os.W_OK):
         return package_root / ".cache" / "native"
     return Path.home() / ".cache" / "tiered" / "native"
@@ -111,7 +111,7 @@ def _compile(target: Path) -> None:
 
 
 def main() -> int:
-    """`python -m tiered.hybrid.attention.build` (what `make venv` runs): build, or say why not; exit 0."""
+    """`python -m tiered.native.build` (what `make venv` runs): build, or say why not; exit 0."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         path = build()
