@@ -186,6 +186,27 @@ def test_prefetch_loads_the_host_prefix_before_prepare(model: CausalLM, make_tie
     _close(logits, forward(model, ids))
 
 
+def test_a_prefetch_starts_once_the_steps_own_loads_have_run(model: CausalLM, make_tiers) -> None:
+    """A step's host loads and the next request's prefetch would share the cores and the disk while
+    the step's forward waits for its loads: the prefetch waits until the worker has run them."""
+    tiers = make_tiers(retention="none")
+    first, second = _tokens(300, 11), _tokens(300, 12)
+    _run(model, tiers, first)
+    _run(model, tiers, second)
+    tiers.flush()
+    tiers.device_tier.clear()
+    step = tiers.prepare(tiers.new_request("step", first))
+    assert step.loads and step.loads[0].filled is None
+    nxt = tiers.new_request("next", second)
+    tiers.prefetch(nxt, [step])
+    time.sleep(0.3)
+    assert not tiers.loader._prefetches[nxt.request_id].done()  # held back by the step's load
+    assert not tiers.worker.load([step])
+    loaded = tiers.loader._prefetches[nxt.request_id].result(timeout=10)
+    assert len(loaded.blocks) == 18
+    tiers.abort(step)
+
+
 def test_a_removed_disk_tier_degrades_to_recomputation(model: CausalLM, make_tiers, tmp_path: Path) -> None:
     """LMCache's local disk backend, its folder deleted under it: answers stay right, nothing raises.
 

@@ -1,4 +1,4 @@
-"""The block cache (csrc/blocks.cpp): under a memory budget, the CPU allocator for tensors of
+"""The block cache (tiered/native/csrc/blocks.cpp): under a memory budget, the CPU allocator for tensors of
 64 KiB or more, so that a forward's peak measured at start-up holds later and its chunk loop does
 not fault its pages in afresh on every chunk.
 

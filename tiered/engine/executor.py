@@ -63,7 +63,12 @@ class Executor:
         """Run one step (its refused requests answered already) into `out`: its answers, and what
         the scheduler applies afterwards. Whatever it raises, `out` names every prepared request of
         the step that did not finish as aborted."""
-        if lost := self.worker.load(step.prepared):  # every request of the step may read these blocks
+        try:
+            lost = self.worker.load(step.prepared)  # every request of the step may read these blocks
+        except BaseException:
+            out.aborted += step.prepared
+            raise
+        if lost:
             log.warning(
                 "%d host-tier chunks could not be read: the step's %d requests wait again and compute them",
                 sum(len(load.block_ids) - (load.filled or 0) for load in lost),

@@ -16,6 +16,7 @@ from dataclasses import asdict
 import torch
 from torch import Tensor
 
+from tiered.engine.runner import ForwardRetry
 from tiered.engine.startup import Parts
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 # Part of the JCT profile's cache key. Bump it when the forward's or the tiers' costs change: a
 # profile cached by older code would price jobs (host loads above all) at what they used to cost.
 # The torch thread count is part of the key too.
-JCT_PROFILE_VERSION = 5
+JCT_PROFILE_VERSION = 6
 
 
 def jct_for(parts: Parts, jct_model: JCTModel | None = None) -> JCTModel:
@@ -130,10 +131,8 @@ def _measure_through_stages(parts: Parts, totals: list[int], fractions: list[flo
     g = torch.Generator().manual_seed(0)
 
     def run(request_id: str, ids: Tensor, park: bool = False) -> tuple[Prepared, float]:
-        prepared = tiers.prepare(tiers.new_request(request_id, ids), park=park)
         start = time.perf_counter()
-        parts.forward([prepared])
-        parts.synchronize()
+        prepared = _prepared_forward(parts, request_id, ids, park)
         seconds = time.perf_counter() - start
         tiers.finish(prepared)
         return prepared, seconds
@@ -154,6 +153,24 @@ def _measure_through_stages(parts: Parts, totals: list[int], fractions: list[flo
     return samples
 
 
+def _prepared_forward(parts: Parts, request_id: str, ids: Tensor, park: bool = False) -> Prepared:
+    """Prepare one request and run its forward, as the engine's step does: a host chunk that cannot
+    be read (ForwardRetry) gives it back and it is prepared again (the chunk is forgotten, so it is
+    computed); anything else releases it and is raised. The caller finishes or aborts it."""
+    tiers = parts.tiers
+    while True:
+        prepared = tiers.prepare(tiers.new_request(request_id, ids), park=park)
+        try:
+            parts.forward([prepared])
+            parts.synchronize()
+            return prepared
+        except ForwardRetry:
+            tiers.abort(prepared)
+        except BaseException:
+            tiers.abort(prepared)
+            raise
+
+
 def _measure_host_loads(parts: Parts, totals: list[int], g: torch.Generator, bt: int) -> list[JCTSample]:
     """Jobs whose prefix all comes from the host tier: real LMCache stores and retrievals; where the
     tier has a local disk, the same prefix again read from the disk alone (taken out of its memory)."""
@@ -163,9 +180,7 @@ def _measure_host_loads(parts: Parts, totals: list[int], g: torch.Generator, bt:
     def load(request_id: str, ids: Tensor) -> tuple[Prepared, float]:
         tiers.device_tier.clear()
         start = time.perf_counter()
-        loaded = tiers.prepare(tiers.new_request(request_id, ids))
-        parts.forward([loaded])
-        parts.synchronize()
+        loaded = _prepared_forward(parts, request_id, ids)
         seconds = time.perf_counter() - start
         tiers.abort(loaded)
         return loaded, seconds
@@ -174,8 +189,7 @@ def _measure_host_loads(parts: Parts, totals: list[int], g: torch.Generator, bt:
         if total <= bt:
             continue
         ids = torch.randint(0, parts.model.args.vocab_size, (total,), generator=g)
-        stored = tiers.prepare(tiers.new_request(f"profile-store-{total}", ids))
-        parts.forward([stored])
+        stored = _prepared_forward(parts, f"profile-store-{total}", ids)
         tiers.finish(stored)
         tiers.flush()
         loaded, seconds = load(f"profile-load-{total}", ids)

@@ -63,6 +63,9 @@ class Host(Protocol):
     capacity_chunks: int  # chunks its local backends hold
     remote_url: str | None
     has_disk: bool  # a local disk behind its memory (`in_memory` tells the two apart)
+    # Its `load` only queues the copy for the workers that hold the chunks (a pipeline's stages),
+    # in order with the other instructions its index decides: it is called at lookup, not deferred.
+    queues_loads: bool
     model_name: str
     on_stored: Callable[[StoreBatch], None] | None
     # Called with keys the tier is known to have given up (a pipeline's index); LMCache evicts silently.

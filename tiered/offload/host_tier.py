@@ -85,6 +85,8 @@ class _DiskChunk:
 class HostTier:
     """LMCache's storage (CPU, disk, remote backends as configured) keyed by our block keys."""
 
+    queues_loads = False  # `load` copies the chunks itself: the worker side calls it before the forward
+
     def __init__(
         self,
         cfg: HostTierConfig,

@@ -24,6 +24,8 @@ from tiered.offload.host_keys import HostKeys
 from tiered.request.plan import HostLoad
 from tiered.request.tokens import TierRequest
 
+PREFETCH_GATE_S = 30.0  # a prefetch waits at most this long for the step's own loads to run
+
 
 class Loaded(NamedTuple):
     """Device blocks given host-tier chunks, those of them from its disk or a remote store, and
@@ -44,7 +46,10 @@ def copy_chunks(host: Host, device_tier: DeviceTier, load: HostLoad) -> None:
     """Run a planned load, once: its chunks copied into its blocks, the host tier's references
     released; `load.filled` says how many leading blocks hold their chunk."""
     if load.filled is None:
-        load.filled = host.load(load.objs, load.block_ids, device_tier.blocks, load.num_remote, load.num_disk)
+        try:
+            load.filled = host.load(load.objs, load.block_ids, device_tier.blocks, load.num_remote, load.num_disk)
+        finally:
+            load.done.set()
 
 
 def max_prefix_blocks(req: TierRequest, block_tokens: int) -> int:
@@ -98,7 +103,8 @@ class PrefixLoader:
         device blocks (pinned and cached); returns them (with those from disk and from the remote
         store) and whether LMCache had fewer chunks than asked for (no use asking the remote store
         again). `defer`: the chunks' copy into the blocks is left to the worker (`Loaded.pending`);
-        otherwise it runs now, and a chunk that cannot be read ends the run there.
+        otherwise, or where the host tier's load only queues the copy for its own workers
+        (`queues_loads`), it runs now, and a chunk that cannot be read ends the run there.
 
         Chunks that find no free device block are not loaded: they are recomputed."""
         none = nothing_loaded()
@@ -121,7 +127,7 @@ class PrefixLoader:
         remote = blocks[disk_end:]
         disk = blocks[disk_end - num_disk : disk_end]
         load = HostLoad(list(keys[: len(blocks)]), list(objs[: len(blocks)]), list(blocks), len(remote), len(disk))
-        if not defer:
+        if not defer or self.host_tier.queues_loads:
             copy_chunks(self.host_tier, self.device_tier, load)
             if load.failed:  # a chunk LMCache listed could not be read: recomputed from there
                 filled = load.filled or 0
@@ -134,18 +140,25 @@ class PrefixLoader:
                 if not blocks:
                     return none, short
         bt = self.block_tokens
-        for i, b in enumerate(blocks):
-            j = first_block + i
-            self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
+        try:
+            for i, b in enumerate(blocks):
+                j = first_block + i
+                self.device_tier.cache(b, req.keys[j], req.token_ids[j * bt : (j + 1) * bt].tolist())
+        except BaseException:  # nothing of this run is the caller's yet: give it all back
+            if load.filled is None:
+                self.host_tier.release(load.objs)
+            self.device_tier.uncache(blocks)
+            self.device_tier.unpin(blocks)
+            raise
         if remote:  # in the host tier's reach now: the scheduler's estimate counts them as host hits
             self.host_keys.learned(keys[disk_end : len(blocks)])
-        return Loaded(blocks, set(disk), set(remote), [load] if defer else []), short
+        return Loaded(blocks, set(disk), set(remote), [load] if load.filled is None else []), short
 
     def undo(self, load: HostLoad) -> None:
         """A planned load whose blocks did not all get their chunk (never run, or a chunk could not
         be read): those blocks leave the device tier's index (freed on their last unpin), the host
         tier's references of a load never run are released, and the keys whose chunk it lacks are
-        forgotten (computed and stored again)."""
+        forgotten (computed and stored again). The load keeps what it filled: undone once."""
         assert self.host_tier is not None
         if load.filled is None:
             self.host_tier.release(load.objs)
@@ -153,6 +166,8 @@ class PrefixLoader:
         else:
             self._forget(self.host_tier.missing(load.keys[load.filled :]))
         self.device_tier.uncache(load.block_ids[load.filled :])
+        del load.keys[load.filled :], load.objs[load.filled :], load.block_ids[load.filled :]
+        load.done.set()
 
     def find_prefix(self, req: TierRequest, defer: bool = False) -> tuple[list[int], Loaded, float]:
         """Pin the request's prefix: alternate runs of device hits and host loads, in block order.
@@ -192,8 +207,10 @@ class PrefixLoader:
         if gone:
             self.on_change(gone)
 
-    def prefetch(self, req: TierRequest) -> None:
-        """Start loading `req`'s host-resident prefix into the device tier in the background.
+    def prefetch(self, req: TierRequest, after: Sequence[HostLoad] = ()) -> None:
+        """Start loading `req`'s host-resident prefix into the device tier in the background, once
+        the loads `after` (the step's own, which its forward waits for) have run: the two would
+        otherwise share the cores and the disk while the forward waits.
 
         The loaded blocks are cached and left unpinned: if another request runs first they
         simply stay in the device tier (evictable) like any other cached block."""
@@ -201,6 +218,8 @@ class PrefixLoader:
             return
 
         def run() -> Loaded:
+            for load in after:  # set on every path (run, or given up); the bound only guards a slip
+                load.done.wait(PREFETCH_GATE_S)
             prefix, loaded, _ = self.find_prefix(req)
             self.device_tier.unpin(prefix)
             return loaded

@@ -382,9 +382,10 @@ class KVTiers:
         """A snapshot of the device and host tiers' counters."""
         return TierStats(self.device_tier.stats(), self.host_tier.stats() if self.host_tier else None)
 
-    def prefetch(self, req: TierRequest) -> None:
-        """Start loading `req`'s host-resident prefix in the background (`PrefixLoader.prefetch`)."""
-        self.loader.prefetch(req)
+    def prefetch(self, req: TierRequest, after: Sequence[Prepared] = ()) -> None:
+        """Start loading `req`'s host-resident prefix in the background once the host loads of the
+        requests `after` (a step's) have run (`PrefixLoader.prefetch`)."""
+        self.loader.prefetch(req, [load for p in after for load in p.loads])
 
     def drop_prefetch(self, request_id: str) -> None:
         """Forget a prefetch for a request that will not run (what it loaded stays cached)."""

@@ -44,7 +44,7 @@ class HostLoad:
     `objs[i]`, the chunk of `keys[i]`, goes into device block `block_ids[i]`; the last `num_remote`
     came from a remote store, the `num_disk` before them from the local disk. The worker side runs
     it (`KVWorker.load`) before any forward reads the blocks: `filled` is then how many leading
-    blocks hold their chunk (None: not run yet)."""
+    blocks hold their chunk (None: not run yet). `done` is set once it ran or was given up."""
 
     keys: list[int]
     objs: list[Any]
@@ -52,6 +52,7 @@ class HostLoad:
     num_remote: int = 0
     num_disk: int = 0
     filled: int | None = None
+    done: threading.Event = field(default_factory=threading.Event)
 
     @property
     def failed(self) -> bool:

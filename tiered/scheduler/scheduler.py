@@ -470,12 +470,13 @@ class Scheduler:
         step = Step(batch, [], piece_tokens, prefetch, expired, keys, parked, shed, retry_after, busy, time.monotonic())
         self._allocate(step)
         if prefetch is not None:  # after the batch pinned its prefix: the prefetch's allocations evict
-            self.tiers.prefetch(prefetch)  # only unpinned blocks, never those the batch is about to read
+            self.tiers.prefetch(prefetch, step.prepared)  # only unpinned blocks, never those the batch reads
         return step
 
     def _allocate(self, step: Step) -> None:
         """Allocate and pin each request's blocks (`KVTiers.prepare`: its cached prefix, host hits
-        loaded into device blocks, the blocks its computed tokens fill, the chunks it stores),
+        looked up and given device blocks for the worker to load, the blocks its computed tokens
+        fill, the chunks it stores),
         into `step.prepared`. A piece prepares its head cut after its next `piece_tokens` tokens;
         its computed blocks all stay (parked) on the device. With `limits.index_at_launch`, the
         retained blocks are indexed once the whole batch is prepared (the batch's own requests

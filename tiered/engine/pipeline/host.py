@@ -51,6 +51,9 @@ class StagedHost:
         self.chunk_bytes, self.block_tokens = chunk_bytes, block_tokens
         self.remote_url: str | None = None
         self.has_disk = False  # the stages' LMCache tiers are memory only
+        # `load` queues a LOAD for the stages, which run it before the next batch: queued at lookup,
+        # so that it comes before any DROP of the same key a later store of the step makes.
+        self.queues_loads = True
         self.on_stored: Callable[[StoreBatch], None] | None = None
         # Keys the index gave up (evicted or lost): the KV tiers forget them at once (LMCache's own
         # evictions are silent; the index's are known, so the scheduler's estimate stays exact).
