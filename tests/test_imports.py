@@ -151,3 +151,20 @@ def test_the_public_names_resolve_to_the_types_the_engine_takes() -> None:
     assert (tiered.Result, tiered.ScoreParams) == (Result, ScoreParams)
     assert tiered.Engine is tiered.engine.Engine and tiered.Engine.__module__ == "tiered.engine.core"
     assert set(tiered.__all__) == {"Engine", "RequestOptions", "Result", "ScoreParams", "__version__"}
+
+
+def test_the_package_drawing_in_the_docs_is_the_import_graph() -> None:
+    """docs/engine.md draws which package imports which; the drawing is the source's graph."""
+    layered = [p for packages in LAYERS for p in packages]
+    drawn: dict[str, set[str]] = {}
+    text = (ROOT.parent / "docs" / "engine.md").read_text()
+    for line in text.split("<!-- imports -->")[1].split("<!-- /imports -->")[0].splitlines():
+        if line.startswith("tiered."):
+            name, _, deps = line.partition("->")
+            drawn[name.strip()] = {f"tiered.{d.strip()}" for d in deps.split(",") if d.strip()}
+    found: dict[str, set[str]] = {p: set() for p in layered}
+    for name, deps in GRAPH.items():
+        package = ".".join(name.split(".")[:2])
+        if package in found:
+            found[package] |= {d for dep in deps if (d := ".".join(dep.split(".")[:2])) in found and d != package}
+    assert drawn == found
