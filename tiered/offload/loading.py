@@ -131,7 +131,7 @@ class PrefixLoader:
             copy_chunks(self.host_tier, self.device_tier, load)
             if load.failed:  # a chunk LMCache listed could not be read: recomputed from there
                 filled = load.filled or 0
-                self._forget(self.host_tier.missing(keys[filled : len(blocks)]))
+                self.undo(load)  # the keys it lacks forgotten; its blocks are not indexed yet
                 self.device_tier.unpin(blocks[filled:])
                 del blocks[filled:]
                 disk = [b for b in disk if b in blocks]
