@@ -14,7 +14,7 @@ from tiered.request.score import ScoreParams
 from tiered.request.tokens import TierRequest
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.scheduler import Scheduler
-from tiered.scheduler.step import Refused, StepLimits
+from tiered.scheduler.step import Refused, StepLimits, StepOutput
 
 BT = 16
 MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0, 0.0])  # a job costs 1 ms per computed token
@@ -208,8 +208,18 @@ def test_a_hopeless_request_rides_along_only_where_deferral_is_off(tiny_dir: Pat
     assert sorted(batch) == (["head", "hopeful"] if defer else ["head", "hopeful", "late"])
 
 
-def _shedding(tiny_dir: Path, tmp_path: Path, policy: str, limits: StepLimits) -> tuple[Engine, Scheduler, FakeClock]:
+def _shedding(
+    tiny_dir: Path, tmp_path: Path, policy: str, limits: StepLimits, device_blocks: int = 0
+) -> tuple[Engine, Scheduler, FakeClock]:
+    """A scheduler of its own on an engine's tiers, on a fake clock; no host tier, and a device tier
+    of `device_blocks` blocks (what a finished request keeps for a later one)."""
     engine = _engine(tiny_dir, tmp_path, "cache.suffix=discard", "cache.device_tier_bytes=0")
+    if device_blocks:
+        block_bytes = _kv_bytes_per_block(engine)
+        engine.close()
+        engine = _engine(
+            tiny_dir, tmp_path, "cache.suffix=discard", f"cache.device_tier_bytes={device_blocks * block_bytes}"
+        )
     clock = FakeClock()
     return engine, Scheduler(policy, 0.0, engine.tiers, engine.jct, clock=clock, limits=limits), clock
 
@@ -250,6 +260,74 @@ def test_a_call_that_cannot_make_its_objective_is_refused_when_it_arrives(
     serve.add(serve.tiers.new_request("first", _tokens(300, 1)))
     serve.add(serve.tiers.new_request("hopeless", _tokens(100, 6)), slo_seconds=0.05)
     assert "hopeless" in serve
+    engine.close()
+
+
+def test_a_prefix_that_several_waiting_calls_compute_is_counted_once_in_their_wait(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A visit's posts over one profile: the first computes the 64 shared tokens (4 blocks), the
+    others find them cached when they run, so the wait ahead of a new call (and the queue's
+    backlog, and the call's own time) count them once: the device tier keeps a profile that waiting
+    calls share. Without a tier that keeps it, each counts it. 1 ms per computed token, fcfs."""
+    engine, sched, _ = _shedding(tiny_dir, tmp_path, "fcfs", StepLimits(shed_late=True), device_blocks=32)
+    new, profile = engine.tiers.new_request, _tokens(4 * BT, 7)
+    post = {i: torch.cat([profile, _tokens(40, 10 + i)]) for i in range(4)}
+    sched.add(new("p0", post[0]))  # 104 ms: the profile and its post
+    sched.add(new("p1", post[1]))  # 40 ms: the profile is cached by the time it runs
+    sched.add(new("other", _tokens(104, 20)))  # 104 ms: shares nothing
+    assert sched.backlog() == pytest.approx(0.104 + 0.040 + 0.104)
+    assert sched.predicted_wait(sched.add(new("probe", _tokens(10, 21)))) == pytest.approx(0.248)
+    sched.remove("probe")
+    # 0.248 s of wait and 0.040 s of its own fit 0.3 s; counted alone, 0.312 s + 0.104 s would not
+    sched.add(new("p2", post[2]), slo_seconds=0.3)
+    with pytest.raises(Refused, match=r"0\.29 s and 0\.04 s of its own"):  # 0.288 s ahead now
+        sched.add(new("p3", post[3]), slo_seconds=0.3)
+    engine.close()
+    engine, sched, _ = _shedding(tiny_dir, tmp_path, "fcfs", StepLimits(shed_late=True))  # keeps nothing
+    sched.add(engine.tiers.new_request("p0", post[0]))
+    sched.add(engine.tiers.new_request("p1", post[1]))
+    assert sched.backlog() == pytest.approx(0.208)
+    engine.close()
+
+
+def test_a_waiting_call_finds_the_prefix_of_the_step_before_it_cached(tiny_dir: Path, tmp_path: Path) -> None:
+    """The shed at a step, and the admission of a call while its forward runs, count the blocks the
+    step computes as cached for the calls that share them: a post whose profile the running step
+    computes needs 40 ms of its own after it, not 104. 1 ms per computed token, fcfs."""
+    engine, sched, _ = _shedding(tiny_dir, tmp_path, "fcfs", StepLimits(shed_late=True), device_blocks=32)
+    new, profile = engine.tiers.new_request, _tokens(4 * BT, 7)
+    sched.add(new("p0", torch.cat([profile, _tokens(40, 10)])))  # 104 ms: runs first, alone
+    sched.add(new("p1", torch.cat([profile, _tokens(40, 11)])), slo_seconds=0.16)  # 0.104 + 0.040
+    sched.add(new("other", _tokens(104, 12)), slo_seconds=0.25)  # 0.144 + 0.104
+    step = sched.schedule()
+    assert [d.waiting.request_id for d in step.batch] == ["p0"] and step.shed == []
+    sched.running(step)
+    assert sched.running_until == pytest.approx(0.104)
+    # ahead: 0.104 s of the running forward, p1's 0.040 s and other's 0.104 s; its own 0.040 s fits 0.3 s
+    sched.add(new("p2", torch.cat([profile, _tokens(40, 13)])), slo_seconds=0.3)
+    assert sched.take_unreachable(0.104, sched.running_blocks) == []
+    assert [w.request_id for w in sched.take_unreachable(0.104)] == ["p1"]  # the profile counted again
+    sched.running(None)
+    assert sched.running_until == 0.0 and not sched.running_blocks
+    engine.close()
+
+
+def test_a_call_admitted_for_a_prefix_cached_since_is_not_shed_on_its_arrival_estimate(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """fcfs scores a request once, at arrival: after the request ahead ran and its profile became a
+    device hit, the shed estimates a call again before refusing it on the split it arrived with."""
+    engine, sched, clock = _shedding(tiny_dir, tmp_path, "fcfs", StepLimits(shed_late=True), device_blocks=32)
+    new, profile = engine.tiers.new_request, _tokens(4 * BT, 7)
+    sched.add(new("p0", torch.cat([profile, _tokens(40, 10)])))
+    sched.add(new("p1", torch.cat([profile, _tokens(40, 11)])), slo_seconds=0.16)  # 0.104 + 0.040
+    step = sched.schedule()
+    sched.update_from_output(step, StepOutput(finished=step.prepared))  # p0 ran: its profile is cached
+    clock.now = 0.104
+    step = sched.schedule()  # 0.104 s + its arrival estimate (0.104 s) is past 0.16 s; 0.040 s is not
+    assert step.shed == [] and [d.waiting.request_id for d in step.batch] == ["p1"]
+    assert step.batch[0].waiting.split.num_miss_tokens == 104  # the split it was scored with, kept
     engine.close()
 
 

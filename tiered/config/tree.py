@@ -171,8 +171,9 @@ class SchedulerConfig:
     # Most requests waiting or running at once; the server answers 503 (with Retry-After) beyond it.
     max_waiting: int = 4096
     # Admission control: a call whose predicted wait (the JCT model's predicted time of the waiting
-    # requests the policy runs before it) exceeds this many seconds is answered 503 with Retry-After
-    # at once, objective or not. 0: no cap (only `max_waiting` bounds the queue).
+    # requests the policy runs before it, a prefix several of them compute counted once) exceeds
+    # this many seconds is answered 503 with Retry-After at once, objective or not. 0: no cap (only
+    # `max_waiting` bounds the queue).
     max_predicted_wait_s: float = 0.0
     # Computed (uncached) tokens of one batched forward: requests sharing a prefix run together
     # up to this budget, reading one copy of it. 0: one request per forward (PrefillOnly's way).

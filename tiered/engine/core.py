@@ -151,8 +151,8 @@ class Engine:
         if not self.scheduler.limits.shed_late:
             return []
         with self.lock:
-            shed = self.scheduler.take_unreachable(busy_seconds)
-            retry_after = busy_seconds + self.scheduler.backlog() if shed else 0.0
+            shed = self.scheduler.take_unreachable(busy_seconds, self.scheduler.running_blocks)
+            retry_after = busy_seconds + self.scheduler.backlog(self.scheduler.running_blocks) if shed else 0.0
         return refused_results(Step(shed=shed, retry_after=retry_after)) if shed else []
 
     @property
@@ -180,8 +180,7 @@ class Engine:
         cannot wait that long without asking the engine)."""
         with self.lock:
             step = self.scheduler.schedule()
-            if step.batch:
-                self.scheduler.running_until = self.scheduler.clock() + step.predicted_seconds
+            self.scheduler.running(step)
         output = StepOutput()
         try:
             refused = refused_results(step)
@@ -193,14 +192,14 @@ class Engine:
         except BaseException:
             output.aborted += step.prepared  # nothing ran: the step's blocks go back
             with self.lock:
-                self.scheduler.running_until = 0.0
+                self.scheduler.running(None)
                 self.scheduler.update_from_output(step, output)
             raise
         try:
             self.executor.execute(step, output)  # without the lock: calls may arrive meanwhile
         finally:
             with self.lock:
-                self.scheduler.running_until = 0.0
+                self.scheduler.running(None)
                 self.scheduler.update_from_output(step, output)
         return refused + output.results
 

@@ -16,6 +16,7 @@ store. `abort` gives back what a request that did not run held, loads that faile
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -287,6 +288,16 @@ class KVTiers:
             planned_keys.update(req.keys[first_own : first_own + len(retained)])
             planned_keys.update(req.keys[j] for j in stored)
         return prepared
+
+    def num_kept_blocks(self) -> int:
+        """At most how many of a request's computed blocks stay cached for a later request sharing
+        them: all where a host tier takes them, else what the retention policy keeps on the device
+        (a bound for the scheduler's predictions; room decides the rest)."""
+        if self.host_tier is not None:
+            return sys.maxsize
+        if self.cfg.retention == "none" or self.device_tier.num_blocks == 0:
+            return 0
+        return self.cfg.retention_cap_tokens // self.block_tokens
 
     def _retention(self, req: TierRequest, computed: range, shared_keys: Collection[int]) -> list[int]:
         """Indices of computed blocks to keep on the device, as a contiguous run after the prefix."""

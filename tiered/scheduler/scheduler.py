@@ -11,13 +11,15 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from torch import Tensor
 
 from tiered.config import SchedulerPolicy
+from tiered.offload.loading import max_prefix_blocks
 from tiered.offload.tiers import KVTiers
 from tiered.request.score import DEFAULT_PARAMS, ScoreParams
-from tiered.request.tokens import TierRequest, common_prefix_len
+from tiered.request.tokens import HitSplit, TierRequest, common_prefix_len
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.pieces import PiecePolicy
 from tiered.scheduler.step import Decision, Refused, Step, StepLimits, StepOutput, Waiting
@@ -62,9 +64,12 @@ class Scheduler:
         self._by_key: dict[int, set[str]] = defaultdict(set)  # block key -> ids of the requests that hold it
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, request id), stale entries skipped
         self._seq = 0
-        # When the forward running now is predicted to end (the clock's time; 0.0: none runs): a call
-        # admitted meanwhile waits for it first.
+        # When the forward running now is predicted to end (the clock's time; 0.0: none runs), and the
+        # keys of the blocks it holds once it ends: a call admitted meanwhile waits for it first, and
+        # finds those blocks cached when it runs (`running`).
         self.running_until = 0.0
+        self.running_blocks: frozenset[int] = frozenset()
+        self._num_kept = tiers.num_kept_blocks()  # of a request's computed blocks, at most this many stay cached
         tiers.track_changes()  # the tiers collect the keys that move; `_rescore_changed` takes them
 
     def __len__(self) -> int:
@@ -109,7 +114,7 @@ class Scheduler:
         shed = lim.shed_late and w.deadline is not None
         if not (shed or lim.max_predicted_wait > 0):
             return
-        wait = self.predicted_wait(w)
+        wait, own = self._wait_and_own(w)
         if 0 < lim.max_predicted_wait < wait:
             raise Refused(
                 503,
@@ -118,29 +123,73 @@ class Scheduler:
                 wait,
             )
         now = self.clock()
-        if shed and w.deadline is not None and now + wait + w.jct > w.deadline:
+        if shed and w.deadline is not None and now + wait + own > w.deadline:
             raise Refused(
                 429,
-                f"deadline unreachable: a predicted wait of {wait:.2f} s and {w.jct:.2f} s of its own end "
-                f"{1e3 * (now + wait + w.jct - w.deadline):.0f} ms past its latency objective (scheduler.late: shed)",
+                f"deadline unreachable: a predicted wait of {wait:.2f} s and {own:.2f} s of its own end "
+                f"{1e3 * (now + wait + own - w.deadline):.0f} ms past its latency objective (scheduler.late: shed)",
                 wait,
             )
 
     def predicted_wait(self, w: Waiting) -> float:
         """Seconds of predicted work before `w` (not yet queued) starts: what is left of the forward
         running now, then the waiting requests of a higher priority, or of its own and ahead in the
-        policy's order; with late calls shed, those that will be shed are not counted. O(waiting)."""
+        policy's order; with late calls shed, those that will be shed are not counted. Blocks that
+        several of them compute (a visit's posts over one profile) count once. O(waiting)."""
+        return self._wait_and_own(w)[0]
+
+    def _wait_and_own(self, w: Waiting) -> tuple[float, float]:
+        """`predicted_wait(w)`, and `w`'s own predicted time once the requests ahead of it have run
+        (the blocks they keep cached for it by then)."""
         now, shed = self.clock(), self.limits.shed_late
         key = (w.priority, self._order(w), w.seq)
-        return max(0.0, self.running_until - now) + sum(
-            x.jct
-            for x in self._waiting.values()
-            if (x.priority, self._order(x), x.seq) < key and not (shed and self._hopeless(x, now))
-        )
+        computed = set(self.running_blocks) if self.running_until > now else set()
+        wanted = set(w.request.keys)
+        ahead = 0.0
+        for x in self._waiting.values():
+            if (x.priority, self._order(x), x.seq) >= key:
+                continue
+            jct = self._jct_after(x, computed)
+            if shed and x.deadline is not None and now + jct > x.deadline:
+                continue  # shed before it runs: it computes nothing
+            ahead += jct
+            self._keep(x, computed, wanted)
+        return max(0.0, self.running_until - now) + ahead, self._jct_after(w, computed)
 
-    def backlog(self) -> float:
-        """Seconds of predicted work waiting (each request's JCT, summed). O(waiting)."""
-        return sum(w.jct for w in self._waiting.values())
+    def backlog(self, computed: AbstractSet[int] = frozenset()) -> float:
+        """Seconds of predicted work waiting: each request's JCT, blocks that several of them compute
+        counted once, and those in `computed` (keys a running step keeps) as cached. O(waiting)."""
+        made, total = set(computed), 0.0
+        for w in self._waiting.values():
+            total += self._jct_after(w, made)
+            self._keep(w, made)
+        return total
+
+    def _jct_after(self, w: Waiting, computed: AbstractSet[int], split: HitSplit | None = None) -> float:
+        """`w`'s predicted time (from `split`; default its own) run after requests that keep the
+        blocks `computed` (keys) cached: its first computed blocks found there cost what device hits
+        cost (the executor's rule for tokens a batch member computes for another). Keys chain
+        their prefix, so the shared blocks lead."""
+        split = w.split if split is None else split
+        bt = self.tiers.block_tokens
+        keys, first = w.request.keys, (split.num_tokens - split.num_miss_tokens) // bt
+        n, end = first, max_prefix_blocks(w.request, bt)
+        while n < end and keys[n] in computed:
+            n += 1
+        if n > first:
+            return self.jct.predict(split.shared_as_hits((n - first) * bt))
+        return w.jct if split is w.split else self.jct.predict(split)
+
+    def _keep(self, w: Waiting, computed: set[int], wanted: AbstractSet[int] = frozenset()) -> None:
+        """Add to `computed` the keys of the blocks `w` computes and leaves cached (as many as the
+        tiers keep) that a later request may share: held by another waiting request, or `wanted`."""
+        keys, n = w.request.keys, self._hit_blocks(w)
+        while n < len(keys) and keys[n] in computed:  # an earlier request computes these
+            n += 1
+        end = min(len(keys), n + self._num_kept)
+        while n < end and (keys[n] in wanted or len(self._by_key.get(keys[n], ())) > 1):
+            computed.add(keys[n])
+            n += 1
 
     def requeue(self, w: Waiting) -> None:
         """Put a picked request back, as it was (arrival, order, deadline): a request that yielded
@@ -457,9 +506,6 @@ class Scheduler:
                 busy = sum(d.predicted_jct for d in batch)
             else:
                 busy = self.jct.piece_seconds(head.split, piece_tokens)
-        if lim.shed_late and batch:  # nothing waiting starts before this step ends
-            shed += self.take_unreachable(busy)
-        retry_after = busy + self.backlog() if shed else 0.0
         prefetch = None
         if batch and lim.prefetch:
             nxt = self.peek()
@@ -467,10 +513,18 @@ class Scheduler:
                 prefetch = nxt.request
         parked = self.num_parked_blocks() if piece_tokens is not None else 0
         keys = self.waiting_keys() if batch else set()
-        step = Step(batch, [], piece_tokens, prefetch, expired, keys, parked, shed, retry_after, busy, time.monotonic())
+        step = Step(batch, [], piece_tokens, prefetch, expired, keys, parked, shed, 0.0, busy, time.monotonic())
         self._allocate(step)
-        if prefetch is not None:  # after the batch pinned its prefix: the prefetch's allocations evict
-            self.tiers.prefetch(prefetch, step.prepared)  # only unpinned blocks, never those the batch reads
+        kept: frozenset[int] = frozenset()
+        if lim.shed_late and batch:  # nothing waiting starts before this step ends, nor misses what it keeps
+            kept = self.kept_keys(step)
+            step.shed += self.take_unreachable(busy, kept)
+            if prefetch is not None and prefetch.request_id not in self:
+                step.prefetch = None  # shed
+        if step.shed:
+            step.retry_after = busy + self.backlog(kept)
+        if step.prefetch is not None:  # after the batch pinned its prefix: the prefetch's allocations
+            self.tiers.prefetch(step.prefetch, step.prepared)  # evict only unpinned blocks, never those the batch reads
         return step
 
     def _allocate(self, step: Step) -> None:
@@ -559,14 +613,43 @@ class Scheduler:
             len(held),
         )
 
-    def take_unreachable(self, busy: float) -> list[Waiting]:
+    def take_unreachable(self, busy: float, computed: AbstractSet[int] = frozenset()) -> list[Waiting]:
         """Take out the waiting requests that cannot meet their deadline even if they start once
-        `busy` more seconds (the step about to run) have passed (`scheduler.late: shed`). O(waiting)."""
+        `busy` more seconds (the step about to run) have passed, the blocks `computed` (keys that
+        step keeps) cached for them by then (`scheduler.late: shed`). A request about to be shed is
+        estimated again first: a policy that scores once keeps the split of its arrival. O(waiting)."""
         now = self.clock()
-        out = [w for w in self._waiting.values() if w.deadline is not None and now + busy + w.jct > w.deadline]
+
+        def late(w: Waiting) -> bool:
+            if w.deadline is None or now + busy + self._jct_after(w, computed) <= w.deadline:
+                return False
+            split = self.tiers.estimate(w.request)
+            return split == w.split or now + busy + self._jct_after(w, computed, split) > w.deadline
+
+        out = [w for w in self._waiting.values() if late(w)]
         for w in out:
             self.remove(w.request_id)
         return out
+
+    def kept_keys(self, step: Step) -> frozenset[int]:
+        """Keys of the blocks cached once `step` has run: each prepared request's prefix, the
+        computed blocks it keeps on the device and those it stores in the host tier."""
+        out: set[int] = set()
+        for p in step.prepared:
+            keys = p.request.keys
+            out.update(keys[: len(p.prefix_blocks)])
+            out.update(keys[p.first_retained_block : p.first_retained_block + len(p.retained_blocks)])
+            out.update(keys[j] for j in p.stored_blocks)
+        return frozenset(out)
+
+    def running(self, step: Step | None) -> None:
+        """Note that `step`'s forward starts now (None: it ended, or none runs)."""
+        if step is None or not step.batch:
+            self.running_until, self.running_blocks = 0.0, frozenset()
+        else:
+            self.running_until = self.clock() + step.predicted_seconds
+            lim = self.limits
+            self.running_blocks = self.kept_keys(step) if lim.shed_late or lim.max_predicted_wait > 0 else frozenset()
 
     def take_expired(self) -> list[Waiting]:
         """Take out the waiting requests whose deadline has passed (`scheduler.drop_expired`)."""
