@@ -381,6 +381,9 @@ def _measure(
         computed = prompt - device - from_host - disk - shared
         cache = CacheUse(prompt, device, from_host, computed, "usage", shared, disk, host)
         return _Measured(records, makespan, cache, memory, faults)
+    if vllm.proc is None or vllm.proc.poll() is not None:  # killed at the memory limit, or crashed
+        faults.append(f"vLLM's server stopped during the run (see {vllm.log_path})")
+        return _Measured(records, makespan, CacheUse(0, 0, 0, 0, "metrics", host_counters=host), memory, faults)
     after = vllm_prefix_cache_tokens(served.url)
     queried, hit, loaded = (a - b for a, b in zip(after, before, strict=True))
     faults += [] if vllm.healthy() else ["vLLM's /health did not answer 200 after the run"]
@@ -441,6 +444,7 @@ class _Runs:
     loads: dict[tuple[str, float], list[Summary]] = field(default_factory=dict)
     # per non-reference system: (its run, the reference's run beside it), per repeat
     paired_saturation: dict[str, list[tuple[Saturation, Saturation]]] = field(default_factory=dict)
+    stopped: set[str] = field(default_factory=set)  # peers whose server stopped mid-bench
     paired_loads: dict[tuple[str, float], list[tuple[Summary, Summary]]] = field(default_factory=dict)
     documents: list[dict[str, Any]] = field(default_factory=list)  # the Poisson runs, as `bench load` writes them
     saturation_records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -548,10 +552,12 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
                 for rep in range(opts.repeats):
                     here: dict[str, Saturation] = {}
                     for system in abba(pair, rep):
+                        if _stopped(served[system], runs):
+                            continue
                         wait_quiet(pids)
                         here[system] = _saturation(ctx, served[system], calls_of[system], f"sat-{i}-{rep}", rep, runs)
                     for other in pair[1:]:
-                        if here[other].faults or here[reference].faults:
+                        if other not in here or reference not in here or here[other].faults or here[reference].faults:
                             continue  # a run whose tier failed is kept in the JSON, not paired into a headline
                         runs.paired_saturation.setdefault(other, []).append((here[other], here[reference]))
                 if rate is None:
@@ -564,11 +570,15 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
                     for rep in range(opts.repeats):
                         summary: dict[str, Summary] = {}
                         for system in abba(pair, rep):
+                            if _stopped(served[system], runs):
+                                continue
                             wait_quiet(pids)
                             summary[system] = _load_run(
                                 served[system], calls_of[system], load, f"load-{i}-{k}-{rep}", rep, runs
                             )
                         for other in pair[1:]:
+                            if other not in summary or reference not in summary:
+                                continue
                             if {id(summary[other]), id(summary[reference])} & runs.faulty:
                                 continue
                             runs.paired_loads.setdefault((other, multiple), []).append(
@@ -576,6 +586,18 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
                             )
 
     return _report(ctx, runs, rate)
+
+
+def _stopped(served: Served, runs: _Runs) -> bool:
+    """Whether a peer's server has stopped (killed at the memory limit in an earlier run, or
+    crashed): its remaining runs are skipped, once said so, and the runs it finished stay in the JSON."""
+    vllm = served.vllm
+    if vllm is None or vllm.proc is None or vllm.proc.poll() is None:
+        return False
+    if served.system not in runs.stopped:
+        runs.stopped.add(served.system)
+        log.warning("%s's server has stopped (see %s): its remaining runs are skipped", served.system, vllm.log_path)
+    return True
 
 
 def _saturation(ctx: _Context, served: Served, calls: list[Call], salt: str, rep: int, runs: _Runs) -> Saturation:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
+import subprocess
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +27,8 @@ from benchmarks.traces import (
 )
 from benchmarks.visits import (
     VisitsOptions,
+    _Runs,
+    _stopped,
     profiles_kv_bytes,
     run_visits_bench,
     split_visits,
@@ -109,6 +113,27 @@ vllm:prefix_cache_queries_created{engine="0",model_name="model"} 1.7e9
     monkeypatch.setattr(bench_launch.httpx, "get", lambda url, timeout: SimpleNamespace(text="up 1\n"))
     with pytest.raises(BenchError, match="prefix_cache_queries_total"):
         vllm_prefix_cache_tokens("http://x")
+
+
+def test_a_peer_whose_server_stopped_is_skipped_and_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A peer's server that stopped (killed at the memory limit, crashed) has its remaining runs
+    skipped with one warning naming its log; a running one, and ours, run on."""
+    stopped = subprocess.Popen(["true"])
+    stopped.wait()
+    running = subprocess.Popen(["sleep", "30"])
+    runs = _Runs()
+    try:
+        dead = SimpleNamespace(system="vllm", vllm=SimpleNamespace(proc=stopped, log_path=tmp_path / "vllm.log"))
+        alive = SimpleNamespace(system="vllm-lmcache", vllm=SimpleNamespace(proc=running, log_path=tmp_path / "x.log"))
+        ours = SimpleNamespace(system="tiered", vllm=None)
+        with caplog.at_level(logging.WARNING, logger="benchmarks.visits"):
+            assert _stopped(dead, runs) and _stopped(dead, runs)
+            assert not _stopped(alive, runs) and not _stopped(ours, runs)
+    finally:
+        running.kill()
+        running.wait()
+    said = [r.getMessage() for r in caplog.records]
+    assert runs.stopped == {"vllm"} and len(said) == 1 and "vllm.log" in said[0] and "skipped" in said[0]
 
 
 def test_bad_systems_fail_before_anything_runs(tmp_path: Path) -> None:
