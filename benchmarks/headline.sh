@@ -120,6 +120,13 @@ $B visits $V4K --users 24 --visits 100 --posts 8 \
   --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
   --systems tiered,vllm-lmcache,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
   --json $R/visits-beyond-memory-lmcache-trace100-bench-m.json --plots benchmarks/out/visits-beyond-memory-lmcache-trace100
+# The 8-post feed (24 users, 240 visits) under the same 4 GiB limit, against plain vLLM (vLLM + LMCache's worker
+# was killed at that limit on this feed).
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 24 --visits 240 --posts 8 \
+  --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
+  --systems tiered,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
+  --json $R/visits-beyond-memory-4g-feed8-bench-m.json --plots benchmarks/out/visits-beyond-memory-4g-feed8
 # Its latency below saturation: 24 users, 32 visits of 2 posts, at 0.8x plain vLLM's saturation (the better peer).
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 24 --visits 32 --posts 2 \
