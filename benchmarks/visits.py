@@ -381,7 +381,7 @@ def _measure(
         computed = prompt - device - from_host - disk - shared
         cache = CacheUse(prompt, device, from_host, computed, "usage", shared, disk, host)
         return _Measured(records, makespan, cache, memory, faults)
-    if vllm.proc is None or vllm.proc.poll() is not None:  # killed at the memory limit, or crashed
+    if not vllm.running():  # killed at the memory limit, or crashed
         faults.append(f"vLLM's server stopped during the run (see {vllm.log_path})")
         return _Measured(records, makespan, CacheUse(0, 0, 0, 0, "metrics", host_counters=host), memory, faults)
     after = vllm_prefix_cache_tokens(served.url)
@@ -592,7 +592,7 @@ def _stopped(served: Served, runs: _Runs) -> bool:
     """Whether a peer's server has stopped (killed at the memory limit in an earlier run, or
     crashed): its remaining runs are skipped, once said so, and the runs it finished stay in the JSON."""
     vllm = served.vllm
-    if vllm is None or vllm.proc is None or vllm.proc.poll() is None:
+    if vllm is None or vllm.running():
         return False
     if served.system not in runs.stopped:
         runs.stopped.add(served.system)

@@ -190,9 +190,13 @@ class VLLMServer:
             raise
         self.startup_seconds = time.perf_counter() - began
 
+    def running(self) -> bool:
+        """Its process was started and has not exited (killed at a memory limit, crashed)."""
+        return self.proc is not None and self.proc.poll() is None
+
     def healthy(self) -> bool:
         """Its process runs and its `/health` answers 200."""
-        if self.proc is None or self.proc.poll() is not None:
+        if not self.running():
             return False
         try:
             return httpx.get(f"{self.url}/health", timeout=10).status_code == 200

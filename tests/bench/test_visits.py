@@ -8,6 +8,7 @@ import logging
 import subprocess
 from collections import Counter
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,6 +36,7 @@ from benchmarks.visits import (
     vllm_prefix_cache_tokens,
     working_set_tokens,
 )
+from benchmarks.vllm import VLLMServer
 from tiered.config import Config, load_config
 from tiered.config.options import DEFAULT_CONFIG
 
@@ -115,6 +117,13 @@ vllm:prefix_cache_queries_created{engine="0",model_name="model"} 1.7e9
         vllm_prefix_cache_tokens("http://x")
 
 
+def _server(proc: subprocess.Popen[bytes], log_path: Path) -> SimpleNamespace:
+    """What the bench reads of a started `VLLMServer`: its process, its log, `running` as the class has it."""
+    server = SimpleNamespace(proc=proc, log_path=log_path)
+    server.running = partial(VLLMServer.running, server)
+    return server
+
+
 def test_a_peer_whose_server_stopped_is_skipped_and_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A peer's server that stopped (killed at the memory limit, crashed) has its remaining runs
     skipped with one warning naming its log; a running one, and ours, run on."""
@@ -123,8 +132,8 @@ def test_a_peer_whose_server_stopped_is_skipped_and_said_once(tmp_path: Path, ca
     running = subprocess.Popen(["sleep", "30"])
     runs = _Runs()
     try:
-        dead = SimpleNamespace(system="vllm", vllm=SimpleNamespace(proc=stopped, log_path=tmp_path / "vllm.log"))
-        alive = SimpleNamespace(system="vllm-lmcache", vllm=SimpleNamespace(proc=running, log_path=tmp_path / "x.log"))
+        dead = SimpleNamespace(system="vllm", vllm=_server(stopped, tmp_path / "vllm.log"))
+        alive = SimpleNamespace(system="vllm-lmcache", vllm=_server(running, tmp_path / "x.log"))
         ours = SimpleNamespace(system="tiered", vllm=None)
         with caplog.at_level(logging.WARNING, logger="benchmarks.visits"):
             assert _stopped(dead, runs) and _stopped(dead, runs)

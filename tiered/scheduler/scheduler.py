@@ -515,14 +515,14 @@ class Scheduler:
         keys = self.waiting_keys() if batch else set()
         step = Step(batch, [], piece_tokens, prefetch, expired, keys, parked, shed, 0.0, busy, time.monotonic())
         self._allocate(step)
-        kept: frozenset[int] = frozenset()
+        if batch and (lim.shed_late or lim.max_predicted_wait > 0):
+            step.kept_keys = self._kept_keys(step)
         if lim.shed_late and batch:  # nothing waiting starts before this step ends, nor misses what it keeps
-            kept = self.kept_keys(step)
-            step.shed += self.take_unreachable(busy, kept)
+            step.shed += self.take_unreachable(busy, step.kept_keys)
             if prefetch is not None and prefetch.request_id not in self:
                 step.prefetch = None  # shed
         if step.shed:
-            step.retry_after = busy + self.backlog(kept)
+            step.retry_after = busy + self.backlog(step.kept_keys)
         if step.prefetch is not None:  # after the batch pinned its prefix: the prefetch's allocations
             self.tiers.prefetch(step.prefetch, step.prepared)  # evict only unpinned blocks, never those the batch reads
         return step
@@ -631,7 +631,7 @@ class Scheduler:
             self.remove(w.request_id)
         return out
 
-    def kept_keys(self, step: Step) -> frozenset[int]:
+    def _kept_keys(self, step: Step) -> frozenset[int]:
         """Keys of the blocks cached once `step` has run: each prepared request's prefix, the
         computed blocks it keeps on the device and those it stores in the host tier."""
         out: set[int] = set()
@@ -648,8 +648,7 @@ class Scheduler:
             self.running_until, self.running_blocks = 0.0, frozenset()
         else:
             self.running_until = self.clock() + step.predicted_seconds
-            lim = self.limits
-            self.running_blocks = self.kept_keys(step) if lim.shed_late or lim.max_predicted_wait > 0 else frozenset()
+            self.running_blocks = step.kept_keys
 
     def take_expired(self) -> list[Waiting]:
         """Take out the waiting requests whose deadline has passed (`scheduler.drop_expired`)."""

@@ -107,6 +107,9 @@ class Step:
     retry_after: float = 0.0
     predicted_seconds: float = 0.0
     started: float = 0.0  # time.monotonic() before its blocks were allocated: its requests' wait ends here
+    # Keys of the blocks cached once it has run (its prefixes, kept and stored blocks); filled only
+    # where admission control or shedding reads them.
+    kept_keys: frozenset[int] = frozenset()
 
     @property
     def adapters(self) -> list[str]:
