@@ -279,6 +279,11 @@ WORKLOADS = (
 )
 
 
+# Workloads whose KV outgrows memory: a run without a memory limit (`memory_limit_bytes`) let our disk tier's
+# page cache hold KV in memory the peer did not get, which the summary says beside the row.
+UNLIMITED_NOTE = {"KV beyond memory": "no memory limit: our disk tier's page cache uncounted"}
+
+
 def workload_of(path: Path, doc: dict[str, Any]) -> str:
     """The workload a result document measures (WORKLOADS), for the README's one row per workload."""
     return next((name for prefix, name in WORKLOADS if path.stem.startswith(prefix)), str(doc.get("bench", path.stem)))
@@ -287,8 +292,9 @@ def workload_of(path: Path, doc: dict[str, Any]) -> str:
 def render_summary(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/") -> str:
     """The README's short table (markers included): for each workload the newest machine measured
     (its newest document first, at most SUMMARY_ROWS), that document's first measure against the
-    better peer (the row of that measure with the smallest ratio), with a link to the document;
-    the full table is RESULTS.md's."""
+    better peer (the row of that measure with the smallest ratio), with a link to the document
+    and, for a workload in UNLIMITED_NOTE run without a memory limit, that note; the full table is
+    RESULTS.md's."""
     ordered = _table_docs(results_dir)
     lines = [START, ""]
     if ordered:
@@ -301,14 +307,16 @@ def render_summary(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/
             "| workload | measure | ours | the better peer | ours ahead by | date |",
             "|---|---|---|---|---|---|",
         ]
-        newest: dict[str, tuple[str, Path, list[dict[str, Any]]]] = {}
+        newest: dict[str, tuple[str, Path, dict[str, Any], list[dict[str, Any]]]] = {}
         for date, path, doc, rows in docs:  # newest first: the first of each workload stays
-            newest.setdefault(workload_of(path, doc), (date, path, rows))
-        for workload, (date, path, rows) in list(newest.items())[:SUMMARY_ROWS]:
+            newest.setdefault(workload_of(path, doc), (date, path, doc, rows))
+        for workload, (date, path, doc, rows) in list(newest.items())[:SUMMARY_ROWS]:
             first = rows[0]["measure"]
             row = min((r for r in rows if r["measure"] == first), key=_ratio_key)
+            note = UNLIMITED_NOTE.get(workload) if not doc.get("memory_limit_bytes") else None
             lines.append(
-                f"| [{workload}]({link_prefix}{path.name}) | {first} | {_cell(row['ours'], row['unit'])} | "
+                f"| [{workload}]({link_prefix}{path.name}){f' ({note})' if note else ''} | {first} | "
+                f"{_cell(row['ours'], row['unit'])} | "
                 f"{_cell(row['peer'], row['unit'])} | {ratio_text(row)} | {date} |"
             )
         lines.append("")

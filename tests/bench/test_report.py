@@ -225,3 +225,16 @@ def test_each_workload_shows_its_newest_document_named_by_its_file(tmp_path: Pat
         "| [short calls among 16 K prompts",
     ]
     assert "visits-bench-m-loads.json" in body[0]
+
+
+def test_a_beyond_memory_row_without_a_memory_limit_says_so(tmp_path: Path) -> None:
+    """Beyond memory, a run without a memory cgroup let our disk tier's page cache hold KV the peer
+    did not get: the summary says so beside that row, and not beside one run under a limit."""
+    row = headline_row("visits/s", "visits/s", ("tiered", [2.0] * 3), ("vllm", [1.0] * 3), True)
+    for limit in (None, 4 << 30):
+        doc = write_report(
+            None, "visits", "cpu", {"headline": [row]} | ({"memory_limit_bytes": limit} if limit else {})
+        )
+        (tmp_path / "visits-beyond-memory-x.json").write_text(json.dumps(doc))
+        line = next(x for x in render_summary(tmp_path, "results/").splitlines() if x.startswith("| [KV"))
+        assert ("page cache uncounted" in line) == (limit is None), line

@@ -62,6 +62,10 @@ def test_the_chosen_piece_is_the_largest_that_lets_every_urgent_request_meet_its
     assert choose_piece(0.0, split, [Urgent("d", 0.505, 0.5)], jct, BT) == 0  # not one block fits: yield first
     cached = HitSplit(4096, 0, 1000)  # a piece never takes the last token: it ends on a block boundary
     assert choose_piece(0.0, cached, [Urgent("e", 0.9, 0.0)], jct, BT) == 896
+    # planned 10% longer than predicted: a piece that overruns by that much still lets them meet theirs
+    p = choose_piece(0.0, split, urgent, jct, BT, margin=0.1)
+    assert p == 2272 and fits(0.0, 1.1 * jct.piece_seconds(split, p), urgent)
+    assert not fits(0.0, 1.1 * jct.piece_seconds(split, p + BT), urgent)
 
 
 def test_fixed_pieces_are_block_multiples_and_leave_the_last_token() -> None:

@@ -13,8 +13,9 @@ from tiered.engine import Engine
 from tiered.request.score import ScoreParams
 from tiered.request.tokens import TierRequest
 from tiered.scheduler.jct import JCTModel
+from tiered.scheduler.pieces import PiecePolicy
 from tiered.scheduler.scheduler import Scheduler
-from tiered.scheduler.step import Refused, StepLimits, StepOutput
+from tiered.scheduler.step import PieceStats, Refused, StepLimits, StepOutput
 
 BT = 16
 MS_PER_MISSED_TOKEN = JCTModel([0.0, 1e-3, 0.0, 0.0, 0.0])  # a job costs 1 ms per computed token
@@ -364,4 +365,38 @@ def test_a_waiting_call_is_shed_before_the_step_that_would_make_it_late(tiny_dir
     clock.now = 1.95  # "roomy" can no longer start and end by 2.0 s: shed before anything runs
     step = sched.schedule()
     assert [w.request_id for w in step.shed] == ["roomy"] and [d.waiting.request_id for d in step.batch] == ["plain"]
+    engine.close()
+
+
+def test_a_long_request_that_yields_is_not_counted_in_an_urgent_calls_wait(tiny_dir: Path, tmp_path: Path) -> None:
+    """With pieces cut by deadlines, a long request ranked ahead of a call with an objective yields
+    to it (a piece that leaves the call room, or the call first), so admission does not count the
+    long one's time in the call's wait: behind 600 ms ranked ahead (fcfs), a 50 ms call within
+    0.3 s is admitted, and the next step is a piece after which the call still meets its deadline.
+    Without pieces the call is refused; so it is once the long one's bounded delay is spent with
+    no deadline of its own to leave room. 1 ms per computed token."""
+    limits = StepLimits(max_batch_tokens=256, shed_late=True)
+    engine, plain, clock = _shedding(tiny_dir, tmp_path, "fcfs", limits, device_blocks=64)
+    new = engine.tiers.new_request
+    plain.add(new("long", _tokens(600, 1)))
+    with pytest.raises(Refused, match=r"wait of 0\.60 s"):
+        plain.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
+
+    def cutting() -> Scheduler:
+        pieces = PiecePolicy(load_config(None, [f"cache.block_tokens={BT}"]).scheduler, BT, engine.jct, PieceStats())
+        return Scheduler("fcfs", 0.0, engine.tiers, engine.jct, clock=clock, limits=limits, pieces=pieces)
+
+    sched = cutting()
+    sched.add(new("long", _tokens(600, 1)))
+    sched.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
+    step = sched.schedule()
+    assert step.shed == [] and [d.waiting.request_id for d in step.batch] in (["long"], ["short"])
+    if step.piece_tokens is not None:  # the piece, then the call's own 50 ms, end by its deadline
+        assert step.batch[0].waiting.request_id == "long" and step.piece_tokens * 1e-3 + 0.05 <= 0.3
+    for p in step.prepared:
+        engine.tiers.abort(p)
+    spent = cutting()
+    spent.add(new("long", _tokens(600, 1))).yield_until = clock() - 1.0  # yielded as long as it may
+    with pytest.raises(Refused, match=r"wait of 0\.60 s"):
+        spent.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
     engine.close()

@@ -6,7 +6,6 @@ Design notes: docs/internals.md, section `tiered/scheduler/pieces.py`.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,10 @@ HORIZON_S = 60.0  # objectives seen this recently stand for the arrivals a piece
 # (JCTModel.piece_seconds with no tokens: a step, and reading its prefix).
 PIECE_OVERHEAD_SHARE = 5
 LOST_CAUSE_SHARE = 0.25  # of a lost cause's objective: the time a like request with a cached prefix needs
+# A piece is planned as if it took this share longer than predicted: a piece cut to end just in time
+# for an urgent request otherwise makes it miss by whatever the piece overruns, and the request is
+# shed after waiting out the piece.
+PIECE_MARGIN = 0.15
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,16 +59,19 @@ def fits(now: float, piece_seconds: float, urgent: Sequence[Urgent]) -> bool:
     return True
 
 
-def choose_piece(now: float, split: HitSplit, urgent: Sequence[Urgent], jct: JCTModel, block_tokens: int) -> int:
+def choose_piece(
+    now: float, split: HitSplit, urgent: Sequence[Urgent], jct: JCTModel, block_tokens: int, margin: float = 0.0
+) -> int:
     """Tokens of the head to compute now: all of its misses (no yield), a block-aligned piece, or 0
     (yield before starting). `split`: the head's hits and misses now; `urgent`: in deadline order,
-    only requests that can still meet their deadline when run at once."""
+    only requests that can still meet their deadline when run at once; `margin`: a piece is planned
+    as taking (1 + margin) x its predicted time."""
     miss = split.num_miss_tokens
     if not urgent or miss <= block_tokens:
         return miss
 
     def seconds(p: int) -> float:
-        return jct.piece_seconds(split, p)
+        return (1.0 + margin) * jct.piece_seconds(split, p)
 
     if fits(now, seconds(miss), urgent):
         return miss
@@ -128,12 +134,11 @@ class PiecePolicy:
         least, jct, _ = min(slack)
         return Urgent("(an arrival)", now + least + jct, jct), min(s[2] for s in slack)
 
-    def decide(self, d: Decision, by_deadline: Callable[[], list[Waiting]]) -> PieceChoice | None:
+    def decide(self, d: Decision, by_deadline: Callable[[], list[Waiting]], now: float) -> PieceChoice | None:
         """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole.
-        `by_deadline`: the waiting requests with a deadline, earliest first."""
+        `by_deadline`: the waiting requests with a deadline, earliest first; `now`: the scheduler's clock."""
         sc, bt, w, jct = self.config, self.block_tokens, d.waiting, self.jct
         split = w.split
-        now = time.monotonic()
         if sc.pieces == "never" or split.num_miss_tokens <= bt:
             return None
         if sc.pieces == "fixed":  # a baseline: always in pieces (as chunked prefill), no bound needed
@@ -157,7 +162,7 @@ class PiecePolicy:
                 return None
             else:
                 planned = sorted(urgent + ([arrival] if arrival is not None else []), key=lambda u: u.deadline)
-                n = choose_piece(now, split, planned, jct, bt)
+                n = choose_piece(now, split, planned, jct, bt, PIECE_MARGIN)
                 if not urgent:  # only an anticipated arrival: never a wait, never a piece mostly overhead
                     n = max(n, self._least_piece(split))
             choice = PieceChoice(take=urgent[0].request_id) if n == 0 else PieceChoice(n)
@@ -168,6 +173,15 @@ class PiecePolicy:
         if choice is not None and choice.take is not None:
             self.stats.num_deferrals += 1
         return choice
+
+    def yields(self, w: Waiting, now: float) -> bool:
+        """Whether `w`, at the head of a one-request batch at `now`, would yield to a waiting request
+        that would miss its deadline behind it (`decide`): cut by deadlines, with more than a block
+        to compute, and not yet past its bounded delay or with room left before its own deadline.
+        Such a request delays a call with an objective by no more than that call's slack."""
+        if self.config.pieces != "deadline" or w.split.num_miss_tokens <= self.block_tokens:
+            return False
+        return w.yield_until is None or now < w.yield_until or self._slack(w, now)
 
     def _slack(self, w: Waiting, now: float) -> bool:
         """Whether the head's own deadline leaves room to yield on: its rest, (1 + max_yield_delay) x its

@@ -134,8 +134,10 @@ class Scheduler:
     def predicted_wait(self, w: Waiting) -> float:
         """Seconds of predicted work before `w` (not yet queued) starts: what is left of the forward
         running now, then the waiting requests of a higher priority, or of its own and ahead in the
-        policy's order; with late calls shed, those that will be shed are not counted. Blocks that
-        several of them compute (a visit's posts over one profile) count once. O(waiting)."""
+        policy's order; with late calls shed, those that will be shed are not counted, nor, for a
+        call with an objective, a long request that would yield to it (`_yields_to_urgent`): its
+        pieces leave room for the call. Blocks that several of them compute (a visit's posts over one
+        profile) count once. O(waiting)."""
         return self._wait_and_own(w)[0]
 
     def _wait_and_own(self, w: Waiting) -> tuple[float, float]:
@@ -149,12 +151,24 @@ class Scheduler:
         for x in self._waiting.values():
             if (x.priority, self._order(x), x.seq) >= key:
                 continue
+            if w.deadline is not None and self._yields_to_urgent(x, now):
+                continue  # its pieces are cut for w's deadline: it delays w by no more than w's slack
             jct = self._jct_after(x, computed)
             if shed and x.deadline is not None and now + jct > x.deadline:
                 continue  # shed before it runs: it computes nothing
             ahead += jct
             self._keep(x, computed, wanted)
         return max(0.0, self.running_until - now) + ahead, self._jct_after(w, computed)
+
+    def _yields_to_urgent(self, x: Waiting, now: float) -> bool:
+        """Whether `x` yields to a call that would miss its deadline behind it: `x` runs alone (a
+        request between pieces, or one whose misses fill a batch) and its pieces are cut by
+        deadlines (`PiecePolicy.yields`)."""
+        if self.pieces is None:
+            return False
+        lim = self.limits
+        alone = x.num_pieces > 0 or lim.max_batch_tokens <= 0 or x.split.num_miss_tokens >= lim.max_batch_tokens
+        return alone and self.pieces.yields(x, now)
 
     def backlog(self, computed: AbstractSet[int] = frozenset()) -> float:
         """Seconds of predicted work waiting: each request's JCT, blocks that several of them compute
@@ -493,7 +507,9 @@ class Scheduler:
         shed = self.take_unreachable(0.0) if lim.shed_late else []
         expired = self.take_expired() if lim.drop_expired else []
         batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters)
-        piece = self.pieces.decide(batch[0], self.by_deadline) if self.pieces and len(batch) == 1 else None
+        piece = None
+        if self.pieces is not None and len(batch) == 1:
+            piece = self.pieces.decide(batch[0], self.by_deadline, self.clock())
         if piece is not None and piece.take is not None:  # yield before starting: the most urgent first,
             self.requeue(batch[0].waiting)  # with the requests that fit beside it (as a head's batch fills)
             batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters, self.take(piece.take))
