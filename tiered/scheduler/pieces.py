@@ -24,6 +24,9 @@ LOST_CAUSE_SHARE = 0.25  # of a lost cause's objective: the time a like request 
 # for an urgent request otherwise makes it miss by whatever the piece overruns, and the request is
 # shed after waiting out the piece.
 PIECE_MARGIN = 0.15
+# An anticipated arrival is planned to use at most this share of its slack waiting for a piece: the
+# rest is for the calls that arrive with it (Poisson arrivals come in bursts) and for overruns.
+ARRIVAL_SLACK_SHARE = 0.5
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,10 +122,11 @@ class PiecePolicy:
             self._objectives.popleft()
 
     def _anticipated(self, now: float) -> tuple[Urgent, float] | None:
-        """One request arriving now with the tightest slack seen lately (a lost cause's: see the
-        module's docstring; but not one whose objective no request could meet, a quarter of it
-        below a one-block request's predicted time), with the tightest objective among those seen; None
-        when no objective was seen in HORIZON_S."""
+        """One request arriving now with the tightest slack seen lately, planned to wait at most
+        ARRIVAL_SLACK_SHARE of it (a lost cause's: see the module's docstring; but not one whose
+        objective no request could meet, a quarter of it below a one-block request's predicted
+        time), with the tightest objective among those seen; None when no objective was seen in
+        HORIZON_S."""
         cheapest = self.jct.predict(HitSplit(0, 0, self.block_tokens))
         slack = [
             (slo - jct, jct, slo) if jct < slo else (slo * (1 - LOST_CAUSE_SHARE), slo * LOST_CAUSE_SHARE, slo)
@@ -132,7 +136,7 @@ class PiecePolicy:
         if not slack:
             return None
         least, jct, _ = min(slack)
-        return Urgent("(an arrival)", now + least + jct, jct), min(s[2] for s in slack)
+        return Urgent("(an arrival)", now + ARRIVAL_SLACK_SHARE * least + jct, jct), min(s[2] for s in slack)
 
     def decide(self, d: Decision, by_deadline: Callable[[], list[Waiting]], now: float) -> PieceChoice | None:
         """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole.
@@ -158,13 +162,12 @@ class PiecePolicy:
                 arrival = None  # a call as tight as those anticipated: a real one is not cut for a guess
             if not urgent and late:  # missed already and shorter than the long one's rest: it goes first
                 n, urgent = 0, late[:1]
-            elif not urgent and arrival is None:
+            elif urgent:  # they go first: a piece cut to their deadlines would spend their slack on it
+                n = 0
+            elif arrival is None:
                 return None
-            else:
-                planned = sorted(urgent + ([arrival] if arrival is not None else []), key=lambda u: u.deadline)
-                n = choose_piece(now, split, planned, jct, bt, PIECE_MARGIN)
-                if not urgent:  # only an anticipated arrival: never a wait, never a piece mostly overhead
-                    n = max(n, self._least_piece(split))
+            else:  # only an anticipated arrival: never a wait, never a piece mostly overhead
+                n = max(choose_piece(now, split, [arrival], jct, bt, PIECE_MARGIN), self._least_piece(split))
             choice = PieceChoice(take=urgent[0].request_id) if n == 0 else PieceChoice(n)
             if n >= split.num_miss_tokens:
                 return None
@@ -178,7 +181,7 @@ class PiecePolicy:
         """Whether `w`, at the head of a one-request batch at `now`, would yield to a waiting request
         that would miss its deadline behind it (`decide`): cut by deadlines, with more than a block
         to compute, and not yet past its bounded delay or with room left before its own deadline.
-        Such a request delays a call with an objective by no more than that call's slack."""
+        Such a request delays a call with an objective by no more than the piece it is running."""
         if self.config.pieces != "deadline" or w.split.num_miss_tokens <= self.block_tokens:
             return False
         return w.yield_until is None or now < w.yield_until or self._slack(w, now)

@@ -135,8 +135,8 @@ class Scheduler:
         """Seconds of predicted work before `w` (not yet queued) starts: what is left of the forward
         running now, then the waiting requests of a higher priority, or of its own and ahead in the
         policy's order; with late calls shed, those that will be shed are not counted, nor, for a
-        call with an objective, a long request that would yield to it (`_yields_to_urgent`): its
-        pieces leave room for the call. Blocks that several of them compute (a visit's posts over one
+        call with an objective, a long request that would yield to it (`_yields_to_urgent`): the
+        call runs before its next piece. Blocks that several of them compute (a visit's posts over one
         profile) count once. O(waiting)."""
         return self._wait_and_own(w)[0]
 
@@ -152,7 +152,7 @@ class Scheduler:
             if (x.priority, self._order(x), x.seq) >= key:
                 continue
             if w.deadline is not None and self._yields_to_urgent(x, now):
-                continue  # its pieces are cut for w's deadline: it delays w by no more than w's slack
+                continue  # it lets w go first: w waits at most for the piece running (`running_until`)
             jct = self._jct_after(x, computed)
             if shed and x.deadline is not None and now + jct > x.deadline:
                 continue  # shed before it runs: it computes nothing
