@@ -93,6 +93,11 @@ $B mixed $M --minutes 2 --short-qps 0.25,0.5,0.75,1,1.25 --alone-repeats 1 --rep
   --systems tiered,vllm-priority-chunk2048-cap512 --json $R/mixed-bench-m-16k-capacity.json \
   --plots benchmarks/out/mixed-16k-capacity
 $B plot-mixed $R/mixed-bench-m-16k-capacity.json --out benchmarks/plots/mixed-bench-m-16k-capacity.png
+# Capacity at the heavier objectives on the AMX Xeon (run there: its rows name that machine), 5 loads, 3 pairs each.
+$B mixed $M2 --minutes 2 --short-qps 1,3,5,7,9 --alone-repeats 1 --repeats 3 \
+  --systems tiered,vllm-priority-chunk2048-cap512 --json $R/mixed-bench-m-16k-xeon-capacity.json \
+  --plots benchmarks/out/mixed-16k-xeon-capacity
+$B plot-mixed $R/mixed-bench-m-16k-xeon-capacity.json --out benchmarks/plots/mixed-bench-m-16k-xeon-capacity.png
 # KV beyond memory with 4,000-token profiles again (24 users, 100 visits), and a feed of 240 visits of 8 posts.
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 24 --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \

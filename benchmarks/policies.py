@@ -128,7 +128,7 @@ def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: i
                 for _ in range(picks):
                     head.waiting.yield_until = None  # its bound, set by a yield, would end the search
                     assert sched.pieces is not None
-                    sched.pieces.decide(head, sched.by_deadline)
+                    sched.pieces.decide(head, sched.by_deadline, sched.clock())
                 out["pieces"][depth] = 1e3 * (time.perf_counter() - start) / picks
                 log.info("pieces     queue depth %6d: %.3f ms per decision", depth, out["pieces"][depth])
             total = 0.0
