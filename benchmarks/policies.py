@@ -126,7 +126,7 @@ def decision_times(cfg: Config, depths: list[int], request_tokens: int, picks: i
             if policy == "calibrated":  # SLOWeave's choice for a long head, as `step` makes it
                 start = time.perf_counter()
                 for _ in range(picks):
-                    head.waiting.yield_until = None  # its bound, set by a yield, would end the search
+                    head.waiting.yield_until = None  # its bound, set by a yield, would stop it yielding
                     assert sched.pieces is not None
                     sched.pieces.decide(head, sched.by_deadline, sched.clock())
                 out["pieces"][depth] = 1e3 * (time.perf_counter() - start) / picks

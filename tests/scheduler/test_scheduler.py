@@ -374,7 +374,8 @@ def test_a_long_request_that_yields_is_not_counted_in_an_urgent_calls_wait(tiny_
     in the call's wait: behind 600 ms ranked ahead (fcfs), a 50 ms call within 0.3 s is admitted,
     and the next step runs it, not a piece cut to spend its slack.
     Without pieces the call is refused; so it is once the long one's bounded delay is spent with
-    no deadline of its own to leave room. 1 ms per computed token."""
+    no deadline of its own to leave room, where the call would not miss behind the long one's
+    whole rest (no yield then), and by the predicted-wait cap. 1 ms per computed token."""
     limits = StepLimits(max_batch_tokens=256, shed_late=True)
     engine, plain, clock = _shedding(tiny_dir, tmp_path, "fcfs", limits, device_blocks=64)
     new = engine.tiers.new_request
@@ -382,9 +383,9 @@ def test_a_long_request_that_yields_is_not_counted_in_an_urgent_calls_wait(tiny_
     with pytest.raises(Refused, match=r"wait of 0\.60 s"):
         plain.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
 
-    def cutting() -> Scheduler:
+    def cutting(lim: StepLimits = limits) -> Scheduler:
         pieces = PiecePolicy(load_config(None, [f"cache.block_tokens={BT}"]).scheduler, BT, engine.jct, PieceStats())
-        return Scheduler("fcfs", 0.0, engine.tiers, engine.jct, clock=clock, limits=limits, pieces=pieces)
+        return Scheduler("fcfs", 0.0, engine.tiers, engine.jct, clock=clock, limits=lim, pieces=pieces)
 
     sched = cutting()
     sched.add(new("long", _tokens(600, 1)))
@@ -398,4 +399,17 @@ def test_a_long_request_that_yields_is_not_counted_in_an_urgent_calls_wait(tiny_
     spent.add(new("long", _tokens(600, 1))).yield_until = clock() - 1.0  # yielded as long as it may
     with pytest.raises(Refused, match=r"wait of 0\.60 s"):
         spent.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
+    # A call that would not miss behind the long one's whole rest (0.6 + 0.05 <= 0.7 s) is not let go
+    # first: the long one counts, and with 0.12 s more ahead the call cannot make it.
+    loose = cutting()
+    loose.add(new("long", _tokens(600, 1)))
+    loose.add(new("plain", _tokens(120, 3)))
+    with pytest.raises(Refused, match=r"wait of 0\.72 s"):
+        loose.add(new("short", _tokens(50, 2)), slo_seconds=0.7)
+    # The predicted-wait cap counts every request ranked ahead, a long one that would let the call go first too.
+    capped = cutting(StepLimits(max_batch_tokens=256, shed_late=True, max_predicted_wait=0.3))
+    capped.add(new("long", _tokens(600, 1)))
+    with pytest.raises(Refused) as refused:
+        capped.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
+    assert refused.value.status == 503 and refused.value.retry_after == pytest.approx(0.6)
     engine.close()

@@ -180,8 +180,8 @@ class PiecePolicy:
     def yields(self, w: Waiting, now: float) -> bool:
         """Whether `w`, at the head of a one-request batch at `now`, would yield to a waiting request
         that would miss its deadline behind it (`decide`): cut by deadlines, with more than a block
-        to compute, and not yet past its bounded delay or with room left before its own deadline.
-        Such a request delays a call with an objective by no more than the piece it is running."""
+        to compute, and not yet past its bounded delay or with room left before its own deadline
+        (`Scheduler._lets_go_first` adds what the waiting request must be)."""
         if self.config.pieces != "deadline" or w.split.num_miss_tokens <= self.block_tokens:
             return False
         return w.yield_until is None or now < w.yield_until or self._slack(w, now)

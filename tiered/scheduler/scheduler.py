@@ -109,21 +109,26 @@ class Scheduler:
 
     def _admit(self, w: Waiting) -> None:
         """Refuse `w` (Refused) where admission control says so; computes its predicted wait only
-        where a rule needs it (a cap is set, or it has an objective and late calls are shed)."""
+        where a rule needs it (a cap is set, or it has an objective and late calls are shed). The
+        cap counts every request ranked ahead; the deadline, not those that let `w` go first."""
         lim = self.limits
         shed = lim.shed_late and w.deadline is not None
         if not (shed or lim.max_predicted_wait > 0):
             return
+        if lim.max_predicted_wait > 0:
+            wait = self._wait_and_own(w, cut_in=False)[0]
+            if lim.max_predicted_wait < wait:
+                raise Refused(
+                    503,
+                    f"the server is over capacity: a predicted wait of {wait:.1f} s exceeds "
+                    f"scheduler.max_predicted_wait_s ({lim.max_predicted_wait:g} s); retry later",
+                    wait,
+                )
+        if not shed or w.deadline is None:
+            return
         wait, own = self._wait_and_own(w)
-        if 0 < lim.max_predicted_wait < wait:
-            raise Refused(
-                503,
-                f"the server is over capacity: a predicted wait of {wait:.1f} s exceeds "
-                f"scheduler.max_predicted_wait_s ({lim.max_predicted_wait:g} s); retry later",
-                wait,
-            )
         now = self.clock()
-        if shed and w.deadline is not None and now + wait + own > w.deadline:
+        if now + wait + own > w.deadline:
             raise Refused(
                 429,
                 f"deadline unreachable: a predicted wait of {wait:.2f} s and {own:.2f} s of its own end "
@@ -135,15 +140,17 @@ class Scheduler:
         """Seconds of predicted work before `w` (not yet queued) starts: what is left of the forward
         running now, then the waiting requests of a higher priority, or of its own and ahead in the
         policy's order; with late calls shed, those that will be shed are not counted, nor, for a
-        call with an objective, a long request that would yield to it (`_yields_to_urgent`): the
-        call runs before its next piece. Blocks that several of them compute (a visit's posts over one
-        profile) count once. O(waiting)."""
+        call with an objective, a long request that lets it run before its next piece
+        (`_lets_go_first`). Blocks that several of them compute (a visit's posts over one profile)
+        count once. O(waiting)."""
         return self._wait_and_own(w)[0]
 
-    def _wait_and_own(self, w: Waiting) -> tuple[float, float]:
-        """`predicted_wait(w)`, and `w`'s own predicted time once the requests ahead of it have run
-        (the blocks they keep cached for it by then)."""
+    def _wait_and_own(self, w: Waiting, cut_in: bool = True) -> tuple[float, float]:
+        """`predicted_wait(w)` (`cut_in` False: counting the requests that let `w` go first too), and
+        `w`'s own predicted time once the requests ahead of it have run (the blocks they keep
+        cached for it by then)."""
         now, shed = self.clock(), self.limits.shed_late
+        start = max(now, self.running_until)  # when the next step can start: where `x` is decided again
         key = (w.priority, self._order(w), w.seq)
         computed = set(self.running_blocks) if self.running_until > now else set()
         wanted = set(w.request.keys)
@@ -151,8 +158,8 @@ class Scheduler:
         for x in self._waiting.values():
             if (x.priority, self._order(x), x.seq) >= key:
                 continue
-            if w.deadline is not None and self._yields_to_urgent(x, now):
-                continue  # it lets w go first: w waits at most for the piece running (`running_until`)
+            if cut_in and self._lets_go_first(x, w, start):
+                continue  # w runs before x's next piece
             jct = self._jct_after(x, computed)
             if shed and x.deadline is not None and now + jct > x.deadline:
                 continue  # shed before it runs: it computes nothing
@@ -160,15 +167,20 @@ class Scheduler:
             self._keep(x, computed, wanted)
         return max(0.0, self.running_until - now) + ahead, self._jct_after(w, computed)
 
-    def _yields_to_urgent(self, x: Waiting, now: float) -> bool:
-        """Whether `x` yields to a call that would miss its deadline behind it: `x` runs alone (a
-        request between pieces, or one whose misses fill a batch) and its pieces are cut by
-        deadlines (`PiecePolicy.yields`)."""
-        if self.pieces is None:
+    def _lets_go_first(self, x: Waiting, w: Waiting, start: float) -> bool:
+        """Whether `x`, ranked ahead of `w`, lets `w` run before its next piece when `x` is next at
+        the head (from `start`), as `PiecePolicy.decide` does: `w` has an objective it would miss
+        behind `x`'s whole rest but not when run at once, `x` runs alone (a request between pieces,
+        or one whose misses fill a batch), yields (`PiecePolicy.yields`), and has no deadline as
+        early as `w`'s (such an `x` may itself go first, ahead of a long head, and run whole)."""
+        if self.pieces is None or w.deadline is None or (x.deadline is not None and x.deadline <= w.deadline):
             return False
         lim = self.limits
         alone = x.num_pieces > 0 or lim.max_batch_tokens <= 0 or x.split.num_miss_tokens >= lim.max_batch_tokens
-        return alone and self.pieces.yields(x, now)
+        if not (alone and self.pieces.yields(x, start)):
+            return False
+        whole = self.jct.piece_seconds(x.split, x.split.num_miss_tokens)
+        return start + w.jct <= w.deadline < start + whole + w.jct
 
     def backlog(self, computed: AbstractSet[int] = frozenset()) -> float:
         """Seconds of predicted work waiting: each request's JCT, blocks that several of them compute
