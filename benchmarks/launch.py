@@ -4,6 +4,7 @@ Redis, vllm-router), wait until they serve, and read their Prometheus counters."
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,9 +18,30 @@ from typing import IO
 import httpx
 import psutil
 
+# Ports below this are Ray's worker ports (its default 10002-19999).
+LOWEST_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """A loopback TCP port that is free now (the OS picks it)."""
+    """A loopback TCP port that is free now, picked below the kernel's ephemeral range where there
+    is room: outgoing connections (and Ray's own services) take ports from that range, so one the
+    OS picks there can be taken again before the server binds it. Else the OS picks it."""
+    low = _ephemeral_low()
+    for port in random.sample(range(LOWEST_PORT, low), min(64, max(0, low - LOWEST_PORT))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
