@@ -62,6 +62,12 @@ def fits(now: float, piece_seconds: float, urgent: Sequence[Urgent]) -> bool:
     return True
 
 
+def urgent_behind(now: float, whole: float, deadline: float, jct: float) -> bool:
+    """Whether a request of predicted time `jct` meets its `deadline` when run at `now` but not
+    after `whole` more seconds (a long head's rest): it goes before the head's next piece."""
+    return now + jct <= deadline < now + whole + jct
+
+
 def choose_piece(
     now: float, split: HitSplit, urgent: Sequence[Urgent], jct: JCTModel, block_tokens: int, margin: float = 0.0
 ) -> int:
@@ -153,7 +159,7 @@ class PiecePolicy:
         else:
             whole = jct.piece_seconds(split, split.num_miss_tokens)
             waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in by_deadline() if u.deadline is not None]
-            urgent = [u for u in waiting if now + u.jct <= u.deadline < now + whole + u.jct]
+            urgent = [u for u in waiting if urgent_behind(now, whole, u.deadline, u.jct)]
             # Already late and shorter than the head's rest: it goes first, unless hopeless ones wait (defer_late).
             late_first = sc.policy != "fcfs" and not sc.defer_late
             late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if late_first else []

@@ -21,7 +21,7 @@ from tiered.offload.tiers import KVTiers
 from tiered.request.score import DEFAULT_PARAMS, ScoreParams
 from tiered.request.tokens import HitSplit, TierRequest, common_prefix_len
 from tiered.scheduler.jct import JCTModel
-from tiered.scheduler.pieces import PiecePolicy
+from tiered.scheduler.pieces import PiecePolicy, urgent_behind
 from tiered.scheduler.step import Decision, Refused, Step, StepLimits, StepOutput, Waiting
 
 __all__ = ["Decision", "Refused", "Scheduler", "Waiting"]
@@ -115,20 +115,19 @@ class Scheduler:
         shed = lim.shed_late and w.deadline is not None
         if not (shed or lim.max_predicted_wait > 0):
             return
+        wait, own = self._wait_and_own(w)
         if lim.max_predicted_wait > 0:
-            wait = self._wait_and_own(w, cut_in=False)[0]
-            if lim.max_predicted_wait < wait:
+            # counted again only where a request ahead can let `w` go first
+            full = wait if self.pieces is None or w.deadline is None else self._wait_and_own(w, cut_in=False)[0]
+            if lim.max_predicted_wait < full:
                 raise Refused(
                     503,
-                    f"the server is over capacity: a predicted wait of {wait:.1f} s exceeds "
+                    f"the server is over capacity: a predicted wait of {full:.1f} s exceeds "
                     f"scheduler.max_predicted_wait_s ({lim.max_predicted_wait:g} s); retry later",
-                    wait,
+                    full,
                 )
-        if not shed or w.deadline is None:
-            return
-        wait, own = self._wait_and_own(w)
         now = self.clock()
-        if now + wait + own > w.deadline:
+        if shed and w.deadline is not None and now + wait + own > w.deadline:
             raise Refused(
                 429,
                 f"deadline unreachable: a predicted wait of {wait:.2f} s and {own:.2f} s of its own end "
@@ -175,12 +174,9 @@ class Scheduler:
         early as `w`'s (such an `x` may itself go first, ahead of a long head, and run whole)."""
         if self.pieces is None or w.deadline is None or (x.deadline is not None and x.deadline <= w.deadline):
             return False
-        lim = self.limits
-        alone = x.num_pieces > 0 or lim.max_batch_tokens <= 0 or x.split.num_miss_tokens >= lim.max_batch_tokens
-        if not (alone and self.pieces.yields(x, start)):
+        if not (_runs_alone(x, self.limits.max_batch_tokens) and self.pieces.yields(x, start)):
             return False
-        whole = self.jct.piece_seconds(x.split, x.split.num_miss_tokens)
-        return start + w.jct <= w.deadline < start + whole + w.jct
+        return urgent_behind(start, self.jct.piece_seconds(x.split, x.split.num_miss_tokens), w.deadline, w.jct)
 
     def backlog(self, computed: AbstractSet[int] = frozenset()) -> float:
         """Seconds of predicted work waiting: each request's JCT, blocks that several of them compute
@@ -406,7 +402,7 @@ class Scheduler:
             return []
         batch = [head]
         miss = head.waiting.split.num_miss_tokens
-        if max_batch_tokens <= 0 or miss >= max_batch_tokens or head.waiting.num_pieces:
+        if _runs_alone(head.waiting, max_batch_tokens):
             return batch
         start = time.perf_counter()
         # Requests share computed tokens in a batch (`plan_batch`'s rule) when they have the same
@@ -698,6 +694,12 @@ class Scheduler:
         """The request `pick` would choose now, left in the queue (the prefetch target)."""
         self._rescore_changed()
         return self._best()
+
+
+def _runs_alone(w: Waiting, max_batch_tokens: int) -> bool:
+    """Whether `w` at the head runs in a batch of one: one request per forward (`max_batch_tokens`
+    0), its misses fill the batch, or it yielded between pieces."""
+    return max_batch_tokens <= 0 or w.split.num_miss_tokens >= max_batch_tokens or w.num_pieces > 0
 
 
 def _group_of(request: TierRequest, prefix_keys: list[int]) -> tuple[tuple[int, ...], str | None, int]:
