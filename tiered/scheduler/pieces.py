@@ -144,9 +144,13 @@ class PiecePolicy:
         least, jct, _ = min(slack)
         return Urgent("(an arrival)", now + ARRIVAL_SLACK_SHARE * least + jct, jct), min(s[2] for s in slack)
 
-    def decide(self, d: Decision, by_deadline: Callable[[], list[Waiting]], now: float) -> PieceChoice | None:
+    def decide(
+        self, d: Decision, by_deadline: Callable[[], list[Waiting]], now: float, others: Sequence[Waiting] = ()
+    ) -> PieceChoice | None:
         """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole.
-        `by_deadline`: the waiting requests with a deadline, earliest first; `now`: the scheduler's clock."""
+        `by_deadline`: the waiting requests with a deadline, earliest first; `now`: the scheduler's
+        clock; `others`: the other waiting requests that run alone (long work whose deadlines the
+        head's yields must leave room for, `_slack`)."""
         sc, bt, w, jct = self.config, self.block_tokens, d.waiting, self.jct
         split = w.split
         if sc.pieces == "never" or split.num_miss_tokens <= bt:
@@ -154,10 +158,10 @@ class PiecePolicy:
         if sc.pieces == "fixed":  # a baseline: always in pieces (as chunked prefill), no bound needed
             n = fixed_piece(split, sc.piece_tokens, bt)
             choice = PieceChoice(n) if n < split.num_miss_tokens else None
-        elif w.yield_until is not None and now >= w.yield_until and not self._slack(w, now):
+        elif w.yield_until is not None and now >= w.yield_until and not self._slack(w, now, others):
             return None  # yielded long enough, and no deadline of its own leaves room to yield more: it runs now
         else:
-            whole = jct.piece_seconds(split, split.num_miss_tokens)
+            whole = self._rest(w)
             waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in by_deadline() if u.deadline is not None]
             urgent = [u for u in waiting if urgent_behind(now, whole, u.deadline, u.jct)]
             # Already late and shorter than the head's rest: it goes first, unless hopeless ones wait (defer_late).
@@ -183,22 +187,39 @@ class PiecePolicy:
             self.stats.num_deferrals += 1
         return choice
 
-    def yields(self, w: Waiting, now: float) -> bool:
+    def yields(self, w: Waiting, now: float, others: Sequence[Waiting] = ()) -> bool:
         """Whether `w`, at the head of a one-request batch at `now`, would yield to a waiting request
         that would miss its deadline behind it (`decide`): cut by deadlines, with more than a block
-        to compute, and not yet past its bounded delay or with room left before its own deadline
-        (`Scheduler._lets_go_first` adds what the waiting request must be)."""
+        to compute, and not yet past its bounded delay or with room left before the deadlines of
+        it and of the `others` (`_slack`; `Scheduler._lets_go_first` adds what the waiting request
+        must be)."""
         if self.config.pieces != "deadline" or w.split.num_miss_tokens <= self.block_tokens:
             return False
-        return w.yield_until is None or now < w.yield_until or self._slack(w, now)
+        return w.yield_until is None or now < w.yield_until or self._slack(w, now, others)
 
-    def _slack(self, w: Waiting, now: float) -> bool:
-        """Whether the head's own deadline leaves room to yield on: its rest, (1 + max_yield_delay) x its
-        predicted time from now, still ends by it."""
+    def _slack(self, w: Waiting, now: float, others: Sequence[Waiting] = ()) -> bool:
+        """Whether the deadlines leave the head room to yield on: it and the other long requests
+        waiting with a deadline (`others`, those that can still meet theirs), run from `now` one after
+        another in deadline order, each taking (1 + max_yield_delay) x its predicted rest, all end
+        by their deadlines. Two long requests that each counted only their own would both yield
+        until their deadlines came close and then one would run into the other's."""
         if w.deadline is None:
             return False
-        rest = self.jct.piece_seconds(w.split, w.split.num_miss_tokens)
-        return now + (1 + self.config.max_yield_delay) * rest <= w.deadline
+        stretch = 1 + self.config.max_yield_delay
+        rests = [(w.deadline, w.seq, self._rest(w))]
+        for x in others:
+            if x is not w and x.deadline is not None and now + (rest := self._rest(x)) <= x.deadline:
+                rests.append((x.deadline, x.seq, rest))
+        t = now
+        for deadline, _, rest in sorted(rests):
+            t += stretch * rest
+            if t > deadline:
+                return False
+        return True
+
+    def _rest(self, w: Waiting) -> float:
+        """The predicted seconds of what `w` has left to compute, in one pass."""
+        return self.jct.piece_seconds(w.split, w.split.num_miss_tokens)
 
     def _least_piece(self, split: HitSplit) -> int:
         """The smallest block-aligned piece that costs PIECE_OVERHEAD_SHARE times its fixed part."""

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 from torch import Tensor
@@ -154,10 +154,11 @@ class Scheduler:
         computed = set(self.running_blocks) if self.running_until > now else set()
         wanted = set(w.request.keys)
         ahead = 0.0
+        longs = self._long_work() if cut_in and self.pieces is not None and w.deadline is not None else []
         for x in self._waiting.values():
             if (x.priority, self._order(x), x.seq) >= key:
                 continue
-            if cut_in and self._lets_go_first(x, w, start):
+            if cut_in and self._lets_go_first(x, w, start, longs):
                 continue  # w runs before x's next piece
             jct = self._jct_after(x, computed)
             if shed and x.deadline is not None and now + jct > x.deadline:
@@ -166,17 +167,24 @@ class Scheduler:
             self._keep(x, computed, wanted)
         return max(0.0, self.running_until - now) + ahead, self._jct_after(w, computed)
 
-    def _lets_go_first(self, x: Waiting, w: Waiting, start: float) -> bool:
+    def _lets_go_first(self, x: Waiting, w: Waiting, start: float, longs: Sequence[Waiting]) -> bool:
         """Whether `x`, ranked ahead of `w`, lets `w` run before its next piece when `x` is next at
         the head (from `start`), as `PiecePolicy.decide` does: `w` has an objective it would miss
         behind `x`'s whole rest but not when run at once, `x` runs alone (a request between pieces,
-        or one whose misses fill a batch), yields (`PiecePolicy.yields`), and has no deadline as
-        early as `w`'s (such an `x` may itself go first, ahead of a long head, and run whole)."""
+        or one whose misses fill a batch), yields (`PiecePolicy.yields`, beside the other `longs`:
+        `_long_work`), and has no deadline as early as `w`'s (such an `x` may itself go first, ahead
+        of a long head, and run whole)."""
         if self.pieces is None or w.deadline is None or (x.deadline is not None and x.deadline <= w.deadline):
             return False
-        if not (_runs_alone(x, self.limits.max_batch_tokens) and self.pieces.yields(x, start)):
+        if not (_runs_alone(x, self.limits.max_batch_tokens) and self.pieces.yields(x, start, longs)):
             return False
         return urgent_behind(start, self.jct.piece_seconds(x.split, x.split.num_miss_tokens), w.deadline, w.jct)
+
+    def _long_work(self) -> list[Waiting]:
+        """The waiting requests with a deadline that run alone: the long work a yielding head must
+        leave room for (`PiecePolicy._slack`). O(waiting)."""
+        mbt = self.limits.max_batch_tokens
+        return [x for x in self._waiting.values() if x.deadline is not None and _runs_alone(x, mbt)]
 
     def backlog(self, computed: AbstractSet[int] = frozenset()) -> float:
         """Seconds of predicted work waiting: each request's JCT, blocks that several of them compute
@@ -517,7 +525,7 @@ class Scheduler:
         batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters)
         piece = None
         if self.pieces is not None and len(batch) == 1:
-            piece = self.pieces.decide(batch[0], self.by_deadline, self.clock())
+            piece = self.pieces.decide(batch[0], self.by_deadline, self.clock(), self._long_work())
         if piece is not None and piece.take is not None:  # yield before starting: the most urgent first,
             self.requeue(batch[0].waiting)  # with the requests that fit beside it (as a head's batch fills)
             batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters, self.take(piece.take))
