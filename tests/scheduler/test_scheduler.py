@@ -415,14 +415,17 @@ def test_a_long_request_that_yields_is_not_counted_in_an_urgent_calls_wait(tiny_
     engine.close()
 
 
-def test_a_long_request_yields_on_only_while_every_long_deadline_leaves_room(tiny_dir: Path, tmp_path: Path) -> None:
-    """Past its bounded delay, a long request yields on only while it and the other long requests
-    waiting with a deadline, run one after another in deadline order at (1 + max_yield_delay) x
-    their rest (1.5 x 0.6 s here), all end by their deadlines. Alone, a 0.6 s request due at 1.2 s
-    has room (0.9 s) and lets a 0.3 s call go first; with another 0.6 s request due at 1.6 s behind
-    it (0.9 + 0.9 s > 1.6 s) it has none: the call is refused at once and the long one runs whole,
-    instead of both yielding until their deadlines come close and one missing behind the other.
-    1 ms per computed token."""
+@pytest.mark.parametrize("delay_spent", [True, False])
+def test_a_long_request_yields_only_while_every_long_deadline_leaves_room(
+    tiny_dir: Path, tmp_path: Path, delay_spent: bool
+) -> None:
+    """A long request yields, within its bounded delay or past it, only while its rest and then
+    those of the other long requests waiting with a deadline, in deadline order at
+    (1 + max_yield_delay) x their rest (1.5 x 0.6 s here), all end by their deadlines. Alone, a
+    0.6 s request due at 1.2 s has room (0.9 s) and lets a 0.3 s call go first; with another 0.6 s
+    request due at 1.6 s behind it (0.9 + 0.9 s > 1.6 s) it has none: the call is refused at once
+    and the long one runs whole, instead of yielding on until the one behind it can no longer make
+    it. 1 ms per computed token."""
     limits = StepLimits(max_batch_tokens=256, shed_late=True)
     engine, _, clock = _shedding(tiny_dir, tmp_path, "fcfs", limits, device_blocks=64)
     new = engine.tiers.new_request
@@ -431,8 +434,11 @@ def test_a_long_request_yields_on_only_while_every_long_deadline_leaves_room(tin
         pieces = PiecePolicy(load_config(None, [f"cache.block_tokens={BT}"]).scheduler, BT, engine.jct, PieceStats())
         return Scheduler("fcfs", 0.0, engine.tiers, engine.jct, clock=clock, limits=limits, pieces=pieces)
 
+    def long(sched: Scheduler) -> None:
+        sched.add(new("long", _tokens(600, 1)), slo_seconds=1.2).yield_until = clock() - 1.0 if delay_spent else None
+
     alone = cutting()
-    alone.add(new("long", _tokens(600, 1)), slo_seconds=1.2).yield_until = clock() - 1.0
+    long(alone)
     alone.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
     step = alone.schedule()
     assert [d.waiting.request_id for d in step.batch] == ["short"] and "long" in alone
@@ -440,7 +446,7 @@ def test_a_long_request_yields_on_only_while_every_long_deadline_leaves_room(tin
         engine.tiers.abort(p)
 
     two = cutting()
-    two.add(new("long", _tokens(600, 1)), slo_seconds=1.2).yield_until = clock() - 1.0
+    long(two)
     two.add(new("short", _tokens(50, 2)), slo_seconds=0.3)  # admitted while the long one has room
     two.add(new("other", _tokens(600, 3)), slo_seconds=1.6)
     with pytest.raises(Refused, match=r"wait of 0\.65 s"):  # the long one, then "short"

@@ -150,7 +150,7 @@ class PiecePolicy:
         """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole.
         `by_deadline`: the waiting requests with a deadline, earliest first; `now`: the scheduler's
         clock; `others`: the other waiting requests that run alone (long work whose deadlines the
-        head's yields must leave room for, `_slack`)."""
+        head's yields must leave room for, `_room`)."""
         sc, bt, w, jct = self.config, self.block_tokens, d.waiting, self.jct
         split = w.split
         if sc.pieces == "never" or split.num_miss_tokens <= bt:
@@ -158,8 +158,8 @@ class PiecePolicy:
         if sc.pieces == "fixed":  # a baseline: always in pieces (as chunked prefill), no bound needed
             n = fixed_piece(split, sc.piece_tokens, bt)
             choice = PieceChoice(n) if n < split.num_miss_tokens else None
-        elif w.yield_until is not None and now >= w.yield_until and not self._slack(w, now, others):
-            return None  # yielded long enough, and no deadline of its own leaves room to yield more: it runs now
+        elif not self._may_yield(w, now, others):
+            return None  # yielding on would make it or another long request miss, or it yielded long enough
         else:
             whole = self._rest(w)
             waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in by_deadline() if u.deadline is not None]
@@ -190,27 +190,36 @@ class PiecePolicy:
     def yields(self, w: Waiting, now: float, others: Sequence[Waiting] = ()) -> bool:
         """Whether `w`, at the head of a one-request batch at `now`, would yield to a waiting request
         that would miss its deadline behind it (`decide`): cut by deadlines, with more than a block
-        to compute, and not yet past its bounded delay or with room left before the deadlines of
-        it and of the `others` (`_slack`; `Scheduler._lets_go_first` adds what the waiting request
-        must be)."""
+        to compute, and allowed to (`_may_yield`, beside the `others`; `Scheduler._lets_go_first`
+        adds what the waiting request must be)."""
         if self.config.pieces != "deadline" or w.split.num_miss_tokens <= self.block_tokens:
             return False
-        return w.yield_until is None or now < w.yield_until or self._slack(w, now, others)
+        return self._may_yield(w, now, others)
 
-    def _slack(self, w: Waiting, now: float, others: Sequence[Waiting] = ()) -> bool:
-        """Whether the deadlines leave the head room to yield on: it and the other long requests
-        waiting with a deadline (`others`, those that can still meet theirs), run from `now` one after
-        another in deadline order, each taking (1 + max_yield_delay) x its predicted rest, all end
-        by their deadlines. Two long requests that each counted only their own would both yield
-        until their deadlines came close and then one would run into the other's."""
-        if w.deadline is None:
+    def _may_yield(self, w: Waiting, now: float, others: Sequence[Waiting]) -> bool:
+        """Whether the head `w` may yield at `now`: within its bounded delay ((1 + max_yield_delay) x
+        its predicted time from its first yield), or past it with a deadline of its own; and either
+        way only while the deadlines leave room (`_room`)."""
+        within = w.yield_until is None or now < w.yield_until
+        return (within or w.deadline is not None) and self._room(w, now, others)
+
+    def _room(self, w: Waiting, now: float, others: Sequence[Waiting]) -> bool:
+        """Whether the deadlines leave the head room to yield: its rest, then those of the other long
+        requests waiting with a deadline (`others`: those that can still meet theirs and would not
+        go before the head's next piece themselves) in deadline order, each taking (1 + max_yield_delay) x its predicted rest from `now`, all end by their
+        deadlines (the head's own, if it has one). The head runs first once it stops yielding, so
+        the others wait behind it: a head that yields until its own deadline comes close, or for its
+        whole bounded delay, would otherwise leave a long request due soon after it too little time."""
+        stretch, whole = 1 + self.config.max_yield_delay, self._rest(w)
+        t = now + stretch * whole
+        if w.deadline is not None and t > w.deadline:
             return False
-        stretch = 1 + self.config.max_yield_delay
-        rests = [(w.deadline, w.seq, self._rest(w))]
+        rests = []
         for x in others:
-            if x is not w and x.deadline is not None and now + (rest := self._rest(x)) <= x.deadline:
+            if x is w or x.deadline is None or now + (rest := self._rest(x)) > x.deadline:
+                continue  # no deadline, or none it can meet
+            if not urgent_behind(now, whole, x.deadline, x.jct):  # one that would miss behind the head goes first
                 rests.append((x.deadline, x.seq, rest))
-        t = now
         for deadline, _, rest in sorted(rests):
             t += stretch * rest
             if t > deadline:

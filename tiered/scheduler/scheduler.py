@@ -150,15 +150,15 @@ class Scheduler:
         cached for it by then)."""
         now, shed = self.clock(), self.limits.shed_late
         start = max(now, self.running_until)  # when the next step can start: where `x` is decided again
-        key = (w.priority, self._order(w), w.seq)
+        key = self._rank(w)
         computed = set(self.running_blocks) if self.running_until > now else set()
         wanted = set(w.request.keys)
         ahead = 0.0
         longs = self._long_work() if cut_in and self.pieces is not None and w.deadline is not None else []
         for x in self._waiting.values():
-            if (x.priority, self._order(x), x.seq) >= key:
+            if self._rank(x) >= key:
                 continue
-            if cut_in and self._lets_go_first(x, w, start, longs):
+            if cut_in and self._lets_go_first(x, w, start, [o for o in longs if self._rank(o) > self._rank(x)]):
                 continue  # w runs before x's next piece
             jct = self._jct_after(x, computed)
             if shed and x.deadline is not None and now + jct > x.deadline:
@@ -171,8 +171,8 @@ class Scheduler:
         """Whether `x`, ranked ahead of `w`, lets `w` run before its next piece when `x` is next at
         the head (from `start`), as `PiecePolicy.decide` does: `w` has an objective it would miss
         behind `x`'s whole rest but not when run at once, `x` runs alone (a request between pieces,
-        or one whose misses fill a batch), yields (`PiecePolicy.yields`, beside the other `longs`:
-        `_long_work`), and has no deadline as early as `w`'s (such an `x` may itself go first, ahead
+        or one whose misses fill a batch), yields (`PiecePolicy.yields`, beside the `longs` ranked
+        behind it: `_long_work`), and has no deadline as early as `w`'s (such an `x` may itself go first, ahead
         of a long head, and run whole)."""
         if self.pieces is None or w.deadline is None or (x.deadline is not None and x.deadline <= w.deadline):
             return False
@@ -180,9 +180,13 @@ class Scheduler:
             return False
         return urgent_behind(start, self.jct.piece_seconds(x.split, x.split.num_miss_tokens), w.deadline, w.jct)
 
+    def _rank(self, w: Waiting) -> tuple[int, float, int]:
+        """Where `w` stands in the policy's order (lower runs first)."""
+        return w.priority, self._order(w), w.seq
+
     def _long_work(self) -> list[Waiting]:
         """The waiting requests with a deadline that run alone: the long work a yielding head must
-        leave room for (`PiecePolicy._slack`). O(waiting)."""
+        leave room for (`PiecePolicy._room`). O(waiting)."""
         mbt = self.limits.max_batch_tokens
         return [x for x in self._waiting.values() if x.deadline is not None and _runs_alone(x, mbt)]
 
@@ -492,7 +496,7 @@ class Scheduler:
     def _in_policy_order(self, limit: int) -> list[Waiting]:
         """The first `limit` waiting requests in policy order, left in the queue."""
         if self.policy == "hrrn":  # its ratio moves with time: a scan, as in `_best`
-            return sorted(self._waiting.values(), key=lambda w: (w.priority, self._order(w), w.seq))[:limit]
+            return sorted(self._waiting.values(), key=self._rank)[:limit]
         out: list[Waiting] = []
         popped = []
         while self._heap and len(out) < limit:
