@@ -206,8 +206,9 @@ class PiecePolicy:
     def _room(self, w: Waiting, now: float, others: Sequence[Waiting]) -> bool:
         """Whether the deadlines leave the head room to yield: its rest, then those of the other long
         requests waiting with a deadline (`others`: those that can still meet theirs and would not
-        go before the head's next piece themselves) in deadline order, each taking (1 + max_yield_delay) x its predicted rest from `now`, all end by their
-        deadlines (the head's own, if it has one). The head runs first once it stops yielding, so
+        go before the head's next piece themselves) in deadline order, each taking
+        (1 + max_yield_delay) x its predicted rest from `now`, all end by their deadlines (the
+        head's own, if it has one). The head runs first once it stops yielding, so
         the others wait behind it: a head that yields until its own deadline comes close, or for its
         whole bounded delay, would otherwise leave a long request due soon after it too little time."""
         stretch, whole = 1 + self.config.max_yield_delay, self._rest(w)
