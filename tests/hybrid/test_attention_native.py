@@ -151,6 +151,9 @@ GROUPED = {
     "suffix past the prefix": ([Span(0, 0, 900), Span(900, 900, 40)], 940, 320),
     # a chunk on a history of more K,V per KV head than a core's cache: its blocks in the fewest tasks
     "chunk on a long history": ([Span(0, 5000, 200, ((0, 5000),))], 5200, 0),
+    # a piece and a short span on a prefix too large to be made ready once per call: each task makes the
+    # prefix's tiles ready for its blocks
+    "piece on a long prefix": ([Span(0, 0, 300), Span(300, 300, 40)], 340, 5000),
 }
 
 

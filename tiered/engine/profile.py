@@ -21,6 +21,7 @@ from tiered.engine.startup import Parts
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES
 from tiered.hybrid.measured import cache_key, load_cached, save_cached
+from tiered.native import library as native_library
 from tiered.request.plan import Prepared
 from tiered.scheduler.jct import JCTModel, JCTSample
 
@@ -56,6 +57,8 @@ def profile_jct(parts: Parts) -> JCTModel:
         else 0,
         "dtype": parts.precision.identity,
         "attention": parts.model.attention,
+        # the kernel's costs are what it measures: a rebuilt native library is profiled again
+        "native_build": native_library.build_id() if parts.model.attention == "native" else None,
         "device": parts.device,
         "torch": torch.__version__,
         "mode": f.mode,

@@ -27,7 +27,7 @@ constexpr int kBlocksPerTask = 8;  // most blocks of a task: each key tile made 
 constexpr int64_t kTasksPerThread = 8;  // fewest tasks a thread, where the blocks allow
 constexpr int64_t kStreamBytes = int64_t(1) << 20;  // K,V per KV head past which a piece's tasks are fewest
 constexpr int kRowStep = 32;      // rows are padded to a multiple of this (every path's column step divides it)
-constexpr int64_t kPrepareBytes = int64_t(64) << 20;  // most bytes of prefix tiles converted once per call
+constexpr int64_t kPrepareBytes = int64_t(4) << 20;  // most bytes of prefix tiles converted once per call
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
