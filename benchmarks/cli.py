@@ -616,9 +616,11 @@ def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: igno
         help="every attention kernel x the engine's shape classes: GFLOP/s, share of matmul, error",
         description="Each attention kernel that runs on the device (or --kernels) on the visit shape (8 x 160 "
         "queries on a 1,792-token prefix), a 1,296-token suffix on that prefix and fresh causal prompts of 2 K "
-        "and 8 K, with the --model's heads: best-of-2 time, GFLOP/s, share of the matmul rate in the compute "
-        "dtype and of the best matmul rate here (fp32 or bf16), and the max error against the fp32 reference. "
-        "The engine's `attention.kernel: auto` makes the same choice at start-up (on all but the 8 K shape).",
+        "and 8 K, and, with --max-tokens 17664 or more, a 4,096-token piece on a 12,288-token prefix and 8 x 160 "
+        "queries on a 16,384-token prefix, with the --model's heads: best-of-2 time, GFLOP/s, share of the matmul "
+        "rate in the compute dtype and of the best matmul rate here (fp32 or bf16), and the max error against the "
+        "fp32 reference. The engine's `attention.kernel: auto` makes the same choice at start-up (on the first "
+        "three shapes).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_model_args(at, "embedded:bench-m")

@@ -39,7 +39,14 @@ from tiered.hybrid.precision import NATIVE_CPU_FLAGS, cpu_flags, cpu_name, resol
 
 log = logging.getLogger(__name__)
 
-ATTENTION_SHAPES = (*SHAPE_CLASSES, ShapeClass("causal 8192", 1, 8192, 0))
+# Beyond the engine's start-up shapes (run with --max-tokens past their length): a fresh 8 K prompt, a
+# long prompt's last piece on its first 12 K tokens, and a visit's posts on a long profile.
+ATTENTION_SHAPES = (
+    *SHAPE_CLASSES,
+    ShapeClass("causal 8192", 1, 8192, 0),
+    ShapeClass("piece 4096 on 12288", 1, 4096, 12288),
+    ShapeClass("visit 8x160 on 16384", 8, 160, 16384),
+)
 
 
 def machine() -> dict[str, Any]:
