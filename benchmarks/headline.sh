@@ -98,6 +98,23 @@ $B mixed $M2 --minutes 2 --short-qps 1,3,5,7,9 --alone-repeats 1 --repeats 3 \
   --systems tiered,vllm-priority-chunk2048-cap512 --json $R/mixed-bench-m-16k-xeon-capacity.json \
   --plots benchmarks/out/mixed-16k-xeon-capacity
 $B plot-mixed $R/mixed-bench-m-16k-xeon-capacity.json --out benchmarks/plots/mixed-bench-m-16k-xeon-capacity.png
+# The same on the AMX Xeon after the pieces' attention and the long prompts' room to yield changed: 4 loads, 2 pairs
+# each; the first version of the room rule (`tiered`, engine a3d0f0a) against the engine before it (74a2198 checked
+# out at /tmp/base) at 7 and 9/s.
+$B mixed $M2 --minutes 2 --short-qps 3,5,7,9 --alone-repeats 1 --repeats 2 \
+  --systems tiered,vllm-priority-chunk2048-cap512 --json $R/mixed-bench-m-16k-xeon-pieces.json \
+  --plots benchmarks/out/mixed-16k-xeon-pieces
+$B plot-mixed $R/mixed-bench-m-16k-xeon-pieces.json --out benchmarks/plots/mixed-bench-m-16k-xeon-pieces.png
+$B mixed $M2 --minutes 2 --short-qps 7,9 --alone-repeats 1 --repeats 2 \
+  --systems tiered,tiered-base,vllm-priority-chunk2048-cap512 --base-tree /tmp/base \
+  --json $R/mixed-bench-m-16k-xeon-longs.json --plots benchmarks/out/mixed-16k-xeon-longs
+# The native attention kernel on long prefixes, before (tiered/native/csrc of 3436b59 in a worktree at /tmp/kbase) and
+# after, in ABAB order.
+for i in 1 2; do
+  (cd /tmp/kbase && PYTHONPATH=. $OLDPWD/.venv/bin/python -m benchmarks attention --kernels native --max-tokens 17664 \
+    --json $OLDPWD/$R/attention-xeon-long-prefix-before-$i.json)
+  $B attention --kernels native --max-tokens 17664 --json $R/attention-xeon-long-prefix-after-$i.json
+done
 # KV beyond memory with 4,000-token profiles again (24 users, 100 visits), and a feed of 240 visits of 8 posts.
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 24 --visits 100 --posts 8 --set "$DISK" --systems tiered,vllm --multiples '' --repeats 3 \
