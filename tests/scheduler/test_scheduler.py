@@ -455,3 +455,24 @@ def test_a_long_request_yields_only_while_every_long_deadline_leaves_room(
     assert [d.waiting.request_id for d in step.batch] == ["long"] and step.piece_tokens is None
     assert [w.request_id for w in step.shed] == ["short"] and "other" in two
     engine.close()
+
+
+def test_a_long_request_that_misses_its_own_deadline_anyway_still_yields_within_its_delay(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Late calls served (`late: serve`): a 0.6 s request due at 0.4 s misses its deadline even if it
+    runs at once, so yielding costs it nothing: within its bounded delay it lets a 0.3 s call go
+    first; past that delay it runs whole. 1 ms per computed token."""
+    limits = StepLimits(max_batch_tokens=256)
+    engine, _, clock = _shedding(tiny_dir, tmp_path, "fcfs", limits, device_blocks=64)
+    new = engine.tiers.new_request
+    for spent, first in ((False, "short"), (True, "long")):
+        pieces = PiecePolicy(load_config(None, [f"cache.block_tokens={BT}"]).scheduler, BT, engine.jct, PieceStats())
+        sched = Scheduler("fcfs", 0.0, engine.tiers, engine.jct, clock=clock, limits=limits, pieces=pieces)
+        sched.add(new("long", _tokens(600, 1)), slo_seconds=0.4).yield_until = clock() - 1.0 if spent else None
+        sched.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
+        step = sched.schedule()
+        assert [d.waiting.request_id for d in step.batch] == [first] and step.piece_tokens is None
+        for p in step.prepared:
+            engine.tiers.abort(p)
+    engine.close()

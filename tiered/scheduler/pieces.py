@@ -145,12 +145,16 @@ class PiecePolicy:
         return Urgent("(an arrival)", now + ARRIVAL_SLACK_SHARE * least + jct, jct), min(s[2] for s in slack)
 
     def decide(
-        self, d: Decision, by_deadline: Callable[[], list[Waiting]], now: float, others: Sequence[Waiting] = ()
+        self,
+        d: Decision,
+        by_deadline: Callable[[], list[Waiting]],
+        now: float,
+        others: Callable[[], Sequence[Waiting]] = tuple,
     ) -> PieceChoice | None:
         """Whether the head of a one-request batch yields (`scheduler.pieces`); None: it runs whole.
         `by_deadline`: the waiting requests with a deadline, earliest first; `now`: the scheduler's
         clock; `others`: the other waiting requests that run alone (long work whose deadlines the
-        head's yields must leave room for, `_room`)."""
+        head's yields must leave room for, `_room`), asked only where needed."""
         sc, bt, w, jct = self.config, self.block_tokens, d.waiting, self.jct
         split = w.split
         if sc.pieces == "never" or split.num_miss_tokens <= bt:
@@ -187,37 +191,40 @@ class PiecePolicy:
             self.stats.num_deferrals += 1
         return choice
 
-    def yields(self, w: Waiting, now: float, others: Sequence[Waiting] = ()) -> bool:
+    def yields(self, w: Waiting, now: float, others: Callable[[], Sequence[Waiting]] = tuple) -> bool:
         """Whether `w`, at the head of a one-request batch at `now`, would yield to a waiting request
         that would miss its deadline behind it (`decide`): cut by deadlines, with more than a block
-        to compute, and allowed to (`_may_yield`, beside the `others`; `Scheduler._lets_go_first`
+        to compute, and allowed to (`_may_yield`, beside `others()`; `Scheduler._lets_go_first`
         adds what the waiting request must be)."""
         if self.config.pieces != "deadline" or w.split.num_miss_tokens <= self.block_tokens:
             return False
         return self._may_yield(w, now, others)
 
-    def _may_yield(self, w: Waiting, now: float, others: Sequence[Waiting]) -> bool:
+    def _may_yield(self, w: Waiting, now: float, others: Callable[[], Sequence[Waiting]]) -> bool:
         """Whether the head `w` may yield at `now`: within its bounded delay ((1 + max_yield_delay) x
-        its predicted time from its first yield), or past it with a deadline of its own; and either
-        way only while the deadlines leave room (`_room`)."""
+        its predicted time from its first yield), or past it with a deadline of its own it can still
+        meet; and either way only while the deadlines leave room (`_room`). A head that misses its
+        own deadline even if it runs at once is bounded by its delay alone: yielding costs it nothing."""
+        rest = self._rest(w)
+        own = w.deadline if w.deadline is not None and now + rest <= w.deadline else None
         within = w.yield_until is None or now < w.yield_until
-        return (within or w.deadline is not None) and self._room(w, now, others)
+        return (within or own is not None) and self._room(now, rest, own, others)
 
-    def _room(self, w: Waiting, now: float, others: Sequence[Waiting]) -> bool:
-        """Whether the deadlines leave the head room to yield: its rest, then those of the other long
-        requests waiting with a deadline (`others`: those that can still meet theirs and would not
-        go before the head's next piece themselves) in deadline order, each taking
-        (1 + max_yield_delay) x its predicted rest from `now`, all end by their deadlines (the
-        head's own, if it has one). The head runs first once it stops yielding, so
-        the others wait behind it: a head that yields until its own deadline comes close, or for its
+    def _room(self, now: float, whole: float, own: float | None, others: Callable[[], Sequence[Waiting]]) -> bool:
+        """Whether the deadlines leave a head of predicted rest `whole` room to yield: its rest, then
+        those of the other long requests waiting with a deadline (`others()`: those that can still
+        meet theirs and would not go before the head's next piece themselves) in deadline order,
+        each taking (1 + max_yield_delay) x its predicted rest from `now`, all end by their deadlines
+        (`own`: the head's, if it can meet one). The head runs first once it stops yielding, so the
+        others wait behind it: a head that yields until its own deadline comes close, or for its
         whole bounded delay, would otherwise leave a long request due soon after it too little time."""
-        stretch, whole = 1 + self.config.max_yield_delay, self._rest(w)
+        stretch = 1 + self.config.max_yield_delay
         t = now + stretch * whole
-        if w.deadline is not None and t > w.deadline:
+        if own is not None and t > own:
             return False
         rests = []
-        for x in others:
-            if x is w or x.deadline is None or now + (rest := self._rest(x)) > x.deadline:
+        for x in others():
+            if x.deadline is None or now + (rest := self._rest(x)) > x.deadline:
                 continue  # no deadline, or none it can meet
             if not urgent_behind(now, whole, x.deadline, x.jct):  # one that would miss behind the head goes first
                 rests.append((x.deadline, x.seq, rest))

@@ -5,6 +5,7 @@ Design notes: docs/internals.md, section `tiered/scheduler/scheduler.py`.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import math
@@ -141,7 +142,7 @@ class Scheduler:
         policy's order; with late calls shed, those that will be shed are not counted, nor, for a
         call with an objective, a long request that lets it run before its next piece
         (`_lets_go_first`). Blocks that several of them compute (a visit's posts over one profile)
-        count once. O(waiting)."""
+        count once. O(waiting), plus O(long work) for each long request ahead that could let it go first."""
         return self._wait_and_own(w)[0]
 
     def _wait_and_own(self, w: Waiting, cut_in: bool = True) -> tuple[float, float]:
@@ -154,11 +155,18 @@ class Scheduler:
         computed = set(self.running_blocks) if self.running_until > now else set()
         wanted = set(w.request.keys)
         ahead = 0.0
-        longs = self._long_work() if cut_in and self.pieces is not None and w.deadline is not None else []
+        ranked: list[list[tuple[tuple[int, float, int], Waiting]]] = []  # the long work by rank, made once if asked
+
+        def behind(rank: tuple[int, float, int]) -> list[Waiting]:
+            if not ranked:
+                ranked.append([(self._rank(o), o) for o in self._long_work()])
+            return [o for r, o in ranked[0] if r > rank]
+
         for x in self._waiting.values():
-            if self._rank(x) >= key:
+            rank = self._rank(x)
+            if rank >= key:
                 continue
-            if cut_in and self._lets_go_first(x, w, start, [o for o in longs if self._rank(o) > self._rank(x)]):
+            if cut_in and self._lets_go_first(x, w, start, functools.partial(behind, rank)):
                 continue  # w runs before x's next piece
             jct = self._jct_after(x, computed)
             if shed and x.deadline is not None and now + jct > x.deadline:
@@ -167,12 +175,12 @@ class Scheduler:
             self._keep(x, computed, wanted)
         return max(0.0, self.running_until - now) + ahead, self._jct_after(w, computed)
 
-    def _lets_go_first(self, x: Waiting, w: Waiting, start: float, longs: Sequence[Waiting]) -> bool:
+    def _lets_go_first(self, x: Waiting, w: Waiting, start: float, longs: Callable[[], Sequence[Waiting]]) -> bool:
         """Whether `x`, ranked ahead of `w`, lets `w` run before its next piece when `x` is next at
         the head (from `start`), as `PiecePolicy.decide` does: `w` has an objective it would miss
         behind `x`'s whole rest but not when run at once, `x` runs alone (a request between pieces,
-        or one whose misses fill a batch), yields (`PiecePolicy.yields`, beside the `longs` ranked
-        behind it: `_long_work`), and has no deadline as early as `w`'s (such an `x` may itself go first, ahead
+        or one whose misses fill a batch), yields (`PiecePolicy.yields`, beside `longs()`: the long
+        work ranked behind it), and has no deadline as early as `w`'s (such an `x` may itself go first, ahead
         of a long head, and run whole)."""
         if self.pieces is None or w.deadline is None or (x.deadline is not None and x.deadline <= w.deadline):
             return False
@@ -186,7 +194,8 @@ class Scheduler:
 
     def _long_work(self) -> list[Waiting]:
         """The waiting requests with a deadline that run alone: the long work a yielding head must
-        leave room for (`PiecePolicy._room`). O(waiting)."""
+        leave room for (`PiecePolicy._room`; with `max_batch_tokens` 0 every request runs alone, so
+        short calls that can wait behind the head count too). O(waiting)."""
         mbt = self.limits.max_batch_tokens
         return [x for x in self._waiting.values() if x.deadline is not None and _runs_alone(x, mbt)]
 
@@ -529,7 +538,7 @@ class Scheduler:
         batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters)
         piece = None
         if self.pieces is not None and len(batch) == 1:
-            piece = self.pieces.decide(batch[0], self.by_deadline, self.clock(), self._long_work())
+            piece = self.pieces.decide(batch[0], self.by_deadline, self.clock(), self._long_work)
         if piece is not None and piece.take is not None:  # yield before starting: the most urgent first,
             self.requeue(batch[0].waiting)  # with the requests that fit beside it (as a head's batch fills)
             batch = self.pick_batch(lim.max_batch_tokens, lim.max_model_len, lim.max_adapters, self.take(piece.take))

@@ -445,8 +445,9 @@ void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_k
   for (int64_t i = 0; i < num_pieces; ++i)
     num_blocks += (a.pieces[5 * i + 2] + a.rows_per_block - 1) / a.rows_per_block * num_kv_heads;
   // The prefix's tiles are made ready once when more than one block per KV head reads them and the copy stays
-  // within kPrepareBytes: a larger copy is one more pass over memory, then streamed from memory by every task,
-  // where tasks of many blocks each (a long prefix's pieces are grouped so) make each tile ready for all of them.
+  // within kPrepareBytes: a larger copy is one more pass over memory, then read from memory block by block by
+  // every task, where unprepared, a long prefix's tiles are streamed once per task of many blocks (below) and
+  // made ready there for all of them.
   PreparedPrefix prepared;
   const int64_t copy_bytes = num_kv_heads * int64_t(prefix.size()) * kKeyTile * (a.Dh + a.Dp) * 4;
   if (!prefix.empty() && num_blocks > num_kv_heads && copy_bytes <= kPrepareBytes)
@@ -467,11 +468,11 @@ void run_all(const Args<T>& a, const Ops& ops, int64_t num_pieces, int64_t num_k
     for (int64_t v = p[3]; v < p[4]; ++v) shared += a.visible[2 * v + 1] - a.visible[2 * v];
     const int64_t piece_blocks = (p[2] + a.rows_per_block - 1) / a.rows_per_block;
     int64_t per_task = shared + p[2] - ready_keys >= ready_keys ? grouped : 1;
-    // A piece whose keys hold more K,V per KV head than a core's cache reads them from memory once per task (the
-    // prefix's tiles made ready as well: that copy is read from memory too): its blocks go in as few tasks as keep
-    // every thread busy (each KV head's split in ceil(threads / KV heads)), as many a task as keep the blocks'
-    // state (acc, queries) in that cache.
-    const int64_t streamed = (shared + p[2]) * 2 * a.Dh * int64_t(sizeof(T));
+    // A piece whose keys not made ready hold more K,V per KV head than a core's cache reads them from memory once
+    // per task: its blocks go in as few tasks as keep every thread busy (each KV head's split in
+    // ceil(threads / KV heads)), as many a task as keep the blocks' state (acc, queries) in that cache. (A task
+    // reads the made-ready prefix block by block, so grouping would not cut that traffic.)
+    const int64_t streamed = (shared + p[2] - ready_keys) * 2 * a.Dh * int64_t(sizeof(T));
     if (streamed > kStreamBytes) {
       const int64_t splits = (int64_t(at::get_num_threads()) + num_kv_heads - 1) / num_kv_heads;
       const int64_t state_fits = std::max<int64_t>(1, kStreamBytes / (block_rows * (a.Dp + a.Dh) * 4));
