@@ -18,10 +18,10 @@ from torch import Tensor
 
 from tiered.engine.runner import ForwardRetry
 from tiered.engine.startup import Parts
+from tiered.hybrid.attention import native as native_attention
 from tiered.hybrid.forward import forward
 from tiered.hybrid.loader import DTYPES
 from tiered.hybrid.measured import cache_key, load_cached, save_cached
-from tiered.native import library as native_library
 from tiered.request.plan import Prepared
 from tiered.scheduler.jct import JCTModel, JCTSample
 
@@ -58,7 +58,7 @@ def profile_jct(parts: Parts) -> JCTModel:
         "dtype": parts.precision.identity,
         "attention": parts.model.attention,
         # the kernel's costs are what it measures: a rebuilt native library is profiled again
-        "native_build": native_library.build_id() if parts.model.attention == "native" else None,
+        "native_build": native_attention.build_id() if parts.model.attention == "native" else None,
         "device": parts.device,
         "torch": torch.__version__,
         "mode": f.mode,

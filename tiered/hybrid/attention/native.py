@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from tiered.hybrid.attention.interface import AttendFn, PagedFn, PagedPrefix, contiguous_prefix
+from tiered.native import library as native_library
 from tiered.native.library import library
 
 
@@ -126,3 +127,9 @@ def attend_(
 def windowed(window: int) -> tuple[AttendFn, PagedFn]:
     """The AttendFn and the paged call of a sliding window of `window` keys (one pair per size)."""
     return functools.partial(attend_, window=window), functools.partial(attend_paged_, window=window)
+
+
+def build_id() -> str:
+    """The native library's build (a hash of its sources, torch and compiler): what a cost measured
+    through this kernel belongs to."""
+    return native_library.build_id()
