@@ -108,6 +108,10 @@ $B plot-mixed $R/mixed-bench-m-16k-xeon-pieces.json --out benchmarks/plots/mixed
 $B mixed $M2 --minutes 2 --short-qps 7,9 --alone-repeats 1 --repeats 2 \
   --systems tiered,tiered-base,vllm-priority-chunk2048-cap512 --base-tree /tmp/base \
   --json $R/mixed-bench-m-16k-xeon-longs.json --plots benchmarks/out/mixed-16k-xeon-longs
+# vLLM's settings on the AMX Xeon at two loads, one run each (its servers only).
+$B mixed $M2 --minutes 2 --short-qps 3,7 --alone-repeats 1 --repeats 1 \
+  --systems vllm-priority-chunk2048-cap512,vllm-priority-chunk1024-cap256,vllm-priority-chunk4096-cap1024 \
+  --json $R/mixed-bench-m-16k-xeon-vllm-sweep.json --plots benchmarks/out/mixed-16k-xeon-vllm-sweep
 # The native attention kernel on long prefixes, before (tiered/native/csrc of 3436b59 in a worktree at /tmp/kbase) and
 # after, in ABAB order.
 for i in 1 2; do
