@@ -165,7 +165,7 @@ class PiecePolicy:
         elif not self._may_yield(w, now, others):
             return None  # yielding on would make it or another long request miss, or it yielded long enough
         else:
-            whole = self._rest(w)
+            whole = self.rest(w)
             waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in by_deadline() if u.deadline is not None]
             urgent = [u for u in waiting if urgent_behind(now, whole, u.deadline, u.jct)]
             # Already late and shorter than the head's rest: it goes first, unless hopeless ones wait (defer_late).
@@ -205,7 +205,7 @@ class PiecePolicy:
         its predicted time from its first yield), or past it with a deadline of its own it can still
         meet; and either way only while the deadlines leave room (`_room`). A head that misses its
         own deadline even if it runs at once is bounded by its delay alone: yielding costs it nothing."""
-        rest = self._rest(w)
+        rest = self.rest(w)
         own = w.deadline if w.deadline is not None and now + rest <= w.deadline else None
         within = w.yield_until is None or now < w.yield_until
         return (within or own is not None) and self._room(now, rest, own, others)
@@ -224,7 +224,7 @@ class PiecePolicy:
             return False
         rests = []
         for x in others():
-            if x.deadline is None or now + (rest := self._rest(x)) > x.deadline:
+            if x.deadline is None or now + (rest := self.rest(x)) > x.deadline:
                 continue  # no deadline, or none it can meet
             if not urgent_behind(now, whole, x.deadline, x.jct):  # one that would miss behind the head goes first
                 rests.append((x.deadline, x.seq, rest))
@@ -234,7 +234,7 @@ class PiecePolicy:
                 return False
         return True
 
-    def _rest(self, w: Waiting) -> float:
+    def rest(self, w: Waiting) -> float:
         """The predicted seconds of what `w` has left to compute, in one pass."""
         return self.jct.piece_seconds(w.split, w.split.num_miss_tokens)
 

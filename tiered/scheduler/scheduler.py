@@ -155,12 +155,13 @@ class Scheduler:
         computed = set(self.running_blocks) if self.running_until > now else set()
         wanted = set(w.request.keys)
         ahead = 0.0
-        ranked: list[list[tuple[tuple[int, float, int], Waiting]]] = []  # the long work by rank, made once if asked
+
+        @functools.cache
+        def ranked() -> list[tuple[tuple[int, float, int], Waiting]]:  # the long work by rank, made once if asked
+            return [(self._rank(o), o) for o in self._long_work()]
 
         def behind(rank: tuple[int, float, int]) -> list[Waiting]:
-            if not ranked:
-                ranked.append([(self._rank(o), o) for o in self._long_work()])
-            return [o for r, o in ranked[0] if r > rank]
+            return [o for r, o in ranked() if r > rank]
 
         for x in self._waiting.values():
             rank = self._rank(x)
@@ -184,9 +185,12 @@ class Scheduler:
         of a long head, and run whole)."""
         if self.pieces is None or w.deadline is None or (x.deadline is not None and x.deadline <= w.deadline):
             return False
-        if not (_runs_alone(x, self.limits.max_batch_tokens) and self.pieces.yields(x, start, longs)):
+        if not (
+            _runs_alone(x, self.limits.max_batch_tokens)
+            and urgent_behind(start, self.pieces.rest(x), w.deadline, w.jct)
+        ):
             return False
-        return urgent_behind(start, self.jct.piece_seconds(x.split, x.split.num_miss_tokens), w.deadline, w.jct)
+        return self.pieces.yields(x, start, longs)  # last: it may ask for the long work
 
     def _rank(self, w: Waiting) -> tuple[int, float, int]:
         """Where `w` stands in the policy's order (lower runs first)."""
