@@ -17,8 +17,22 @@ from dataclasses import dataclass, field
 from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace
 from benchmarks.stats import Record, percentile
 
-# /metrics samples of ours on prefills that yield (tolerated absent): pieces, yields, deferrals, parked KV.
-PIECE_METRICS = re.compile(r"^tiered:.*(piece|yield|deferral|park)")
+# /metrics samples of ours (tolerated absent) on prefills that yield (pieces, yields, deferrals,
+# parked KV) and on how soon calls predicted to miss were refused (tiered:shed_delay_seconds).
+PIECE_METRICS = re.compile(r"^tiered:.*(piece|yield|deferral|park|shed_delay)")
+SHED_DELAY = "tiered:shed_delay_seconds"
+
+
+def shed_within(metrics: dict[str, float], seconds: float) -> tuple[int, int] | None:
+    """Of the calls a run refused as predicted to miss, how many within `seconds` (a bucket's bound)
+    of the last moment their prediction had them in time, and how many in all; None: not reported."""
+    total = metrics.get(f"{SHED_DELAY}_count")
+    if total is None:
+        return None
+    within = metrics.get(f'{SHED_DELAY}_bucket{{le="{seconds:g}"}}')
+    if within is None:
+        raise ValueError(f"{SHED_DELAY} has no bucket at {seconds:g} s")
+    return int(within), int(total)
 
 
 @dataclass(slots=True)
@@ -169,9 +183,16 @@ def print_goodput(scores: list[RunScore], p: MixedParams) -> None:
             f"{_slowdowns(s):>13}{_pieces(s):>7}{s.total.num_refused:>8}{s.num_errors - s.total.num_refused:>7}"
         )
     for s in scores:
-        if s.metrics:
-            shown = ", ".join(f"{name} {'+' if v >= 0 else ''}{v:g}" for name, v in sorted(s.metrics.items()))
+        pieces = {name: v for name, v in s.metrics.items() if not name.startswith(SHED_DELAY)}
+        if pieces:
+            shown = ", ".join(f"{name} {'+' if v >= 0 else ''}{v:g}" for name, v in sorted(pieces.items()))
             print(f"  {s.system} at {s.short_qps:g} short/s, /metrics during the run: {shown}")
+        shed = shed_within(s.metrics, 0.05)
+        if shed is not None and shed[1]:
+            print(
+                f"  {s.system} at {s.short_qps:g} short/s: {shed[0]} of {shed[1]} calls refused as predicted to "
+                "miss were refused within 50 ms of the last moment their prediction had them in time"
+            )
     for s in scores:
         reported = (s.short.num_deadline_met_reported, s.long.num_deadline_met_reported)
         if None not in reported and reported != (s.short.num_good, s.long.num_good):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -223,14 +224,19 @@ def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
     proc.wait(timeout_s)
 
 
+_BUCKET_BOUND = re.compile(r'[{,]le="([^"]+)"')
+
+
 def prometheus_totals(url: str, keep: Callable[[str], bool]) -> dict[str, float]:
-    """The server's `/metrics` samples whose name `keep` accepts, each summed over its labels
-    (`_created` timestamps left out: they are not amounts)."""
+    """The server's `/metrics` samples whose name `keep` accepts, each summed over its labels but a
+    histogram bucket's bound (`name{le="0.05"}`); `_created` timestamps left out: they are not amounts."""
     totals: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if keep(name) and not name.endswith("_created"):
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            bound = _BUCKET_BOUND.search(line) if name.endswith("_bucket") else None
+            key = name if bound is None else f'{name}{{le="{float(bound[1]):g}"}}'
+            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals

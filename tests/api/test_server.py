@@ -371,6 +371,8 @@ def test_a_call_that_cannot_meet_its_objective_is_refused_at_once(server: str) -
     m = _metrics(server)
     assert m["tiered:requests_refused_total{model_name=" + m_name(server) + ",reason=deadline}"] == 1
     assert m["tiered:deadline_total"] == 1 and m["tiered:predicted_wait_seconds"] >= 0
+    # refused on its first look: timed from its receipt, a round trip to the engine at most
+    assert m["tiered:shed_delay_seconds_count"] == 1 and 0 <= m["tiered:shed_delay_seconds_sum"] < 0.25
     assert httpx.post(f"{server}/v1/completions", json={"prompt": [1, 2]}, headers=headers).status_code == 200
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.cli import main
-from benchmarks.goodput import RunScore, print_goodput, score_run
+from benchmarks.goodput import PIECE_METRICS, RunScore, print_goodput, score_run, shed_within
+from benchmarks.launch import prometheus_totals
 from benchmarks.load import Call, read_usage
 from benchmarks.mixed import MixedOptions, _capacity_rows, _Runs, run_mixed_bench, sustained_qps
 from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace, build_trace, calls_for
@@ -146,7 +147,9 @@ def _hand_made() -> tuple[MixedTrace, list[Record]]:
 
 def test_goodput_and_percentiles_are_exact_on_hand_made_records(capsys: pytest.CaptureFixture[str]) -> None:
     trace, records = _hand_made()
-    s = score_run("tiered", trace, list(reversed(records)), alone_seconds=4.0, metrics={"tiered:pieces_total": 2.0})
+    shed = {"tiered:shed_delay_seconds_count": 4.0, 'tiered:shed_delay_seconds_bucket{le="0.05"}': 3.0}
+    metrics = {"tiered:pieces_total": 2.0} | shed
+    s = score_run("tiered", trace, list(reversed(records)), alone_seconds=4.0, metrics=metrics)
     short, long, total = s.short, s.long, s.total
     assert (short.num_calls, short.num_answered, short.num_good) == (4, 3, 2)
     assert (short.offered_per_s, short.goodput_per_s) == (0.4, 0.2)
@@ -183,7 +186,8 @@ def test_goodput_and_percentiles_are_exact_on_hand_made_records(capsys: pytest.C
         "0",  # refused: none (an engine that died is a failure, not a refusal)
         "1",
     ]
-    assert "tiered:pieces_total +2" in out
+    assert "tiered:pieces_total +2" in out and "shed_delay_seconds_bucket" not in out
+    assert "3 of 4 calls refused as predicted to miss were refused within 50 ms" in out
     failed = [replace(r, error="500: boom", num_pieces=None) for r in records]
     s = score_run("tiered", trace, failed, alone_seconds=4.0)
     assert s.total.num_good == 0 and s.longs[0].slowdown is None and s.long.p50_latency_seconds != 0.0
@@ -333,3 +337,48 @@ def test_capacity_is_the_load_up_to_which_every_load_kept_its_objectives() -> No
     )
     assert (row["ours"]["min"], row["ours"]["max"], row["peer"]["min"], row["peer"]["max"]) == (2, 4, 1, 2)
     assert row["ratio"]["min"] == 2 and row["ratio"]["max"] == 2
+
+
+def test_metrics_totals_keep_a_histograms_buckets_apart() -> None:
+    """`prometheus_totals` sums a sample over its labels, but a histogram's buckets by their bound:
+    `shed_within` reads how many refusals came within a bound, and names a bound it lacks."""
+    import http.server
+    import threading
+
+    text = (
+        b"# TYPE tiered:shed_delay_seconds histogram\n"
+        b'tiered:shed_delay_seconds_bucket{le="0.05",model_name="m",route="/a"} 2.0\n'
+        b'tiered:shed_delay_seconds_bucket{model_name="m",route="/b",le="0.05"} 1.0\n'
+        b'tiered:shed_delay_seconds_bucket{le="+Inf",model_name="m",route="/a"} 3.0\n'
+        b'tiered:shed_delay_seconds_count{model_name="m",route="/a"} 3.0\n'
+        b'tiered:shed_delay_seconds_count{model_name="m",route="/b"} 1.0\n'
+        b'tiered:shed_delay_seconds_created{model_name="m",route="/a"} 1.7e9\n'
+        b'tiered:prefill_pieces_total{model_name="m"} 5.0\n'
+    )
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's name is http.server's
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        totals = prometheus_totals(
+            f"http://127.0.0.1:{server.server_port}", lambda name: bool(PIECE_METRICS.match(name))
+        )
+    finally:
+        server.shutdown()
+    assert totals == {
+        'tiered:shed_delay_seconds_bucket{le="0.05"}': 3.0,
+        'tiered:shed_delay_seconds_bucket{le="inf"}': 3.0,
+        "tiered:shed_delay_seconds_count": 4.0,
+        "tiered:prefill_pieces_total": 5.0,
+    }
+    assert shed_within(totals, 0.05) == (3, 4) and shed_within({}, 0.05) is None
+    with pytest.raises(ValueError, match="no bucket at 0.01 s"):
+        shed_within(totals, 0.01)

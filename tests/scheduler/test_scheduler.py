@@ -10,6 +10,7 @@ import torch
 
 from tiered.config import load_config
 from tiered.engine import Engine
+from tiered.engine.results import refused_results
 from tiered.request.score import ScoreParams
 from tiered.request.tokens import TierRequest
 from tiered.scheduler.jct import JCTModel
@@ -350,21 +351,29 @@ def test_admission_control_refuses_any_call_over_the_predicted_wait_cap(tiny_dir
 def test_a_waiting_call_is_shed_before_the_step_that_would_make_it_late(tiny_dir: Path, tmp_path: Path) -> None:
     """At each step, before its forward: the waiting calls that cannot start once the step's
     predicted time has passed and still meet their deadline are taken out (`Step.shed`, with the
-    queue's predicted work as Retry-After); the others, and calls without an objective, wait on."""
+    queue's predicted work as Retry-After); the others, and calls without an objective, wait on.
+    Each refusal carries the last moment its prediction had it in time (its delay is timed from it)."""
     engine, sched, clock = _shedding(tiny_dir, tmp_path, "calibrated", StepLimits(shed_late=True))
     new = engine.tiers.new_request
+    clock.now = 0.25
     sched.add(new("tight", _tokens(100, 2)), slo_seconds=0.5)  # admitted: nothing waits ahead of it
+    clock.now = 0.5
     sched.add(new("roomy", _tokens(100, 3)), slo_seconds=2.0)
     sched.add(new("plain", _tokens(200, 4)))
     sched.add(new("urgent-long", _tokens(800, 1)), priority=-1)  # then 0.8 s that runs first (priority)
     step = sched.schedule()
     assert [d.waiting.request_id for d in step.batch] == ["urgent-long"]
-    assert [w.request_id for w in step.shed] == ["tight"]  # 0.8 s + 0.1 s > 0.5 s
+    assert [w.request_id for w in step.shed] == ["tight"]  # 0.8 s + 0.1 s > 0.75 s
     assert step.retry_after == pytest.approx(0.8 + 0.1 + 0.2)  # the step, then what still waits
     assert {"roomy", "plain"} == set(sched._waiting)
-    clock.now = 1.95  # "roomy" can no longer start and end by 2.0 s: shed before anything runs
+    # in time when it was admitted at 0.25 s, and still at 0.5 s before the pick (starting at once)
+    assert [r.late_since for r in refused_results(step)] == [0.5]
+    clock.now = 1.2
+    assert sched.take_unreachable(0.5) == []  # "roomy" still in time once 0.5 s more have passed
+    clock.now = 2.45  # "roomy" can no longer start and end by 2.5 s: shed before anything runs
     step = sched.schedule()
     assert [w.request_id for w in step.shed] == ["roomy"] and [d.waiting.request_id for d in step.batch] == ["plain"]
+    assert [r.late_since for r in refused_results(step)] == [1.2]
     engine.close()
 
 

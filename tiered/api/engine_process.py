@@ -229,8 +229,13 @@ def _stats(engine: Engine) -> EngineStats:
 def _response(result: Result) -> ScoreResponse:
     if result.error is not None:  # shed or past its deadline: 429, the load was too high for it;
         status = 429 if result.expired else 503 if result.unavailable else 500  # a pipeline stage died: 503
+        late_since = None if result.late_since is None else time.time() - (time.monotonic() - result.late_since)
         return ScoreResponse(
-            request_id=result.request_id, error=result.error, error_status=status, retry_after_s=result.retry_after
+            request_id=result.request_id,
+            error=result.error,
+            error_status=status,
+            retry_after_s=result.retry_after,
+            late_since_unix=late_since,
         )
     return ScoreResponse(
         request_id=result.request_id,
@@ -289,5 +294,12 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel, responses: zmq.Socke
         status = getattr(exc, "status", 400)  # 404: an unknown adapter
         responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc), error_status=status)))
     except Refused as exc:  # admission control: 429 (its objective cannot be met) or 503 (over capacity)
-        refused = ScoreResponse(req.request_id, error=str(exc), error_status=exc.status, retry_after_s=exc.retry_after)
+        late_since = (req.arrival_unix or time.time()) if exc.status == 429 else None  # missed from its receipt on
+        refused = ScoreResponse(
+            req.request_id,
+            error=str(exc),
+            error_status=exc.status,
+            retry_after_s=exc.retry_after,
+            late_since_unix=late_since,
+        )
         responses.send(encode(refused))

@@ -37,6 +37,8 @@ LATENCY_BUCKETS = (
     1920.0,
     7680.0,
 )
+# Buckets for how long a call predicted to miss its objective waits for its refusal (seconds).
+SHED_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TIERS = ("device", "host", "remote", "disk")  # tiered:prefix_cache_hits' tier label
 REFUSALS = ("deadline", "wait_cap", "queue_full")  # tiered:requests_refused's reason label
@@ -110,6 +112,15 @@ class Metrics:
             "expired (refused late, scheduler.drop_expired); goodput is "
             'rate(tiered:deadline_total{outcome="met"}).',
             [*m, "route", "outcome"],
+            registry=r,
+        )
+        self.shed_delay = Histogram(
+            "tiered:shed_delay_seconds",
+            "Calls refused as predicted to miss their objective (scheduler.late: shed), by route: seconds from "
+            "the last moment the prediction still had the call in time (its receipt, if never) until the API "
+            "process has its refusal.",
+            [*m, "route"],
+            buckets=SHED_DELAY_BUCKETS,
             registry=r,
         )
         self.refused = Counter(

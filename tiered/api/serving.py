@@ -260,6 +260,8 @@ class Serving:
                 shed = out.retry_after_s is not None
                 self.metrics.deadline.labels(label, route, "shed" if shed else "expired").inc()
                 self.metrics.refused.labels(label, "deadline").inc()
+                if out.late_since_unix is not None:
+                    self.metrics.shed_delay.labels(label, route).observe(max(0.0, time.time() - out.late_since_unix))
             elif out.error_status == 503 and out.retry_after_s is not None:  # admission control's wait cap
                 self.metrics.refused.labels(label, "wait_cap").inc()
             elif out.error_status >= 500:
@@ -295,6 +297,9 @@ class Serving:
                 continue
             self.metrics.deadline.labels(label, route, "shed").inc(len(reqs))
             self.metrics.refused.labels(label, "deadline").inc(len(reqs))
+            for q in reqs:  # missed from its receipt on: the forward's predicted end was known then
+                waited = 0.0 if q.arrival_unix is None else max(0.0, time.time() - q.arrival_unix)
+                self.metrics.shed_delay.labels(label, route).observe(waited)
             stats = self.client.stats
             raise APIError(
                 429,

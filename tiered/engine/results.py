@@ -100,6 +100,7 @@ def refused_results(step: Step) -> list[Result]:
             now - w.arrival,
             expired=True,
             retry_after=step.retry_after,
+            late_since=w.arrival if w.in_time_at is None else w.in_time_at,
         )
         for w in step.shed
     ]

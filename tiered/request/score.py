@@ -92,6 +92,9 @@ class Result:
     expired: bool = False
     unavailable: bool = False  # failed because a pipeline stage died under its batch (503: retry it)
     retry_after: float | None = None  # a refused request: the predicted seconds until the queue clears
+    # A request shed as predicted to miss its deadline: the last moment (monotonic) its prediction
+    # had it in time, or its arrival; its refusal's delay is counted from it.
+    late_since: float | None = None
 
     @classmethod
     def failed(
@@ -103,6 +106,7 @@ class Result:
         expired: bool = False,
         unavailable: bool = False,
         retry_after: float | None = None,
+        late_since: float | None = None,
     ) -> Result:
         """A result for a request that failed before computing (`error` says why), with no hits or output."""
         return cls(
@@ -123,6 +127,7 @@ class Result:
             expired=expired,
             unavailable=unavailable,
             retry_after=retry_after,
+            late_since=late_since,
         )
 
     @property

@@ -128,13 +128,15 @@ class Scheduler:
                     full,
                 )
         now = self.clock()
-        if shed and w.deadline is not None and now + wait + own > w.deadline:
-            raise Refused(
-                429,
-                f"deadline unreachable: a predicted wait of {wait:.2f} s and {own:.2f} s of its own end "
-                f"{1e3 * (now + wait + own - w.deadline):.0f} ms past its latency objective (scheduler.late: shed)",
-                wait,
-            )
+        if shed and w.deadline is not None:
+            if now + wait + own > w.deadline:
+                raise Refused(
+                    429,
+                    f"deadline unreachable: a predicted wait of {wait:.2f} s and {own:.2f} s of its own end "
+                    f"{1e3 * (now + wait + own - w.deadline):.0f} ms past its latency objective (scheduler.late: shed)",
+                    wait,
+                )
+            w.in_time_at = now
 
     def predicted_wait(self, w: Waiting) -> float:
         """Seconds of predicted work before `w` (not yet queued) starts: what is left of the forward
@@ -666,14 +668,19 @@ class Scheduler:
         """Take out the waiting requests that cannot meet their deadline even if they start once
         `busy` more seconds (the step about to run) have passed, the blocks `computed` (keys that
         step keeps) cached for them by then (`scheduler.late: shed`). A request about to be shed is
-        estimated again first: a policy that scores once keeps the split of its arrival. O(waiting)."""
+        estimated again first: a policy that scores once keeps the split of its arrival. Each one
+        kept notes the moment it was still in time (`Waiting.in_time_at`). O(waiting)."""
         now = self.clock()
 
         def late(w: Waiting) -> bool:
-            if w.deadline is None or now + busy + self._jct_after(w, computed) <= w.deadline:
+            if w.deadline is None:
                 return False
-            split = self.tiers.estimate(w.request)
-            return split == w.split or now + busy + self._jct_after(w, computed, split) > w.deadline
+            if now + busy + self._jct_after(w, computed) > w.deadline:
+                split = self.tiers.estimate(w.request)
+                if split == w.split or now + busy + self._jct_after(w, computed, split) > w.deadline:
+                    return True
+            w.in_time_at = now
+            return False
 
         out = [w for w in self._waiting.values() if late(w)]
         for w in out:

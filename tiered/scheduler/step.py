@@ -24,6 +24,9 @@ class Waiting:
     priority: int = 0
     params: ScoreParams = DEFAULT_PARAMS  # what to return (logprobs, the chosen token)
     deadline: float | None = None  # arrival + its latency objective (monotonic seconds)
+    # The last moment (monotonic) the deadline's prediction had it in time (admission, the shed
+    # checks): a shed request's refusal is timed from it. None: never checked.
+    in_time_at: float | None = None
     # Between the pieces of a request that yields (scheduler/pieces.py): pieces done, its hits
     # before the first, device blocks held for it, and until when it may yield again.
     num_pieces: int = 0
