@@ -105,6 +105,15 @@ $B mixed $M2 --minutes 2 --short-qps 3,5,7,9 --alone-repeats 1 --repeats 2 \
   --systems tiered,vllm-priority-chunk2048-cap512 --json $R/mixed-bench-m-16k-xeon-pieces.json \
   --plots benchmarks/out/mixed-16k-xeon-pieces
 $B plot-mixed $R/mixed-bench-m-16k-xeon-pieces.json --out benchmarks/plots/mixed-bench-m-16k-xeon-pieces.png
+# The 5-load capacity sweep again on the AMX Xeon with that engine (5ec97ba), 3 pairs a load; then ours alone at 5, 7
+# and 9/s with shed calls timed (tiered:shed_delay_seconds, engine d0663dd).
+$B mixed $M2 --minutes 2 --short-qps 1,3,5,7,9 --alone-repeats 1 --repeats 3 \
+  --systems tiered,vllm-priority-chunk2048-cap512 --json $R/mixed-bench-m-16k-xeon-capacity-pieces.json \
+  --plots benchmarks/out/mixed-16k-xeon-capacity-pieces
+$B plot-mixed $R/mixed-bench-m-16k-xeon-capacity-pieces.json \
+  --out benchmarks/plots/mixed-bench-m-16k-xeon-capacity-pieces.png
+$B mixed $M2 --minutes 2 --short-qps 5,7,9 --alone-repeats 1 --repeats 1 --systems tiered \
+  --json $R/mixed-bench-m-16k-xeon-shed-delay.json --plots benchmarks/out/mixed-16k-xeon-shed-delay
 $B mixed $M2 --minutes 2 --short-qps 7,9 --alone-repeats 1 --repeats 2 \
   --systems tiered,tiered-base,vllm-priority-chunk2048-cap512 --base-tree /tmp/base \
   --json $R/mixed-bench-m-16k-xeon-longs.json --plots benchmarks/out/mixed-16k-xeon-longs

@@ -125,6 +125,7 @@ def write_report(json_path: str | Path | None, bench: str, device: str, results:
     doc: dict[str, Any] = {
         "bench": bench,
         "date": time.strftime("%Y-%m-%d"),
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # orders two runs of one day
         "command": prov["command"],
         "provenance": prov,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device, "torch": prov["torch"]},
@@ -223,7 +224,8 @@ HEADER = [
 
 def _table_docs(results_dir: Path) -> list[tuple[str, list[tuple[str, Path, dict[str, Any], list[dict[str, Any]]]]]]:
     """(machine, [(date, path, document, table rows)]) of every JSON in `results_dir` with a row of at
-    least MIN_TABLE_RUNS paired runs, the machine with the newest run first, its documents newest first."""
+    least MIN_TABLE_RUNS paired runs, the machine with the newest run first, its documents newest first
+    (by date, then by when it was written: a document without that time is the older of its day)."""
     groups: dict[str, list[tuple[str, Path, dict[str, Any], list[dict[str, Any]]]]] = {}
     for path in sorted(results_dir.glob("*.json")):
         doc = json.loads(path.read_text())
@@ -232,7 +234,10 @@ def _table_docs(results_dir: Path) -> list[tuple[str, list[tuple[str, Path, dict
             machine = _machine(doc.get("provenance") or {})
             groups.setdefault(machine, []).append((doc.get("date", "?"), path, doc, rows))
     ordered = sorted(groups.items(), key=lambda item: max(d for d, *_ in item[1]), reverse=True)
-    return [(machine, sorted(docs, key=lambda d: (d[0], d[1].name), reverse=True)) for machine, docs in ordered]
+    return [
+        (machine, sorted(docs, key=lambda d: (d[0], d[2].get("written_at", ""), d[1].name), reverse=True))
+        for machine, docs in ordered
+    ]
 
 
 def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/") -> str:

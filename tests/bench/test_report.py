@@ -227,6 +227,35 @@ def test_each_workload_shows_its_newest_document_named_by_its_file(tmp_path: Pat
     assert "visits-bench-m-loads.json" in body[0]
 
 
+def test_of_two_documents_of_one_day_the_later_written_is_the_newest(tmp_path: Path) -> None:
+    """Documents of one workload and date are ordered by when they were written, whatever their
+    names; one written before documents carried that time is the older of its day."""
+    row = headline_row("visits/s", "visits/s", ("tiered", [2.0] * 3), ("vllm", [1.0] * 3), True)
+    for name, written in (
+        ("mixed-a", None),
+        ("mixed-a-rerun", "2026-12-07T09:42:00Z"),
+        ("mixed-b", "2026-12-07T08:00:00Z"),
+    ):
+        doc = write_report(None, "mixed", "cpu", {"headline": [row]})
+        assert doc["written_at"].endswith("Z")
+        doc["date"] = "2026-12-07"
+        if written is None:
+            del doc["written_at"]
+        else:
+            doc["written_at"] = written
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    table = render_table(tmp_path, "results/")
+    assert [n for n in ("mixed-a-rerun.json", "mixed-b.json", "mixed-a.json") if n in table] == [
+        "mixed-a-rerun.json",
+        "mixed-b.json",
+        "mixed-a.json",
+    ]
+    order = [table.index(f"results/{n}") for n in ("mixed-a-rerun.json", "mixed-b.json", "mixed-a.json")]
+    assert order == sorted(order)
+    summary = [line for line in render_summary(tmp_path, "results/").splitlines() if line.startswith("| [")]
+    assert len(summary) == 1 and "mixed-a-rerun.json" in summary[0]
+
+
 def test_a_beyond_memory_row_without_a_memory_limit_says_so(tmp_path: Path) -> None:
     """Beyond memory, a run without a memory cgroup let our disk tier's page cache hold KV the peer
     did not get: the summary says so beside that row, and not beside one run under a limit."""
