@@ -122,10 +122,11 @@ def write_records(path: Path, payload: Any) -> None:
 def write_report(json_path: str | Path | None, bench: str, device: str, results: dict[str, Any]) -> dict[str, Any]:
     """Build the document; write it to `json_path` when given. Returns it either way."""
     prov = provenance()
+    now = time.time()
     doc: dict[str, Any] = {
         "bench": bench,
-        "date": time.strftime("%Y-%m-%d"),
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # orders two runs of one day
+        "date": time.strftime("%Y-%m-%d", time.localtime(now)),
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),  # orders two runs of one day
         "command": prov["command"],
         "provenance": prov,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device, "torch": prov["torch"]},
@@ -233,11 +234,12 @@ def _table_docs(results_dir: Path) -> list[tuple[str, list[tuple[str, Path, dict
         if rows:
             machine = _machine(doc.get("provenance") or {})
             groups.setdefault(machine, []).append((doc.get("date", "?"), path, doc, rows))
-    ordered = sorted(groups.items(), key=lambda item: max(d for d, *_ in item[1]), reverse=True)
-    return [
-        (machine, sorted(docs, key=lambda d: (d[0], d[2].get("written_at", ""), d[1].name), reverse=True))
-        for machine, docs in ordered
-    ]
+
+    def when(d: tuple[str, Path, dict[str, Any], list[dict[str, Any]]]) -> tuple[str, str, str]:
+        return d[0], d[2].get("written_at") or "", d[1].name
+
+    ordered = sorted(groups.items(), key=lambda item: max(when(d)[:2] for d in item[1]), reverse=True)
+    return [(machine, sorted(docs, key=when, reverse=True)) for machine, docs in ordered]
 
 
 def render_table(results_dir: Path = RESULTS_DIR, link_prefix: str = "results/") -> str:

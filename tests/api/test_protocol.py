@@ -43,6 +43,11 @@ def test_an_engine_result_maps_to_its_response_and_status() -> None:
     late = _response(Result.failed("r", 40, "deadline exceeded: 5 ms past ...", 0.3, expired=True))
     assert late.error_status == 429 and late.error is not None and late.error.startswith("deadline exceeded")
     assert _response(Result.failed("r", 40, "out of memory computing 40 tokens", 0.3)).error_status == 500
+    assert late.late_since_unix is None  # past its deadline (drop_expired): not a shed call
+    # shed: the last moment a check found it in time, on the monotonic clock, leaves as Unix time
+    shed = _response(Result.failed("r", 40, "deadline unreachable", 0.3, True, late_since=time.monotonic() - 0.2))
+    assert shed.error_status == 429 and shed.late_since_unix == pytest.approx(time.time() - 0.2, abs=0.05)
+    assert shed.shed_delay_s is None  # set where it is received
 
 
 def _engine_process(
@@ -106,6 +111,7 @@ def test_a_call_that_cannot_be_in_time_is_refused_while_a_forward_runs(tiny_dir:
             assert not (isinstance(message, Busy) and message.until_unix == 0.0 and not answers), "refused after"
         late, long = answers
         assert (late.request_id, late.error_status) == ("late", 429) and "deadline unreachable" in str(late.error)
+        assert late.late_since_unix is not None and late.late_since_unix <= time.time()
         assert long.request_id == "long" and long.error is None
     finally:
         engine.terminate()

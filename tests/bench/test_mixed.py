@@ -373,6 +373,7 @@ def test_metrics_totals_keep_a_histograms_buckets_apart() -> None:
         )
     finally:
         server.shutdown()
+        server.server_close()
     assert totals == {
         'tiered:shed_delay_seconds_bucket{le="0.05"}': 3.0,
         'tiered:shed_delay_seconds_bucket{le="inf"}': 3.0,

@@ -191,6 +191,8 @@ class EngineClient:
                         self.adapters.pop(command.name, None)
                     else:
                         self.adapters[command.name] = command.path
+            if isinstance(message, ScoreResponse) and message.late_since_unix is not None:
+                message.shed_delay_s = max(0.0, time.time() - message.late_since_unix)  # this host's clock
             future = self.pending.pop(message.request_id, None)
             if future is not None and not future.done():
                 future.set_result(message)

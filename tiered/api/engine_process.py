@@ -158,8 +158,8 @@ class _Intake:
                     if requests.poll(int(SHED_CHECK_S * 1e3)):
                         self._drain(requests, answers)
                     if self.busy_until:
-                        left = max(0.0, self.busy_until - time.time())
-                        for result in self.engine.shed_unreachable(left):
+                        left = self.busy_until - time.time()
+                        for result in self.engine.shed_unreachable(max(0.0, left), overrun=left <= 0):
                             answers.send(encode(_response(result)))
                 except zmq.ContextTerminated:
                     return

@@ -117,8 +117,8 @@ class Metrics:
         self.shed_delay = Histogram(
             "tiered:shed_delay_seconds",
             "Calls refused as predicted to miss their objective (scheduler.late: shed), by route: seconds from "
-            "the last moment the prediction still had the call in time (its receipt, if never) until the API "
-            "process has its refusal.",
+            "the last shed check that found the call in time (its receipt, if none did) until the engine's client "
+            "received its refusal (on the engine's host; the API's own refusals: until the API made it).",
             [*m, "route"],
             buckets=SHED_DELAY_BUCKETS,
             registry=r,

@@ -90,9 +90,11 @@ class ScoreResponse:
     num_pieces: int = 1  # forwards its new tokens took (more than one: it yielded to urgent requests)
     deadline_met: bool | None = None  # answered by its deadline (None: no latency objective)
     retry_after_s: float | None = None  # a refused request (429, 503): predicted seconds until the queue clears
-    # A request refused as predicted to miss its deadline: the last moment (Unix time) the
-    # prediction had it in time, or its receipt (tiered:shed_delay_seconds counts from it).
+    # A request refused as predicted to miss its deadline: the last moment (Unix time) a shed check
+    # found it in time, or its receipt; and the seconds from then until the engine's client (on the
+    # engine's host) received the refusal, set there on receipt (tiered:shed_delay_seconds).
     late_since_unix: float | None = None
+    shed_delay_s: float | None = None
 
 
 def cached_tokens(out: ScoreResponse) -> int:

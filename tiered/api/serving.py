@@ -260,8 +260,8 @@ class Serving:
                 shed = out.retry_after_s is not None
                 self.metrics.deadline.labels(label, route, "shed" if shed else "expired").inc()
                 self.metrics.refused.labels(label, "deadline").inc()
-                if out.late_since_unix is not None:
-                    self.metrics.shed_delay.labels(label, route).observe(max(0.0, time.time() - out.late_since_unix))
+                if out.shed_delay_s is not None:
+                    self.metrics.shed_delay.labels(label, route).observe(out.shed_delay_s)
             elif out.error_status == 503 and out.retry_after_s is not None:  # admission control's wait cap
                 self.metrics.refused.labels(label, "wait_cap").inc()
             elif out.error_status >= 500:

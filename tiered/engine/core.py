@@ -144,14 +144,15 @@ class Engine:
             self.num_cancelled += 1
         return True
 
-    def shed_unreachable(self, busy_seconds: float) -> list[Result]:
+    def shed_unreachable(self, busy_seconds: float, overrun: bool = False) -> list[Result]:
         """`scheduler.late: shed`: take out the waiting requests that cannot meet their deadline even
         if they start `busy_seconds` from now, as failures with their Retry-After ([] otherwise).
-        For a caller that watches the queue while a forward runs (`busy_seconds`: what is left of it)."""
+        For a caller that watches the queue while a forward runs (`busy_seconds`: what is left of it;
+        `overrun`: the forward is past its predicted end, so no check here counts as finding a call in time)."""
         if not self.scheduler.limits.shed_late:
             return []
         with self.lock:
-            shed = self.scheduler.take_unreachable(busy_seconds, self.scheduler.running_blocks)
+            shed = self.scheduler.take_unreachable(busy_seconds, self.scheduler.running_blocks, not overrun)
             retry_after = busy_seconds + self.scheduler.backlog(self.scheduler.running_blocks) if shed else 0.0
         return refused_results(Step(shed=shed, retry_after=retry_after)) if shed else []
 

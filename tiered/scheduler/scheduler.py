@@ -664,12 +664,15 @@ class Scheduler:
             len(held),
         )
 
-    def take_unreachable(self, busy: float, computed: AbstractSet[int] = frozenset()) -> list[Waiting]:
+    def take_unreachable(
+        self, busy: float, computed: AbstractSet[int] = frozenset(), note_in_time: bool = True
+    ) -> list[Waiting]:
         """Take out the waiting requests that cannot meet their deadline even if they start once
         `busy` more seconds (the step about to run) have passed, the blocks `computed` (keys that
         step keeps) cached for them by then (`scheduler.late: shed`). A request about to be shed is
         estimated again first: a policy that scores once keeps the split of its arrival. Each one
-        kept notes the moment it was still in time (`Waiting.in_time_at`). O(waiting)."""
+        kept notes the moment it was still in time (`Waiting.in_time_at`), unless `note_in_time` is
+        False (`busy` is a guess: a running forward past its predicted end). O(waiting)."""
         now = self.clock()
 
         def late(w: Waiting) -> bool:
@@ -679,7 +682,8 @@ class Scheduler:
                 split = self.tiers.estimate(w.request)
                 if split == w.split or now + busy + self._jct_after(w, computed, split) > w.deadline:
                     return True
-            w.in_time_at = now
+            if note_in_time:
+                w.in_time_at = now
             return False
 
         out = [w for w in self._waiting.values() if late(w)]
