@@ -162,6 +162,12 @@ $B visits $V4K --users 24 --visits 240 --posts 8 \
   --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
   --systems tiered,vllm --multiples '' --repeats 3 --memory-limit 4GiB \
   --json $R/visits-beyond-memory-4g-feed8-bench-m.json --plots benchmarks/out/visits-beyond-memory-4g-feed8
+# The same feed against vLLM + LMCache under a 6 GiB limit each (run on the AMX Xeon).
+rm -rf /tmp/tiered-disk
+$B visits $V4K --users 24 --visits 240 --posts 8 \
+  --set 'cache.host.lmcache={max_local_cpu_size: 0.25, local_disk: "/tmp/tiered-disk", max_local_disk_size: 8}' \
+  --systems tiered,vllm-lmcache --multiples '' --repeats 3 --memory-limit 6GiB \
+  --json $R/visits-beyond-memory-6g-feed8-lmcache-bench-m.json --plots benchmarks/out/visits-beyond-memory-6g-feed8-lmcache
 # Its latency below saturation: 24 users, 32 visits of 2 posts, at 0.8x plain vLLM's saturation (the better peer).
 rm -rf /tmp/tiered-disk
 $B visits $V4K --users 24 --visits 32 --posts 2 \
