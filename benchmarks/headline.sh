@@ -106,7 +106,8 @@ $B mixed $M2 --minutes 2 --short-qps 3,5,7,9 --alone-repeats 1 --repeats 2 \
   --plots benchmarks/out/mixed-16k-xeon-pieces
 $B plot-mixed $R/mixed-bench-m-16k-xeon-pieces.json --out benchmarks/plots/mixed-bench-m-16k-xeon-pieces.png
 # The 5-load capacity sweep again on the AMX Xeon with that engine (5ec97ba), 3 pairs a load; then ours alone at 5, 7
-# and 9/s with shed calls timed (tiered:shed_delay_seconds, engine d0663dd).
+# and 9/s with shed calls timed (tiered:shed_delay_seconds), run with engine d0663dd and again with 5bfd7c7 (the
+# second run written beside the first, its name dated).
 $B mixed $M2 --minutes 2 --short-qps 1,3,5,7,9 --alone-repeats 1 --repeats 3 \
   --systems tiered,vllm-priority-chunk2048-cap512 --json $R/mixed-bench-m-16k-xeon-capacity-pieces.json \
   --plots benchmarks/out/mixed-16k-xeon-capacity-pieces
