@@ -19,13 +19,13 @@ from benchmarks.stats import Record, percentile
 
 # /metrics samples of ours (tolerated absent) on prefills that yield (pieces, yields, deferrals,
 # parked KV) and on how soon calls predicted to miss were refused (tiered:shed_delay_seconds).
-PIECE_METRICS = re.compile(r"^tiered:.*(piece|yield|deferral|park|shed_delay)")
+RUN_METRICS = re.compile(r"^tiered:.*(piece|yield|deferral|park|shed_delay)")
 SHED_DELAY = "tiered:shed_delay_seconds"
 
 
 def shed_within(metrics: dict[str, float], seconds: float) -> tuple[int, int] | None:
     """Of the calls a run refused as predicted to miss, how many within `seconds` (a bucket's bound)
-    of the last moment their prediction had them in time, and how many in all; None: not reported."""
+    of the last shed check that found them in time, and how many in all; None: not reported."""
     total = metrics.get(f"{SHED_DELAY}_count")
     if total is None:
         return None
@@ -76,7 +76,7 @@ class RunScore:
     long: ClassScore
     total: ClassScore
     longs: list[LongCompletion]
-    metrics: dict[str, float] = field(default_factory=dict)  # PIECE_METRICS samples, after minus before the run
+    metrics: dict[str, float] = field(default_factory=dict)  # RUN_METRICS samples, after minus before the run
 
     @property
     def num_errors(self) -> int:
@@ -191,7 +191,7 @@ def print_goodput(scores: list[RunScore], p: MixedParams) -> None:
         if shed is not None and shed[1]:
             print(
                 f"  {s.system} at {s.short_qps:g} short/s: {shed[0]} of {shed[1]} calls refused as predicted to "
-                "miss were refused within 50 ms of the last moment their prediction had them in time"
+                "miss were refused within 50 ms of the last shed check that found them in time"
             )
     for s in scores:
         reported = (s.short.num_deadline_met_reported, s.long.num_deadline_met_reported)

@@ -15,9 +15,9 @@ Per system, first: a prompt of --long-tokens alone on the idle server (fresh pro
 --alone-repeats), the reference for each long call's completion time. Then per load: goodput at
 the objectives per class and in all, the short calls' P50 / P99, each long call's slowdown
 (`goodput.py`), and, ours, pieces per long call (`usage.tiered.num_pieces`) and the /metrics
-samples on pieces, yields and parked KV (`goodput.PIECE_METRICS`, after minus before the run;
-absent: not shown). Then `python -m benchmarks load`'s per-load table of the short calls and their
-sustainable QPS at P99 / mean latency <= the short objective.
+samples on pieces, yields, parked KV and how soon shed calls were refused (`goodput.RUN_METRICS`,
+after minus before the run; absent: not shown). Then `python -m benchmarks load`'s per-load table
+of the short calls and their sustainable QPS at P99 / mean latency <= the short objective.
 
 Systems (`systems.mixed_system`): `tiered` (`scheduler.pieces=deadline`: SLOWeave; calls predicted to
 miss their objective refused at once, `scheduler.late: shed`), `tiered-serve-late` (the same, such calls
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput import PIECE_METRICS, RunScore, print_goodput, score_run
+from benchmarks.goodput import RUN_METRICS, RunScore, print_goodput, score_run
 from benchmarks.launch import prometheus_totals
 from benchmarks.load import Call, HttpOptions, print_tables, run_http, sustainable_table
 from benchmarks.mixed_trace import LONG, SHORT, MixedParams, MixedTrace, build_trace, calls_for
@@ -120,7 +120,7 @@ def _measure(
     """One run of the trace: its records, and the change of ours' piece metrics over it."""
     if vllm is not None:
         vllm.reset()
-    keep = PIECE_METRICS.match
+    keep = RUN_METRICS.match
     before = {} if vllm is not None else prometheus_totals(url, lambda name: bool(keep(name)))
     records, _ = run_http(
         url, "model", calls, [c.arrival_seconds for c in trace.calls], HttpOptions(label, cache_salt=salt)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.cli import main
-from benchmarks.goodput import PIECE_METRICS, RunScore, print_goodput, score_run, shed_within
+from benchmarks.goodput import RUN_METRICS, RunScore, print_goodput, score_run, shed_within
 from benchmarks.launch import prometheus_totals
 from benchmarks.load import Call, read_usage
 from benchmarks.mixed import MixedOptions, _capacity_rows, _Runs, run_mixed_bench, sustained_qps
@@ -368,9 +368,7 @@ def test_metrics_totals_keep_a_histograms_buckets_apart() -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        totals = prometheus_totals(
-            f"http://127.0.0.1:{server.server_port}", lambda name: bool(PIECE_METRICS.match(name))
-        )
+        totals = prometheus_totals(f"http://127.0.0.1:{server.server_port}", lambda name: bool(RUN_METRICS.match(name)))
     finally:
         server.shutdown()
         server.server_close()
