@@ -116,6 +116,24 @@ def test_a_long_request_yields_to_a_request_that_would_miss_its_deadline(
             assert done[long_id].num_pieces == 1
 
 
+@pytest.mark.parametrize(("slo_ms", "short_first"), [(3000, True), (10_000, False)])
+def test_a_call_that_would_spend_over_half_its_slack_behind_a_long_one_goes_first(
+    tiny_dir: Path, tmp_path: Path, slo_ms: int, short_first: bool
+) -> None:
+    """1 ms per computed token predicted: a 2,000-token request (2 s) ahead of a 50-token one
+    (50 ms) under fcfs. With a 3 s objective the short one would still meet it behind the long
+    one's whole rest (at 2.05 s), but only by waiting out more than half its slack (planned to end
+    by 1.53 s): it goes first. With 10 s (planned end 5.03 s) it waits, and the long one runs
+    whole (the piece left for an arrival like it is longer than the long one)."""
+    with _engine(tiny_dir, tmp_path, "scheduler.policy=fcfs", "model.max_model_len=4096") as engine:
+        long_id = engine.submit(_ids(2000, 40), TOP)
+        short_id = engine.submit(_ids(50, 41), TOP, options=RequestOptions(slo_ms=slo_ms))
+        done = {r.request_id: r for r in engine.run()}
+    assert (done[short_id].finished_at < done[long_id].finished_at) == short_first
+    assert done[long_id].num_pieces == (2 if short_first else 1)
+    assert engine.pieces.num_deferrals == (1 if short_first else 0)
+
+
 @pytest.mark.parametrize(("policy", "defer"), [("fcfs", False), ("calibrated", False), ("calibrated", True)])
 def test_a_request_already_late_goes_before_the_rest_of_a_long_one(
     tiny_dir: Path, tmp_path: Path, policy: str, defer: bool

@@ -385,8 +385,9 @@ def test_a_long_request_that_yields_is_not_counted_in_an_urgent_calls_wait(tiny_
     in the call's wait: behind 600 ms ranked ahead (fcfs), a 50 ms call within 0.3 s is admitted,
     and the next step runs it, not a piece cut to spend its slack.
     Without pieces the call is refused; so it is once the long one's bounded delay is spent with
-    no deadline of its own to leave room, where the call would not miss behind the long one's
-    whole rest (no yield then), and by the predicted-wait cap. 1 ms per computed token."""
+    no deadline of its own to leave room, and by the predicted-wait cap. A call that would end
+    behind the long one's whole rest within its planned end (half its slack waited) lets it run
+    that rest first: the long one counts in its wait then. 1 ms per computed token."""
     limits = StepLimits(max_batch_tokens=256, shed_late=True)
     engine, plain, clock = _shedding(tiny_dir, tmp_path, "fcfs", limits, device_blocks=64)
     new = engine.tiers.new_request
@@ -410,13 +411,15 @@ def test_a_long_request_that_yields_is_not_counted_in_an_urgent_calls_wait(tiny_
     spent.add(new("long", _tokens(600, 1))).yield_until = clock() - 1.0  # yielded as long as it may
     with pytest.raises(Refused, match=r"wait of 0\.60 s"):
         spent.add(new("short", _tokens(50, 2)), slo_seconds=0.3)
-    # A call that would not miss behind the long one's whole rest (0.6 + 0.05 <= 0.7 s) is not let go
-    # first: the long one counts, and with 0.12 s more ahead the call cannot make it.
+    # Behind the long one's whole rest a call with a 0.7 s objective would still end in time (0.65 s)
+    # but past its planned end (0.375 s: half its slack waited): it goes before the long one's next
+    # piece, and only the 120 ms call ahead counts. With 1.3 s (planned end 0.675 s) it would wait out
+    # the whole rest: the long one counts.
     loose = cutting()
     loose.add(new("long", _tokens(600, 1)))
     loose.add(new("plain", _tokens(120, 3)))
-    with pytest.raises(Refused, match=r"wait of 0\.72 s"):
-        loose.add(new("short", _tokens(50, 2)), slo_seconds=0.7)
+    assert loose.predicted_wait(loose.add(new("tight", _tokens(50, 2)), slo_seconds=0.7)) == pytest.approx(0.12)
+    assert loose.predicted_wait(loose.add(new("roomy", _tokens(50, 4)), slo_seconds=1.3)) == pytest.approx(0.77)
     # The predicted-wait cap counts every request ranked ahead, a long one that would let the call go first too.
     capped = cutting(StepLimits(max_batch_tokens=256, shed_late=True, max_predicted_wait=0.3))
     capped.add(new("long", _tokens(600, 1)))

@@ -62,10 +62,30 @@ def fits(now: float, piece_seconds: float, urgent: Sequence[Urgent]) -> bool:
     return True
 
 
-def urgent_behind(now: float, whole: float, deadline: float, jct: float) -> bool:
-    """Whether a request of predicted time `jct` meets its `deadline` when run at `now` but not
-    after `whole` more seconds (a long head's rest): it goes before the head's next piece."""
-    return now + jct <= deadline < now + whole + jct
+def planned_deadline(arrival: float, deadline: float, jct: float) -> float:
+    """When a waiting request of predicted time `jct` is planned to end behind a long head: as an
+    anticipated arrival is, after waiting at most ARRIVAL_SLACK_SHARE of its slack since `arrival`
+    (the rest is for overruns and the calls that arrive with it); its deadline if it has no slack."""
+    return deadline - (1.0 - ARRIVAL_SLACK_SHARE) * max(0.0, deadline - arrival - jct)
+
+
+def meetable(now: float, rest: float, deadline: float | None) -> float | None:
+    """`deadline` if a request with `rest` predicted seconds left meets it when run at `now`, else None."""
+    return deadline if deadline is not None and now + rest <= deadline else None
+
+
+def urgent_behind(now: float, whole: float, w: Waiting, head_deadline: float | None) -> bool:
+    """Whether `w` (with a deadline) meets it when run at `now` but would end past its planned end
+    after `whole` more seconds (a long head's rest): it goes before the head's next piece. Due
+    before `head_deadline` (the head's, where it can still meet it: `meetable`), it is planned to end by
+    `planned_deadline`: judged by its deadline alone, a call would wait out the head's rest whenever
+    it just fits, answered at the edge of its objective, and any overrun would make it miss. Due
+    after the head, by its deadline (earliest deadline first: the head keeps its place unless `w`
+    would miss)."""
+    assert w.deadline is not None
+    later = head_deadline is not None and w.deadline >= head_deadline
+    end = w.deadline if later else planned_deadline(w.arrival, w.deadline, w.jct)
+    return now + w.jct <= w.deadline and now + whole + w.jct > end
 
 
 def choose_piece(
@@ -166,11 +186,12 @@ class PiecePolicy:
             return None  # yielding on would make it or another long request miss, or it yielded long enough
         else:
             whole = self.rest(w)
-            waiting = [Urgent(u.request_id, u.deadline, u.jct) for u in by_deadline() if u.deadline is not None]
-            urgent = [u for u in waiting if urgent_behind(now, whole, u.deadline, u.jct)]
+            waiting = [(u, Urgent(u.request_id, u.deadline, u.jct)) for u in by_deadline() if u.deadline is not None]
+            own = meetable(now, whole, w.deadline)
+            urgent = [v for u, v in waiting if urgent_behind(now, whole, u, own)]
             # Already late and shorter than the head's rest: it goes first, unless hopeless ones wait (defer_late).
             late_first = sc.policy != "fcfs" and not sc.defer_late
-            late = [u for u in waiting if now + u.jct > u.deadline and u.jct < whole] if late_first else []
+            late = [v for _, v in waiting if now + v.jct > v.deadline and v.jct < whole] if late_first else []
             arrival, tightest = self._anticipated(now) or (None, math.inf)
             if w.deadline is not None and w.deadline - w.arrival <= tightest + 1e-6:
                 arrival = None  # a call as tight as those anticipated: a real one is not cut for a guess
@@ -206,7 +227,7 @@ class PiecePolicy:
         meet; and either way only while the deadlines leave room (`_room`). A head that misses its
         own deadline even if it runs at once is bounded by its delay alone: yielding costs it nothing."""
         rest = self.rest(w)
-        own = w.deadline if w.deadline is not None and now + rest <= w.deadline else None
+        own = meetable(now, rest, w.deadline)
         within = w.yield_until is None or now < w.yield_until
         return (within or own is not None) and self._room(now, rest, own, others)
 
@@ -226,7 +247,8 @@ class PiecePolicy:
         for x in others():
             if x.deadline is None or now + (rest := self.rest(x)) > x.deadline:
                 continue  # no deadline, or none it can meet
-            if not urgent_behind(now, whole, x.deadline, x.jct):  # one that would miss behind the head goes first
+            # One that would end past its planned end behind the head goes first (`urgent_behind`).
+            if not urgent_behind(now, whole, x, own):
                 rests.append((x.deadline, x.seq, rest))
         for deadline, _, rest in sorted(rests):
             t += stretch * rest

@@ -22,7 +22,7 @@ from tiered.offload.tiers import KVTiers
 from tiered.request.score import DEFAULT_PARAMS, ScoreParams
 from tiered.request.tokens import HitSplit, TierRequest, common_prefix_len
 from tiered.scheduler.jct import JCTModel
-from tiered.scheduler.pieces import PiecePolicy, urgent_behind
+from tiered.scheduler.pieces import PiecePolicy, meetable, urgent_behind
 from tiered.scheduler.step import Decision, Refused, Step, StepLimits, StepOutput, Waiting
 
 __all__ = ["Decision", "Refused", "Scheduler", "Waiting"]
@@ -187,10 +187,10 @@ class Scheduler:
         of a long head, and run whole)."""
         if self.pieces is None or w.deadline is None or (x.deadline is not None and x.deadline <= w.deadline):
             return False
-        if not (
-            _runs_alone(x, self.limits.max_batch_tokens)
-            and urgent_behind(start, self.pieces.rest(x), w.deadline, w.jct)
-        ):
+        if not _runs_alone(x, self.limits.max_batch_tokens):
+            return False
+        rest = self.pieces.rest(x)
+        if not urgent_behind(start, rest, w, meetable(start, rest, x.deadline)):
             return False
         return self.pieces.yields(x, start, longs)  # last: it may ask for the long work
 
