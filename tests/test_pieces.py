@@ -134,6 +134,22 @@ def test_a_call_that_would_spend_over_half_its_slack_behind_a_long_one_goes_firs
     assert engine.pieces.num_deferrals == (1 if short_first else 0)
 
 
+@pytest.mark.parametrize(("slo_ms", "short_first"), [(1190, True), (1210, False)])
+def test_a_call_due_after_the_long_one_keeps_earliest_deadline_order(
+    tiny_dir: Path, tmp_path: Path, slo_ms: int, short_first: bool
+) -> None:
+    """1 ms per computed token predicted: a 600-token request (0.6 s) due at 1.2 s, ahead of a
+    50-token call under fcfs. Behind the long one's rest the call would end at 0.65 s, in time but
+    past its planned end (0.62 s at a 1.19 s objective, 0.63 s at 1.21 s). Due before the long one
+    (1.19 s), it goes first; due after it (1.21 s), the long one keeps its place and runs whole."""
+    with _engine(tiny_dir, tmp_path, "scheduler.policy=fcfs", "model.max_model_len=4096") as engine:
+        long_id = engine.submit(_ids(600, 42), TOP, options=RequestOptions(slo_ms=1200))
+        short_id = engine.submit(_ids(50, 43), TOP, options=RequestOptions(slo_ms=slo_ms))
+        done = {r.request_id: r for r in engine.run()}
+    assert (done[short_id].finished_at < done[long_id].finished_at) == short_first
+    assert engine.pieces.num_deferrals == (1 if short_first else 0)
+
+
 @pytest.mark.parametrize(("policy", "defer"), [("fcfs", False), ("calibrated", False), ("calibrated", True)])
 def test_a_request_already_late_goes_before_the_rest_of_a_long_one(
     tiny_dir: Path, tmp_path: Path, policy: str, defer: bool
@@ -165,9 +181,9 @@ def test_a_request_already_late_goes_before_the_rest_of_a_long_one(
 
 
 def test_pieces_sized_by_deadline_leave_room_for_the_urgent_and_equal_one_pass(tiny_dir: Path, tmp_path: Path) -> None:
-    """The short one's objective (1 s) leaves room for ~900 of the long one's tokens first: the long
-    one yields after a piece, the short one meets its deadline, and the long one's answer equals
-    one pass."""
+    """The short one (1 s objective) would miss behind the long one's whole rest (2 s): the long one
+    yields before its first piece, the short one meets its deadline, and the long one then runs in
+    pieces planned for arrivals like it, its answer equal to one pass."""
     long_ids, short_ids = _ids(2000, 4), _ids(50, 5)
     with _engine(
         tiny_dir, tmp_path, "scheduler.policy=fcfs", "scheduler.pieces=never", "model.max_model_len=4096"

@@ -195,7 +195,7 @@ class SchedulerConfig:
     # calls that can be in time are, instead of every call running a little late in arrival order.
     defer_late: bool = True
     # How a request running alone may yield between block-aligned pieces, its finished KV parked in
-    # the tiers: `deadline` (when a waiting request would miss its deadline), `fixed` (pieces of
+    # the tiers: `deadline` (when a waiting request would end past its planned end behind its rest), `fixed` (pieces of
     # `piece_tokens`), `never` (one pass). A yielding request ends within (1 + max_yield_delay) x its time alone.
     pieces: Literal["deadline", "fixed", "never"] = "deadline"
     piece_tokens: int = 4096

@@ -31,7 +31,7 @@ ARRIVAL_SLACK_SHARE = 0.5
 
 @dataclass(slots=True, frozen=True)
 class Urgent:
-    """A waiting request that would miss its deadline behind the running one."""
+    """A waiting request to run before the head's next piece (`urgent_behind`), or one anticipated."""
 
     request_id: str
     deadline: float
@@ -76,16 +76,21 @@ def meetable(now: float, rest: float, deadline: float | None) -> float | None:
 
 def urgent_behind(now: float, whole: float, w: Waiting, head_deadline: float | None) -> bool:
     """Whether `w` (with a deadline) meets it when run at `now` but would end past its planned end
-    after `whole` more seconds (a long head's rest): it goes before the head's next piece. Due
-    before `head_deadline` (the head's, where it can still meet it: `meetable`), it is planned to end by
-    `planned_deadline`: judged by its deadline alone, a call would wait out the head's rest whenever
-    it just fits, answered at the edge of its objective, and any overrun would make it miss. Due
-    after the head, by its deadline (earliest deadline first: the head keeps its place unless `w`
-    would miss)."""
+    after `whole` more seconds (a long head's rest): it goes before the head's next piece. It would
+    miss its deadline there: it goes first. Else, due before `head_deadline` (the head's, where it
+    can still meet it: `meetable`) and leaving the head time to meet it after `w`, it is planned to
+    end by `planned_deadline`: judged by its deadline alone, a call would wait out the head's rest
+    whenever it just fits, answered at the edge of its objective, and any overrun would make it
+    miss. Due after the head, by its deadline alone (earliest deadline first)."""
     assert w.deadline is not None
-    later = head_deadline is not None and w.deadline >= head_deadline
-    end = w.deadline if later else planned_deadline(w.arrival, w.deadline, w.jct)
-    return now + w.jct <= w.deadline and now + whole + w.jct > end
+    if now + w.jct > w.deadline:
+        return False  # late already: not urgent (`decide`'s late rule)
+    behind = now + whole + w.jct
+    if behind > w.deadline:
+        return True
+    if head_deadline is not None and (w.deadline >= head_deadline or now + w.jct + whole > head_deadline):
+        return False
+    return behind > planned_deadline(w.arrival, w.deadline, w.jct)
 
 
 def choose_piece(
@@ -214,9 +219,9 @@ class PiecePolicy:
 
     def yields(self, w: Waiting, now: float, others: Callable[[], Sequence[Waiting]] = tuple) -> bool:
         """Whether `w`, at the head of a one-request batch at `now`, would yield to a waiting request
-        that would miss its deadline behind it (`decide`): cut by deadlines, with more than a block
-        to compute, and allowed to (`_may_yield`, beside `others()`; `Scheduler._lets_go_first`
-        adds what the waiting request must be)."""
+        that would end past its planned end behind it (`decide`, `urgent_behind`): cut by
+        deadlines, with more than a block to compute, and allowed to (`_may_yield`, beside
+        `others()`; `Scheduler._lets_go_first` adds what the waiting request must be)."""
         if self.config.pieces != "deadline" or w.split.num_miss_tokens <= self.block_tokens:
             return False
         return self._may_yield(w, now, others)
@@ -238,18 +243,21 @@ class PiecePolicy:
         each taking (1 + max_yield_delay) x its predicted rest from `now`, all end by their deadlines
         (`own`: the head's, if it can meet one). The head runs first once it stops yielding, so the
         others wait behind it: a head that yields until its own deadline comes close, or for its
-        whole bounded delay, would otherwise leave a long request due soon after it too little time."""
+        whole bounded delay, would otherwise leave a long request due soon after it too little time.
+        Those that go before the head's next piece (`urgent_behind`) delay the head and the rest:
+        their stretched rests count first."""
         stretch = 1 + self.config.max_yield_delay
         t = now + stretch * whole
-        if own is not None and t > own:
-            return False
         rests = []
         for x in others():
             if x.deadline is None or now + (rest := self.rest(x)) > x.deadline:
                 continue  # no deadline, or none it can meet
-            # One that would end past its planned end behind the head goes first (`urgent_behind`).
-            if not urgent_behind(now, whole, x, own):
+            if urgent_behind(now, whole, x, own):
+                t += stretch * rest
+            else:
                 rests.append((x.deadline, x.seq, rest))
+        if own is not None and t > own:
+            return False
         for deadline, _, rest in sorted(rests):
             t += stretch * rest
             if t > deadline:

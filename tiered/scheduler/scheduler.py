@@ -180,11 +180,13 @@ class Scheduler:
 
     def _lets_go_first(self, x: Waiting, w: Waiting, start: float, longs: Callable[[], Sequence[Waiting]]) -> bool:
         """Whether `x`, ranked ahead of `w`, lets `w` run before its next piece when `x` is next at
-        the head (from `start`), as `PiecePolicy.decide` does: `w` has an objective it would miss
-        behind `x`'s whole rest but not when run at once, `x` runs alone (a request between pieces,
-        or one whose misses fill a batch), yields (`PiecePolicy.yields`, beside `longs()`: the long
-        work ranked behind it), and has no deadline as early as `w`'s (such an `x` may itself go first, ahead
-        of a long head, and run whole)."""
+        the head (from `start`), as `PiecePolicy.decide` does: `w` has an objective it meets when
+        run at once but would end past its planned end behind `x`'s whole rest (`urgent_behind`),
+        `x` runs alone (a request between pieces, or one whose misses fill a batch), yields
+        (`PiecePolicy.yields`, beside `longs()`: the long work ranked behind it), and has no
+        deadline as early as `w`'s (such an `x` may itself go first, ahead of a long head, and run
+        whole; a call due after `x` that `decide` lets go first because it would miss behind `x`
+        is still counted behind it here: a wait predicted long, never short)."""
         if self.pieces is None or w.deadline is None or (x.deadline is not None and x.deadline <= w.deadline):
             return False
         if not _runs_alone(x, self.limits.max_batch_tokens):
