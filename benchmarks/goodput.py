@@ -117,10 +117,11 @@ def score_class(kind: str, calls: list[MixedCall], by_id: dict[str, Record], win
 
 
 def is_refused(record: Record) -> bool:
-    """The server answered the call with a refusal (429: its objective cannot be met; 503 saying it is
-    over capacity), not a failure (a 503 of an engine that died is one)."""
+    """The server answered the call with a refusal (429: its objective cannot be met; 400: nor with
+    its prefix cached; 503 saying it is over capacity), not a failure (a 503 of an engine that died is one)."""
     error = record.error or ""
-    return error.startswith("429") or (error.startswith("503") and "over capacity" in error)
+    unmeetable = error.startswith("400") and "objective unmeetable" in error
+    return error.startswith("429") or unmeetable or (error.startswith("503") and "over capacity" in error)
 
 
 def score_run(

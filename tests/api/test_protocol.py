@@ -92,8 +92,8 @@ def test_the_engine_process_says_when_its_forward_is_predicted_to_end_and_when_i
 
 def test_a_call_that_cannot_be_in_time_is_refused_while_a_forward_runs(tiny_dir: Path) -> None:
     """The engine's intake reads messages while a forward runs: a call whose objective it cannot
-    meet gets its 429 before that forward's answer, not after it; the forward's request is
-    answered as usual."""
+    meet behind that forward (0.8 of the forward's predicted rest; its own time a few ms) gets its
+    429 before that forward's answer, not after it; the forward's request is answered as usual."""
     ctx, requests, responses, engine = _engine_process(tiny_dir, "model.max_model_len=32768")
     try:
         responses.setsockopt(zmq.RCVTIMEO, 120_000)
@@ -102,7 +102,10 @@ def test_a_call_that_cannot_be_in_time_is_refused_while_a_forward_runs(tiny_dir:
         while not isinstance(message := decode(responses.recv()), Busy | ScoreResponse):
             pass
         assert isinstance(message, Busy) and message.until_unix > 0, message
-        requests.send(encode(ScoreRequest("late", list(range(3, 40)), slo_ms=0.01, arrival_unix=time.time())))
+        rest = message.until_unix - time.time()
+        assert rest > 0.05, rest  # 24 K tokens: far more work than the call's 37
+        late_call = ScoreRequest("late", list(range(3, 40)), slo_ms=800 * rest, arrival_unix=time.time())
+        requests.send(encode(late_call))
         answers = []
         while len(answers) < 2:
             message = decode(responses.recv())

@@ -38,6 +38,7 @@ class FakeEngine:
         self.is_full = False
         self.error: tuple[str, int] | None = None  # (message, status) to answer every request with
         self.retry_after: float | None = None  # ... and its Retry-After (a refused request)
+        self.error_reason: str | None = None  # ... and why admission control refused it
         self.logprob: Any = lambda ids, t: -t / 100  # (prompt ids, token id) -> its logprob
 
     @property
@@ -58,7 +59,11 @@ class FakeEngine:
         if self.error is not None:
             return [
                 ScoreResponse(
-                    r.request_id, error=self.error[0], error_status=self.error[1], retry_after_s=self.retry_after
+                    r.request_id,
+                    error=self.error[0],
+                    error_status=self.error[1],
+                    retry_after_s=self.retry_after,
+                    error_reason=self.error_reason,
                 )
                 for r in reqs
             ]
@@ -368,6 +373,28 @@ def test_a_call_shed_or_over_the_wait_cap_says_when_to_retry(api) -> None:
     assert m["tiered:deadline_total{model_name=base,outcome=shed,route=/v1/completions}"] == 1
     assert m["tiered:requests_refused_total{model_name=base,reason=deadline}"] == 1
     assert m["tiered:requests_refused_total{model_name=base,reason=wait_cap}"] == 1
+
+
+def test_an_unmeetable_call_is_told_whether_a_retry_can_help(api) -> None:
+    """A call whose own time exceeds its objective: a 429 with the warm-up's Retry-After while
+    caching its prefix can help, a 400 naming `slo_ms` (no Retry-After) when nothing can; both of
+    type objective_unmeetable, counted as shed and refused as unmeetable."""
+    client, fake = api
+    fake.error, fake.retry_after, fake.error_reason = (
+        ("objective unmeetable: ...; retry in 6.3 s", 429),
+        6.3,
+        "unmeetable",
+    )
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "slo_ms": 5000})
+    assert r.status_code == 429 and _error(r)["type"] == "objective_unmeetable" and r.headers["Retry-After"] == "7"
+    fake.error, fake.retry_after = ("objective unmeetable: ...; raise slo_ms", 400), None
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "slo_ms": 1})
+    assert r.status_code == 400 and _error(r)["type"] == "objective_unmeetable" and _error(r)["param"] == "slo_ms"
+    assert "Retry-After" not in r.headers
+    m = parse(client.get("/metrics").text)
+    assert m["tiered:requests_refused_total{model_name=base,reason=unmeetable}"] == 2
+    assert m["tiered:requests_refused_total{model_name=base,reason=deadline}"] == 0
+    assert m["tiered:deadline_total{model_name=base,outcome=shed,route=/v1/completions}"] == 2
 
 
 def test_a_call_that_cannot_wait_for_the_running_forward_is_refused_without_reaching_the_engine(tiny_dir: Path) -> None:

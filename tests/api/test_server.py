@@ -356,23 +356,21 @@ def test_fuzzing_from_the_openapi_schema_finds_no_server_error(server: str, tmp_
 
 def test_a_call_that_cannot_meet_its_objective_is_refused_at_once(server: str) -> None:
     """`scheduler.late: shed` (the default): a call whose objective is shorter than its own predicted
-    time gets a 429 with OpenAI's error body and a Retry-After while another call is served; it is
-    answered once, counted, and the engine goes on."""
-    import concurrent.futures
-
+    time even with its whole prefix cached gets a 400 naming `slo_ms`, with OpenAI's error body and
+    no Retry-After, from the engine (no forward runs, so the API does not refuse it for waiting);
+    it is answered once, counted as unmeetable, and the engine goes on."""
     fresh = [(t * 7) % 1290 + 3 for t in range(1000)]
     headers = {"Authorization": "Bearer sekret"}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        served = pool.submit(httpx.post, f"{server}/v1/completions", json={"prompt": fresh}, headers=headers)
-        sent = time.perf_counter()
-        shed = httpx.post(f"{server}/v1/completions", json={"prompt": fresh[::-1], "slo_ms": 0.01}, headers=headers)
-        elapsed = time.perf_counter() - sent
-        assert served.result().status_code == 200
+    sent = time.perf_counter()
+    shed = httpx.post(f"{server}/v1/completions", json={"prompt": fresh[::-1], "slo_ms": 0.01}, headers=headers)
+    elapsed = time.perf_counter() - sent
+    assert httpx.post(f"{server}/v1/completions", json={"prompt": fresh}, headers=headers).status_code == 200
     error = shed.json()["error"]
-    assert shed.status_code == 429 and error["type"] == "deadline_unreachable" and error["code"] == 429
-    assert error["message"].startswith("deadline unreachable") and int(shed.headers["Retry-After"]) >= 1
+    assert shed.status_code == 400 and error["type"] == "objective_unmeetable" and error["param"] == "slo_ms"
+    assert error["message"].startswith("objective unmeetable") and "Retry-After" not in shed.headers
+    assert "with its prefix cached: no wait or retry can meet it" in error["message"]
     m = _metrics(server)
-    assert m["tiered:requests_refused_total{model_name=" + m_name(server) + ",reason=deadline}"] == 1
+    assert m["tiered:requests_refused_total{model_name=" + m_name(server) + ",reason=unmeetable}"] == 1
     assert m["tiered:deadline_total"] == 1 and m["tiered:predicted_wait_seconds"] >= 0
     # refused on its first look: timed from the server's receipt, within what the client waited
     assert m["tiered:shed_delay_seconds_count"] == 1 and 0 <= m["tiered:shed_delay_seconds_sum"] <= elapsed

@@ -11,7 +11,7 @@ import torch
 from tiered.config import load_config
 from tiered.engine import Engine
 from tiered.engine.results import refused_results
-from tiered.request.score import ScoreParams
+from tiered.request.score import RequestOptions, ScoreParams
 from tiered.request.tokens import TierRequest
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.pieces import PiecePolicy
@@ -256,12 +256,74 @@ def test_a_call_that_cannot_make_its_objective_is_refused_when_it_arrives(
     sched.add(new("roomy", _tokens(100, 4)), slo_seconds=0.45)  # 0.3 + 0.1 fits even behind "first"
     sched.add(new("plain", _tokens(900, 5)))  # no objective: never shed
     assert {"roomy", "plain"} <= set(sched._waiting)
-    with pytest.raises(Refused, match="ms past its latency objective"):
+    with pytest.raises(Refused, match="objective unmeetable: alone this call is predicted to take 0.10 s") as refused:
         sched.add(new("hopeless", _tokens(100, 6)), slo_seconds=0.05)  # its own 0.1 s is over 0.05 s
+    assert refused.value.reason == "unmeetable" and refused.value.retry_after is None  # no warm-up here
     serve = _shedding(tiny_dir, tmp_path, policy, StepLimits())[1]
     serve.add(serve.tiers.new_request("first", _tokens(300, 1)))
     serve.add(serve.tiers.new_request("hopeless", _tokens(100, 6)), slo_seconds=0.05)
     assert "hopeless" in serve
+    engine.close()
+
+
+def test_a_call_over_its_objective_alone_is_refused_and_its_prefix_warmed_behind_every_call(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A call whose own predicted time exceeds its objective, however idle the machine, is refused
+    as unmeetable (429), and its prompt queued as a warm-up below every call (the Retry-After: when
+    it is predicted done); a second call over the same profile is served by that warm-up, not
+    given another; with `warm_unmeetable` warm-ups taken the oldest queued one gives its slot up,
+    and with all of them running a refusal has no Retry-After; a call that misses even with its
+    whole prefix cached is a 400. 1 ms per computed token."""
+    limits = StepLimits(shed_late=True, warm_unmeetable=1)
+    engine, sched, _ = _shedding(tiny_dir, tmp_path, "calibrated", limits, device_blocks=32)
+    new, profile = engine.tiers.new_request, _tokens(4 * BT, 7)
+
+    def refused_for(rid: str, ids: torch.Tensor, slo: float = 0.08) -> Refused:
+        with pytest.raises(Refused) as refused:
+            sched.add(new(rid, ids), slo_seconds=slo)
+        assert refused.value.reason == "unmeetable" and rid not in sched
+        return refused.value
+
+    # 104 ms alone, 80 ms allowed; 40 ms with its profile cached
+    refused = refused_for("c1", torch.cat([profile, _tokens(40, 10)]))
+    assert refused.status == 429 and refused.retry_after == pytest.approx(0.104) and "retry in 0.1 s" in str(refused)
+    assert "c1#warm" in sched and sched.warming == {"c1#warm"}
+    assert sched.backlog() == 0.0 and sched.backlog(warm_ups=True) == pytest.approx(0.104)  # calls go first
+    refused = refused_for("c2", torch.cat([profile, _tokens(40, 11)]))  # the warm-up queued serves it
+    assert refused.retry_after == pytest.approx(0.104) and sched.warming == {"c1#warm"}
+    sched.add(new("plain", _tokens(300, 14)))  # no objective, arrived later, three times as long
+    # a call ranked behind "plain" waits for it, not for the warm-up
+    assert sched.predicted_wait(sched.add(new("probe", _tokens(400, 15)), slo_seconds=1.0)) == pytest.approx(0.3)
+    sched.remove("probe")
+    assert sched.pick().waiting.request_id == "plain"  # a warm-up runs when nothing else waits
+    assert sched.pick().waiting.request_id == "c1#warm"
+    refused = refused_for("c3", _tokens(104, 12))  # another profile, the one warm-up running
+    assert refused.status == 429 and refused.retry_after is None
+    assert "no warm-up is free (scheduler.warm_unmeetable: 1)" in str(refused)
+    assert sched.finish_warm("c1#warm") and not sched.finish_warm("plain") and not sched.warming
+    assert refused_for("c3", _tokens(104, 12)).retry_after == pytest.approx(0.104)
+    assert refused_for("c5", _tokens(120, 16)).retry_after == pytest.approx(0.120)  # takes c3's queued slot
+    assert sched.warming == {"c5#warm"} and "c3#warm" not in sched
+    refused = refused_for("c4", _tokens(104, 13), slo=0.005)  # its last 8 tokens alone take 8 ms
+    assert refused.status == 400 and "0.01 s with its prefix cached" in str(refused)
+    engine.close()
+
+
+def test_an_unmeetable_calls_warm_up_is_answered_to_no_one_and_lets_the_next_call_through(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """On an engine: the refused call's warm-up runs, yields no result, and caches the profile, so a
+    later call over it is admitted and reads it from the device tier. 1 ms per computed token."""
+    engine = _engine(tiny_dir, tmp_path, "scheduler.late=shed", "cache.suffix=discard")
+    profile = _tokens(8 * BT, 7)
+    with pytest.raises(Refused) as refused:  # 168 ms alone, 100 ms allowed; 40 ms with its profile cached
+        engine.submit(torch.cat([profile, _tokens(40, 10)]), options=RequestOptions(slo_ms=100))
+    assert refused.value.status == 429 and refused.value.retry_after == pytest.approx(0.168)
+    assert engine.num_unfinished == 1 and engine.run() == [] and not engine.scheduler.warming
+    rid = engine.submit(torch.cat([profile, _tokens(40, 11)]), options=RequestOptions(slo_ms=100))
+    (result,) = engine.run()
+    assert result.request_id == rid and result.error is None and result.split.num_device_hit_tokens == 8 * BT
     engine.close()
 
 

@@ -294,12 +294,15 @@ def _handle(engine: Engine, message: ScoreRequest | Cancel, responses: zmq.Socke
         status = getattr(exc, "status", 400)  # 404: an unknown adapter
         responses.send(encode(ScoreResponse(request_id=req.request_id, error=str(exc), error_status=status)))
     except Refused as exc:  # admission control: 429 (its objective cannot be met) or 503 (over capacity)
-        late_since = (req.arrival_unix or time.time()) if exc.status == 429 else None  # missed from its receipt on
+        late_since = (
+            (req.arrival_unix or time.time()) if exc.reason != "wait_cap" else None
+        )  # missed from its receipt on
         refused = ScoreResponse(
             req.request_id,
             error=str(exc),
             error_status=exc.status,
             retry_after_s=exc.retry_after,
             late_since_unix=late_since,
+            error_reason=exc.reason,
         )
         responses.send(encode(refused))

@@ -41,7 +41,7 @@ LATENCY_BUCKETS = (
 SHED_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TIERS = ("device", "host", "remote", "disk")  # tiered:prefix_cache_hits' tier label
-REFUSALS = ("deadline", "wait_cap", "queue_full")  # tiered:requests_refused's reason label
+REFUSALS = ("deadline", "unmeetable", "wait_cap", "queue_full")  # tiered:requests_refused's reason label
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -126,7 +126,9 @@ class Metrics:
         self.refused = Counter(
             "tiered:requests_refused",
             "Requests refused before running, by reason: deadline (429: predicted to miss its objective, "
-            "or past it), wait_cap (503: predicted wait over scheduler.max_predicted_wait_s), queue_full "
+            "or past it), unmeetable (its own predicted time exceeds its objective on an idle machine: 429 while "
+            "a warm-up of its prefix can help, scheduler.warm_unmeetable; 400 when nothing can), wait_cap (503: "
+            "predicted wait over scheduler.max_predicted_wait_s), queue_full "
             "(503: scheduler.max_waiting unanswered requests).",
             [*m, "reason"],
             registry=r,

@@ -90,6 +90,8 @@ class ScoreResponse:
     num_pieces: int = 1  # forwards its new tokens took (more than one: it yielded to urgent requests)
     deadline_met: bool | None = None  # answered by its deadline (None: no latency objective)
     retry_after_s: float | None = None  # a refused request (429, 503): predicted seconds until the queue clears
+    # Why admission control refused it (`Refused.reason`: deadline, unmeetable, wait_cap); None otherwise.
+    error_reason: str | None = None
     # A request refused as predicted to miss its deadline: the last moment (Unix time) a shed check
     # found it in time, or its receipt; and the seconds from then until the engine's client (on the
     # engine's host) received the refusal, set there on receipt (tiered:shed_delay_seconds).

@@ -19,7 +19,8 @@ class EngineFields(BaseModel):
     cache_salt: str | None = None  # vLLM's: cached KV is shared only with the same salt
     # Ours: latency objective, ms from arrival (default scheduler.default_slo_ms): a deadline the
     # scheduler plans for (a long prefill may yield to meet it); a call predicted to miss it is
-    # refused at once with a 429 (scheduler.late: shed), or answered late (late: serve).
+    # refused at once with a 429 (scheduler.late: shed; a 400 if it misses even with its prefix
+    # cached), or answered late (late: serve).
     slo_ms: float | None = None
 
 

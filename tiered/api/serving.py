@@ -254,12 +254,13 @@ class Serving:
         start = time.monotonic()
         outs = await self.client.run(reqs, request.is_disconnected)
         for out in outs:
+            unmeetable = out.error_reason == "unmeetable"  # its own time exceeds its objective (429 or 400)
             if out.error is None:
                 self.metrics.observe(label, out, time.monotonic() - start, route)
-            elif out.error_status == 429:  # predicted to miss its deadline (shed), or past it (expired)
-                shed = out.retry_after_s is not None
+            elif out.error_status == 429 or unmeetable:  # predicted to miss its deadline (shed), or past it (expired)
+                shed = unmeetable or out.retry_after_s is not None
                 self.metrics.deadline.labels(label, route, "shed" if shed else "expired").inc()
-                self.metrics.refused.labels(label, "deadline").inc()
+                self.metrics.refused.labels(label, "unmeetable" if unmeetable else "deadline").inc()
                 if out.shed_delay_s is not None:
                     self.metrics.shed_delay.labels(label, route).observe(out.shed_delay_s)
             elif out.error_status == 503 and out.retry_after_s is not None:  # admission control's wait cap
@@ -271,7 +272,7 @@ class Serving:
                 raise APIError(
                     out.error_status,
                     out.error,
-                    param if out.error_status < 500 else None,
+                    "slo_ms" if out.error_reason == "unmeetable" else param if out.error_status < 500 else None,
                     _error_type(out),
                     out.retry_after_s,
                 )
@@ -383,6 +384,8 @@ class Serving:
 
 def _error_type(out: ScoreResponse) -> str:
     """OpenAI's error `type` for an engine's failure."""
+    if out.error_reason == "unmeetable":  # its own time exceeds its objective, however idle the machine
+        return "objective_unmeetable"
     if out.error_status == 429:  # refused at once (predicted to miss), or after its deadline passed
         return "deadline_unreachable" if out.retry_after_s is not None else "deadline_exceeded"
     if out.error_status == 503:

@@ -187,6 +187,14 @@ class SchedulerConfig:
     # (`defer_late`), its wait bounded only by `max_predicted_wait_s` and `max_waiting`. Calls
     # without an objective are never shed.
     late: Literal["shed", "serve"] = "shed"
+    # `late: shed` and a call whose own predicted time exceeds its objective, however idle the
+    # machine (its prefix not cached): it is refused (reason `unmeetable`) and its prompt computed in
+    # the background at the lowest priority, answered to no one, so that a later call over the same
+    # prefix finds it cached; its 429's Retry-After is when that is predicted done. At most this many
+    # such warm-ups queued or running at once (the oldest queued gives its slot to a new one; with all
+    # running, a 429 without Retry-After); 0: none. A call that misses even with its prefix cached
+    # gets a 400 naming its objective.
+    warm_unmeetable: int = 4
     # A request past its deadline fails with a clear error instead of running late (`late: serve`;
     # `shed` refuses it earlier).
     drop_expired: bool = False
@@ -219,6 +227,11 @@ class SchedulerConfig:
             0 <= self.max_predicted_wait_s <= 1e6,
             "scheduler.max_predicted_wait_s",
             f"must be in [0, 1e6] s (0: no cap), got {self.max_predicted_wait_s}",
+        )
+        require(
+            0 <= self.warm_unmeetable <= 1024,
+            "scheduler.warm_unmeetable",
+            f"must be in [0, 1024] (0: no warm-up), got {self.warm_unmeetable}",
         )
         require(self.max_batch_tokens >= 0, "scheduler.max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
         require(

@@ -60,6 +60,7 @@ class Engine:
             sc.defer_late,
             sc.late == "shed",
             sc.max_predicted_wait_s,
+            sc.warm_unmeetable,
             index_at_launch=parts.runner.max_in_flight > 1,
         )
         self.pieces = PieceStats()
@@ -158,8 +159,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued (not yet in a forward)."""
-        return len(self.scheduler)
+        """Requests queued (not yet in a forward), warm-ups of unmeetable calls' prefixes not counted."""
+        return len(self.scheduler) - sum(rid in self.scheduler for rid in self.scheduler.warming)
 
     @property
     def num_unfinished(self) -> int:
@@ -202,7 +203,14 @@ class Engine:
             with self.lock:
                 self.scheduler.running(None)
                 self.scheduler.update_from_output(step, output)
-        return refused + output.results
+                warmed = [r for r in output.results if self.scheduler.finish_warm(r.request_id)]
+        for r in warmed:  # a warm-up's answer goes to no one: its prefix is cached now
+            if r.error is None:
+                log.info("warm-up %s done: %d tokens cached for the calls that follow", r.request_id, r.num_tokens)
+            else:
+                log.warning("warm-up %s failed: %s", r.request_id, r.error)
+        done = {r.request_id for r in warmed}
+        return refused + [r for r in output.results if r.request_id not in done]
 
     # ---- adapters --------------------------------------------------------------------------
 

@@ -233,7 +233,7 @@ class PiecePolicy:
         own deadline even if it runs at once is bounded by its delay alone: yielding costs it nothing."""
         rest = self.rest(w)
         own = meetable(now, rest, w.deadline)
-        within = w.yield_until is None or now < w.yield_until
+        within = w.warm or w.yield_until is None or now < w.yield_until  # no one waits for a warm-up
         return (within or own is not None) and self._room(now, rest, own, others)
 
     def _room(self, now: float, whole: float, own: float | None, others: Callable[[], Sequence[Waiting]]) -> bool:

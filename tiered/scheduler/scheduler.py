@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import replace
 
 from torch import Tensor
 
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 # Requests between pieces hold at most this share of the device tier (their leading parked blocks)
 # when a host tier has the rest, so that short calls meanwhile find their cached prefixes there.
 PARK_DEVICE_SHARE = 0.5
+# A warm-up (`Scheduler._warm`) ranks below every call: it runs only when nothing else waits.
+WARM_PRIORITY = 1 << 62
+WARM_SUFFIX = "#warm"  # a warm-up's id: the refused call's, with this
 
 
 class Scheduler:
@@ -65,6 +69,7 @@ class Scheduler:
         self._by_key: dict[int, set[str]] = defaultdict(set)  # block key -> ids of the requests that hold it
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, request id), stale entries skipped
         self._seq = 0
+        self.warming: set[str] = set()  # ids of the warm-ups queued or running (`_warm`)
         # When the forward running now is predicted to end (the clock's time; 0.0: none runs), and the
         # keys of the blocks it holds once it ends: a call admitted meanwhile waits for it first, and
         # finds those blocks cached when it runs (`running`).
@@ -126,9 +131,12 @@ class Scheduler:
                     f"the server is over capacity: a predicted wait of {full:.1f} s exceeds "
                     f"scheduler.max_predicted_wait_s ({lim.max_predicted_wait:g} s); retry later",
                     full,
+                    "wait_cap",
                 )
         now = self.clock()
         if shed and w.deadline is not None:
+            if own > w.deadline - w.arrival:
+                raise self._unmeetable(w, own)
             if now + wait + own > w.deadline:
                 raise Refused(
                     429,
@@ -137,6 +145,96 @@ class Scheduler:
                     wait,
                 )
             w.in_time_at = now
+
+    def _unmeetable(self, w: Waiting, own: float) -> Refused:
+        """The refusal of a call whose own predicted time `own` exceeds its objective, however idle
+        the machine: 400 where its prefix cached as far as the tiers keep one (more than it finds
+        cached now) would not bring it within, so no retry helps; else 429, with a warm-up of its
+        prefix queued (`_warm`) and the Retry-After of its end, or none where no warm-up is free."""
+        assert w.deadline is not None
+        objective, split, bt = w.deadline - w.arrival, w.split, self.tiers.block_tokens
+        what = (
+            f"objective unmeetable: alone this call is predicted to take {own:.2f} s ({split.num_miss_tokens} of "
+            f"its {split.num_tokens} tokens to compute), over its latency objective of {objective:.2f} s"
+        )
+        cacheable = min(max_prefix_blocks(w.request, bt), self._hit_blocks(w) + self._num_kept) * bt
+        floor = (
+            own
+            if cacheable <= split.num_hit_tokens
+            else self.jct.predict(HitSplit(cacheable, 0, split.num_tokens - cacheable))
+        )
+        if floor > objective:
+            return Refused(
+                400,
+                f"{what}, and {floor:.2f} s with its prefix cached: no wait or retry can meet it; "
+                "raise slo_ms or send the call without one",
+                None,
+                "unmeetable",
+            )
+        if self.pieces is not None:  # a warm-up runs in pieces planned for calls like it
+            self.pieces.saw(w.arrival, objective, own)
+        after = self._warm(w, objective)
+        if after is None:
+            return Refused(
+                429,
+                f"{what}; its prefix is not cached and no warm-up is free "
+                f"(scheduler.warm_unmeetable: {self.limits.warm_unmeetable}); a call that caches it lets it through",
+                None,
+                "unmeetable",
+            )
+        return Refused(
+            429,
+            f"{what}; its prefix is being computed in the background (scheduler.warm_unmeetable): "
+            f"retry in {after:.1f} s",
+            after,
+            "unmeetable",
+        )
+
+    def _warm(self, w: Waiting, objective: float) -> float | None:
+        """Queue a warm-up for the unmeetable call `w`: its prompt under its id + WARM_SUFFIX, at
+        WARM_PRIORITY (it runs only when no call waits, in pieces planned for calls that may arrive,
+        and yields to those that do, never bounded by `max_yield_delay`), with no objective and no
+        one to answer (`finish_warm`), so that a later call over the same prefix finds it cached.
+        A warm-up queued or running that brings `w` within its objective serves it too. Where
+        `limits.warm_unmeetable` are taken, the oldest queued one gives its slot up; None where all
+        are running. The predicted seconds until the work queued, that warm-up last, is done."""
+        computed = set(self.running_blocks)
+        queued = [x for rid in self.warming if (x := self._waiting.get(rid)) is not None]
+        for x in queued:  # what each leaves cached: its hits, then as many computed blocks as the tiers keep
+            computed.update(x.request.keys[: self._hit_blocks(x) + self._num_kept])
+        if self._jct_after(w, computed) > objective:
+            rid = w.request_id + WARM_SUFFIX
+            if rid in self.warming or rid in self._waiting:
+                return None
+            if len(self.warming) >= self.limits.warm_unmeetable:
+                if not queued:
+                    return None
+                oldest = min(queued, key=lambda x: x.seq)
+                self.remove(oldest.request_id)
+                self.warming.discard(oldest.request_id)
+                log.info("warm-up %s dropped unrun: its slot goes to %s", oldest.request_id, rid)
+            x = Waiting(
+                replace(w.request, request_id=rid), self._seq, w.arrival, w.split, w.jct, priority=WARM_PRIORITY
+            )
+            x.warm = True
+            self._seq += 1
+            self._enqueue(x)
+            self.warming.add(rid)
+            log.info(
+                "request %s: objective unmeetable (alone %.2f s > %.2f s); its prefix warms in the background as %s",
+                w.request_id,
+                w.jct,
+                objective,
+                rid,
+            )
+        return max(0.0, self.running_until - self.clock()) + self.backlog(self.running_blocks, warm_ups=True)
+
+    def finish_warm(self, request_id: str) -> bool:
+        """Whether `request_id` is a warm-up's (`_warm`); if so it is answered now, to no one."""
+        if request_id not in self.warming:
+            return False
+        self.warming.discard(request_id)
+        return True
 
     def predicted_wait(self, w: Waiting) -> float:
         """Seconds of predicted work before `w` (not yet queued) starts: what is left of the forward
@@ -207,11 +305,14 @@ class Scheduler:
         mbt = self.limits.max_batch_tokens
         return [x for x in self._waiting.values() if x.deadline is not None and _runs_alone(x, mbt)]
 
-    def backlog(self, computed: AbstractSet[int] = frozenset()) -> float:
+    def backlog(self, computed: AbstractSet[int] = frozenset(), warm_ups: bool = False) -> float:
         """Seconds of predicted work waiting: each request's JCT, blocks that several of them compute
-        counted once, and those in `computed` (keys a running step keeps) as cached. O(waiting)."""
+        counted once, and those in `computed` (keys a running step keeps) as cached; warm-ups
+        (`_warm`) only with `warm_ups`: every call runs before them. O(waiting)."""
         made, total = set(computed), 0.0
         for w in self._waiting.values():
+            if w.warm and not warm_ups:
+                continue
             total += self._jct_after(w, made)
             self._keep(w, made)
         return total
@@ -566,6 +667,9 @@ class Scheduler:
                 prefetch = nxt.request
         parked = self.num_parked_blocks() if piece_tokens is not None else 0
         keys = self.waiting_keys() if batch else set()
+        for d in batch:  # a warm-up's blocks are kept for the calls that will follow it
+            if d.waiting.warm:
+                keys.update(d.waiting.request.keys)
         step = Step(batch, [], piece_tokens, prefetch, expired, keys, parked, shed, 0.0, busy, time.monotonic())
         self._allocate(step)
         if batch and (lim.shed_late or lim.max_predicted_wait > 0):

@@ -33,6 +33,9 @@ class Waiting:
     first_split: HitSplit | None = None
     parked: list[int] = field(default_factory=list)
     yield_until: float | None = None
+    # A warm-up (`Scheduler._warm`): an unmeetable call's prompt, computed at the lowest priority
+    # for the calls that follow; no one waits for its answer.
+    warm: bool = False
 
     @property
     def request_id(self) -> str:
@@ -63,19 +66,23 @@ class StepLimits:
     defer_late: bool = True  # requests that can no longer meet their deadline wait behind those that can
     shed_late: bool = False  # ... or are refused at once (`scheduler.late: shed`)
     max_predicted_wait: float = 0.0  # admission control: seconds of predicted wait; 0: no cap
+    warm_unmeetable: int = 0  # warm-ups of unmeetable calls' prefixes queued at once; 0: none
     # Index a batch's retained blocks when it is scheduled, not when it ends: a runner with several
     # batches in flight computes them in order, so a later batch reads them after they are written.
     index_at_launch: bool = False
 
 
 class Refused(Exception):
-    """A call refused when it arrives: `status` 429 (its objective cannot be met: `scheduler.late:
-    shed`) or 503 (the predicted wait is over `scheduler.max_predicted_wait_s`); `retry_after`:
-    seconds until the work queued ahead of it is predicted to be done."""
+    """A call refused when it arrives, and why (`reason`): `deadline` (429: its objective cannot be
+    met behind the work queued, `scheduler.late: shed`), `unmeetable` (its own predicted time
+    exceeds its objective, however idle the machine: 429 while caching its prefix can help, 400 when
+    nothing can) or `wait_cap` (503: the predicted wait is over `scheduler.max_predicted_wait_s`).
+    `retry_after`: seconds until a retry is predicted to find room (the work queued ahead of it
+    done, or its prefix warmed); None where no retry is predicted to help."""
 
-    def __init__(self, status: int, message: str, retry_after: float) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None, reason: str = "deadline") -> None:
         super().__init__(message)
-        self.status, self.retry_after = status, retry_after
+        self.status, self.retry_after, self.reason = status, retry_after, reason
 
 
 @dataclass(slots=True)
