@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 
 from benchmarks.launch import start_server, stop_server
 from benchmarks.load import WARM_UP, Call, HttpOptions, run_http
@@ -20,6 +21,7 @@ from benchmarks.memory_group import MemoryGroup
 from benchmarks.report import commit_of
 from benchmarks.vllm import VLLMServer
 from tiered.config import Config, write_config
+from tiered.config.yaml_io import config_to_dict
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,27 @@ def _warm_up(url: str, calls: Sequence[Call], concurrency: int | None) -> None:
         run_http(url, "model", list(calls), [0.0] * len(calls), HttpOptions("warm-up", concurrency, "warm-up"))
 
 
+def write_changed_config(cfg: Config, path: Path) -> Path:
+    """Write only the values of `cfg` that differ from the defaults: what another checkout (`tiered-base`)
+    reads, which may not know a key added since. It reads back to `cfg` where the defaults agree."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(_changed(config_to_dict(cfg), config_to_dict(Config())), sort_keys=False))
+    return path
+
+
+def _changed(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a config's dict (nested by section) whose values differ from `defaults`."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            if inner := _changed(value, default):
+                out[key] = inner
+        elif key not in defaults or value != default:
+            out[key] = value
+    return out
+
+
 @contextmanager
 def serve_tiered(
     cfg: Config,
@@ -62,7 +85,8 @@ def serve_tiered(
     """`tiered serve` with `cfg` (written to OUT_DIR/SYSTEM.yaml, its log beside it), served as
     `model`, in `group` where one is given, warmed up; stops it on exit. `tree`: serve the
     checkout there instead of this one (its commit goes to the launch record)."""
-    path = write_config(cfg, out_dir / f"{system}.yaml").resolve()
+    path = out_dir / f"{system}.yaml"
+    path = (write_config(cfg, path) if tree is None else write_changed_config(cfg, path)).resolve()
     began = time.perf_counter()
     proc, url = start_server(
         ["--config", str(path), "--served-model-name", "model"],

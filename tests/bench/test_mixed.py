@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks.cli import main
 from benchmarks.goodput import RUN_METRICS, RunScore, print_goodput, score_run, shed_within
@@ -16,6 +17,7 @@ from benchmarks.launch import prometheus_totals
 from benchmarks.load import Call, read_usage
 from benchmarks.mixed import MixedOptions, _capacity_rows, _Runs, run_mixed_bench, sustained_qps
 from benchmarks.mixed_trace import LONG, SHORT, MixedCall, MixedParams, MixedTrace, build_trace, calls_for
+from benchmarks.servers import write_changed_config
 from benchmarks.stats import Record
 from benchmarks.systems import MixedSystem, mixed_system
 from benchmarks.traces import QUESTION_TOKENS, BenchError, ordinary_token_ids
@@ -381,3 +383,15 @@ def test_metrics_totals_keep_a_histograms_buckets_apart() -> None:
     assert shed_within(totals, 0.05) == (3, 4) and shed_within({}, 0.05) is None
     with pytest.raises(ValueError, match="no bucket at 0.01 s"):
         shed_within(totals, 0.01)
+
+
+def test_another_checkout_is_given_only_the_settings_that_differ_from_the_defaults(tmp_path: Path) -> None:
+    """`tiered-base` serves an older checkout, which may not know a key added since: its config file
+    holds only the values that differ from the defaults, and reads back to the same config."""
+    cfg = load_config(None, ["scheduler.pieces=never", "cache.host.lmcache.max_local_cpu_size=4.0"])
+    path = write_changed_config(cfg, tmp_path / "base.yaml")
+    assert yaml.safe_load(path.read_text()) == {
+        "cache": {"host": {"lmcache": {"max_local_cpu_size": 4.0}}},
+        "scheduler": {"pieces": "never"},
+    }
+    assert load_config(path, []) == cfg
