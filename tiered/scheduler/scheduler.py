@@ -213,10 +213,8 @@ class Scheduler:
                 self.remove(oldest.request_id)
                 self.warming.discard(oldest.request_id)
                 log.info("warm-up %s dropped unrun: its slot goes to %s", oldest.request_id, rid)
-            x = Waiting(
-                replace(w.request, request_id=rid), self._seq, w.arrival, w.split, w.jct, priority=WARM_PRIORITY
-            )
-            x.warm = True
+            request = replace(w.request, request_id=rid)
+            x = Waiting(request, self._seq, w.arrival, w.split, w.jct, priority=WARM_PRIORITY, warm=True)
             self._seq += 1
             self._enqueue(x)
             self.warming.add(rid)
