@@ -71,6 +71,8 @@ def test_bad_requests_are_refused_by_name(tiny_dir: Path, tmp_path: Path) -> Non
         engine.submit([1, 99999])
     with pytest.raises(ForwardInputError, match="token id 5000"):
         engine.submit([1, 2], ScoreParams(logprob_token_ids=(5000,)))
+    with pytest.raises(ForwardInputError, match=r"priority must be an integer in .* got 4611686018427387904"):
+        engine.submit([1, 2], options=RequestOptions(priority=2**62))  # the warm-ups' own rank
     assert len(engine.scheduler) == 0
     engine.close()
 

@@ -118,6 +118,8 @@ def _error(r: Any) -> dict[str, Any]:
         ({"prompt": [1], "slo_ms": 0}, "slo_ms", "slo_ms must be a number of milliseconds"),
         ({"prompt": [1], "slo_ms": 2e9}, "slo_ms", "slo_ms must be a number of milliseconds"),
         ({"prompt": [1], "slo_ms": "10"}, "slo_ms", "slo_ms:"),
+        ({"prompt": [1], "priority": 2**62}, "priority", f"priority must be an integer in [-{2**62 - 1}, {2**62 - 1}]"),
+        ({"prompt": [1], "priority": -(2**70)}, "priority", f"got {-(2**70)}"),
         ({"prompt": "x", "model": "nope"}, "model", "The model `nope` does not exist."),
         ({"prompt": 5}, "prompt", "prompt:"),
     ],

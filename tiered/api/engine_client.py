@@ -71,6 +71,27 @@ async def wait_answers(
             )
 
 
+def first_error_or_all(futures: list[asyncio.Future[ScoreResponse]]) -> asyncio.Future[list[ScoreResponse]]:
+    """A future of the answers of `futures`: all of them, in order, once all are done; the ones
+    done so far, in order, as soon as one is an error response; the exception of the first that
+    raised (an engine death)."""
+    out: asyncio.Future[list[ScoreResponse]] = asyncio.get_running_loop().create_future()
+
+    def settle(_: object) -> None:
+        if out.done():
+            return
+        done = [f for f in futures if f.done() and not f.cancelled()]
+        raised = next((e for f in done if (e := f.exception()) is not None), None)
+        if raised is not None:
+            out.set_exception(raised)
+        elif len(done) == len(futures) or any(f.result().error is not None for f in done):
+            out.set_result([f.result() for f in done])
+
+    for f in futures:
+        f.add_done_callback(settle)
+    return out
+
+
 class EngineClient:
     """Runs the engine process (restarting it if it dies) and matches its responses to requests."""
 
@@ -210,10 +231,11 @@ class EngineClient:
     async def run(
         self, reqs: list[ScoreRequest], disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> list[ScoreResponse]:
-        """Send requests together and wait for all their answers.
+        """Send requests together and wait for their answers: all of them, in order, or, once one
+        is an error (a call fails as a whole on its first), the answers so far, in order.
 
-        Past `server.request_timeout_s` (504) or when the client disconnects, the requests that
-        have no answer yet are cancelled in the engine (they leave its queue; one already
+        The requests still unanswered then, past `server.request_timeout_s` (504), or when the
+        client disconnects are cancelled in the engine (they leave its queue; one already
         computing finishes and its answer is dropped)."""
         loop = asyncio.get_running_loop()
         futures = []
@@ -221,19 +243,18 @@ class EngineClient:
             future: asyncio.Future[ScoreResponse] = loop.create_future()
             self.pending[r.request_id] = future
             futures.append(future)
-        gathered: asyncio.Future[list[ScoreResponse]] = asyncio.gather(*futures)
+        answered = first_error_or_all(futures)
         try:
             for r in reqs:
                 await self.requests.send(encode(r))
-            return await wait_answers(self, gathered, len(reqs), disconnected)
-        except BaseException:
-            gathered.cancel()
-            if gathered.done() and not gathered.cancelled():
-                gathered.exception()  # retrieved: an engine death already answered them
-            for r in reqs:
+            return await wait_answers(self, answered, len(reqs), disconnected)
+        finally:
+            answered.cancel()
+            for r, future in zip(reqs, futures, strict=True):
+                if future.done() and not future.cancelled():
+                    future.exception()  # retrieved: an engine death answered it
                 if self.pending.pop(r.request_id, None) is not None and self.alive:
                     await self.requests.send(encode(Cancel(r.request_id)))
-            raise
 
     async def adapter(self, name: str, path: str | None) -> AdapterReply:
         """Load (`path`) or unload (None) a LoRA adapter in the engine; its reply."""

@@ -21,7 +21,7 @@ from tiered.api.metrics import Metrics
 from tiered.api.protocol import AdapterReply, EngineStats, Ready, ScoreRequest, ScoreResponse, cached_tokens
 from tiered.api.schemas import ChoiceFields, EngineFields, ScoreBody
 from tiered.config import Config
-from tiered.request.validation import InputError, check_prompt, check_slo_ms, check_token_ids
+from tiered.request.validation import InputError, check_priority, check_prompt, check_slo_ms, check_token_ids
 
 
 class Client(Protocol):
@@ -62,7 +62,8 @@ class Client(Protocol):
         ...
 
     async def run(self, reqs: list[ScoreRequest], disconnected: Any = None) -> list[ScoreResponse]:
-        """Send requests together and return their answers (cancelled if `disconnected()` turns true)."""
+        """Send requests together and return their answers, in order: all of them, or, once one is
+        an error, those so far (the others cancelled, as when `disconnected()` turns true)."""
         ...
 
     async def adapter(self, name: str, path: str | None) -> AdapterReply:
@@ -193,6 +194,7 @@ class Serving:
             raise APIError(400, "cache_salt must be a non-empty string when given", "cache_salt")
         try:
             check_slo_ms(body.slo_ms)
+            check_priority(body.priority)
         except InputError as exc:
             raise APIError(400, str(exc), exc.param) from None
         allowed: list[int] = []
@@ -236,7 +238,8 @@ class Serving:
     # ---- running ---------------------------------------------------------------------------
 
     async def run(self, reqs: list[ScoreRequest], request: Request, param: str) -> list[ScoreResponse]:
-        """Send requests together (the scheduler sees them all); refuse them all if the queue is full."""
+        """Send requests together (the scheduler sees them all); refuse them all if the queue is full.
+        A call fails as a whole on its first error, at once: its other requests are cancelled."""
         label = reqs[0].lora_name or self.model_name  # the base model or the adapter (metrics' model_name)
         if self.client.full(len(reqs)):
             limit = self.config.scheduler.max_waiting * self.config.cluster.replicas  # per engine, summed

@@ -28,7 +28,7 @@ from tiered.engine.results import refused_results
 from tiered.engine.startup import EngineStartError, start
 from tiered.hybrid.forward import ForwardInputError
 from tiered.request.score import DEFAULT_OPTIONS, DEFAULT_PARAMS, RequestOptions, Result, ScoreParams
-from tiered.request.validation import InputError, check_prompt, check_slo_ms, check_token_ids
+from tiered.request.validation import InputError, check_priority, check_prompt, check_slo_ms, check_token_ids
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.pieces import PiecePolicy
 from tiered.scheduler.scheduler import Scheduler
@@ -105,6 +105,7 @@ class Engine:
             check_prompt(ids.tolist(), vocab, self.max_model_len)
             check_token_ids(params.token_ids(), vocab)
             check_slo_ms(options.slo_ms)
+            check_priority(options.priority)
         except InputError as exc:
             raise ForwardInputError(str(exc)) from None
         return self.enqueue(ids, params, request_id, options)

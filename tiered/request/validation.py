@@ -43,6 +43,19 @@ def check_prompt(ids: Sequence[int], vocab_size: int, max_model_len: int, param:
     check_token_ids(ids, vocab_size, param)
 
 
+# A call's priority lies strictly between these: the values at and past them are the engine's own
+# (`tiered.scheduler.scheduler.WARM_PRIORITY` ranks below every call), and a 64-bit integer carries it.
+PRIORITY_LIMIT = 1 << 62
+
+
+def check_priority(value: object, param: str = "priority") -> None:
+    """vLLM's request priority (lower runs first): an integer in (-PRIORITY_LIMIT, PRIORITY_LIMIT);
+    else InputError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -PRIORITY_LIMIT < value < PRIORITY_LIMIT:
+        bound = PRIORITY_LIMIT - 1
+        raise InputError(f"{param} must be an integer in [-{bound}, {bound}] (lower runs first), got {value!r}", param)
+
+
 def check_slo_ms(value: object, param: str = "slo_ms") -> None:
     """A latency objective: None (none), or a finite number of milliseconds in (0, 1e9]; else
     InputError naming it."""

@@ -22,6 +22,7 @@ from tiered.offload.loading import max_prefix_blocks
 from tiered.offload.tiers import KVTiers
 from tiered.request.score import DEFAULT_PARAMS, ScoreParams
 from tiered.request.tokens import HitSplit, TierRequest, common_prefix_len
+from tiered.request.validation import PRIORITY_LIMIT
 from tiered.scheduler.jct import JCTModel
 from tiered.scheduler.pieces import PiecePolicy, meetable, urgent_behind
 from tiered.scheduler.step import Decision, Refused, Step, StepLimits, StepOutput, Waiting
@@ -33,8 +34,9 @@ log = logging.getLogger(__name__)
 # Requests between pieces hold at most this share of the device tier (their leading parked blocks)
 # when a host tier has the rest, so that short calls meanwhile find their cached prefixes there.
 PARK_DEVICE_SHARE = 0.5
-# A warm-up (`Scheduler._warm`) ranks below every call: it runs only when nothing else waits.
-WARM_PRIORITY = 1 << 62
+# A warm-up (`Scheduler._warm`) ranks below every call (their priorities are checked to lie below
+# this): it runs only when nothing else waits.
+WARM_PRIORITY = PRIORITY_LIMIT
 WARM_SUFFIX = "#warm"  # a warm-up's id: the refused call's, with this
 
 
@@ -607,7 +609,7 @@ class Scheduler:
         rest = [w for w in self._in_policy_order(limit) if w.request_id not in seen]
         same = [w for w in rest if w.request.adapter == head.request.adapter]
         other = [w for w in rest if w.request.adapter != head.request.adapter]
-        return [w for w in sharing + same + other if w.priority == head.priority]
+        return [w for w in sharing + same + other if w.priority == head.priority and w.warm == head.warm]
 
     def _in_policy_order(self, limit: int) -> list[Waiting]:
         """The first `limit` waiting requests in policy order, left in the queue."""
