@@ -35,13 +35,13 @@ def test_answers_wait_for_all_in_order_unless_one_is_an_error() -> None:
         await asyncio.sleep(0)
         assert not out.done()  # "b" is still to come
         futures[1].set_result(_ok("b"))
-        assert [r.request_id for r in await out] == ["a", "b", "c"]
+        assert [r.request_id for r in await asyncio.wait_for(out, 1)] == ["a", "b", "c"]
 
         futures = [loop.create_future() for _ in range(3)]
         out = first_error_or_all(futures)
         futures[2].set_result(_ok("c"))
         futures[1].set_result(_refused("b"))
-        assert [r.request_id for r in await out] == ["b", "c"]  # "a" not waited for
+        assert [r.request_id for r in await asyncio.wait_for(out, 1)] == ["b", "c"]  # "a" not waited for
         futures[0].set_result(_ok("a"))  # a late answer changes nothing
         await asyncio.sleep(0)
 
@@ -49,7 +49,8 @@ def test_answers_wait_for_all_in_order_unless_one_is_an_error() -> None:
         out = first_error_or_all(futures)
         futures[1].set_exception(RuntimeError("the engine process exited"))
         with pytest.raises(RuntimeError, match="exited"):
-            await out
+            await asyncio.wait_for(out, 1)
+        assert await asyncio.wait_for(first_error_or_all([]), 1) == []
 
     asyncio.run(main())
 
@@ -77,13 +78,15 @@ def test_a_call_fails_on_its_first_error_and_its_other_requests_are_cancelled(ti
             cancels = [decode(await asyncio.wait_for(inbox.recv(), 5)) for _ in range(2)]
             assert all(isinstance(c, Cancel) for c in cancels)
             assert sorted(c.request_id for c in cancels) == ["r1", "r3"] and client.pending == {}
+            assert client.cancelled == 2  # counted as cancelled: their call failed
+            await outbox.send(encode(_ok("r1")))  # an answer after its call was answered is dropped
 
             reqs = [ScoreRequest(f"s{i}", [1, 2], [], 0, [], []) for i in range(2)]
             call = asyncio.create_task(client.run(reqs))
             for r in [decode(await inbox.recv()) for _ in reqs][::-1]:
                 await outbox.send(encode(_ok(r.request_id)))
             assert [o.request_id for o in await asyncio.wait_for(call, 5)] == ["s0", "s1"]
-            assert client.pending == {}
+            assert client.pending == {} and client.cancelled == 2
             assert await inbox.poll(200) == 0  # nothing cancelled: every request was answered
         finally:
             reader.cancel()

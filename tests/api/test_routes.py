@@ -39,6 +39,9 @@ class FakeEngine:
         self.error: tuple[str, int] | None = None  # (message, status) to answer every request with
         self.retry_after: float | None = None  # ... and its Retry-After (a refused request)
         self.error_reason: str | None = None  # ... and why admission control refused it
+        # Answer only a call's prompt at this index with `error`, and stop there, as the engine
+        # client answers a call at its first error (the prompts after it cancelled)
+        self.error_at: int | None = None
         self.logprob: Any = lambda ids, t: -t / 100  # (prompt ids, token id) -> its logprob
 
     @property
@@ -56,31 +59,34 @@ class FakeEngine:
 
     async def run(self, reqs: list[ScoreRequest], disconnected: Any = None) -> list[ScoreResponse]:
         self.received += reqs
-        if self.error is not None:
-            return [
-                ScoreResponse(
-                    r.request_id,
-                    error=self.error[0],
-                    error_status=self.error[1],
-                    retry_after_s=self.retry_after,
-                    error_reason=self.error_reason,
-                )
-                for r in reqs
-            ]
-        return [
+        if self.error is None:
+            return [self._answer(r) for r in reqs]
+        refused = [
             ScoreResponse(
                 r.request_id,
-                token_id=r.token_ids[-1],
-                logprobs=[(t, self.logprob(r.token_ids, t)) for t in r.logprob_token_ids],
-                top_logprobs=[(r.token_ids[-1] + k, -(k + 1) / 100) for k in range(r.top_logprobs)],
-                num_tokens=len(r.token_ids),
-                num_device_hit_tokens=len(r.token_ids) // 2,
-                compute_seconds=0.5,
-                num_pieces=1 + len(r.token_ids) // 32,  # as if long prompts yielded
-                deadline_met=None if r.slo_ms is None else r.slo_ms >= 100,
-            )  # a fake: 100 ms suffice
+                error=self.error[0],
+                error_status=self.error[1],
+                retry_after_s=self.retry_after,
+                error_reason=self.error_reason,
+            )
             for r in reqs
         ]
+        if self.error_at is None:
+            return refused
+        return [self._answer(r) for r in reqs[: self.error_at]] + [refused[self.error_at]]
+
+    def _answer(self, r: ScoreRequest) -> ScoreResponse:
+        return ScoreResponse(
+            r.request_id,
+            token_id=r.token_ids[-1],
+            logprobs=[(t, self.logprob(r.token_ids, t)) for t in r.logprob_token_ids],
+            top_logprobs=[(r.token_ids[-1] + k, -(k + 1) / 100) for k in range(r.top_logprobs)],
+            num_tokens=len(r.token_ids),
+            num_device_hit_tokens=len(r.token_ids) // 2,
+            compute_seconds=0.5,
+            num_pieces=1 + len(r.token_ids) // 32,  # as if long prompts yielded
+            deadline_met=None if r.slo_ms is None else r.slo_ms >= 100,  # a fake: 100 ms suffice
+        )
 
     async def adapter(self, name: str, path: str | None) -> AdapterReply:
         return AdapterReply("x")
@@ -130,6 +136,13 @@ def test_invalid_completions_are_refused_before_the_engine(api, body: dict, para
     assert r.status_code == (404 if param == "model" else 400)
     assert _error(r)["param"] == param and message in _error(r)["message"]
     assert fake.received == []
+
+
+def test_the_widest_priorities_a_call_may_carry_reach_the_engine(api) -> None:
+    client, fake = api
+    for priority in (2**62 - 1, -(2**62 - 1)):
+        assert client.post("/v1/completions", json={"prompt": [1], "priority": priority}).status_code == 200
+    assert [q.priority for q in fake.received] == [2**62 - 1, -(2**62 - 1)]
 
 
 def test_a_completion_names_its_adapter_and_echoes_the_request_id(api) -> None:
@@ -375,6 +388,20 @@ def test_a_call_shed_or_over_the_wait_cap_says_when_to_retry(api) -> None:
     assert m["tiered:deadline_total{model_name=base,outcome=shed,route=/v1/completions}"] == 1
     assert m["tiered:requests_refused_total{model_name=base,reason=deadline}"] == 1
     assert m["tiered:requests_refused_total{model_name=base,reason=wait_cap}"] == 1
+
+
+def test_a_call_of_several_prompts_is_answered_with_its_first_error(api) -> None:
+    """The engine client answers a call at its first error, without its later prompts' answers:
+    the call gets that error, and only what was answered is counted."""
+    client, fake = api
+    fake.error, fake.retry_after, fake.error_at = ("deadline unreachable: ... (scheduler.late: shed)", 429), 2.5, 1
+    r = client.post("/v1/completions", json={"prompt": [[1, 2], [3, 4], [5, 6]], "slo_ms": 200})
+    assert r.status_code == 429 and _error(r)["type"] == "deadline_unreachable" and r.headers["Retry-After"] == "3"
+    assert len(fake.received) == 3  # all three were sent
+    m = parse(client.get("/metrics").text)
+    assert m["tiered:requests_refused_total{model_name=base,reason=deadline}"] == 1
+    assert m["tiered:deadline_total{model_name=base,outcome=shed,route=/v1/completions}"] == 1
+    assert m["tiered:deadline_total{model_name=base,outcome=met,route=/v1/completions}"] == 1  # the first prompt's
 
 
 def test_an_unmeetable_call_is_told_whether_a_retry_can_help(api) -> None:

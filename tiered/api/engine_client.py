@@ -76,6 +76,8 @@ def first_error_or_all(futures: list[asyncio.Future[ScoreResponse]]) -> asyncio.
     done so far, in order, as soon as one is an error response; the exception of the first that
     raised (an engine death)."""
     out: asyncio.Future[list[ScoreResponse]] = asyncio.get_running_loop().create_future()
+    if not futures:
+        out.set_result([])
 
     def settle(_: object) -> None:
         if out.done():
@@ -247,14 +249,21 @@ class EngineClient:
         try:
             for r in reqs:
                 await self.requests.send(encode(r))
-            return await wait_answers(self, answered, len(reqs), disconnected)
+            outs = await wait_answers(self, answered, len(reqs), disconnected)
+            self.cancelled += len(reqs) - len(outs)  # cancelled as their call failed
+            return outs
         finally:
-            answered.cancel()
-            for r, future in zip(reqs, futures, strict=True):
+            if not answered.cancel() and not answered.cancelled():
+                answered.exception()  # retrieved: it settled as the wait gave up (504, a disconnect)
+            for future in futures:
                 if future.done() and not future.cancelled():
                     future.exception()  # retrieved: an engine death answered it
-                if self.pending.pop(r.request_id, None) is not None and self.alive:
-                    await self.requests.send(encode(Cancel(r.request_id)))
+            # All taken out of `pending` before the first await, so that none stays there if this
+            # task is cancelled while it sends the cancellations.
+            unanswered = [r.request_id for r in reqs if self.pending.pop(r.request_id, None) is not None]
+            if self.alive:
+                for request_id in unanswered:
+                    await self.requests.send(encode(Cancel(request_id)))
 
     async def adapter(self, name: str, path: str | None) -> AdapterReply:
         """Load (`path`) or unload (None) a LoRA adapter in the engine; its reply."""

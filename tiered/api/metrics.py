@@ -207,7 +207,9 @@ class _Reported:
         yield _gauge("vllm:num_requests_waiting", "Requests sent to the engine and not answered yet.", c["waiting"])
         yield _counter("tiered:request_timeout", "Requests cancelled past server.request_timeout_s.", c["timed_out"])
         yield _counter(
-            "tiered:request_cancelled", "Requests cancelled because the client disconnected.", c["cancelled"]
+            "tiered:request_cancelled",
+            "Requests cancelled: the client disconnected, or another prompt of its call failed first.",
+            c["cancelled"],
         )
         yield _counter("tiered:engine_restarts", "Engine processes started after one died.", c["restarts"])
         if "replicas" in c:

@@ -271,7 +271,7 @@ class Serving:
             elif out.error_status >= 500:
                 self.metrics.failed.labels(label).inc()
         for out in outs:
-            if out.error:
+            if out.error is not None:
                 raise APIError(
                     out.error_status,
                     out.error,

@@ -117,7 +117,7 @@ class Engine:
         request_id: str | None = None,
         options: RequestOptions = DEFAULT_OPTIONS,
     ) -> str:
-        """Queue a request whose prompt, answer ids and objective were checked already by
+        """Queue a request whose prompt, answer ids, objective and priority were checked already by
         `tiered.request.validation` (`submit` does; so does the API process, for every call it
         sends). Raises ForwardInputError only for what depends on the engine's state (an adapter
         it does not serve, a request id already waiting) and Refused as `submit` says."""

@@ -601,7 +601,7 @@ class Scheduler:
         """Same-priority waiting requests: those sharing the head's first block, then those of
         the head's LoRA adapter (a batch of one adapter runs one low-rank update per
         projection), then the rest, each in policy order (at most `limit` of the last two: the
-        cost of a pick stays bounded)."""
+        cost of a pick stays bounded). A warm-up joins only warm-ups, a call only calls."""
         keys = head.request.keys
         sharing = [self._waiting[q] for q in self._by_key.get(keys[0], ())] if keys else []
         sharing.sort(key=lambda w: (self._order(w), w.seq))
