@@ -253,8 +253,10 @@ class EngineClient:
             self.cancelled += len(reqs) - len(outs)  # cancelled as their call failed
             return outs
         finally:
-            if not answered.cancel() and not answered.cancelled():
-                answered.exception()  # retrieved: it settled as the wait gave up (504, a disconnect)
+            if answered.done():
+                answered.exception()  # retrieved: it may have settled as the wait gave up (504, a disconnect)
+            else:
+                answered.cancel()
             for future in futures:
                 if future.done() and not future.cancelled():
                     future.exception()  # retrieved: an engine death answered it
