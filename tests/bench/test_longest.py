@@ -32,10 +32,10 @@ def _cfg(tiny_dir: Path, tmp_path: Path, *extra: str) -> Config:
     )
 
 
-def _run(tiny_dir: Path, tmp_path: Path, *extra: str, answer_max_tokens: int = 0) -> dict:
+def _run(tiny_dir: Path, tmp_path: Path, *extra: str, answer_max_tokens: int = 0, budget: int = 0) -> dict:
     cfg = _cfg(tiny_dir, tmp_path, *extra)
     opts = LongestOptions(
-        [BUDGET],
+        [budget or SEARCH_BUDGET],
         vllm_python=None,
         resolution=512,
         guess_tokens=(1024, 2048),
@@ -51,12 +51,15 @@ def _run(tiny_dir: Path, tmp_path: Path, *extra: str, answer_max_tokens: int = 0
 
 
 BUDGET = 16 * 2**20
+# The searches' budget: under it the tiny model's longest prompt spilled is well past its longest in
+# memory, and both are short enough for the probes' forwards to stay quick.
+SEARCH_BUDGET = 10 * 2**20
 
 
 def _check_bracket_and_served(r: dict) -> None:
     peaks = {int(n): p for n, p in r["peaks_by_len"].items()}
     assert r["ours_over_tokens"] - r["ours_tokens"] == 512
-    assert peaks[r["ours_tokens"]] <= BUDGET < peaks[r["ours_over_tokens"]]
+    assert peaks[r["ours_tokens"]] <= SEARCH_BUDGET < peaks[r["ours_over_tokens"]]
     assert r["ours_tokens"] > 2048
     # The server's own profile run may find its peak a little higher: it starts at most a few steps lower.
     assert r["ours_served_tokens"] == r["ours_tokens"] - 512 * len(r["ours_refused"]) > 0
@@ -92,7 +95,7 @@ def test_a_run_stopped_while_serving_keeps_what_it_measured(
     (r,) = doc["budgets"]
     assert doc["complete"] is False
     peaks = {int(n): p for n, p in r["peaks_by_len"].items()}
-    assert peaks[r["ours_tokens"]] <= BUDGET < peaks[r["ours_over_tokens"]]
+    assert peaks[r["ours_tokens"]] <= SEARCH_BUDGET < peaks[r["ours_over_tokens"]]
     assert r["ours_served_tokens"] == 0 and r["ours"] is None
 
 
@@ -104,7 +107,7 @@ def test_past_answer_max_tokens_ours_is_read_off_the_profiles_line_and_fits(tiny
     # engine.profile_max_tokens at its default: the line through 16 K and 32 K tokens, whose peaks
     # differ by far more than a probe's noise (through 1 K and 2 K the slope can read near zero).
     line = [f"forward.spill_dir={spill_dir}", "forward.spill_min_tokens=4096"]
-    r = _run(tiny_dir, tmp_path / "line", *line, "forward.chunk_tokens=256", answer_max_tokens=4096)
+    r = _run(tiny_dir, tmp_path / "line", *line, "forward.chunk_tokens=256", answer_max_tokens=4096, budget=BUDGET)
     assert r["ours_from_line"] and {int(n) for n in r["peaks_by_len"]} == {4095, 16384, 32768}
     assert r["ours_tokens"] % 512 == 0 and r["ours_over_tokens"] == 0
     assert r["ours_served_tokens"] == r["ours_tokens"] - 512 * len(r["ours_refused"]) > 4096

@@ -78,7 +78,9 @@ class Decoder(nn.Module):
 
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # An uninitialised table, as every weight is loaded after: Embedding's own init (normal_)
+        # on the meta device, where the loader builds the model, would import torch._dynamo.
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -144,28 +146,32 @@ class CausalLM(nn.Module):
 
 
 def register_rope(model: CausalLM, device: str | torch.device | None = None) -> None:
-    """(Re)compute the model's RoPE buffers (on `device`; None: the default one): its own
-    frequencies, its sliding layers', and LongRoPE's long ones (its own where it has no LongRoPE)."""
+    """(Re)compute the model's RoPE buffers (on `device`; None: its weights' device): its own
+    frequencies, its sliding layers', and LongRoPE's long ones (its own where it has no LongRoPE).
+    They are computed on the CPU and moved: computed on the meta device, where the loader builds
+    the model, their arithmetic would import torch._dynamo and slow every start-up."""
     a = model.args
+    device = model.lm_head.weight.device if device is None else device
     buffers = {
         "inv_freq": rope_inv_freq(a),
         "inv_freq_local": rope_inv_freq(a, local=True),
         "inv_freq_long": rope_inv_freq(a, long=True),
     }
     for name, value in buffers.items():
-        model.register_buffer(name, value if device is None else value.to(device), persistent=False)
+        model.register_buffer(name, value.to(device), persistent=False)
 
 
 def rope_inv_freq(a: ModelArgs, local: bool = False, long: bool = False) -> Tensor:
     """Inverse frequencies [head_dim/2], with Llama-3 frequency-dependent, linear or LongRoPE
     scaling when set (LongRoPE: its short factors, or with `long` its long ones); `local`: those of
-    the sliding layers where they have their own base (Gemma 3), unscaled."""
+    the sliding layers where they have their own base (Gemma 3), unscaled. On the CPU."""
+    exponents = torch.arange(0, a.head_dim, 2, dtype=torch.int64, device="cpu").float() / a.head_dim
     if local and a.local_rope_theta is not None:
-        return 1.0 / (a.local_rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64).float() / a.head_dim))
-    inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64).float() / a.head_dim))
+        return 1.0 / (a.local_rope_theta**exponents)
+    inv_freq = 1.0 / (a.rope_theta**exponents)
     if a.longrope is not None:
         factors = a.longrope.long_factor if long else a.longrope.short_factor
-        return inv_freq / torch.tensor(factors, dtype=torch.float32)
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
     if a.rope_linear_factor != 1.0:
         return inv_freq / a.rope_linear_factor
     s = a.rope_scaling

@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 from tiered.hybrid.attention.interface import (
     AttendFn,
@@ -149,6 +148,10 @@ def _flash_f32_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix
 def masked_paged_(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], prefix: PagedPrefix | None) -> None:
     """Per span: its keys concatenated (the prefix's blocks, visible ranges, own) and SDPA with a
     lower-right causal mask."""
+    # Imported here: the module pulls in torch._dynamo, which a process whose forwards never
+    # take this path (the probes, the API process, an engine on another kernel) need not load.
+    from torch.nn.attention.bias import causal_lower_right
+
     prefix_parts = prefix_segments(prefix)
     for p in spans:
         parts = (
