@@ -28,6 +28,7 @@ from benchmarks.commands import (
     cmd_bench_rerank,
     cmd_bench_server,
     cmd_bench_soak,
+    cmd_bench_startup,
     cmd_bench_tiers,
     cmd_bench_trace,
     cmd_bench_visits,
@@ -598,6 +599,20 @@ def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     srv.add_argument("--tokens", type=int, default=256)
     _json_arg(srv)
     srv.set_defaults(func=cmd_bench_server)
+    st = bsub.add_parser(
+        "startup",
+        help="seconds from `tiered serve` to its first /health 200, against another checkout",
+        description="Start `tiered serve` --starts times (the embedded default model unless --config / --set say "
+        "otherwise), each cold and stopped before the next; with --base-tree, that checkout's server as often, the "
+        "two in ABBA order. Prints the medians and each pair's ratio.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    st.add_argument("--config", default=None, help="YAML config the servers start with")
+    st.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    st.add_argument("--starts", type=int, default=6, help="starts of each server")
+    _base_tree_arg(st)
+    _json_arg(st)
+    st.set_defaults(func=cmd_bench_startup)
 
 
 def _add_kernel_parsers(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

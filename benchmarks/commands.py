@@ -375,6 +375,16 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    from benchmarks.server import run_startup_bench
+    from benchmarks.traces import BenchError
+
+    if args.starts < 1:
+        raise BenchError(f"--starts must be >= 1, not {args.starts}")
+    run_startup_bench(args.config, args.overrides, args.starts, args.base_tree, args.json)
+    return 0
+
+
 def cmd_bench_precision(args: argparse.Namespace) -> int:
     from benchmarks.kernels import run_precision_bench
 

@@ -1,4 +1,5 @@
-"""`python -m benchmarks server`: what the HTTP server adds per request over the in-process engine.
+"""`python -m benchmarks server`: what the HTTP server adds per request over the in-process engine;
+`python -m benchmarks startup`: how long `tiered serve` takes to answer its first /health.
 
 Low load: one request at a time, alternating between the two sides. The same config runs
 in-process (`Engine.submit` + `run`) and behind `tiered serve` (the openai-style POST
@@ -13,16 +14,20 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from pathlib import Path
 
 import httpx
 import torch
 
 from benchmarks.launch import start_server, stop_server
-from benchmarks.report import write_report
-from tiered.config import Config
+from benchmarks.report import commit_of, write_report
+from benchmarks.stats import abba
+from tiered.config import Config, load_config
+from tiered.config.options import DEFAULT_CONFIG, resolve_device
 from tiered.engine import Engine
 
 log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parent.parent  # this checkout
 
 
 def run_server_bench(
@@ -74,5 +79,50 @@ def run_server_bench(
             "http_seconds": over_http,
             "median_overhead_seconds": med_http - med_in,
             "median_paired_overhead_seconds": paired,
+        },
+    )
+
+
+def run_startup_bench(
+    config_path: str | None, overrides: list[str], starts: int, base_tree: Path | None, json_path: str | None
+) -> dict[str, object]:
+    """`tiered serve` started `starts` times with the same config: the seconds from the command to
+    `/health` answering 200 (the engine loaded, its profile run, the app serving), each start cold
+    in a fresh process pair and stopped before the next. With `base_tree`, that checkout's server
+    starts as often, the two taking turns in ABBA order; the ratio of each pair is reported."""
+    args = (["--config", str(Path(config_path).resolve())] if config_path else []) + [
+        a for o in overrides for a in ("--set", o)
+    ]
+    trees: dict[str, Path | None] = {"tiered": None}
+    if base_tree is not None:
+        trees["tiered-base"] = base_tree.resolve()
+    seconds: dict[str, list[float]] = {s: [] for s in trees}  # per system, start by start
+    for i in range(starts):
+        for system in abba(list(trees), i):
+            began = time.perf_counter()
+            proc, _ = start_server(args, cwd=trees[system])
+            seconds[system].append(time.perf_counter() - began)
+            stop_server(proc)
+            log.info("%-11s start %d: %.2f s to /health", system, i + 1, seconds[system][-1])
+    medians = {s: statistics.median(x) for s, x in seconds.items()}
+    print(f"{starts} starts of tiered serve {' '.join(args)}, each to /health 200")
+    for system, tree in trees.items():
+        print(f"{system:<11} median {medians[system]:.2f} s ({tree or 'this checkout'})")
+    ratios = [b / o for o, b in zip(seconds["tiered"], seconds.get("tiered-base", []), strict=False)]
+    if ratios:
+        each = ", ".join(f"{x:.2f}x" for x in ratios)
+        print(f"base / ours, start by start: {each}; median {statistics.median(ratios):.2f}x")
+    return write_report(
+        json_path,
+        "startup",
+        resolve_device(load_config(config_path or DEFAULT_CONFIG, overrides).device),
+        {
+            "starts": starts,
+            "args": args,
+            "trees": {s: (str(t) if t else None) for s, t in trees.items()},
+            "commits": {s: commit_of(t or ROOT) for s, t in trees.items()},
+            "seconds": seconds,
+            "median_seconds": medians,
+            "base_over_ours": ratios,
         },
     )

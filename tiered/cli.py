@@ -116,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server: the API process here, the engine in a child process."""
     import uvicorn
 
-    from tiered.api.app import build_app
+    from tiered.api.engine_client import EngineClient, served_config
     from tiered.api.serve_options import (
         api_key,
         chat_template,
@@ -126,25 +126,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_overrides,
         served_model_names,
     )
-    from tiered.hybrid.spill import check_spill
     from tiered.logs import uvicorn_config
 
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
-    resolve_device(cfg.device)
-    check_model(cfg)
-    check_adapters(cfg)
-    check_local_disk(cfg)
-    check_spill(cfg.forward)
-    app_kwargs: dict[str, Any] = {
-        "api_key": api_key(args),
-        "served_model_names": served_model_names(args, cfg),
-        "chat_template": chat_template(args.chat_template),
-        "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
-    }
-    if cfg.cluster.replicas > 1 or cfg.cluster.address:
-        return serve_replicas(cfg, args, app_kwargs)
-    app = build_app(cfg, **app_kwargs)
+    engine = None
+    if cfg.cluster.replicas <= 1 and not cfg.cluster.address:
+        # The engine process starts now and imports its modules while this process checks the
+        # options and builds the HTTP app, on another core; it loads nothing until the checks pass,
+        # so a bad option is still one line here and never a traceback from the engine.
+        engine = EngineClient(served_config(cfg))
+        engine.spawn(hold=True)
+    try:
+        from tiered.hybrid.spill import check_spill
+
+        resolve_device(cfg.device)
+        check_model(cfg)
+        check_adapters(cfg)
+        check_local_disk(cfg)
+        check_spill(cfg.forward)
+        app_kwargs: dict[str, Any] = {
+            "api_key": api_key(args),
+            "served_model_names": served_model_names(args, cfg),
+            "chat_template": chat_template(args.chat_template),
+            "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
+        }
+        if engine is None:
+            return serve_replicas(cfg, args, app_kwargs)
+        engine.release()
+        from tiered.api.app import build_app
+
+        app = build_app(cfg, client=engine, **app_kwargs)
+    except BaseException:
+        if engine is not None:
+            engine.stop()
+        raise
     uvicorn.run(
         app,
         host=args.host,
@@ -247,14 +263,24 @@ def main(argv: list[str] | None = None) -> int:
     from tiered.logs import setup as setup_logging
 
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
-    from tiered.hybrid.forward import ForwardInputError
-    from tiered.hybrid.loader import ModelLoadError
-
     try:
         return int(args.func(args))
-    except (ConfigError, ModelLoadError, ForwardInputError, FileNotFoundError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, _user_errors()):
+            raise
         print(f"tiered: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors a command reports in one line. The model's and the forward's are taken from
+    their modules only where those are loaded (they are, if one was raised): importing them here
+    would load torch before `serve` starts its engine process."""
+    errors: list[type[Exception]] = [ConfigError, FileNotFoundError]
+    for module, name in (("tiered.hybrid.loader", "ModelLoadError"), ("tiered.hybrid.forward", "ForwardInputError")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
 
 
 if __name__ == "__main__":

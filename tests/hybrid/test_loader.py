@@ -148,3 +148,26 @@ def test_gemma2_soft_caps_attention_scores_and_its_caps_change_the_answer(
     ids = torch.randint(3, 2000, (200,), generator=torch.Generator().manual_seed(0))
     capped, plain = forward(model, ids), forward(load_model(uncapped), ids)
     assert (capped - plain).abs().max() > 0.1
+
+
+LOAD_SCRIPT = """
+import sys
+from tiered.hybrid.loader import load_model
+import tiered.hybrid.forward
+for folder in sys.argv[1:]:
+    load_model(folder, "float32", "cpu")
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_loading_a_model_never_imports_torch_dynamo(model_dirs: dict[str, Path]) -> None:
+    """torch._dynamo is slow to import, and every engine and probe process loads a model without
+    compiling anything: building the model on the meta device (its init, its RoPE buffers with
+    LongRoPE's factors, Llama 3's scaling and Gemma 3's local base) must not pull it in."""
+    import subprocess
+    import sys
+
+    folders = [str(model_dirs[m]) for m in ("tiny", "tiny-phi3-longrope", "tiny-llama3", "tiny-gemma3")]
+    out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, *folders], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "False"

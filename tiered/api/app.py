@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI
 from transformers import AutoTokenizer
 
 from tiered import __version__
-from tiered.api.engine_client import EngineClient
+from tiered.api.engine_client import EngineClient, served_config
 from tiered.api.errors import install_handlers
 from tiered.api.metrics import Metrics
 from tiered.api.middleware import Guard
@@ -26,7 +25,6 @@ from tiered.api.routes import completions, lora_adapters, metadata, scoring
 from tiered.api.schemas import DEFAULT_CHAT_TEMPLATE
 from tiered.api.serving import Client, Serving
 from tiered.config import Config
-from tiered.embedded import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +37,17 @@ def build_app(
     return_tokens_as_token_ids: bool = False,
     client: Client | None = None,
 ) -> FastAPI:
-    """The app for `config`; `client` replaces the engine process (unit tests pass a fake one).
+    """The app for `config`. `client`: the engine's, made here (an `EngineClient` whose engine
+    process starts with the app) unless given: `tiered serve` passes one whose engine process it
+    started before importing this module; unit tests pass a fake one.
 
     `served_model_names`: the base model's ids, the first one reported (default: `model.path` as
     given, vLLM's rule; `tiered serve` passes the model argument before anything resolves it).
     The folder's name is accepted as an alias."""
     served = list(served_model_names or [config.model.path])
-    folder = resolve_model_path(config.model.path, config.model.models_dir)
-    config = replace(config, model=replace(config.model, path=str(folder)))
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    config = served_config(config)
+    folder = config.model.path
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     elif tokenizer.chat_template is None:

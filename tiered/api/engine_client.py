@@ -7,16 +7,17 @@ import asyncio
 import logging
 import math
 import multiprocessing
+import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from multiprocessing.synchronize import Event
 from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
 
-from tiered.api.engine_process import serve_engine
 from tiered.api.errors import APIError, ClientGone
 from tiered.api.protocol import (
     AdapterCommand,
@@ -31,8 +32,7 @@ from tiered.api.protocol import (
     encode,
 )
 from tiered.config import Config
-from tiered.hybrid.loader import read_args
-from tiered.hybrid.lora import AdapterError, read_adapter
+from tiered.embedded import resolve_model_path
 
 log = logging.getLogger(__name__)
 ENGINE_START_TIMEOUT_S = 900
@@ -94,8 +94,36 @@ def first_error_or_all(futures: list[asyncio.Future[ScoreResponse]]) -> asyncio.
     return out
 
 
+def served_config(config: Config) -> Config:
+    """`config` with `model.path` resolved to the checkpoint's folder, as the engine process loads it."""
+    folder = resolve_model_path(config.model.path, config.model.models_dir)
+    return replace(config, model=replace(config.model, path=str(folder)))
+
+
+def run_engine(config: Config, request_addr: str, response_addr: str, go: Event | None = None) -> None:
+    """The engine process's entry point. The engine's modules are imported here, in that process:
+    the API process that spawns it never loads them. With `go`, it imports them (and LMCache's,
+    where the host tier is on), then waits until `go` is set before it starts anything, or returns
+    if the API process is gone first."""
+    # Ctrl-C reaches every process of the terminal's group: the API process stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from tiered.api.engine_process import serve_engine
+
+    if go is not None:
+        if config.cache.host.enabled:
+            from tiered.offload.lmcache_setup import import_lmcache
+
+            import_lmcache()
+        parent = multiprocessing.parent_process()  # its sentinel: gone even before this process asked
+        while not go.wait(0.5):
+            if parent is None or not parent.is_alive():
+                return
+    serve_engine(config, request_addr, response_addr)
+
+
 class EngineClient:
-    """Runs the engine process (restarting it if it dies) and matches its responses to requests."""
+    """Runs the engine process (restarting it if it dies) and matches its responses to requests.
+    `config` as `served_config` gives it."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -120,8 +148,9 @@ class EngineClient:
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._stopping = False
+        self._go: Event | None = None  # set: a held engine process may start (`spawn(hold=True)`)
 
-    def _spawn(self) -> None:
+    def _spawn(self, go: Event | None = None) -> None:
         self.ready = None
         self.busy_until = 0.0
         self._ready_event.clear()
@@ -132,8 +161,8 @@ class EngineClient:
         # A daemonic process may not start children, and with pipeline stages the engine starts them;
         # `stop` ends it either way, and it exits by itself once the API process is gone.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=serve_engine,
-            args=(config, *self._addrs),
+            target=run_engine,
+            args=(config, *self._addrs, go),
             name="tiered-engine",
             daemon=config.engine.pipeline_stages == 1,
         )
@@ -152,10 +181,27 @@ class EngineClient:
             except TimeoutError:
                 pass
 
+    def spawn(self, hold: bool = False) -> None:
+        """Start the engine process now, before `start`, so that it works while this process goes
+        on (`tiered serve` checks its options and builds the HTTP app meanwhile); its answers wait
+        in the socket until `start` reads them. `hold`: it only imports its modules until `release`."""
+        if self.process is not None:
+            return
+        if hold:
+            self._go = multiprocessing.get_context("spawn").Event()
+        self._spawn(self._go)
+
+    def release(self) -> None:
+        """Let a held engine process start."""
+        if self._go is not None:
+            self._go.set()
+
     async def start(self) -> None:
-        """Start reading responses and the engine process, wait until it is ready, then watch it."""
+        """Start reading responses and the engine process (unless `spawn` did, then release it),
+        wait until it is ready, then watch it."""
         self._reader = asyncio.create_task(self._read())
-        self._spawn()
+        self.spawn()
+        self.release()
         await self._wait_ready()
         self._watchdog = asyncio.create_task(self._watch())
 
@@ -185,6 +231,9 @@ class EngineClient:
 
     def _drop_unreadable_adapters(self) -> None:
         """Adapters whose folder fails its check now would stop the new engine from starting."""
+        from tiered.hybrid.loader import read_args
+        from tiered.hybrid.lora import AdapterError, read_adapter
+
         args = read_args(self.config.model.path)
         for name, path in list(self.adapters.items()):
             try:

@@ -214,6 +214,12 @@ def local_disk_paths(config: Any) -> list[str]:
     return [p.strip().removeprefix("file://") for p in str(config.local_disk).split(",") if p.strip()]
 
 
+def import_lmcache() -> None:
+    """Import the LMCache modules a host tier starts with (a process that will start one can load
+    them while it waits for something else)."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: F401
+
+
 def check_local_disk(config: Any) -> list[str]:
     """Each local disk directory made if missing and written once: a path that cannot hold the disk
     tier (a file, read-only, not creatable) is a ConfigError naming the key (LMCache would fail in
