@@ -89,6 +89,42 @@ def test_serve_names_an_unsupported_architecture_in_one_line_before_any_engine_s
     assert "Traceback" not in done.stderr and "engine" not in done.stderr.lower()
 
 
+SERVE_SCRIPT = """
+import multiprocessing, sys
+from tiered.api import engine_client
+
+spawn = engine_client.EngineClient.spawn
+
+
+def recorded(self, hold=False):
+    print("torch at the spawn:", "torch" in sys.modules, "held:", hold, flush=True)
+    spawn(self, hold)
+
+
+engine_client.EngineClient.spawn = recorded
+from tiered.cli import main
+
+code = main(["serve", sys.argv[1], "--port", "0"])
+print("code:", code, "children:", len(multiprocessing.active_children()), flush=True)
+"""
+
+
+def test_serve_spawns_its_engine_held_before_torch_loads_and_stops_it_when_a_check_fails(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """`tiered serve` itself (its check of the model fails after the spawn): the engine process was
+    spawned held before the API process loaded torch, and is gone when the command returns."""
+    folder = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    cmd = [sys.executable, "-c", SERVE_SCRIPT, str(folder)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["torch at the spawn: False held: True", "code: 2 children: 0"]
+    assert "Traceback" not in done.stderr and "architecture 'GPT2LMHeadModel' is not supported" in done.stderr
+
+
 def test_make_model_cli(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tiered", "make-model", "tiny", "--out", str(tmp_path / "m")],

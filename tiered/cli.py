@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,10 @@ def serve_replicas(cfg: Config, args: argparse.Namespace, app_kwargs: dict[str, 
     return 0
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server: the API process here, the engine in a child process."""
     import uvicorn
@@ -131,12 +136,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_config(path, list(args.overrides) + serve_overrides(args))  # flags win over the YAML and --set
     engine = None
+    previous = signal.getsignal(signal.SIGTERM)
     if cfg.cluster.replicas <= 1 and not cfg.cluster.address:
         # The engine process starts now and imports its modules while this process checks the
-        # options and builds the HTTP app, on another core; it loads nothing until the checks pass,
-        # so a bad option is still one line here and never a traceback from the engine.
+        # options; it loads nothing until the checks pass, so a bad option is still one line here
+        # and never a traceback from the engine. It then loads the model while this process builds
+        # the HTTP app. Until uvicorn takes the signals over, SIGTERM stops both (as Ctrl-C does).
         engine = EngineClient(served_config(cfg))
         engine.spawn(hold=True)
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         from tiered.hybrid.spill import check_spill
 
@@ -161,6 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if engine is not None:
             engine.stop()
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     uvicorn.run(
         app,
         host=args.host,

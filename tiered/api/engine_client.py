@@ -7,12 +7,13 @@ import asyncio
 import logging
 import math
 import multiprocessing
+import os
 import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from multiprocessing.synchronize import Event
+from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar
 
 import zmq
@@ -100,11 +101,13 @@ def served_config(config: Config) -> Config:
     return replace(config, model=replace(config.model, path=str(folder)))
 
 
-def run_engine(config: Config, request_addr: str, response_addr: str, go: Event | None = None) -> None:
-    """The engine process's entry point. The engine's modules are imported here, in that process:
-    the API process that spawns it never loads them. With `go`, it imports them (and LMCache's,
-    where the host tier is on), then waits until `go` is set before it starts anything, or returns
-    if the API process is gone first."""
+def run_engine(
+    config: Config, request_addr: str, response_addr: str, parent: int, go: Connection | None = None
+) -> None:
+    """The engine process's entry point (`parent`: the API process's pid). The engine's modules are
+    imported here, in that process: the API process that spawns it never loads them. With `go`, it
+    imports them (and LMCache's, where the host tier is on), then waits for a message on `go`
+    before it starts anything, or returns if the API process is gone first (the pipe's end)."""
     # Ctrl-C reaches every process of the terminal's group: the API process stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from tiered.api.engine_process import serve_engine
@@ -114,11 +117,12 @@ def run_engine(config: Config, request_addr: str, response_addr: str, go: Event 
             from tiered.offload.lmcache_setup import import_lmcache
 
             import_lmcache()
-        parent = multiprocessing.parent_process()  # its sentinel: gone even before this process asked
-        while not go.wait(0.5):
-            if parent is None or not parent.is_alive():
-                return
-    serve_engine(config, request_addr, response_addr)
+        try:
+            go.recv()
+        except EOFError:
+            return
+        go.close()
+    serve_engine(config, request_addr, response_addr, parent)
 
 
 class EngineClient:
@@ -148,9 +152,10 @@ class EngineClient:
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._stopping = False
-        self._go: Event | None = None  # set: a held engine process may start (`spawn(hold=True)`)
+        # The API process's end of a held engine process's pipe (`spawn(hold=True)`), until `release`
+        self._go: Connection | None = None
 
-    def _spawn(self, go: Event | None = None) -> None:
+    def _spawn(self, go: Connection | None = None) -> None:
         self.ready = None
         self.busy_until = 0.0
         self._ready_event.clear()
@@ -162,7 +167,7 @@ class EngineClient:
         # `stop` ends it either way, and it exits by itself once the API process is gone.
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine,
-            args=(config, *self._addrs, go),
+            args=(config, *self._addrs, os.getpid(), go),
             name="tiered-engine",
             daemon=config.engine.pipeline_stages == 1,
         )
@@ -187,14 +192,19 @@ class EngineClient:
         in the socket until `start` reads them. `hold`: it only imports its modules until `release`."""
         if self.process is not None:
             return
-        if hold:
-            self._go = multiprocessing.get_context("spawn").Event()
-        self._spawn(self._go)
+        if not hold:
+            self._spawn()
+            return
+        theirs, self._go = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        self._spawn(theirs)
+        theirs.close()  # the child has its own copy: the pipe ends when this process's end closes
 
     def release(self) -> None:
         """Let a held engine process start."""
         if self._go is not None:
-            self._go.set()
+            self._go.send(True)
+            self._go.close()
+            self._go = None
 
     async def start(self) -> None:
         """Start reading responses and the engine process (unless `spawn` did, then release it),
@@ -342,6 +352,9 @@ class EngineClient:
         for task in (self._reader, self._watchdog):
             if task is not None:
                 task.cancel()
+        if self._go is not None:  # a held engine process that was never let start
+            self._go.close()
+            self._go = None
         if self.process is not None and self.process.is_alive():
             self.process.terminate()  # SIGTERM: the engine closes its tiers and exits
             self.process.join(30)

@@ -62,12 +62,13 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Stop
 
 
-def serve_engine(config: Config, request_addr: str, response_addr: str) -> None:
-    """Run until SIGTERM or until the parent process is gone."""
+def serve_engine(config: Config, request_addr: str, response_addr: str, parent: int | None = None) -> None:
+    """Run until SIGTERM or until the parent process (`parent`: its pid, as that process read it;
+    None: this process's parent now) is gone."""
     setup_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     ctx = zmq.Context()
     responses = ctx.socket(zmq.PUSH)
     responses.connect(response_addr)
