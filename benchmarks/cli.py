@@ -603,12 +603,12 @@ def _add_server_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
         "startup",
         help="seconds from `tiered serve` to its first /health 200, against another checkout",
         description="Start `tiered serve` --starts times (the embedded default model unless --config / --set say "
-        "otherwise), each cold and stopped before the next; with --base-tree, that checkout's server as often, the "
-        "two in ABBA order. Prints the medians and each pair's ratio.",
+        "otherwise), each a fresh pair of processes stopped before the next, after one untimed start that fills the "
+        "checkout's caches; with --base-tree, that checkout's server as often, the two in ABBA order. Prints the "
+        "medians and each pair's ratio.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    st.add_argument("--config", default=None, help="YAML config the servers start with")
-    st.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    add_config_args(st)
     st.add_argument("--starts", type=int, default=6, help="starts of each server")
     _base_tree_arg(st)
     _json_arg(st)

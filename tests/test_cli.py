@@ -69,13 +69,19 @@ def test_run_names_a_bad_config_value(capsys: pytest.CaptureFixture[str]) -> Non
     assert "'forward.mode'" in capsys.readouterr().err
 
 
-def test_serve_names_an_unsupported_architecture_in_one_line_before_any_engine_starts(
-    tiny_dir: Path, tmp_path: Path
-) -> None:
+def _unsupported_model(tiny_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the tiny model whose config.json names an architecture we do not implement."""
     folder = tmp_path / "gpt2ish"
     shutil.copytree(tiny_dir, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    return folder
+
+
+def test_serve_names_an_unsupported_architecture_in_one_line_before_any_engine_starts(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    folder = _unsupported_model(tiny_dir, tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "tiered", "serve", str(folder), "--port", "0"],
         capture_output=True,
@@ -114,10 +120,7 @@ def test_serve_spawns_its_engine_held_before_torch_loads_and_stops_it_when_a_che
 ) -> None:
     """`tiered serve` itself (its check of the model fails after the spawn): the engine process was
     spawned held before the API process loaded torch, and is gone when the command returns."""
-    folder = tmp_path / "gpt2ish"
-    shutil.copytree(tiny_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    folder = _unsupported_model(tiny_dir, tmp_path)
     cmd = [sys.executable, "-c", SERVE_SCRIPT, str(folder)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

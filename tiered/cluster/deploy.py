@@ -16,10 +16,10 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from tiered.api.engine_client import served_config
 from tiered.api.errors import APIError
 from tiered.api.protocol import decode, encode
 from tiered.config import Config, ConfigError
-from tiered.embedded import resolve_model_path
 from tiered.logs import setup_ours
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,7 @@ def replica_config(config: Config) -> Config:
     """The config each replica's engine runs: the model resolved once (an embedded model is made
     here, not by every replica at once), torch threads = the replica's CPUs unless set."""
     threads = config.engine.threads or max(1, int(config.cluster.cpus_per_replica))
-    folder = resolve_model_path(config.model.path, config.model.models_dir)
-    return replace(
-        config, model=replace(config.model, path=str(folder)), engine=replace(config.engine, threads=threads)
-    )
+    return served_config(replace(config, engine=replace(config.engine, threads=threads)))
 
 
 def build(config: Config, app_kwargs: dict[str, Any] | None = None) -> Any:
