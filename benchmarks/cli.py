@@ -34,6 +34,7 @@ from benchmarks.commands import (
     cmd_bench_visits,
     cmd_plot_longest,
     cmd_plot_mixed,
+    cmd_plot_visit_loads,
     cmd_plot_working_set,
 )
 from tiered.config import AttentionKernel
@@ -404,6 +405,12 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
         "with the first system's; figures are medians, with min-max",
     )
     vs.add_argument(
+        "--peer-first",
+        action="store_true",
+        help="in the first turn the other system runs before the first one (B A, A B, ...; "
+        "default A B, B A, ...): with --repeats 1, the order a run without it does not give",
+    )
+    vs.add_argument(
         "--warm-up-visits",
         type=int,
         default=4,
@@ -560,6 +567,15 @@ def _add_plot_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[
             "One point per JSON and system: saturation visits/s (median, min-max over its runs) "
             "against the KV of the trace's profiles (every visited user's, once) as a multiple of our "
             "KV memory (device + host tier; vLLM is given the same). Run the JSONs with one budget.",
+        ),
+        (
+            "plot-visit-loads",
+            "visits",
+            cmd_plot_visit_loads,
+            "PNG: mean and P99 visit latency against load, from one or more `python -m benchmarks visits` JSONs",
+            "Every load run of the JSONs (one trace, one --load-of; each JSON's records beside it): each system's "
+            "mean and P99 visit latency against the offered load as a multiple of the saturation it was scaled by, "
+            "a dot per run and a line through each load's median. Runs with faults are left out.",
         ),
         (
             "plot-mixed",

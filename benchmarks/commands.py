@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tiered.config import Config
 from tiered.config.options import config_from_args, resolve_device
@@ -204,6 +204,40 @@ def cmd_plot_working_set(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot_visit_loads(args: argparse.Namespace) -> int:
+    """`python -m benchmarks plot-visit-loads`: visit latency against load, from the load runs of one or
+    more visits JSONs of one trace (each run's summary read from the records kept beside its JSON)."""
+    import gzip
+    import json
+
+    from benchmarks.plots import plot_visit_loads
+    from benchmarks.report import machine_name, records_path_of
+    from benchmarks.traces import BenchError
+
+    runs: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    for name in args.json_files:
+        doc = json.loads(Path(name).read_text())
+        if doc.get("bench") != "visits":
+            raise BenchError(f"{name} is not a `python -m benchmarks visits` JSON")
+        if runs and (doc["trace"], doc["load_of"]) != (runs[0][0]["trace"], runs[0][0]["load_of"]):
+            raise BenchError(
+                f"{name} ran another trace or scaled its loads by another system than {args.json_files[0]}: "
+                "plot runs of one trace and one --load-of together"
+            )
+        if runs and machine_name(doc["provenance"]) != machine_name(runs[0][0]["provenance"]):
+            raise BenchError(f"{name} ran on another machine than {args.json_files[0]}: plot one machine's runs")
+        records = records_path_of(name)
+        if not records.is_file():
+            raise BenchError(f"{name}: its per-request records ({records}) are not beside it")
+        with gzip.open(records, "rt") as f:
+            loads = json.load(f)["runs"]
+        if not loads:
+            raise BenchError(f"{name} has no load runs (it ran at saturation only)")
+        runs.append((doc, loads))
+    print(f"wrote {plot_visit_loads(runs, args.out)}")
+    return 0
+
+
 def cmd_plot_mixed(args: argparse.Namespace) -> int:
     """`python -m benchmarks plot-mixed`: the calls in time and latencies of one mixed JSON against load."""
     import json
@@ -281,6 +315,7 @@ def cmd_bench_visits(args: argparse.Namespace) -> int:
         multiples=args.multiples,
         concurrency=args.concurrency,
         repeats=args.repeats,
+        peer_first=args.peer_first,
         warm_up_visits=args.warm_up_visits,
         load_of=args.load_of,
         vllm_python=args.vllm_python,

@@ -213,6 +213,64 @@ def plot_working_set(docs: list[dict[str, Any]], out_path: str | Path) -> Path:
     return _save(fig, out_path)
 
 
+def visit_load_points(
+    runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], system: str, key: str
+) -> dict[float, list[float]]:
+    """Per offered load (a multiple of the saturation it was scaled by), the figure `key` of each of
+    `system`'s load runs without faults, over every (JSON, load runs) pair of `runs`."""
+    by_load: dict[float, list[float]] = {}
+    for _, summaries in runs:
+        for r in summaries:
+            if r["summary"]["system"] == system and not r.get("faults"):
+                by_load.setdefault(r["summary"]["multiple"], []).append(r["summary"][key])
+    return by_load
+
+
+def plot_visit_loads(runs: list[tuple[dict[str, Any], list[dict[str, Any]]]], out_path: str | Path) -> Path:
+    """`python -m benchmarks visits` runs of one trace at several loads (one JSON or several, each with its
+    load runs' summaries from the records beside it): each system's mean and P99 visit latency against the
+    offered load as a multiple of the saturation it was scaled by (measured beside it). A dot per run,
+    the line through each load's median; faulty runs are left out."""
+    import statistics
+
+    import matplotlib
+
+    from benchmarks.stats import tail_name
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    systems = list(dict.fromkeys(s for doc, _ in runs for s in doc["systems"]))
+    tails = {tail_name(r["summary"]["num_requests"]) for _, summaries in runs for r in summaries}
+    for ax, key, name in (
+        (axes[0], "mean_latency_seconds", "mean visit latency (s)"),
+        (axes[1], "p99_latency_seconds", f"{' / '.join(sorted(tails))} visit latency (s)"),
+    ):
+        for i, system in enumerate(systems):
+            by_load = visit_load_points(runs, system, key)
+            if not by_load:
+                continue
+            loads = sorted(by_load)
+            for x in loads:
+                ax.scatter([x] * len(by_load[x]), by_load[x], color=f"C{i}", s=14, alpha=0.6)
+            ax.plot(loads, [statistics.median(by_load[x]) for x in loads], color=f"C{i}", marker="o", label=system)
+        ax.set_xlabel(f"offered visits/s / {runs[0][0]['load_of']}'s saturation")
+        ax.set_ylabel(name)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    doc = runs[0][0]
+    dates = sorted({d["date"] for d, _ in runs})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    fig.suptitle(
+        f"Visit latency against load ({doc['trace']['requests']} visits a run, {when}, "
+        f"{doc['provenance'].get('cpu_model', '')})",
+        fontsize=9,
+    )
+    return _save(fig, out_path)
+
+
 def plot_saturation(doc: dict[str, Any], out_path: str | Path) -> Path:
     """A `python -m benchmarks visits` run's saturation runs: each system's visits/s (median bar, min-max
     over its runs, faulty runs left out) and where its median run's prompt tokens came from."""

@@ -211,7 +211,8 @@ def print_headline(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def _machine(prov: dict[str, Any]) -> str:
+def machine_name(prov: dict[str, Any]) -> str:
+    """The machine a result ran on, as the generated table groups rows: CPU model, flags, threads (and GPU)."""
     flags = ", ".join(prov.get("cpu_flags") or []) or "no avx2"
     host = f"{prov.get('cpu_model', '?')} ({flags}); {prov.get('threads', '?')} threads"
     return f"{prov['gpu']}; host: {host}" if prov.get("gpu") else host
@@ -232,7 +233,7 @@ def _table_docs(results_dir: Path) -> list[tuple[str, list[tuple[str, Path, dict
         doc = json.loads(path.read_text())
         rows = [row for row in doc.get("headline") or [] if row["ratio"]["n"] >= MIN_TABLE_RUNS]
         if rows:
-            machine = _machine(doc.get("provenance") or {})
+            machine = machine_name(doc.get("provenance") or {})
             groups.setdefault(machine, []).append((doc.get("date", "?"), path, doc, rows))
 
     def when(d: tuple[str, Path, dict[str, Any], list[dict[str, Any]]]) -> tuple[str, str, str]:

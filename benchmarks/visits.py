@@ -225,6 +225,7 @@ class VisitsOptions:
     multiples: list[float] = field(default_factory=list)
     concurrency: int = 16  # calls in flight at most in a saturation run
     repeats: int = 3  # runs of each (system, load), interleaved with the reference's
+    peer_first: bool = False  # the other system runs first in the first turn (B A, A B, ...)
     warm_up_visits: int = 4  # the trace's first visits, sent to every server before its first run
     load_of: str | None = None  # whose median saturation rate the multiples scale (None: the first system)
     vllm_python: str | None = None
@@ -551,7 +552,7 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
                 pids = [pid for sv in served.values() for pid in sv.pids]
                 for rep in range(opts.repeats):
                     here: dict[str, Saturation] = {}
-                    for system in abba(pair, rep):
+                    for system in abba(pair, rep + opts.peer_first):
                         if _stopped(served[system], runs):
                             continue
                         wait_quiet(pids)
@@ -569,7 +570,7 @@ def run_visits_bench(cfg: Config, trace: Trace, opts: VisitsOptions) -> dict[str
                     load = _Load(multiple, rate, poisson_arrivals(len(visits), multiple * rate, opts.seed))
                     for rep in range(opts.repeats):
                         summary: dict[str, Summary] = {}
-                        for system in abba(pair, rep):
+                        for system in abba(pair, rep + opts.peer_first):
                             if _stopped(served[system], runs):
                                 continue
                             wait_quiet(pids)
@@ -802,6 +803,7 @@ def _report(ctx: _Context, runs: _Runs, rate: float | None) -> dict[str, Any]:
             "concurrency": opts.concurrency,
             "seed": opts.seed,
             "repeats": opts.repeats,
+            "peer_first": opts.peer_first,
             "warm_up_visits": opts.warm_up_visits,
             "records": str(records_path),
             "memory_limit_bytes": opts.memory_limit_bytes,

@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks import launch as bench_launch
 from benchmarks.cli import main
+from benchmarks.plots import visit_load_points
 from benchmarks.traces import (
     QUESTION_TOKENS,
     BenchError,
@@ -223,6 +224,7 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
         [0.5, 2.0],
         concurrency=4,
         repeats=2,
+        peer_first=True,
         warm_up_visits=1,
         json_path=str(tmp_path / "v.json"),
         out_dir=tmp_path,
@@ -265,6 +267,17 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
     older = tmp_path / "older.json"  # a visits JSON of before the field: named, not plotted
     older.write_text(json.dumps({k: v for k, v in saved.items() if k != "profiles_bytes"}))
     assert main(["plot-working-set", str(older), "--out", str(tmp_path / "no.png")]) == 2
+    # Latency against load: every load run of the JSON, from the records beside it; a JSON without them is named.
+    with gzip.open(tmp_path / "v.records.json.gz", "rt") as f:
+        load_runs = json.load(f)["runs"]
+    points = visit_load_points([(saved, load_runs)], "tiered", "mean_latency_seconds")
+    assert sorted(points) == [0.5, 2.0] and all(len(v) == 2 for v in points.values())
+    assert sorted(sum(points.values(), [])) == sorted(
+        r["summary"]["mean_latency_seconds"] for r in load_runs if r["summary"]["system"] == "tiered"
+    )
+    png = tmp_path / "loads.png"
+    assert main(["plot-visit-loads", str(tmp_path / "v.json"), "--out", str(png)]) == 0 and png.stat().st_size > 0
+    assert main(["plot-visit-loads", str(older), "--out", str(tmp_path / "no.png")]) == 2
     rates = sorted(r["visits_per_s"] for r in saved["saturation_runs"]["tiered"])
     assert saved["saturation_visits_per_s"] == pytest.approx(sum(rates) / 2)  # the loads scale the median
     assert len(saved["slo_p99_seconds"]) == 3
@@ -285,6 +298,10 @@ def test_a_small_visits_run_reports_saturation_loads_cache_and_limit(tiny_dir: P
         ("max of 6 visit latency at 2x tiered's saturation", "tiered", "tiered-lora2", 2),
     ]
     assert any(v["returning"] for v in doc["visits"])  # Zipf over 3 users: someone comes back
+    # peer_first: the other system opens each load's turns, then the two alternate (B A, A B).
+    order = [(r["summary"]["system"], r["summary"]["multiple"]) for r in doc["runs"]]
+    assert order == [(s, m) for m in (0.5, 2.0) for s in ("tiered-lora2", "tiered", "tiered", "tiered-lora2")]
+    assert saved["peer_first"] is True
     # Each user keeps one adapter, so a returning user's visits hit its own cached profile.
     groups = [[r for r in doc["saturation_records"][s] if r["repeat"] == k] for s in opts.systems for k in range(2)]
     for records in (*groups, *(run["records"] for run in doc["runs"])):
