@@ -29,7 +29,7 @@ run: venv
 
 # In a network namespace with loopback only where the machine allows one (Ray's tests need it).
 test: venv
-	scripts/loopback $(PY) -m pytest -q
+	scripts/loopback $(PY) -m pytest -q --durations=25
 
 lint: venv
 	$(VENV)/bin/ruff check tiered tests benchmarks
