@@ -407,8 +407,9 @@ def _add_visits_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     vs.add_argument(
         "--peer-first",
         action="store_true",
-        help="in the first turn the other system runs before the first one (B A, A B, ...; "
-        "default A B, B A, ...): with --repeats 1, the order a run without it does not give",
+        help="the other system runs first in the first turn at saturation and at each load (B A, A B, ...; "
+        "default A B, B A, ...): "
+        "a --repeats 1 run in the order the run before did not take",
     )
     vs.add_argument(
         "--warm-up-visits",
